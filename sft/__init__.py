@@ -1,0 +1,1 @@
+"""deepseek-sft: fine-tune DeepSeek-family models with the Hugging Face Trainer."""

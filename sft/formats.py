@@ -1,0 +1,428 @@
+"""Readers: records on disk or on the hub -> conversations.
+
+A conversation is a plain dict, `{"messages": [{"role", "content"}, ...], "source": "file:line"}`, with roles
+system/user/assistant. The source travels with it so that any later error can name where the record came from.
+Every reader validates as it goes: a bad record raises `DataError` naming the file, line, field and what was
+expected, or (with `skip_bad=True`) is counted under its reason in `ReadStats` and left out.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+FORMATS = ("alpaca", "oasst", "messages")
+LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
+# Values that real Alpaca-style data uses for "this record has no input".
+NO_INPUT = {"", "no input", "noinput", "<noinput>", "< noinput >", "<no input>", "< no input >", "n/a", "na",
+            "none", "null", "nan", "-", "empty", "no input required", "no input needed"}
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
+                  "system": "system"}
+OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+class DataError(ValueError):
+    """Bad input data; the message names where and what to do. Never shown with a traceback."""
+
+
+@dataclass
+class ReadStats:
+    """What was read, kept and skipped (by reason), for the summary printed before training."""
+
+    read: int = 0
+    kept: int = 0
+    skipped: Counter = field(default_factory=Counter)
+
+    def skip(self, reason: str) -> None:
+        self.skipped[reason] += 1
+
+    def merge(self, other: ReadStats) -> None:
+        self.read += other.read
+        self.kept += other.kept
+        self.skipped.update(other.skipped)
+
+
+@dataclass
+class ReadOptions:
+    skip_bad: bool = False  # count and drop bad records instead of stopping
+    oasst_threads: str = "best"  # "best": follow the best-ranked reply; "all": every root-to-leaf path
+    languages: tuple[str, ...] = ()  # OASST language filter; empty keeps all
+
+
+# --------------------------------------------------------------------------------------------- raw records
+
+
+def is_local(spec: str) -> bool:
+    return os.path.exists(spec) or spec.lower().endswith(LOCAL_SUFFIXES)
+
+
+def iter_records(spec: str) -> Iterator[tuple[Any, str]]:
+    """Yield (record, where) from a local file or a hub dataset name (`name` or `name:split`)."""
+    if not is_local(spec):
+        yield from _iter_hub(spec)
+        return
+    path = Path(spec)
+    if not path.is_file():
+        raise DataError(f"{spec}: no such file. Give a .json, .jsonl, .parquet or .csv file, or a hub dataset name.")
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        yield from _iter_parquet(path)
+    elif suffix == ".csv":
+        yield from _iter_csv(path)
+    elif suffix in (".json", ".jsonl"):
+        yield from _iter_json(path)
+    else:
+        raise DataError(f"{spec}: unknown file type '{suffix}'. Use .json, .jsonl, .parquet or .csv.")
+
+
+def _read_text(path: Path) -> str:
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        line = data.count(b"\n", 0, e.start) + 1
+        raise DataError(f"{path}:{line}: not valid UTF-8 (byte {e.start}: {e.reason}). "
+                        f"Re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`).") from None
+
+
+def _iter_json(path: Path) -> Iterator[tuple[Any, str]]:
+    """A JSON list of records, or JSON Lines; each record is reported with its line number."""
+    text = _read_text(path)
+    if not text.strip():
+        raise DataError(f"{path}: the file is empty. Give a file with at least one record.")
+    decoder = json.JSONDecoder()
+    start = len(text) - len(text.lstrip())
+    if text[start] == "[":  # a JSON list: decode element by element to know each one's line
+        pos, line = start + 1, text.count("\n", 0, start) + 1
+        while True:
+            pos = _skip_space(text, pos)
+            if pos < len(text) and text[pos] == "]":
+                if text[pos + 1:].strip():
+                    raise _json_error(path, text, pos + 1, "unexpected text after the closing ']'")
+                return
+            line += text.count("\n", start, pos)
+            start = pos
+            try:
+                record, pos = decoder.raw_decode(text, pos)
+            except json.JSONDecodeError as e:
+                raise _json_error(path, text, e.pos, e.msg) from None
+            yield record, f"{path}:{line}"
+            pos = _skip_space(text, pos)
+            if pos < len(text) and text[pos] == ",":
+                pos += 1
+            elif pos >= len(text) or text[pos] != "]":
+                raise _json_error(path, text, pos, "expected ',' or ']' between records")
+        return
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            record = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{path}:{number}: invalid JSON ({e.msg}, column {e.colno}). "
+                            f"Each line of a .jsonl file must be one JSON object.") from None
+        yield record, f"{path}:{number}"
+
+
+def _skip_space(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _json_error(path: Path, text: str, pos: int, msg: str) -> DataError:
+    line = text.count("\n", 0, pos) + 1
+    column = pos - text.rfind("\n", 0, pos)
+    return DataError(f"{path}:{line}: invalid JSON ({msg}, column {column}). "
+                     f"A .json file must be a list of records or one JSON object per line.")
+
+
+def _iter_parquet(path: Path) -> Iterator[tuple[Any, str]]:
+    import pyarrow.parquet as pq
+
+    try:
+        table = pq.read_table(path)
+    except Exception as e:  # pyarrow raises many types for a damaged file
+        raise DataError(f"{path}: cannot read as Parquet ({e}).") from None
+    for number, record in enumerate(table.to_pylist(), start=1):
+        yield record, f"{path}:row {number}"
+
+
+def _iter_csv(path: Path) -> Iterator[tuple[Any, str]]:
+    reader = csv.DictReader(_read_text(path).splitlines(keepends=True))
+    try:
+        for record in reader:
+            yield record, f"{path}:{reader.line_num}"
+    except csv.Error as e:
+        raise DataError(f"{path}:{reader.line_num}: invalid CSV ({e}).") from None
+
+
+def _iter_hub(spec: str) -> Iterator[tuple[Any, str]]:
+    import datasets
+
+    name, _, split = spec.partition(":")
+    try:
+        data = datasets.load_dataset(name, split=split or "train")
+    except Exception as e:  # network, missing dataset, bad split: all end the same way for the user
+        raise DataError(f"{spec}: cannot load from the hub ({type(e).__name__}: {e}). "
+                        f"Check the name (and `name:split`), or give a local file.") from None
+    for number, record in enumerate(data, start=1):
+        yield record, f"{spec}:row {number}"
+
+
+# --------------------------------------------------------------------------------------------- formats
+
+
+def detect_format(record: Any, where: str) -> str:
+    """Guess the format from the keys of the first record."""
+    if isinstance(record, dict):
+        if "instruction" in record and "output" in record:
+            return "alpaca"
+        if "messages" in record or "conversations" in record:
+            return "messages"
+        if "message_id" in record and "role" in record or "prompt" in record and "message_tree_id" in record:
+            return "oasst"
+    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+    raise DataError(f"{where}: cannot tell the dataset format from the record's keys {keys}. Expected alpaca "
+                    f"(instruction/input/output), oasst (message_id/parent_id/role/text) or messages "
+                    f"(messages or conversations); pass --dataset_format.")
+
+
+def read_conversations(spec: str, fmt: str | None, options: ReadOptions) -> tuple[list[dict], ReadStats]:
+    """Read one dataset (file or hub name) in the given format (None: detect) into conversations."""
+    records = iter_records(spec)
+    first = next(records, None)
+    if first is None:
+        raise DataError(f"{spec}: holds no records.")
+    fmt = fmt or detect_format(*first)
+    if fmt not in FORMATS:
+        raise DataError(f"--dataset_format {fmt!r} is unknown; use one of {', '.join(FORMATS)}.")
+    stats = ReadStats()
+    all_records = _chain([first], records)
+    if fmt == "oasst":
+        conversations = list(oasst_conversations(all_records, stats, options))
+    else:
+        convert = alpaca_conversation if fmt == "alpaca" else messages_conversation
+        conversations = []
+        for record, where in all_records:
+            stats.read += 1
+            try:
+                conversation = convert(record, where)
+            except DataError:
+                if not options.skip_bad:
+                    raise
+                stats.skip("invalid record")
+                continue
+            if isinstance(conversation, str):  # a reason to skip a well-formed record
+                stats.skip(conversation)
+                continue
+            conversations.append(conversation)
+    stats.kept = len(conversations)
+    return conversations, stats
+
+
+def _chain(head: list, tail: Iterable) -> Iterator:
+    yield from head
+    yield from tail
+
+
+def _expect_str(record: dict, key: str, where: str, required: bool = True) -> str:
+    value = record.get(key)
+    if value is None and not required:
+        return ""
+    if not isinstance(value, str):
+        got = "missing" if key not in record else f"{type(value).__name__} {str(value)[:40]!r}"
+        raise DataError(f"{where}: field '{key}' must be a string, got {got}. "
+                        f"Fix the record, or pass --skip_bad_records to skip it.")
+    return value
+
+
+def _expect_dict(record: Any, where: str, what: str) -> dict:
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object ({what}), got {type(record).__name__}. "
+                        f"Fix the record, or pass --skip_bad_records to skip it.")
+    return record
+
+
+def alpaca_conversation(record: Any, where: str) -> dict | str:
+    """instruction/input/output (+ optional system and history pairs, as LLaMA-Factory allows)."""
+    record = _expect_dict(record, where, "instruction/input/output")
+    instruction = _expect_str(record, "instruction", where)
+    context = _expect_str(record, "input", where, required=False)
+    output = _expect_str(record, "output", where)
+    system = _expect_str(record, "system", where, required=False)
+    if not output.strip():
+        return "empty output"
+    if not instruction.strip() and context.strip().lower() in NO_INPUT:
+        return "empty instruction"
+    if context.strip().lower() in NO_INPUT:
+        context = ""
+    messages = [{"role": "system", "content": system}] if system.strip() else []
+    history = record.get("history") or []
+    if not isinstance(history, list) or not all(
+            isinstance(turn, list | tuple) and len(turn) == 2 and all(isinstance(t, str) for t in turn)
+            for turn in history):
+        raise DataError(f"{where}: field 'history' must be a list of [user, assistant] string pairs.")
+    for user, assistant in history:
+        messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    # The input stays apart so that the Alpaca template can place it; every other template joins the two.
+    messages += [{"role": "user", "content": instruction, "input": context}, {"role": "assistant", "content": output}]
+    return {"messages": messages, "source": where}
+
+
+def messages_conversation(record: Any, where: str) -> dict | str:
+    """OpenAI-style `messages` (role/content) or ShareGPT `conversations` (from/value)."""
+    record = _expect_dict(record, where, "with 'messages' or 'conversations'")
+    if "messages" in record:
+        key, role_key, text_key, roles = "messages", "role", "content", OPENAI_ROLES
+    elif "conversations" in record:
+        key, role_key, text_key, roles = "conversations", "from", "value", SHAREGPT_ROLES
+    else:
+        raise DataError(f"{where}: expected a 'messages' (role/content) or 'conversations' (from/value) list, "
+                        f"found keys {sorted(record)}.")
+    turns = record[key]
+    if not isinstance(turns, list):
+        raise DataError(f"{where}: field '{key}' must be a list of turns, got {type(turns).__name__}.")
+    messages = []
+    system = record.get("system")
+    if isinstance(system, str) and system.strip():
+        messages.append({"role": "system", "content": system})
+    for i, turn in enumerate(turns):
+        turn = _expect_dict(turn, f"{where}: {key}[{i}]", f"{role_key}/{text_key}")
+        role = turn.get(role_key)
+        if role not in roles:
+            raise DataError(f"{where}: {key}[{i}].{role_key} is {role!r}; expected one of {sorted(roles)}.")
+        content = _expect_str(turn, text_key, f"{where}: {key}[{i}]")
+        messages.append({"role": roles[role], "content": content})
+    return _finish_thread(messages, where)
+
+
+def _finish_thread(messages: list[dict], where: str) -> dict | str:
+    """Drop trailing user turns (nothing to learn from them); a thread needs an assistant reply."""
+    while messages and messages[-1]["role"] != "assistant":
+        messages.pop()
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        return "no assistant reply"
+    return {"messages": messages, "source": where}
+
+
+def oasst_conversations(records: Iterable[tuple[Any, str]], stats: ReadStats,
+                        options: ReadOptions) -> Iterator[dict]:
+    """OASST1/OASST2 message trees, flat (one message per record) or nested (`prompt` with `replies`).
+
+    Deleted and failed-review messages drop with their subtrees; orphans (missing parent), duplicate ids and
+    cycles are counted, never fatal.
+    """
+    nodes: dict[str, dict] = {}
+    for record, where in records:
+        for message in _flatten_tree(record, where, options):
+            stats.read += 1
+            if message["message_id"] in nodes:
+                stats.skip("duplicate message_id")
+                continue
+            nodes[message["message_id"]] = message
+    children: dict[str | None, list[dict]] = {}
+    for node in nodes.values():
+        if node["parent_id"] is not None and node["parent_id"] not in nodes:
+            stats.skip("orphan message (parent missing)")
+            continue
+        if node["deleted"] or node["review_result"] is False:
+            stats.skip("deleted or failed review")
+            continue
+        if options.languages and node["lang"] not in options.languages:
+            stats.skip("language filtered out")
+            continue
+        children.setdefault(node["parent_id"], []).append(node)
+    for siblings in children.values():  # best rank first; unranked after ranked, in file order
+        siblings.sort(key=lambda n: (n["rank"] is None, n["rank"] if n["rank"] is not None else 0))
+    reachable = _count_reachable(children)
+    unreachable = sum(len(v) for k, v in children.items()) - reachable
+    if unreachable:  # below a skipped message, or in a parent_id cycle that no root leads into
+        stats.skipped["below a skipped message, or in a cycle"] += unreachable
+    for root in children.get(None, []):
+        if root["role"] != "prompter":
+            stats.skip("tree root is not a prompt")
+            continue
+        for path in _threads(root, children, options.oasst_threads):
+            messages = [{"role": "user" if n["role"] == "prompter" else "assistant", "content": n["text"]}
+                        for n in path]
+            conversation = _finish_thread(messages, path[0]["where"])
+            if isinstance(conversation, str):
+                stats.skip(conversation)
+            else:
+                yield conversation
+
+
+def _flatten_tree(record: Any, where: str, options: ReadOptions) -> Iterator[dict]:
+    record = _expect_dict(record, where, "an OASST message or tree")
+    if "prompt" in record and isinstance(record.get("prompt"), dict):  # nested *.trees.jsonl export
+        stack = [(record["prompt"], None)]
+        while stack:
+            node, parent = stack.pop()
+            node = _expect_dict(node, where, "an OASST message")
+            message = _oasst_message(dict(node, parent_id=parent), where, options)
+            if message is None:
+                continue
+            yield message
+            replies = node.get("replies") or []
+            if not isinstance(replies, list):
+                raise DataError(f"{where}: 'replies' must be a list.")
+            stack.extend((reply, message["message_id"]) for reply in reversed(replies))
+        return
+    message = _oasst_message(record, where, options)
+    if message is not None:
+        yield message
+
+
+def _oasst_message(record: dict, where: str, options: ReadOptions) -> dict | None:
+    try:
+        message_id = _expect_str(record, "message_id", where)
+        text = _expect_str(record, "text", where)
+        role = record.get("role")
+        if role not in ("prompter", "assistant"):
+            raise DataError(f"{where}: field 'role' is {role!r}; OASST roles are 'prompter' and 'assistant'.")
+        parent = record.get("parent_id")
+        if parent is not None and not isinstance(parent, str):
+            raise DataError(f"{where}: field 'parent_id' must be a string or null, got {type(parent).__name__}.")
+        rank = record.get("rank")
+        if rank is not None and not isinstance(rank, int | float):
+            raise DataError(f"{where}: field 'rank' must be a number or null, got {type(rank).__name__}.")
+    except DataError:
+        if options.skip_bad:
+            return None
+        raise
+    return {"message_id": message_id, "parent_id": parent, "role": role, "text": text, "rank": rank,
+            "lang": record.get("lang"), "deleted": bool(record.get("deleted", False)),
+            "review_result": record.get("review_result", True), "where": where}
+
+
+def _count_reachable(children: dict[str | None, list[dict]]) -> int:
+    seen, stack = set(), list(children.get(None, []))
+    while stack:
+        node = stack.pop()
+        if node["message_id"] in seen:
+            continue
+        seen.add(node["message_id"])
+        stack.extend(children.get(node["message_id"], []))
+    return len(seen)
+
+
+def _threads(root: dict, children: dict[str | None, list[dict]], mode: str) -> Iterator[list[dict]]:
+    """Root-to-leaf paths: only the best-ranked one, or all of them. Iterative, and safe against cycles."""
+    stack = [[root]]
+    while stack:
+        path = stack.pop()
+        kids = [k for k in children.get(path[-1]["message_id"], []) if k not in path]
+        if not kids:
+            yield path
+        elif mode == "best":
+            stack.append(path + [kids[0]])
+        else:
+            stack.extend(path + [kid] for kid in reversed(kids))

@@ -1,0 +1,76 @@
+"""Model: load the tokenizer and the causal LM (hub id or local directory), and attach LoRA.
+
+Precision policy (correctness before speed): full fine-tuning keeps fp32 master weights and trains under the
+Trainer's bf16/fp16 autocast, never plain bf16 AdamW; under LoRA the frozen base may be bf16 while the adapter
+weights stay fp32 (peft's default).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from sft.config import TINY_MODEL, LoraArguments, ModelArguments
+
+# Every attention and MLP projection of the dense families (deepseek-llm/coder are Llama; R1-Distill are
+# Qwen2 or Llama). Other families fall back to peft's "all-linear" (every linear layer but the LM head).
+LORA_TARGETS = {
+    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+
+
+def resolve_model_path(name: str) -> str:
+    if name == TINY_MODEL:
+        from sft.tiny import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    return name
+
+
+def load_tokenizer(model_args: ModelArguments):
+    source = resolve_model_path(model_args.tokenizer or model_args.model)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_args.trust_remote_code)
+    if tokenizer.pad_token is None:
+        # Padding is masked out of attention and labels, so any id works; EOS is the usual choice.
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def weights_dtype(model_args: ModelArguments, lora: bool) -> torch.dtype:
+    if model_args.dtype != "auto":
+        return getattr(torch, model_args.dtype)
+    if lora and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        return torch.bfloat16  # frozen base weights: bf16 loses nothing that training could have kept
+    return torch.float32
+
+
+def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_checkpointing: bool = False):
+    model = AutoModelForCausalLM.from_pretrained(
+        resolve_model_path(model_args.model),
+        dtype=weights_dtype(model_args, lora_args.lora),
+        attn_implementation=model_args.attn_implementation,
+        trust_remote_code=model_args.trust_remote_code,
+    )
+    model.config.use_cache = False  # a KV cache would let packed documents attend to each other
+    if lora_args.lora:
+        model = attach_lora(model, lora_args, gradient_checkpointing)
+    return model
+
+
+def lora_targets(model, lora_args: LoraArguments) -> list[str] | str:
+    if lora_args.lora_target_modules:
+        return lora_args.lora_target_modules
+    return LORA_TARGETS.get(model.config.model_type, "all-linear")
+
+
+def attach_lora(model, lora_args: LoraArguments, gradient_checkpointing: bool):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha, lora_dropout=lora_args.lora_dropout,
+                        target_modules=lora_targets(model, lora_args), task_type="CAUSAL_LM")
+    if gradient_checkpointing:
+        model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    return get_peft_model(model, config)

@@ -1,0 +1,190 @@
+"""Templates: a conversation -> text segments, each marked "train on it" or not.
+
+Each template writes exactly the bytes of the model family's published chat template, so that the ids we train
+on are those the model sees at inference. Segments carry the mask: tokenizing the joined text with offsets gives
+ids and labels in one pass (sft/tokenization.py), with no search for where the answer starts.
+
+The trained part of an assistant turn is what the model must generate after the template's generation prompt,
+up to and including the end-of-turn token: for DeepSeek v1, whose generation prompt is `Assistant:` with no
+space, the space before the reply is part of the target.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+Segment = tuple[str, bool]  # (text, trained)
+Messages = list[dict[str, Any]]
+
+CODER_SYSTEM = ("You are an AI programming assistant, utilizing the Deepseek Coder model, developed by Deepseek "
+                "Company, and you only answer questions related to computer science. For politically sensitive "
+                "questions, security and privacy issues, and other non-computer science questions, you will "
+                "refuse to answer\n")
+ALPACA_HEAD = ("Below is an instruction that describes a task{}. Write a response that appropriately completes "
+               "the request.\n\n")
+TEMPLATE_NAMES = ("auto", "model", "deepseek", "deepseek_coder", "deepseek_v3", "r1_distill", "alpaca")
+
+
+def user_text(message: dict) -> str:
+    """A user turn's text; an Alpaca input, kept apart for the Alpaca template, joins its instruction."""
+    extra = message.get("input") or ""
+    return f"{message['content']}\n\n{extra}" if extra else message["content"]
+
+
+class Template:
+    """Render a conversation as segments; `add_generation_prompt` ends it where the model should answer."""
+
+    name = "base"
+
+    def __init__(self, bos: str, eos: str):
+        self.bos, self.eos = bos or "", eos or ""
+
+    def render(self, messages: Messages, add_generation_prompt: bool = False) -> list[Segment]:
+        raise NotImplementedError
+
+    def text(self, messages: Messages, add_generation_prompt: bool = False) -> str:
+        return "".join(text for text, _ in self.render(messages, add_generation_prompt))
+
+
+class DeepSeekV1(Template):
+    """deepseek-llm chat (also V2 chat): `User: {u}\\n\\nAssistant: {a}<eos>`, system text first + `\\n\\n`."""
+
+    name = "deepseek"
+
+    def render(self, messages, add_generation_prompt=False):
+        out: list[Segment] = [(self.bos, False)]
+        for m in messages:
+            if m["role"] == "system":
+                out.append((m["content"] + "\n\n", False))
+            elif m["role"] == "user":
+                out.append((f"User: {user_text(m)}\n\n", False))
+            else:
+                out += [("Assistant:", False), (f" {m['content']}{self.eos}", True)]
+        if add_generation_prompt:
+            out.append(("Assistant:", False))
+        return out
+
+
+class DeepSeekCoder(Template):
+    """deepseek-coder instruct: default system prompt, `### Instruction:` / `### Response:`, `<|EOT|>`."""
+
+    name = "deepseek_coder"
+
+    def render(self, messages, add_generation_prompt=False):
+        has_system = any(m["role"] == "system" for m in messages)
+        out: list[Segment] = [(self.bos + ("" if has_system else CODER_SYSTEM), False)]
+        for m in messages:
+            if m["role"] == "system":
+                out.append((m["content"], False))
+            elif m["role"] == "user":
+                out.append((f"### Instruction:\n{user_text(m)}\n", False))
+            else:
+                out += [("### Response:\n", False), (f"{m['content']}\n{self.eos}", True), ("\n", False)]
+        if add_generation_prompt:
+            out.append(("### Response:\n", False))
+        return out
+
+
+class DeepSeekV3(Template):
+    """DeepSeek V2.5/V3: `<｜User｜>{u}<｜Assistant｜>{a}<｜end▁of▁sentence｜>`, system text right after BOS."""
+
+    name = "deepseek_v3"
+    generation_prompt = "<｜Assistant｜>"
+
+    def render(self, messages, add_generation_prompt=False):
+        system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+        out: list[Segment] = [(self.bos + system, False)]
+        for m in messages:
+            if m["role"] == "user":
+                out.append((f"<｜User｜>{user_text(m)}", False))
+            elif m["role"] == "assistant":
+                out += [("<｜Assistant｜>", False), (m["content"] + self.eos, True)]
+        if add_generation_prompt:
+            out.append((self.generation_prompt, False))
+        return out
+
+
+class R1Distill(DeepSeekV3):
+    """DeepSeek-R1 distills: the V3 layout. The model's own template deletes `<think>...</think>` from
+    assistant turns; we keep it in the targets (the reasoning is what is being distilled)."""
+
+    name = "r1_distill"
+    generation_prompt = "<｜Assistant｜><think>\n"
+
+
+class Alpaca(Template):
+    """The Stanford Alpaca prompt; the target follows `### Response:` directly, as in its train.py."""
+
+    name = "alpaca"
+
+    def render(self, messages, add_generation_prompt=False):
+        out: list[Segment] = [(self.bos, False)]
+        for m in messages:
+            if m["role"] == "user":
+                context = m.get("input") or ""
+                head = ALPACA_HEAD.format(", paired with an input that provides further context" if context else "")
+                body = f"### Instruction:\n{m['content']}\n\n" + (f"### Input:\n{context}\n\n" if context else "")
+                out.append((head + body + "### Response:", False))
+            elif m["role"] == "assistant":
+                out.append((m["content"] + self.eos, True))
+            # Alpaca has no system turn: its fixed header plays that part.
+        return out
+
+
+class ModelChatTemplate(Template):
+    """The tokenizer's own `chat_template`. Assistant spans are found by rendering growing prefixes: the text
+    added by assistant turn i, after the generation prompt of the first i messages, is that turn's target."""
+
+    name = "model"
+
+    def __init__(self, tokenizer):
+        super().__init__(tokenizer.bos_token, tokenizer.eos_token)
+        self.tokenizer = tokenizer
+
+    def _apply(self, messages: Messages, add_generation_prompt: bool) -> str:
+        plain = [{"role": m["role"], "content": user_text(m) if m["role"] == "user" else m["content"]}
+                 for m in messages]
+        return self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def render(self, messages, add_generation_prompt=False):
+        full = self._apply(messages, add_generation_prompt)
+        out: list[Segment] = []
+        done = 0  # characters of `full` already emitted
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant":
+                continue
+            prompt = self._apply(messages[:i], add_generation_prompt=True)
+            turn = self._apply(messages[: i + 1], add_generation_prompt=False)
+            if not (full.startswith(prompt) and full.startswith(turn) and turn.startswith(prompt)
+                    and len(prompt) >= done):
+                raise ValueError(
+                    "the model's chat_template does not render conversations as growing prefixes (it rewrites "
+                    "earlier turns), so the assistant tokens cannot be located; use --template with one of "
+                    f"{', '.join(TEMPLATE_NAMES[2:])}")
+            target = turn[len(prompt):]
+            # The end-of-turn token is trained; anything the template writes after it (a newline) is not.
+            cut = target.rfind(self.eos) + len(self.eos) if self.eos and self.eos in target else len(target)
+            out += [(full[done:len(prompt)], False), (target[:cut], True)]
+            done = len(prompt) + cut
+        out.append((full[done:], False))
+        return [s for s in out if s[0]]
+
+
+BUILTIN: dict[str, Callable[[str, str], Template]] = {
+    t.name: t for t in (DeepSeekV1, DeepSeekCoder, DeepSeekV3, R1Distill, Alpaca)
+}
+
+
+def get_template(name: str, tokenizer) -> Template:
+    """`auto`: the model's own chat_template if it has one, else DeepSeek v1."""
+    if name == "auto":
+        name = "model" if getattr(tokenizer, "chat_template", None) else "deepseek"
+    if name == "model":
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("--template model: this tokenizer has no chat_template; choose --template "
+                             f"from {', '.join(BUILTIN)}")
+        return ModelChatTemplate(tokenizer)
+    if name not in BUILTIN:
+        raise ValueError(f"--template {name!r} is unknown; choose one of {', '.join(TEMPLATE_NAMES)}")
+    return BUILTIN[name](tokenizer.bos_token, tokenizer.eos_token)

@@ -1,0 +1,78 @@
+"""Fine-tune a DeepSeek-family model on instruction data with the Hugging Face Trainer.
+
+    accelerate launch sft/train.py                       # the embedded demo: tiny model, bundled data, ~1 min
+    accelerate launch --config_file accelerate_configs/ddp.yaml sft/train.py \
+        --model deepseek-ai/deepseek-llm-7b-base --dataset data.jsonl --lora
+    python sft/train.py --config recipe.yaml             # one process; a recipe holds the same options
+
+Reads top to bottom: parse, read data, tokenizer, prepare data, model, trainer, train, save.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # `python sft/train.py` from a checkout: make the `sft` package importable
+    sys.path[0] = str(Path(__file__).resolve().parent.parent)
+
+from sft.config import ConfigError, parse_args
+from sft.formats import DataError
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        model_args, data_args, lora_args, training_args = parse_args(argv)
+        from sft.dataset import prepare, read_datasets
+
+        conversations = read_datasets(data_args, training_args.seed)  # bad data stops here, before any model
+        from sft.model import load_model, load_tokenizer
+
+        tokenizer = load_tokenizer(model_args)
+        train_data, eval_data, summary = prepare(data_args, tokenizer, conversations, training_args)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    main_process = training_args.process_index == 0
+    if main_process:
+        print(summary, flush=True)
+
+    from transformers import Trainer
+    from transformers.integrations import TensorBoardCallback
+
+    from sft.callbacks import ThroughputCallback, flops_per_token, peak_flops
+    from sft.packing import Collator
+
+    model = load_model(model_args, lora_args, training_args.gradient_checkpointing)
+    trainer = Trainer(
+        model=model,
+        args=training_args,
+        train_dataset=train_data,
+        eval_dataset=eval_data,
+        data_collator=Collator(tokenizer.pad_token_id),
+        processing_class=tokenizer,
+        callbacks=[ThroughputCallback(flops_per_token(model, lora_args.lora), peak_flops())],
+    )
+    if trainer.pop_callback(TensorBoardCallback):  # after ours, so that it logs what ours adds
+        trainer.add_callback(TensorBoardCallback)
+
+    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+    if eval_data is not None and training_args.eval_strategy == "no":
+        trainer.evaluate()
+    trainer.save_model(training_args.output_dir)  # the model or the LoRA adapter, and the tokenizer
+
+    if main_process:
+        output = Path(training_args.output_dir).resolve()
+        what = "LoRA adapter" if lora_args.lora else "model"
+        print(f"\nSaved {what} and tokenizer: {output}")
+        print(f"TensorBoard logs: {tensorboard_dir(training_args)}  (view: tensorboard --logdir {output})")
+    return 0
+
+
+def tensorboard_dir(training_args) -> str:
+    return os.environ.get("TENSORBOARD_LOGGING_DIR") or str(Path(training_args.output_dir).resolve() / "runs")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
