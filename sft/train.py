@@ -37,6 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     main_process = training_args.process_index == 0
     if main_process:
         print(summary, flush=True)
+        print(f"Training on {training_args.world_size} process(es) "
+              f"({training_args.parallel_mode.value}, device {training_args.device})", flush=True)
 
     from transformers import Trainer
     from transformers.integrations import TensorBoardCallback
