@@ -1,0 +1,111 @@
+"""End to end, as a user runs it: the README's demo, LoRA on and off, two-process DDP on CPU, and the saved
+outputs loaded back with plain transformers/peft."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, run_train
+
+pytestmark = pytest.mark.slow
+
+
+def scalars(logdir: Path, tag: str) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = []
+    for events in sorted(logdir.rglob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(events.parent))
+        accumulator.Reload()
+        if tag in accumulator.Tags()["scalars"]:
+            values += [e.value for e in accumulator.Scalars(tag)]
+    return values
+
+
+def accelerate() -> list[str]:
+    return [str(Path(sys.executable).with_name("accelerate")), "launch"]
+
+
+def test_demo_with_no_arguments(tmp_path):
+    """`accelerate launch sft/train.py`: trains the embedded default, loss falls in TensorBoard, says where."""
+    env = {"HOME": str(tmp_path), "XDG_CACHE_HOME": str(tmp_path / ".cache"), "HF_HOME": str(tmp_path / "hf")}
+    started = time.monotonic()
+    result = run_train([], launcher=accelerate() + ["--num_processes", "1"], env=env, cwd=tmp_path)
+    elapsed = time.monotonic() - started
+    assert result.returncode == 0, result.stderr[-3000:]
+    output = tmp_path / "output" / "demo"
+    assert f"Saved model and tokenizer: {output}" in result.stdout
+    assert "TensorBoard logs:" in result.stdout
+    losses = scalars(output / "runs", "train/loss")
+    assert len(losses) >= 5, losses
+    assert losses[-1] < 0.6 * losses[0], f"loss did not fall: {losses}"
+    eval_losses = scalars(output / "runs", "eval/loss")
+    assert eval_losses and eval_losses[-1] < eval_losses[0]
+    for tag in ("train/learning_rate", "train/grad_norm", "train/real_tokens_per_second"):
+        assert scalars(output / "runs", tag), f"{tag} missing from TensorBoard"
+    print(f"demo took {elapsed:.1f} s")
+    assert elapsed < 120  # ~15-25 s on a 2-core CPU; generous for a loaded CI machine
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(output)
+    tokenizer = AutoTokenizer.from_pretrained(output)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of Japan?"}],
+                                           add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    generated = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    reply = tokenizer.decode(generated[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Tokyo" in reply, reply  # the demo data is learnable: the tiny model answers it after a minute
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_fine_tune_saves_a_loadable_model(tmp_path, tiny_llama, lora):
+    out = tmp_path / "out"
+    args = ["--model", str(tiny_llama), "--dataset", str(REPO / "data" / "alpaca_demo.json"),
+            "--output_dir", str(out), "--max_steps", "6", "--learning_rate", "1e-2", "--logging_steps", "1",
+            "--per_device_train_batch_size", "4", "--max_length", "128", "--report_to", "none",
+            "--dataset_cache_dir", str(tmp_path / "cache"), "--save_strategy", "no"]
+    result = run_train(args + (["--lora", "--lora_r", "4"] if lora else []))
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    if lora:
+        from peft import AutoPeftModelForCausalLM, PeftModel
+
+        assert (out / "adapter_model.safetensors").is_file() and not (out / "model.safetensors").exists()
+        tuned = PeftModel.from_pretrained(base, out)
+        lora_b = [p for n, p in tuned.named_parameters() if "lora_B" in n]
+        assert len(lora_b) == 2 * 7  # 7 projections x 2 layers of the tiny llama
+        assert all(p.abs().sum() > 0 for p in lora_b), "LoRA B weights are still at their zero init"
+        merged = AutoPeftModelForCausalLM.from_pretrained(out).merge_and_unload()
+        assert type(merged).__name__ == "LlamaForCausalLM"
+    else:
+        tuned = AutoModelForCausalLM.from_pretrained(out)
+        assert (out / "model.safetensors").is_file()
+        assert tuned.model.embed_tokens.weight.dtype == torch.float32  # fp32 master weights, saved as such
+        changed = [n for (n, a), (_, b) in zip(base.named_parameters(), tuned.named_parameters())
+                   if not torch.equal(a, b)]
+        assert len(changed) == len(list(base.parameters()))  # every weight trained
+
+
+def test_ddp_two_processes_on_cpu(tmp_path, tiny_llama):
+    """Two real gloo ranks (`--cpu --num_processes 2` would silently start one: see STACK-NOTES)."""
+    out = tmp_path / "out"
+    result = run_train(
+        ["--model", str(tiny_llama), "--dataset", str(REPO / "data" / "alpaca_demo.json"), "--output_dir", str(out),
+         "--max_steps", "3", "--per_device_train_batch_size", "2", "--max_length", "128", "--report_to", "none",
+         "--dataset_cache_dir", str(tmp_path / "cache"), "--save_strategy", "no", "--use_cpu"],
+        launcher=accelerate() + ["--multi_gpu", "--num_processes", "2", "--main_process_port", "29613"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Training on 2 process(es)" in result.stdout, result.stdout[-2000:]
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(out)
