@@ -176,7 +176,7 @@ def expand_argv(argv: list[str]) -> list[str]:
 def parse_args(argv: list[str] | None = None):
     """-> (ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments), validated."""
     argv = expand_argv(sys.argv[1:] if argv is None else list(argv))
-    parser = HfArgumentParser(PARSER_TYPES)
+    parser = HfArgumentParser(PARSER_TYPES, allow_abbrev=False)  # a typo must not pass as an abbreviation
     model_args, data_args, lora_args, training_args = parser.parse_args_into_dataclasses(
         args=argv, look_for_args_file=False)
     validate(model_args, data_args, lora_args, training_args)

@@ -1,0 +1,53 @@
+"""`--config recipe.yaml` holds the same options as the command line, which wins over it; no arguments = demo."""
+
+from __future__ import annotations
+
+import pytest
+
+from sft.config import DEMO, TINY_MODEL, ConfigError, parse_args
+
+
+def test_recipe_equals_command_line(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model: some/model\ndataset: [a.json, b.jsonl]\ndataset_format: alpaca\nlora: true\n"
+                      "lora_r: 8\nlearning_rate: 2.0e-4\noutput_dir: out\nmax_steps: 7\npacking: false\n")
+    from_recipe = parse_args(["--config", str(recipe)])
+    from_cli = parse_args(["--model", "some/model", "--dataset", "a.json", "b.jsonl", "--dataset_format", "alpaca",
+                           "--lora", "--lora_r", "8", "--learning_rate", "2e-4", "--output_dir", "out",
+                           "--max_steps", "7"])
+    for a, b in zip(from_recipe, from_cli):
+        assert a == b
+
+
+def test_command_line_wins_over_recipe(tmp_path):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model: some/model\ndataset: a.json\nmax_steps: 7\nlora: true\n")
+    model_args, data_args, lora_args, training_args = parse_args(
+        ["--config", str(recipe), "--max_steps", "3", "--lora", "false"])
+    assert training_args.max_steps == 3 and lora_args.lora is False and data_args.dataset == ["a.json"]
+
+
+def test_no_arguments_is_the_demo():
+    model_args, data_args, _, training_args = parse_args([])
+    assert model_args.model == TINY_MODEL
+    assert data_args.dataset == DEMO["dataset"]
+    assert training_args.output_dir == DEMO["output_dir"]
+    # demo defaults give way to what the user sets
+    assert parse_args(["--num_train_epochs", "1"])[3].num_train_epochs == 1
+
+
+def test_bad_recipe_names_file_and_line(tmp_path):
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text("model: x\ndataset: [a.json\nlora: true\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml:\d+: invalid YAML"):
+        parse_args(["--config", str(recipe)])
+    with pytest.raises(ConfigError, match="cannot read"):
+        parse_args(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_unknown_option_in_recipe_is_an_error(tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model: x\ndataset: a.json\nlearning_rat: 1e-4\n")
+    with pytest.raises(SystemExit):
+        parse_args(["--config", str(recipe)])
+    assert "learning_rat" in capsys.readouterr().err
