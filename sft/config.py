@@ -177,10 +177,25 @@ def parse_args(argv: list[str] | None = None):
     """-> (ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments), validated."""
     argv = expand_argv(sys.argv[1:] if argv is None else list(argv))
     parser = HfArgumentParser(PARSER_TYPES, allow_abbrev=False)  # a typo must not pass as an abbreviation
-    model_args, data_args, lora_args, training_args = parser.parse_args_into_dataclasses(
-        args=argv, look_for_args_file=False)
+    *parsed, unknown = parser.parse_args_into_dataclasses(
+        args=argv, look_for_args_file=False, return_remaining_strings=True)
+    if unknown:
+        raise ConfigError(unknown_options_message(unknown, parser))
+    model_args, data_args, lora_args, training_args = parsed
     validate(model_args, data_args, lora_args, training_args)
     return model_args, data_args, lora_args, training_args
+
+
+def unknown_options_message(unknown: list[str], parser: HfArgumentParser) -> str:
+    import difflib
+
+    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+    parts = []
+    for option in (u for u in unknown if u.startswith("--")):
+        close = difflib.get_close_matches(option.split("=")[0], known, n=1)
+        parts.append(f"{option}" + (f" (did you mean {close[0]}?)" if close else ""))
+    return (f"unknown option(s): {', '.join(parts) or ' '.join(unknown)}. "
+            f"`python sft/train.py --help` lists every option.")
 
 
 def validate(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraArguments,
