@@ -1,0 +1,57 @@
+"""Merge a trained LoRA adapter into its base model and save a plain Hugging Face model.
+
+    python -m sft.merge output/my-lora output/my-merged [--dtype bfloat16]
+
+The merged model is checked against the adapter on a fixed batch before anything is written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m sft.merge", description=__doc__.split("\n\n")[0])
+    parser.add_argument("adapter", help="directory of the trained adapter (the training --output_dir)")
+    parser.add_argument("output", help="directory for the merged model")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                        help="dtype of the saved merged weights (merging itself runs in float32)")
+    args = parser.parse_args(argv)
+    adapter, output = Path(args.adapter), Path(args.output)
+    if not (adapter / "adapter_config.json").is_file():
+        print(f"error: {adapter} holds no adapter_config.json: give the output directory of a --lora run.",
+              file=sys.stderr)
+        return 2
+    if output.exists() and any(output.iterdir()):
+        print(f"error: {output} exists and is not empty; choose a new directory.", file=sys.stderr)
+        return 2
+
+    import torch
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    from sft.model import resolve_model_path
+
+    tuned = AutoPeftModelForCausalLM.from_pretrained(adapter, dtype=torch.float32)
+    probe = torch.randint(0, tuned.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = tuned(input_ids=probe, use_cache=False).logits
+        merged = tuned.merge_and_unload()
+        got = merged(input_ids=probe, use_cache=False).logits
+    error = ((got - expected).norm() / expected.norm()).item()
+    if error > 1e-4:
+        print(f"error: the merged model's logits differ from the adapter's (relative error {error:.2e}); "
+              "nothing was written.", file=sys.stderr)
+        return 1
+    merged.to(getattr(torch, args.dtype)).save_pretrained(output)
+    tokenizer_source = adapter if (adapter / "tokenizer_config.json").is_file() else \
+        resolve_model_path(tuned.peft_config["default"].base_model_name_or_path)
+    AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(output)
+    print(f"Merged model ({args.dtype}, logits match the adapter: relative error {error:.1e}): {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

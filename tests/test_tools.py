@@ -1,0 +1,46 @@
+"""The user tools run after training: merge an adapter, chat with the result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import REPO
+from sft import chat, merge, train
+
+
+@pytest.fixture(scope="module")
+def trained_adapter(tmp_path_factory, tiny_llama):
+    out = tmp_path_factory.mktemp("lora-run") / "out"
+    code = train.main(["--model", str(tiny_llama), "--dataset", str(REPO / "data" / "alpaca_demo.json"),
+                       "--output_dir", str(out), "--max_steps", "4", "--learning_rate", "1e-2", "--lora",
+                       "--per_device_train_batch_size", "4", "--max_length", "128", "--report_to", "none",
+                       "--save_strategy", "no", "--dataset_cache_dir", str(out.parent / "cache")])
+    assert code == 0
+    return out
+
+
+def test_merge_writes_a_plain_model_equal_to_the_adapter(trained_adapter, tmp_path, capsys):
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoModelForCausalLM
+
+    merged_dir = tmp_path / "merged"
+    assert merge.main([str(trained_adapter), str(merged_dir)]) == 0
+    assert "logits match the adapter" in capsys.readouterr().out
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir)
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    adapter = AutoPeftModelForCausalLM.from_pretrained(trained_adapter)
+    ids = torch.arange(1, 40).unsqueeze(0)
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, adapter(ids).logits, rtol=1e-4, atol=1e-4)
+    assert merge.main([str(trained_adapter), str(merged_dir)]) == 2  # never over an existing model
+
+
+def test_merge_refuses_a_directory_without_adapter(tmp_path, capsys):
+    assert merge.main([str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "adapter_config.json" in capsys.readouterr().err
+
+
+def test_chat_answers_one_prompt(trained_adapter, capsys):
+    assert chat.main([str(trained_adapter), "--prompt", "What is the capital of Peru?", "--max_new_tokens", "8"]) == 0
+    assert capsys.readouterr().out.strip()  # some reply, rendered with the training template
