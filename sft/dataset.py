@@ -11,6 +11,8 @@ import hashlib
 import json
 import os
 import random
+import shutil
+import sys
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -21,7 +23,7 @@ from sft.config import DataArguments
 from sft.formats import DataError, ReadOptions, ReadStats, is_local, read_conversations
 from sft.packing import pack_rows
 from sft.templates import get_template
-from sft.tokenization import render_mask, tokenize_batch
+from sft.tokenization import IGNORE, render_mask, tokenize_batch, tokenize_one
 
 CODE = ("formats.py", "templates.py", "tokenization.py", "packing.py", "dataset.py")
 PARALLEL_FROM = 4000  # conversations; below this, starting worker processes costs more than it saves
@@ -64,13 +66,15 @@ def read_datasets(args: DataArguments, seed: int = 0) -> Conversations:
     return Conversations(train, evaluation, stats)
 
 
-def cache_key(args: DataArguments, tokenizer, template_name: str) -> str:
+def cache_key(args: DataArguments, tokenizer, template_name: str, conversations: Conversations) -> str:
+    """What the prepared data depends on: the conversations themselves (so file contents, hub data, the eval split
+    and its seed, --max_samples and the reading options are all covered), the tokenization options, the
+    tokenizer and this code."""
     digest = hashlib.sha256()
-    for spec in [*(args.dataset or []), "|eval|", *(args.eval_dataset or [])]:
-        digest.update(spec.encode())
-        if is_local(spec) and os.path.isfile(spec):
-            digest.update(hashlib.sha256(Path(spec).read_bytes()).digest())
-    options = {k: v for k, v in asdict(args).items() if k not in ("num_proc", "dataset_cache_dir", "show_masks")}
+    for part in (conversations.train, conversations.eval):
+        digest.update(json.dumps(part, ensure_ascii=False, sort_keys=True).encode("utf-8", "surrogatepass"))
+        digest.update(b"|")
+    options = {k: getattr(args, k) for k in ("max_length", "overlong", "packing", "train_on_prompt")}
     digest.update(json.dumps(options, sort_keys=True).encode())
     digest.update(template_name.encode())
     digest.update(tokenizer.backend_tokenizer.to_str().encode() if hasattr(tokenizer, "backend_tokenizer") else
@@ -95,55 +99,71 @@ def tokenize(conversations: list[dict], args: DataArguments, tokenizer, template
     num_proc = num_proc if len(conversations) >= PARALLEL_FROM else None
     fn = partial(tokenize_batch, tokenizer=tokenizer, template=template, max_length=args.max_length,
                  train_on_prompt=args.train_on_prompt, overlong=args.overlong)
+    # Our own cache (prepare) decides reuse; a fixed fingerprint spares datasets from hashing the tokenizer.
     return table.map(fn, batched=True, batch_size=500, num_proc=num_proc, remove_columns=table.column_names,
+                     input_columns=None, new_fingerprint=f"sft-tokenize-{os.getpid()}-{id(table)}",
                      desc="Tokenizing")
 
 
 def finish(rows, args: DataArguments):
-    """Drop what tokenization rejected; pack if asked. -> (dataset, counts by status, kept lengths)."""
-    import datasets
+    """Drop what tokenization rejected; pack if asked. -> (dataset, counts by status, kept lengths).
 
-    statuses = rows["status"]
-    counts = {s: statuses.count(s) for s in sorted(set(statuses))}
-    lengths = np.asarray(rows["length"])
-    rows = rows.select(np.flatnonzero(lengths > 0)).remove_columns(["status", "length"])
+    Works on the Arrow columns (no Python list per token), so it stays a small part of the preparation time.
+    """
+    import datasets
+    import pyarrow as pa
+    from datasets.table import InMemoryTable
+
+    table = rows.data.table
+    status = table.column("status").value_counts()
+    counts = dict(zip(status.field("values").to_pylist(), status.field("counts").to_pylist()))
+    lengths = table.column("length").to_numpy()
+    table = table.select(["input_ids", "labels"])
+    if (lengths == 0).any():
+        table = table.filter(pa.array(lengths > 0))
     kept = lengths[lengths > 0]
-    if args.packing and len(rows):
-        rows = datasets.Dataset.from_dict(pack_rows(rows["input_ids"], rows["labels"], args.max_length))
-    return rows, counts, kept
+    if args.packing and len(kept):
+        table = pack_rows(table.column("input_ids"), table.column("labels"), args.max_length)
+    return datasets.Dataset(InMemoryTable(table)), counts, kept
 
 
 def prepare(args: DataArguments, tokenizer, conversations: Conversations, training_args=None):
-    """-> (train dataset, eval dataset or None, summary text). Cached; under several ranks rank 0 builds."""
+    """-> (train dataset, eval dataset or None, summary text). Cached; under several ranks rank 0 builds first
+    and the others load its result."""
     import datasets
 
     template = get_template(args.template, tokenizer)
-    path = cache_dir(args) / cache_key(args, tokenizer, template.name)
+    path = cache_dir(args) / cache_key(args, tokenizer, template.name, conversations)
     first = training_args.main_process_first(desc="dataset preparation") if training_args else _nothing()
     with first:
         if (path / "summary.txt").exists():
             prepared = datasets.load_from_disk(str(path / "data"))
-            summary = (path / "summary.txt").read_text() + f"\n(prepared data loaded from the cache {path})"
+            summary = (path / "summary.txt").read_text() + f"\n  (prepared data loaded from the cache {path})"
         else:
             train, train_counts, train_lengths = finish(tokenize(conversations.train, args, tokenizer, template), args)
+            if not len(train):
+                raise DataError(f"no training example is left after tokenization ({train_counts}). Raise "
+                                f"--max_length (now {args.max_length}) or use --overlong truncate.")
             parts = {"train": train}
             if conversations.eval:
                 parts["eval"], _, _ = finish(tokenize(conversations.eval, args, tokenizer, template), args)
             prepared = datasets.DatasetDict(parts)
-            summary = summarize(conversations.stats, train_counts, train_lengths, train, args)
-            if not len(train):
-                raise DataError(f"no training example is left after tokenization: {train_counts}. "
-                                f"Raise --max_length or use --overlong truncate.")
-            staging = path.with_name(path.name + f".tmp{os.getpid()}")
-            prepared.save_to_disk(str(staging / "data"))
-            (staging / "summary.txt").write_text(summary)
-            try:
-                os.rename(staging, path)
-            except OSError:
-                pass  # an identical copy is already there
+            summary = summarize(conversations.stats, train_counts, train_lengths, train, args, template.name)
+            save(prepared, summary, path)
     if args.show_masks:
-        print(show_masks(prepared["train"], tokenizer, args.show_masks))
+        print(show_masks(conversations.train, args, tokenizer, template), flush=True)
     return prepared["train"], prepared.get("eval"), summary
+
+
+def save(prepared, summary: str, path: Path) -> None:
+    """Write to a staging folder, then rename: a run killed mid-write never leaves a cache entry that looks whole."""
+    staging = path.with_name(path.name + f".tmp{os.getpid()}")
+    prepared.save_to_disk(str(staging / "data"))
+    (staging / "summary.txt").write_text(summary)
+    try:
+        os.rename(staging, path)
+    except OSError:  # another rank or run finished first; its copy is identical
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 class _nothing:
@@ -154,24 +174,57 @@ class _nothing:
         return False
 
 
-def summarize(stats: ReadStats, counts: dict, lengths: np.ndarray, train, args: DataArguments) -> str:
-    lines = [f"Data: {stats.read} records read, {stats.kept} conversations kept"]
-    lines += [f"  skipped ({reason}): {n}" for reason, n in sorted(stats.skipped.items())]
-    lines += [f"  {status}: {n}" for status, n in counts.items() if status != "ok"]
+def summarize(stats: ReadStats, counts: dict, lengths: np.ndarray, train, args: DataArguments,
+              template_name: str = "") -> str:
+    lines = [f"Data: {stats.read} records read, {stats.kept} conversations kept"
+             + (f" (template {template_name})" if template_name else "")]
+    lines += [f"  skipped ({reason}): {n}" for reason, n in sorted(stats.skipped.items()) if n]
+    lines += [f"  {status}: {n}" for status, n in sorted(counts.items()) if status != "ok"]
     if len(lengths):
         p = np.percentile(lengths, [50, 90, 99]).astype(int)
         lines.append(f"  tokens per conversation: p50 {p[0]}, p90 {p[1]}, p99 {p[2]}, max {lengths.max()} "
-                     f"(--max_length {args.max_length})")
+                     f"(--max_length {args.max_length}); {len(lengths)} conversations, {int(lengths.sum())} tokens")
     if args.packing and len(train):
         efficiency = lengths.sum() / (len(train) * args.max_length)
-        lines.append(f"  packed {len(lengths)} conversations into {len(train)} rows: {efficiency:.1%} of tokens real")
+        lines.append(f"  packed into {len(train)} rows of {args.max_length}: packing efficiency {efficiency:.1%} "
+                     f"(real tokens / row capacity)")
     return "\n".join(lines)
 
 
-def show_masks(rows, tokenizer, n: int) -> str:
+def show_masks(conversations: list[dict], args: DataArguments, tokenizer, template) -> str:
+    """The first n conversations as the model sees them, trained tokens between [[ and ]], one per document."""
     out = []
-    for i in range(min(n, len(rows))):
-        row = rows[i]
-        out.append(f"--- example {i} ({len(row['input_ids'])} tokens; trained tokens between [[ and ]]) ---")
-        out.append(render_mask(row["input_ids"], row["labels"], tokenizer))
+    for conversation in conversations[: args.show_masks]:
+        row = tokenize_one(conversation["messages"], tokenizer=tokenizer, template=template,
+                           max_length=args.max_length, train_on_prompt=args.train_on_prompt, overlong=args.overlong)
+        trained = sum(label != IGNORE for label in row["labels"])
+        out.append(f"--- {conversation['source']}: {row['length']} tokens, {trained} trained ({row['status']}); "
+                   f"trained tokens between [[ and ]] ---")
+        out.append(render_mask(row["input_ids"], row["labels"], tokenizer) if row["length"] else "(nothing kept)")
     return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m sft.dataset <the training options>`: read, validate, tokenize and pack the data exactly as
+    training would (and cache it), print the summary and --show_masks examples (3 unless given), load no model."""
+    from sft.config import ConfigError, parse_args
+
+    try:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        if not any(a.split("=")[0] == "--show_masks" for a in argv):
+            argv += ["--show_masks", "3"]
+        model_args, data_args, _, training_args = parse_args(argv)
+        conversations = read_datasets(data_args, training_args.seed)
+        from sft.model import load_tokenizer
+
+        tokenizer = load_tokenizer(model_args)
+        _, _, summary = prepare(data_args, tokenizer, conversations)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(summary)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

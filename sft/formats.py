@@ -19,9 +19,16 @@ from typing import Any
 
 FORMATS = ("alpaca", "oasst", "messages")
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
-# Values that real Alpaca-style data uses for "this record has no input".
-NO_INPUT = {"", "no input", "noinput", "<noinput>", "< noinput >", "<no input>", "< no input >", "n/a", "na",
-            "none", "null", "nan", "-", "empty", "no input required", "no input needed"}
+# Values that real Alpaca-style data uses for "this record has no input", compared after lower-casing and
+# removing spaces, a trailing full stop and surrounding brackets ("<No Input>", "< noinput >", "No input.").
+NO_INPUT = {"", "noinput", "n/a", "na", "none", "null", "nan", "-", "empty", "noinputrequired", "noinputneeded",
+            "noinputprovided", "notapplicable"}
+
+
+def is_no_input(text: str) -> bool:
+    return text.strip().lower().rstrip(".").strip("<>[]() ").replace(" ", "") in NO_INPUT
+
+
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
                   "system": "system"}
@@ -83,7 +90,10 @@ def iter_records(spec: str) -> Iterator[tuple[Any, str]]:
 
 
 def _read_text(path: Path) -> str:
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the file ({e.strerror}).") from None
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
@@ -99,36 +109,55 @@ def _iter_json(path: Path) -> Iterator[tuple[Any, str]]:
         raise DataError(f"{path}: the file is empty. Give a file with at least one record.")
     decoder = json.JSONDecoder()
     start = len(text) - len(text.lstrip())
-    if text[start] == "[":  # a JSON list: decode element by element to know each one's line
-        pos, line = start + 1, text.count("\n", 0, start) + 1
-        while True:
-            pos = _skip_space(text, pos)
-            if pos < len(text) and text[pos] == "]":
-                if text[pos + 1:].strip():
-                    raise _json_error(path, text, pos + 1, "unexpected text after the closing ']'")
-                return
-            line += text.count("\n", start, pos)
-            start = pos
+    try:
+        if text[start] == "[":  # a JSON list: decode element by element to know each one's line
+            yield from _iter_json_list(path, text, start, decoder)
+            return
+        if path.suffix.lower() == ".json" and text[start] == "{":  # one pretty-printed record, or JSON Lines
             try:
-                record, pos = decoder.raw_decode(text, pos)
+                record, end = decoder.raw_decode(text, start)
+            except json.JSONDecodeError:
+                record, end = None, -1
+            if end >= 0 and not text[end:].strip():
+                yield record, f"{path}:{text.count(chr(10), 0, start) + 1}"
+                return
+        for number, raw in enumerate(text.splitlines(), start=1):
+            if not raw.strip():
+                continue
+            try:
+                record = json.loads(raw)
             except json.JSONDecodeError as e:
-                raise _json_error(path, text, e.pos, e.msg) from None
-            yield record, f"{path}:{line}"
-            pos = _skip_space(text, pos)
-            if pos < len(text) and text[pos] == ",":
-                pos += 1
-            elif pos >= len(text) or text[pos] != "]":
-                raise _json_error(path, text, pos, "expected ',' or ']' between records")
-        return
-    for number, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
-            continue
+                raise DataError(f"{path}:{number}: invalid JSON ({e.msg}, column {e.colno}). "
+                                f"Each line of a .jsonl file must be one JSON object.") from None
+            except RecursionError:
+                raise DataError(f"{path}:{number}: JSON nested too deeply to read.") from None
+            yield record, f"{path}:{number}"
+    except RecursionError:
+        raise DataError(f"{path}: JSON nested too deeply to read.") from None
+
+
+def _iter_json_list(path: Path, text: str, start: int, decoder: json.JSONDecoder) -> Iterator[tuple[Any, str]]:
+    pos, line = start + 1, text.count("\n", 0, start) + 1
+    while True:
+        pos = _skip_space(text, pos)
+        if pos < len(text) and text[pos] == "]":
+            if text[pos + 1:].strip():
+                raise _json_error(path, text, pos + 1, "unexpected text after the closing ']'")
+            return
+        line += text.count("\n", start, pos)
+        start = pos
         try:
-            record = json.loads(raw)
+            record, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError as e:
-            raise DataError(f"{path}:{number}: invalid JSON ({e.msg}, column {e.colno}). "
-                            f"Each line of a .jsonl file must be one JSON object.") from None
-        yield record, f"{path}:{number}"
+            raise _json_error(path, text, e.pos, e.msg) from None
+        except RecursionError:
+            raise DataError(f"{path}:{line}: JSON nested too deeply to read.") from None
+        yield record, f"{path}:{line}"
+        pos = _skip_space(text, pos)
+        if pos < len(text) and text[pos] == ",":
+            pos += 1
+        elif pos >= len(text) or text[pos] != "]":
+            raise _json_error(path, text, pos, "expected ',' or ']' between records")
 
 
 def _skip_space(text: str, pos: int) -> int:
@@ -156,6 +185,7 @@ def _iter_parquet(path: Path) -> Iterator[tuple[Any, str]]:
 
 
 def _iter_csv(path: Path) -> Iterator[tuple[Any, str]]:
+    csv.field_size_limit(2**31 - 1)  # the default (128 KiB) would reject long but valid texts
     reader = csv.DictReader(_read_text(path).splitlines(keepends=True))
     try:
         for record in reader:
@@ -189,7 +219,7 @@ def detect_format(record: Any, where: str) -> str:
             return "messages"
         if "message_id" in record and "role" in record or "prompt" in record and "message_tree_id" in record:
             return "oasst"
-    keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+    keys = sorted(map(str, record)) if isinstance(record, dict) else type(record).__name__
     raise DataError(f"{where}: cannot tell the dataset format from the record's keys {keys}. Expected alpaca "
                     f"(instruction/input/output), oasst (message_id/parent_id/role/text) or messages "
                     f"(messages or conversations); pass --dataset_format.")
@@ -238,7 +268,7 @@ def _expect_str(record: dict, key: str, where: str, required: bool = True) -> st
     if value is None and not required:
         return ""
     if not isinstance(value, str):
-        got = "missing" if key not in record else f"{type(value).__name__} {str(value)[:40]!r}"
+        got = "missing" if key not in record else f"{type(value).__name__} {_short(value)}"
         raise DataError(f"{where}: field '{key}' must be a string, got {got}. "
                         f"Fix the record, or pass --skip_bad_records to skip it.")
     return value
@@ -260,10 +290,10 @@ def alpaca_conversation(record: Any, where: str) -> dict | str:
     system = _expect_str(record, "system", where, required=False)
     if not output.strip():
         return "empty output"
-    if not instruction.strip() and context.strip().lower() in NO_INPUT:
-        return "empty instruction"
-    if context.strip().lower() in NO_INPUT:
+    if is_no_input(context):
         context = ""
+    if not instruction.strip() and not context.strip():
+        return "empty instruction"
     messages = [{"role": "system", "content": system}] if system.strip() else []
     history = record.get("history") or []
     if not isinstance(history, list) or not all(
@@ -289,7 +319,8 @@ def messages_conversation(record: Any, where: str) -> dict | str:
                         f"found keys {sorted(record)}.")
     turns = record[key]
     if not isinstance(turns, list):
-        raise DataError(f"{where}: field '{key}' must be a list of turns, got {type(turns).__name__}.")
+        raise DataError(f"{where}: field '{key}' must be a list of turns, got {type(turns).__name__}. "
+                        f"Fix the record, or pass --skip_bad_records to skip it.")
     messages = []
     system = record.get("system")
     if isinstance(system, str) and system.strip():
@@ -297,9 +328,16 @@ def messages_conversation(record: Any, where: str) -> dict | str:
     for i, turn in enumerate(turns):
         turn = _expect_dict(turn, f"{where}: {key}[{i}]", f"{role_key}/{text_key}")
         role = turn.get(role_key)
-        if role not in roles:
-            raise DataError(f"{where}: {key}[{i}].{role_key} is {role!r}; expected one of {sorted(roles)}.")
-        content = _expect_str(turn, text_key, f"{where}: {key}[{i}]")
+        if not isinstance(role, str) or role.lower() not in roles:
+            raise DataError(f"{where}: {key}[{i}].{role_key} is {_short(role)}; expected one of {sorted(roles)}. "
+                            f"Fix the record, or pass --skip_bad_records to skip it.")
+        content = turn.get(text_key)
+        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and
+                                             isinstance(p.get("text"), str) for p in content):
+            content = "".join(p["text"] for p in content)  # OpenAI content parts, text only
+        else:
+            content = _expect_str(turn, text_key, f"{where}: {key}[{i}]")
+        role = role.lower()
         messages.append({"role": roles[role], "content": content})
     return _finish_thread(messages, where)
 
@@ -318,11 +356,13 @@ def oasst_conversations(records: Iterable[tuple[Any, str]], stats: ReadStats,
     """OASST1/OASST2 message trees, flat (one message per record) or nested (`prompt` with `replies`).
 
     Deleted and failed-review messages drop with their subtrees; orphans (missing parent), duplicate ids and
-    cycles are counted, never fatal.
+    cycles are counted, never fatal. `best` follows the best-ranked reply at every step (one thread per tree);
+    `all` gives every root-to-leaf thread, where a thread that ends in an unanswered prompt is cut back to its last
+    reply and kept only if that reply is a leaf (otherwise it would repeat the start of a longer thread).
     """
     nodes: dict[str, dict] = {}
     for record, where in records:
-        for message in _flatten_tree(record, where, options):
+        for message in _flatten_tree(record, where, options, stats):
             stats.read += 1
             if message["message_id"] in nodes:
                 stats.skip("duplicate message_id")
@@ -342,69 +382,120 @@ def oasst_conversations(records: Iterable[tuple[Any, str]], stats: ReadStats,
         children.setdefault(node["parent_id"], []).append(node)
     for siblings in children.values():  # best rank first; unranked after ranked, in file order
         siblings.sort(key=lambda n: (n["rank"] is None, n["rank"] if n["rank"] is not None else 0))
-    reachable = _count_reachable(children)
-    unreachable = sum(len(v) for k, v in children.items()) - reachable
+    roots = [r for r in children.get(None, []) if r["role"] == "prompter"]
+    if len(children.get(None, [])) > len(roots):
+        stats.skipped["tree root is not a prompt"] += len(children.get(None, [])) - len(roots)
+    kept = sum(len(v) for v in children.values())
+    unreachable = kept - _count_reachable(roots, children)
     if unreachable:  # below a skipped message, or in a parent_id cycle that no root leads into
         stats.skipped["below a skipped message, or in a cycle"] += unreachable
-    for root in children.get(None, []):
-        if root["role"] != "prompter":
-            stats.skip("tree root is not a prompt")
-            continue
+    for root in roots:
+        threads: dict[tuple, dict] = {}
         for path in _threads(root, children, options.oasst_threads):
             messages = [{"role": "user" if n["role"] == "prompter" else "assistant", "content": n["text"]}
                         for n in path]
             conversation = _finish_thread(messages, path[0]["where"])
             if isinstance(conversation, str):
                 stats.skip(conversation)
+                continue
+            ids = tuple(n["message_id"] for n in path[: len(conversation["messages"])])
+            if ids in threads:  # two unanswered prompts under one reply cut back to the same thread
+                stats.skip("unanswered prompt (its thread is part of a longer one)")
+                continue
+            threads[ids] = conversation
+        prefixes = {ids[:k] for ids in threads for k in range(1, len(ids))}
+        for ids, conversation in threads.items():
+            if ids in prefixes:
+                stats.skip("unanswered prompt (its thread is part of a longer one)")
             else:
                 yield conversation
 
 
-def _flatten_tree(record: Any, where: str, options: ReadOptions) -> Iterator[dict]:
+def _flatten_tree(record: Any, where: str, options: ReadOptions, stats: ReadStats) -> Iterator[dict]:
+    if options.skip_bad and not isinstance(record, dict):
+        stats.skip("invalid record")
+        return
     record = _expect_dict(record, where, "an OASST message or tree")
-    if "prompt" in record and isinstance(record.get("prompt"), dict):  # nested *.trees.jsonl export
+    if isinstance(record.get("prompt"), dict):  # nested *.trees.jsonl export
         stack = [(record["prompt"], None)]
         while stack:
             node, parent = stack.pop()
-            node = _expect_dict(node, where, "an OASST message")
-            message = _oasst_message(dict(node, parent_id=parent), where, options)
-            if message is None:
+            message = _oasst_message(node, parent, where, options)
+            if message is None:  # skipped as invalid, with everything below it
+                lost = _count_nodes(node)
+                stats.skip("invalid record")
+                if lost > 1:
+                    stats.skipped["below a skipped message, or in a cycle"] += lost - 1
                 continue
             yield message
             replies = node.get("replies") or []
             if not isinstance(replies, list):
-                raise DataError(f"{where}: 'replies' must be a list.")
+                if not options.skip_bad:
+                    raise DataError(f"{where}: 'replies' of message {message['message_id']} must be a list, got "
+                                    f"{type(replies).__name__}. Fix the tree, or pass --skip_bad_records.")
+                stats.skip("invalid record")
+                continue
             stack.extend((reply, message["message_id"]) for reply in reversed(replies))
         return
-    message = _oasst_message(record, where, options)
-    if message is not None:
+    message = _oasst_message(record, _MISSING, where, options)
+    if message is None:
+        stats.skip("invalid record")
+    else:
         yield message
 
 
-def _oasst_message(record: dict, where: str, options: ReadOptions) -> dict | None:
+_MISSING = object()  # flat records carry their own parent_id
+
+
+def _count_nodes(node: Any) -> int:
+    count, stack = 0, [node]
+    while stack:
+        item = stack.pop()
+        count += 1
+        replies = item.get("replies") if isinstance(item, dict) else None
+        if isinstance(replies, list):
+            stack.extend(replies)
+    return count
+
+
+def _oasst_message(record: Any, parent: Any, where: str, options: ReadOptions) -> dict | None:
     try:
+        record = _expect_dict(record, where, "an OASST message")
         message_id = _expect_str(record, "message_id", where)
         text = _expect_str(record, "text", where)
         role = record.get("role")
         if role not in ("prompter", "assistant"):
-            raise DataError(f"{where}: field 'role' is {role!r}; OASST roles are 'prompter' and 'assistant'.")
-        parent = record.get("parent_id")
-        if parent is not None and not isinstance(parent, str):
-            raise DataError(f"{where}: field 'parent_id' must be a string or null, got {type(parent).__name__}.")
+            raise DataError(f"{where}: field 'role' is {_short(role)}; OASST roles are 'prompter' and 'assistant'. "
+                            f"Fix the record, or pass --skip_bad_records to skip it.")
+        if parent is _MISSING:
+            parent = record.get("parent_id")
+            if parent is not None and not isinstance(parent, str):
+                raise DataError(f"{where}: field 'parent_id' must be a string or null, got {type(parent).__name__}. "
+                                f"Fix the record, or pass --skip_bad_records to skip it.")
         rank = record.get("rank")
-        if rank is not None and not isinstance(rank, int | float):
-            raise DataError(f"{where}: field 'rank' must be a number or null, got {type(rank).__name__}.")
+        if rank is not None and (not isinstance(rank, int | float) or isinstance(rank, bool)):
+            raise DataError(f"{where}: field 'rank' must be a number or null, got {type(rank).__name__}. "
+                            f"Fix the record, or pass --skip_bad_records to skip it.")
+        for key in ("deleted", "review_result"):
+            if record.get(key) is not None and not isinstance(record.get(key), bool):
+                raise DataError(f"{where}: field '{key}' must be true, false or null, got "
+                                f"{type(record.get(key)).__name__}. Fix the record, or pass --skip_bad_records.")
     except DataError:
         if options.skip_bad:
             return None
         raise
     return {"message_id": message_id, "parent_id": parent, "role": role, "text": text, "rank": rank,
-            "lang": record.get("lang"), "deleted": bool(record.get("deleted", False)),
+            "lang": record.get("lang"), "deleted": bool(record.get("deleted")),
             "review_result": record.get("review_result", True), "where": where}
 
 
-def _count_reachable(children: dict[str | None, list[dict]]) -> int:
-    seen, stack = set(), list(children.get(None, []))
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _count_reachable(roots: list[dict], children: dict[str | None, list[dict]]) -> int:
+    seen, stack = set(), list(roots)
     while stack:
         node = stack.pop()
         if node["message_id"] in seen:
@@ -415,14 +506,15 @@ def _count_reachable(children: dict[str | None, list[dict]]) -> int:
 
 
 def _threads(root: dict, children: dict[str | None, list[dict]], mode: str) -> Iterator[list[dict]]:
-    """Root-to-leaf paths: only the best-ranked one, or all of them. Iterative, and safe against cycles."""
-    stack = [[root]]
+    """Root-to-leaf paths: only the best-ranked one, or all of them. Iterative (deep trees cannot overflow the
+    stack) and cycle-safe (a message already on the path is never followed again)."""
+    stack = [([root], {root["message_id"]})]
     while stack:
-        path = stack.pop()
-        kids = [k for k in children.get(path[-1]["message_id"], []) if k not in path]
+        path, on_path = stack.pop()
+        kids = [k for k in children.get(path[-1]["message_id"], []) if k["message_id"] not in on_path]
         if not kids:
             yield path
         elif mode == "best":
-            stack.append(path + [kids[0]])
+            stack.append((path + [kids[0]], on_path | {kids[0]["message_id"]}))
         else:
-            stack.extend(path + [kid] for kid in reversed(kids))
+            stack.extend((path + [kid], on_path | {kid["message_id"]}) for kid in reversed(kids))

@@ -23,6 +23,8 @@ CODER_SYSTEM = ("You are an AI programming assistant, utilizing the Deepseek Cod
                 "refuse to answer\n")
 ALPACA_HEAD = ("Below is an instruction that describes a task{}. Write a response that appropriately completes "
                "the request.\n\n")
+CODER_EOT = "<|EOT|>"
+V3_EOS = "<｜end▁of▁sentence｜>"  # written literally by the V3 and R1 templates, whatever the tokenizer's eos_token
 TEMPLATE_NAMES = ("auto", "model", "deepseek", "deepseek_coder", "deepseek_v3", "r1_distill", "alpaca")
 
 
@@ -80,37 +82,45 @@ class DeepSeekCoder(Template):
             elif m["role"] == "user":
                 out.append((f"### Instruction:\n{user_text(m)}\n", False))
             else:
-                out += [("### Response:\n", False), (f"{m['content']}\n{self.eos}", True), ("\n", False)]
+                out += [("### Response:\n", False), (f"{m['content']}\n{CODER_EOT}", True), ("\n", False)]
         if add_generation_prompt:
             out.append(("### Response:\n", False))
         return out
 
 
 class DeepSeekV3(Template):
-    """DeepSeek V2.5/V3: `<｜User｜>{u}<｜Assistant｜>{a}<｜end▁of▁sentence｜>`, system text right after BOS."""
+    """DeepSeek V2.5/V3: `<｜User｜>{u}<｜Assistant｜>{a}<｜end▁of▁sentence｜>`, system texts (joined by a blank
+    line) right after BOS."""
 
     name = "deepseek_v3"
     generation_prompt = "<｜Assistant｜>"
 
+    def system(self, messages: Messages) -> str:
+        return "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+
     def render(self, messages, add_generation_prompt=False):
-        system = "\n\n".join(m["content"] for m in messages if m["role"] == "system")
-        out: list[Segment] = [(self.bos + system, False)]
+        out: list[Segment] = [(self.bos + self.system(messages), False)]
         for m in messages:
             if m["role"] == "user":
                 out.append((f"<｜User｜>{user_text(m)}", False))
             elif m["role"] == "assistant":
-                out += [("<｜Assistant｜>", False), (m["content"] + self.eos, True)]
+                out += [("<｜Assistant｜>", False), (m["content"] + V3_EOS, True)]
         if add_generation_prompt:
             out.append((self.generation_prompt, False))
         return out
 
 
 class R1Distill(DeepSeekV3):
-    """DeepSeek-R1 distills: the V3 layout. The model's own template deletes `<think>...</think>` from
-    assistant turns; we keep it in the targets (the reasoning is what is being distilled)."""
+    """DeepSeek-R1 distills: the V3 layout, the last system text only, and a generation prompt that opens the
+    reasoning (`<｜Assistant｜><think>\n`). The model's own template deletes `<think>...</think>` from assistant
+    turns; we keep it in the targets (the reasoning is what is being distilled)."""
 
     name = "r1_distill"
     generation_prompt = "<｜Assistant｜><think>\n"
+
+    def system(self, messages: Messages) -> str:
+        systems = [m["content"] for m in messages if m["role"] == "system"]
+        return systems[-1] if systems else ""
 
 
 class Alpaca(Template):
@@ -158,7 +168,9 @@ class ModelChatTemplate(Template):
             turn = self._apply(messages[: i + 1], add_generation_prompt=False)
             if not (full.startswith(prompt) and full.startswith(turn) and turn.startswith(prompt)
                     and len(prompt) >= done):
-                raise ValueError(
+                from sft.formats import DataError
+
+                raise DataError(
                     "the model's chat_template does not render conversations as growing prefixes (it rewrites "
                     "earlier turns), so the assistant tokens cannot be located; use --template with one of "
                     f"{', '.join(TEMPLATE_NAMES[2:])}")
@@ -176,15 +188,46 @@ BUILTIN: dict[str, Callable[[str, str], Template]] = {
 }
 
 
+# Conversations on which a built-in template must render exactly as a model's own chat_template for `auto` to
+# use it (it is much faster than rendering Jinja several times per conversation, and we know where its turns are).
+PROBES = (
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"},
+     {"role": "assistant", "content": "6"}],
+)
+
+
+def matching_builtin(tokenizer) -> str | None:
+    """The built-in template that renders the probes exactly as the tokenizer's chat_template does, if any."""
+    for name in ("deepseek", "deepseek_coder", "deepseek_v3", "r1_distill"):
+        template = BUILTIN[name](tokenizer.bos_token, tokenizer.eos_token)
+        try:
+            same = all(template.text(p) == tokenizer.apply_chat_template(p, tokenize=False) and
+                       template.text(p[:-1], True) == tokenizer.apply_chat_template(
+                           p[:-1], tokenize=False, add_generation_prompt=True) for p in PROBES)
+        except Exception:  # a template that cannot render our probes is simply not this one
+            same = False
+        if same:
+            return name
+    return None
+
+
 def get_template(name: str, tokenizer) -> Template:
-    """`auto`: the model's own chat_template if it has one, else DeepSeek v1."""
+    """`auto`: the model's own chat_template (through the built-in that renders it identically, when one does),
+    else DeepSeek v1."""
+    from sft.formats import DataError
+
     if name == "auto":
-        name = "model" if getattr(tokenizer, "chat_template", None) else "deepseek"
+        if getattr(tokenizer, "chat_template", None):
+            name = matching_builtin(tokenizer) or "model"
+        else:
+            name = "deepseek"
     if name == "model":
         if not getattr(tokenizer, "chat_template", None):
-            raise ValueError("--template model: this tokenizer has no chat_template; choose --template "
-                             f"from {', '.join(BUILTIN)}")
+            raise DataError("--template model: this tokenizer has no chat_template; choose --template "
+                            f"from {', '.join(BUILTIN)}")
         return ModelChatTemplate(tokenizer)
     if name not in BUILTIN:
-        raise ValueError(f"--template {name!r} is unknown; choose one of {', '.join(TEMPLATE_NAMES)}")
+        raise DataError(f"--template {name!r} is unknown; choose one of {', '.join(TEMPLATE_NAMES)}")
     return BUILTIN[name](tokenizer.bos_token, tokenizer.eos_token)
