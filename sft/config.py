@@ -107,6 +107,19 @@ class SFTTrainingArguments(TrainingArguments):
     remove_unused_columns: bool = field(default=False, metadata={"help": "Leave at False for sft."})
     include_num_input_tokens_seen: str = field(default="non_padding", metadata={
         "help": "Count real (non-padding) tokens, for the tokens/s and MFU logs."})
+    # Nothing lost (sft/checkpoints.py, sft/verify.py, sft/guards.py).
+    overwrite_output_dir: bool = field(default=False, metadata={
+        "help": "Delete the checkpoints and model of a previous run in --output_dir and start over. Without it, "
+                "a run into a directory that holds a run stops and prints the command to resume it."})
+    verify_saves: str = field(default="auto", metadata={
+        "help": "Reload each save and compare its logits with the trained model: auto (the final save, and every "
+                "checkpoint when the model has < 1e9 parameters), all, final, no."})
+    nan_policy: str = field(default="stop", metadata={
+        "help": "On a NaN/inf loss or gradient: stop (before the weights change; the last checkpoint is kept) "
+                "or skip (drop that step's update and go on)."})
+    loss_spike_factor: float = field(default=2.0, metadata={
+        "help": "Warn (and count in the `loss_spikes` log) when a logged loss exceeds this many times the "
+                "running mean; 0 turns it off."})
 
 
 PARSER_TYPES = (ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments)
@@ -177,8 +190,11 @@ def parse_args(argv: list[str] | None = None):
     """-> (ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments), validated."""
     argv = expand_argv(sys.argv[1:] if argv is None else list(argv))
     parser = HfArgumentParser(PARSER_TYPES, allow_abbrev=False)  # a typo must not pass as an abbreviation
-    *parsed, unknown = parser.parse_args_into_dataclasses(
-        args=argv, look_for_args_file=False, return_remaining_strings=True)
+    try:
+        *parsed, unknown = parser.parse_args_into_dataclasses(
+            args=argv, look_for_args_file=False, return_remaining_strings=True)
+    except ValueError as e:  # TrainingArguments.__post_init__ rejects some combinations itself
+        raise ConfigError(training_arguments_message(str(e))) from None
     if unknown:
         raise ConfigError(unknown_options_message(unknown, parser))
     model_args, data_args, lora_args, training_args = parsed
@@ -227,3 +243,116 @@ def validate(model_args: ModelArguments, data_args: DataArguments, lora_args: Lo
         raise ConfigError(f"--packing needs an attention that separates packed documents by position_ids "
                           f"(sdpa, eager, flex_attention, flash_attention_2/3), not "
                           f"{model_args.attn_implementation!r}.")
+    validate_setup(model_args, data_args, lora_args, training_args)
+
+
+# ---- combinations that need the hardware, the launcher or the DeepSpeed config (sft/config.py's last checks) --
+
+def training_arguments_message(message: str) -> str:
+    if "bf16" in message:
+        return ("--bf16: this machine has no bf16 support (it needs an Ampere or newer GPU). Drop --bf16 to train "
+                "in fp32, or use --fp16 on an older GPU.")
+    return f"invalid training options: {message}"
+
+
+def _deepspeed_config(training_args) -> dict:
+    hf_config = getattr(training_args, "hf_deepspeed_config", None)
+    return hf_config.config if hf_config is not None else {}
+
+
+def _env_true(name: str) -> bool:
+    import os
+
+    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
+
+
+def validate_setup(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraArguments,
+                   training_args: SFTTrainingArguments) -> None:
+    """Checks against this machine, the launcher's settings (accelerate exports them as ACCELERATE_* variables)
+    and the DeepSpeed JSON; each says what to do instead."""
+    import importlib.util
+    import os
+
+    import torch
+
+    cuda = torch.cuda.is_available()
+    gpus = torch.cuda.device_count() if cuda else 0
+    ds = _deepspeed_config(training_args)
+    zero = ds.get("zero_optimization", {}) if isinstance(ds.get("zero_optimization"), dict) else {}
+    zero_stage = zero.get("stage", os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"))
+    offload = [k for k in ("offload_optimizer", "offload_param")
+               if str((zero.get(k) or {}).get("device", "none")).lower() in ("cpu", "nvme")]
+    offload += [k for k in ("OPTIMIZER", "PARAM")
+                if os.environ.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{k}_DEVICE", "none") in ("cpu", "nvme")]
+
+    # Our own options.
+    if training_args.verify_saves not in ("auto", "all", "final", "no"):
+        raise ConfigError(f"--verify_saves {training_args.verify_saves!r}: use auto, all, final or no.")
+    if training_args.nan_policy not in ("stop", "skip"):
+        raise ConfigError(f"--nan_policy {training_args.nan_policy!r}: use stop or skip.")
+    if training_args.loss_spike_factor < 0 or 0 < training_args.loss_spike_factor <= 1:
+        raise ConfigError(f"--loss_spike_factor {training_args.loss_spike_factor}: give a factor above 1, or 0 "
+                          f"to turn spike warnings off.")
+
+    # Precision. (--bf16 without hardware support is refused while parsing: see training_arguments_message.)
+    if training_args.fp16 and not cuda:
+        raise ConfigError("--fp16 needs a GPU (fp16 autocast with a loss scaler); on this machine drop --fp16 "
+                          "and train in fp32.")
+    if model_args.dtype == "bfloat16" and cuda and not torch.cuda.is_bf16_supported():
+        raise ConfigError("--dtype bfloat16: this GPU has no bf16; use --dtype float16 with --lora, or float32.")
+
+    # Quantized base weights (QLoRA), if an option for them exists: ZeRO-3 cannot shard 4/8-bit weights.
+    quantized = [k for k in ("load_in_4bit", "load_in_8bit", "qlora") if getattr(model_args, k, False)]
+    if quantized and str(zero_stage) == "3":
+        raise ConfigError(f"--{quantized[0]} with DeepSpeed ZeRO-3: quantized base weights cannot be partitioned. "
+                          f"Use DDP (accelerate_configs/ddp.yaml) or ZeRO-2 (accelerate_configs/zero2.yaml).")
+
+    # Sharding and offload exist to save GPU memory; without GPUs they are either silently ignored or pointless.
+    if not cuda:
+        if training_args.fsdp or _env_true("ACCELERATE_USE_FSDP"):
+            raise ConfigError("FSDP needs GPUs: on a machine without them accelerate silently runs plain DDP "
+                              "instead. Drop --fsdp / the FSDP accelerate config, or run on GPUs.")
+        if offload:
+            raise ConfigError(f"DeepSpeed {' and '.join(sorted(set(o.lower() for o in offload)))} offload moves "
+                              f"GPU state to host memory, and this machine has no GPU. Remove the offload "
+                              f"section (ZeRO itself runs on CPU), or run on GPUs.")
+
+    # Attention kernels.
+    attn = model_args.attn_implementation
+    if attn.startswith("flash_attention"):
+        package = "flash_attn_interface" if attn == "flash_attention_3" else "flash_attn"
+        if not cuda or importlib.util.find_spec(package) is None:
+            raise ConfigError(f"--attn_implementation {attn} needs a GPU and the `{package}` package "
+                              f"({'no GPU here' if not cuda else 'not installed'}). Use sdpa (it also separates "
+                              f"packed documents).")
+    if attn == "flex_attention" and not cuda:
+        raise ConfigError("--attn_implementation flex_attention cannot train on CPU (no backward there); use sdpa.")
+
+    # Processes and GPUs.
+    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if cuda and local_processes > gpus:
+        raise ConfigError(f"{local_processes} processes on this machine but {gpus} GPU(s): launch with "
+                          f"`accelerate launch --num_processes {gpus}` (or `torchrun --nproc_per_node {gpus}`).")
+
+    # The launcher's accelerate config, the DeepSpeed JSON and the Trainer's flags must agree.
+    mismatches = getattr(getattr(training_args, "hf_deepspeed_config", None), "mismatches", None) or []
+    if mismatches:
+        found = "; ".join(m.lstrip("- ") for m in mismatches)
+        raise ConfigError(f"the DeepSpeed config {training_args.deepspeed} disagrees with the Trainer's options "
+                          f"({found}). Set those DeepSpeed values to \"auto\" (filled from the Trainer's options) "
+                          f"or give matching flags.")
+    launcher_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+    ours = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else None
+    if ours and launcher_precision not in ("no", ours):
+        raise ConfigError(f"the accelerate config says mixed_precision: {launcher_precision} but the command line "
+                          f"says --{ours}: make them agree (or drop one; the other is then used).")
+    launcher_accumulation = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    if launcher_accumulation and int(launcher_accumulation) != training_args.gradient_accumulation_steps:
+        raise ConfigError(f"the accelerate config says gradient_accumulation_steps: {launcher_accumulation} but the "
+                          f"Trainer uses --gradient_accumulation_steps {training_args.gradient_accumulation_steps}: "
+                          f"give the same value to both.")
+    launcher_ds = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    if (launcher_ds and training_args.deepspeed and isinstance(training_args.deepspeed, str)
+            and os.path.realpath(launcher_ds) != os.path.realpath(training_args.deepspeed)):
+        raise ConfigError(f"two DeepSpeed configs: the accelerate config names {launcher_ds}, --deepspeed names "
+                          f"{training_args.deepspeed}. Keep one.")

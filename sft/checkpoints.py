@@ -1,0 +1,296 @@
+"""Checkpoints that survive SIGKILL: completeness markers, resume resolution, no silent overwrite.
+
+transformers 5.24 writes `checkpoint-N` in place (model, optimizer, scheduler, RNG states, trainer_state.json)
+and then rotates old ones, all inside `Trainer._save_checkpoint`; a kill at any moment can leave a directory
+that looks like a checkpoint but is half written, and its `get_last_checkpoint` takes the highest number
+whatever its state. So:
+
+- After the Trainer has written a checkpoint (its `on_save` event, every rank past a barrier), the main
+  process fsyncs every file and writes `checkpoint_complete.json` last (atomically: temp file, fsync, rename),
+  listing each file with its size. A checkpoint is complete only if that marker is there and every listed file
+  still has its size, so a directory that was being written or being deleted is never taken for a complete one.
+- We rotate (`--save_total_limit`) ourselves, after marking, instead of the Trainer (which rotates before
+  `on_save`: with a limit of 1 a kill there would leave no complete checkpoint). A rotated checkpoint loses its
+  marker before its files.
+- `--resume_from_checkpoint true` resumes from the newest complete checkpoint in `--output_dir`; incomplete ones
+  are deleted first, since the Trainer would write into them in place.
+- A run into an output directory that holds a run stops with the exact command to resume or to overwrite.
+
+Safe loading on resume (checked in transformers 5.24): the Trainer loads weights from safetensors and
+`optimizer.pt`, `scheduler.pt`, `scaler.pt` and `rng_state*.pth` with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+from sft.config import ConfigError
+
+MARKER = "checkpoint_complete.json"
+FINAL_MARKER = "training_complete.json"  # written after the final model was saved and verified
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+TRUE = ("true", "1", "yes", "last", "latest")
+# What a finished run leaves at the top of --output_dir (the model or adapter, written by save_model).
+MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
+               "pytorch_model.bin", "adapter_model.bin", FINAL_MARKER)
+
+
+# ---- completeness -------------------------------------------------------------------------------------------
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MARKER)
+
+
+def mark_complete(directory: Path, marker: str = MARKER) -> None:
+    """Flush every file of `directory` to disk, then write the marker listing them (the last write)."""
+    directory = Path(directory)
+    files = _files(directory) if marker == MARKER else [p for p in directory.iterdir() if p.is_file()
+                                                         and p.name != marker]
+    for path in files:
+        _fsync(path)
+    manifest = {"files": {str(p.relative_to(directory)): p.stat().st_size for p in files}}
+    tmp = directory / f".{marker}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f, indent=0)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / marker)
+    _fsync(directory)
+    _fsync(directory.parent)
+
+
+def is_complete(directory: Path, marker: str = MARKER) -> bool:
+    try:
+        manifest = json.loads((Path(directory) / marker).read_text())
+        return all((Path(directory) / name).stat().st_size == size for name, size in manifest["files"].items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
+    """checkpoint-N directories, oldest step first."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := CHECKPOINT_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def newest_complete(output_dir: str | Path) -> Path | None:
+    complete = [p for p in checkpoint_dirs(output_dir) if is_complete(p)]
+    return complete[-1] if complete else None
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Marker first, so that a kill during the deletion leaves a directory no one takes for complete."""
+    try:
+        (path / MARKER).unlink()
+        _fsync(path)
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def rotate(output_dir: str | Path, limit: int | None, keep: str | None = None) -> None:
+    """Keep the `limit` most recently completed checkpoints (and `keep`, the best one)."""
+    if not limit or limit <= 0:
+        return
+    complete = [p for p in checkpoint_dirs(output_dir) if is_complete(p)]
+    complete.sort(key=lambda p: (p / MARKER).stat().st_mtime_ns)
+    protected = set(complete[-limit:]) | ({Path(keep)} if keep else set())
+    for path in complete:
+        if path not in protected:
+            remove_checkpoint(path)
+
+
+# ---- re-running into an output directory -------------------------------------------------------------------
+
+def launch_command(argv: list[str] | None) -> list[str]:
+    """The command line that started this run, as the user typed it (the launcher's, under accelerate/torchrun)."""
+    if "LOCAL_RANK" in os.environ or "ACCELERATE_DYNAMO_BACKEND" in os.environ:
+        try:  # under a launcher our parent is `accelerate launch ...` or `torchrun ...`: repeat its command
+            raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
+            words = [w.decode() for w in raw if w]
+            if words and Path(words[0]).name.startswith("python") and len(words) > 1:
+                words = [Path(words[1]).name, *words[2:]]  # `.../bin/accelerate launch ...` -> `accelerate ...`
+            elif words:
+                words[0] = Path(words[0]).name
+            if any(w.endswith("train.py") for w in words):
+                return words
+        except OSError:
+            pass
+    script = "sft/train.py"
+    return ["python", script, *(sys.argv[1:] if argv is None else argv)]
+
+
+def command_with(argv: list[str] | None, **options: str) -> str:
+    """This run's command with `options` set (replacing any earlier value of them)."""
+    words, out, skip = launch_command(argv), [], False
+    for word in words:
+        name = word[2:].split("=", 1)[0] if word.startswith("--") else None
+        if skip:
+            skip = False
+            if not word.startswith("--"):
+                continue
+        if name in options:
+            skip = "=" not in word
+            continue
+        out.append(word)
+    for name, value in options.items():
+        out += [f"--{name}", value]
+    return shlex.join(out)
+
+
+def holds_run(output_dir: str | Path) -> str | None:
+    """What a previous run left in `output_dir` that a new run would overwrite, in words; None if nothing."""
+    root = Path(output_dir)
+    complete = [p for p in checkpoint_dirs(root) if is_complete(p)]
+    model = [name for name in MODEL_FILES if (root / name).exists()]
+    if not complete and not model:
+        return None  # empty, logs only, or checkpoints of a run killed before its first complete one
+    parts = []
+    if complete:
+        parts.append(f"{len(complete)} complete checkpoint(s), the newest {complete[-1].name}")
+    if model:
+        parts.append("a saved model" + (" (training finished)" if (root / FINAL_MARKER).exists() else ""))
+    return " and ".join(parts)
+
+
+def clear_run(output_dir: str | Path) -> None:
+    """--overwrite_output_dir: remove the previous run's checkpoints and model files (logs are kept)."""
+    root = Path(output_dir)
+    for path in checkpoint_dirs(root):
+        remove_checkpoint(path)
+    for name in MODEL_FILES:
+        (root / name).unlink(missing_ok=True)
+
+
+def resolve_resume(training_args, argv: list[str] | None = None) -> str | None:
+    """-> the checkpoint to resume from, or None to start fresh. Raises ConfigError when a run would be lost.
+
+    Only the saving process deletes anything (incomplete checkpoints, or the old run under --overwrite_output_dir);
+    every process reaches the same answer from the directory's contents.
+    """
+    output_dir = Path(training_args.output_dir)
+    value = training_args.resume_from_checkpoint
+    value = None if value in (None, "", "false", "False", "no", "0") else str(value)
+    cleaning = training_args.should_save
+    overwrite = getattr(training_args, "overwrite_output_dir", False)
+    if value is not None and overwrite:
+        raise ConfigError("--resume_from_checkpoint and --overwrite_output_dir contradict each other: give one.")
+
+    def drop_incomplete():
+        for path in checkpoint_dirs(output_dir):
+            if cleaning and not is_complete(path):
+                print(f"Removing {path}: an interrupted run left it incomplete.", flush=True)
+                remove_checkpoint(path)
+
+    if value is None:
+        found = holds_run(output_dir)
+        if found and not overwrite:
+            resume = command_with(argv, resume_from_checkpoint="true") if newest_complete(output_dir) else None
+            fresh = command_with(argv, overwrite_output_dir="true")
+            hint = f"to continue it: {resume}  |  " if resume else ""
+            raise ConfigError(f"--output_dir {output_dir} already holds a run ({found}); nothing was changed. "
+                              f"{hint}to start over and delete it: {fresh}  |  or give another --output_dir.")
+        if overwrite and cleaning:
+            clear_run(output_dir)
+        drop_incomplete()
+        return None
+
+    if value.lower() in TRUE:
+        checkpoint = newest_complete(output_dir)
+        if checkpoint is None:
+            if any((output_dir / name).exists() for name in MODEL_FILES):
+                raise ConfigError(f"--resume_from_checkpoint true: {output_dir} holds a saved model but no complete "
+                                  f"checkpoint to resume from. To start over: "
+                                  f"{command_with(argv, resume_from_checkpoint='false', overwrite_output_dir='true')}")
+            drop_incomplete()
+            print(f"No complete checkpoint in {output_dir}: starting from the beginning.", flush=True)
+            return None
+        drop_incomplete()
+        return str(checkpoint)
+
+    checkpoint = Path(value)
+    if not checkpoint.is_dir():
+        raise ConfigError(f"--resume_from_checkpoint {value}: no such directory. Give a checkpoint-N directory or "
+                          f"`true` for the newest complete one in --output_dir.")
+    if not is_complete(checkpoint):
+        newest = newest_complete(checkpoint.parent)
+        hint = (f" The newest complete one there is {newest}: {command_with(argv, resume_from_checkpoint=str(newest))}"
+                if newest else "")
+        raise ConfigError(f"--resume_from_checkpoint {value}: this checkpoint has no {MARKER} (or its files changed "
+                          f"since), so it was left half-written by an interrupted run.{hint}")
+    if checkpoint.resolve().parent == output_dir.resolve():
+        drop_incomplete()
+    return str(checkpoint)
+
+
+# ---- during training ----------------------------------------------------------------------------------------
+
+def _barrier() -> None:
+    from accelerate import PartialState
+
+    PartialState().wait_for_everyone()
+
+
+def checkpoint_callback(training_args, verifier=None):
+    """The Trainer callback that verifies, marks and rotates each checkpoint. It takes `--save_total_limit` over
+    from the Trainer (whose rotation runs before any callback can mark the new checkpoint complete)."""
+    from transformers import TrainerCallback
+
+    limit, training_args.save_total_limit = training_args.save_total_limit, None
+
+    class CompleteCheckpoints(TrainerCallback):
+        def on_save(self, args, state, control, model=None, **kwargs):
+            path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            _barrier()  # every rank has written its part (RNG states, ZeRO shards)
+            if verifier is not None and verifier.checkpoints:
+                verifier.check(model, path)
+            if args.should_save:
+                mark_complete(path)
+                rotate(args.output_dir, limit, state.best_model_checkpoint)
+            _barrier()
+
+    return CompleteCheckpoints()
+
+
+def save_final(trainer, output_dir: str, verifier=None) -> None:
+    """Save the model (or adapter) and tokenizer, verify the files by reloading them, then mark the run done."""
+    root = Path(output_dir)
+    if trainer.args.should_save:
+        (root / FINAL_MARKER).unlink(missing_ok=True)
+    trainer.save_model(output_dir)
+    _barrier()
+    if verifier is not None and verifier.final:
+        verifier.check(trainer.model, root)
+    if trainer.args.should_save:
+        mark_complete(root, FINAL_MARKER)
+
+
+def safety_callbacks(model, model_args, lora_args, training_args, argv: list[str] | None = None):
+    """-> (Trainer callbacks, save verifier): complete checkpoints, verified saves, NaN/inf guard, loss spikes."""
+    from sft.guards import guard_callbacks
+    from sft.model import resolve_model_path
+    from sft.verify import make_verifier
+
+    verifier = make_verifier(training_args.verify_saves, model, resolve_model_path(model_args.model), lora_args.lora,
+                             model_args.attn_implementation, model_args.trust_remote_code)
+    resume = command_with(argv, resume_from_checkpoint="true")
+    guards = guard_callbacks(training_args.nan_policy, training_args.loss_spike_factor,
+                             lambda: newest_complete(training_args.output_dir), resume)
+    return [checkpoint_callback(training_args, verifier), *guards], verifier
