@@ -52,6 +52,9 @@ class ModelArguments:
     trust_remote_code: bool = field(default=False, metadata={
         "help": "Run Python code shipped with a hub model. Off by default: DeepSeek models are native in "
                 "transformers."})
+    tp_size: int = field(default=1, metadata={
+        "help": "Tensor parallel: split every layer over this many GPUs (transformers' tp_plan; launch with "
+                "accelerate_configs/tp.yaml). Pays only with fast GPU links; see README, Multi-GPU strategies."})
 
 
 @dataclass

@@ -7,6 +7,8 @@ weights stay fp32 (peft's default).
 
 from __future__ import annotations
 
+import os
+
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -53,11 +55,31 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
         dtype=weights_dtype(model_args, lora_args.lora),
         attn_implementation=model_args.attn_implementation,
         trust_remote_code=model_args.trust_remote_code,
+        **tensor_parallel(model_args),
     )
+    report_zero3_partitioning(model)
     model.config.use_cache = False  # a KV cache would let packed documents attend to each other
     if lora_args.lora:
         model = attach_lora(model, lora_args, gradient_checkpointing)
     return model
+
+
+def tensor_parallel(model_args: ModelArguments) -> dict:
+    """from_pretrained's arguments for --tp_size > 1: the model's own tp_plan, sharded as it loads. The Trainer
+    then sees `model.tp_size` and sets accelerate's ParallelismConfig itself."""
+    if model_args.tp_size <= 1:
+        return {}
+    from transformers.distributed import DistributedConfig
+
+    return {"distributed_config": DistributedConfig(tp_size=model_args.tp_size)}
+
+
+def report_zero3_partitioning(model) -> None:
+    from sft.distributed import zero3_partition_report
+
+    report = zero3_partition_report(model)
+    if report and int(os.environ.get("RANK", "0")) == 0:
+        print(report, flush=True)
 
 
 def lora_targets(model, lora_args: LoraArguments) -> list[str] | str:

@@ -23,6 +23,9 @@ from sft.formats import DataError
 
 def main(argv: list[str] | None = None) -> int:
     try:
+        from sft.distributed import DistributedCheckError, configure_nccl_env, preflight
+
+        configure_nccl_env()  # consumer GPUs: before TrainingArguments starts the process group
         model_args, data_args, lora_args, training_args = parse_args(argv)
         from sft.dataset import prepare, read_datasets
 
@@ -31,7 +34,8 @@ def main(argv: list[str] | None = None) -> int:
 
         tokenizer = load_tokenizer(model_args)
         train_data, eval_data, summary = prepare(data_args, tokenizer, conversations, training_args)
-    except (ConfigError, DataError) as e:
+        preflight(model_args, lora_args, training_args)  # all-reduce check; host RAM of offload plans
+    except (ConfigError, DataError, DistributedCheckError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     main_process = training_args.process_index == 0
@@ -46,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     from sft.callbacks import ThroughputCallback, flops_per_token, peak_flops
     from sft.packing import Collator
 
+    from sft.distributed import consolidate_fsdp_saves, use_fsdp_activation_checkpointing
+
+    use_fsdp_activation_checkpointing(training_args)  # FSDP's own, not the Trainer's (a redundant all-gather)
     model = load_model(model_args, lora_args, training_args.gradient_checkpointing)
     trainer = Trainer(
         model=model,
@@ -62,6 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
     if eval_data is not None and training_args.eval_strategy == "no":
         trainer.evaluate()
+    consolidate_fsdp_saves(trainer)  # FSDP: one consolidated safetensors model, not shards
     trainer.save_model(training_args.output_dir)  # the model or the LoRA adapter, and the tokenizer
 
     if main_process:

@@ -1,0 +1,311 @@
+"""Multi-GPU pre-flight: consumer-card NCCL settings, an all-reduce correctness check, and the host-RAM check of
+ZeRO-3 offload plans. Each runs before the model is loaded, so a box that cannot train says so in seconds.
+
+Why: GeForce cards (RTX 40xx and later) have no GPU peer-to-peer; with some drivers NCCL still takes the P2P
+path and an all-reduce silently returns zeros, so training "works" and learns nothing. And ZeRO-3 with CPU
+offload keeps ~18 bytes per parameter in host RAM: a 7B plan on a 64 GiB machine dies to the OOM killer an
+hour in, after loading, unless it is checked first.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from collections.abc import Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from sft.config import ConfigError
+
+NCCL_VARS = ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE")
+# GeForce and TITAN cards have no (working) peer-to-peer; workstation and data-centre cards (RTX A6000, RTX 6000
+# Ada, L40S, A100, H100...) do. "RTX 40"/"RTX 50" also catches names without the GeForce brand.
+CONSUMER_GPU = re.compile(r"geforce|titan|\brtx\s*[45]0\d0", re.IGNORECASE)
+
+
+class DistributedCheckError(RuntimeError):
+    """The processes cannot communicate correctly; the message says what was seen and what to do."""
+
+
+@dataclass
+class NcclDecision:
+    env: dict[str, str] = field(default_factory=dict)  # variables to set (not already set by the user)
+    reasons: list[str] = field(default_factory=list)   # one line each, for the log
+
+
+def is_consumer_gpu(name: str) -> bool:
+    return bool(CONSUMER_GPU.search(name))
+
+
+def decide_nccl_env(gpu_names: Sequence[str], peer_access: bool | None, env: Mapping[str, str]) -> NcclDecision:
+    """What to set before the process group starts. `peer_access`: False if some GPU pair cannot reach each
+    other (torch.cuda.can_device_access_peer), None if unknown. Values the user set are kept, never overridden."""
+    decision = NcclDecision()
+    if len(gpu_names) < 2:
+        return decision  # one GPU per machine: no peer-to-peer path to get wrong
+    consumer = sorted({n for n in gpu_names if is_consumer_gpu(n)})
+    if not consumer and peer_access is not False:
+        return decision
+    why = (f"consumer GPUs ({', '.join(consumer)}) have no peer-to-peer" if consumer
+           else "these GPUs cannot access each other's memory (no peer-to-peer)")
+    for var in NCCL_VARS:
+        if var in env:
+            decision.reasons.append(f"{why}; keeping your {var}={env[var]}")
+        else:
+            decision.env[var] = "1"
+            decision.reasons.append(f"{why}: setting {var}=1")
+    return decision
+
+
+def visible_gpu_names() -> list[str]:
+    """GPU names from nvidia-smi (accelerate's helper: no CUDA initialisation), limited to CUDA_VISIBLE_DEVICES."""
+    try:
+        from accelerate.utils.environment import get_gpu_info
+
+        names, _ = get_gpu_info()
+    except Exception:  # no nvidia-smi, no driver: a CPU machine
+        return []
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible and all(v.strip().isdigit() for v in visible.split(",")):
+        names = [names[int(v)] for v in visible.split(",") if int(v) < len(names)]
+    return names
+
+
+def gpus_have_peer_access() -> bool | None:
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return None
+    n = torch.cuda.device_count()
+    return all(torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n) if i != j)
+
+
+def configure_nccl_env() -> NcclDecision:
+    """Set NCCL_P2P_DISABLE / NCCL_IB_DISABLE for consumer cards. Call before TrainingArguments is built: that
+    starts the process group, and NCCL reads these when its communicators are created."""
+    names = visible_gpu_names()
+    if len(names) < 2 or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return NcclDecision()
+    decision = decide_nccl_env(names, gpus_have_peer_access(), os.environ)
+    os.environ.update(decision.env)
+    if decision.reasons and int(os.environ.get("RANK", "0")) == 0:
+        for line in decision.reasons:
+            print(f"NCCL: {line}", file=sys.stderr, flush=True)
+    return decision
+
+
+def check_allreduce(numels: Sequence[int] = (1024, 4 * 1024 * 1024)) -> None:
+    """Sum known tensors over all ranks and compare with the exact answer (small integers: exact in fp32).
+
+    The large size makes NCCL take its bulk (ring/P2P) path, which is where broken peer-to-peer shows."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    for numel in numels:
+        pattern = torch.arange(numel, device=device, dtype=torch.float32).remainder_(251)
+        tensor = pattern + (rank + 1)
+        dist.all_reduce(tensor)
+        expected = pattern * world + world * (world + 1) / 2
+        wrong = (tensor != expected).nonzero()
+        if len(wrong):
+            i = int(wrong[0])
+            raise DistributedCheckError(
+                f"the all-reduce check failed on rank {rank} of {world}: {len(wrong)} of {numel} values wrong "
+                f"(e.g. index {i}: got {tensor[i].item():g}, expected {expected[i].item():g}). "
+                f"{_nccl_advice()}")
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+def _nccl_advice() -> str:
+    names = visible_gpu_names()
+    state = ", ".join(f"{v}={os.environ.get(v, 'unset')}" for v in NCCL_VARS)
+    return (f"GPUs: {', '.join(names) or 'none seen by nvidia-smi'}; {state}. Communication between the GPUs "
+            "returns wrong data, so training would silently learn nothing. On GeForce cards without peer-to-peer, "
+            "launch with `NCCL_P2P_DISABLE=1 NCCL_IB_DISABLE=1 accelerate launch ...`, update the NVIDIA driver "
+            "(>= 550.40.07 for RTX 40xx), and check `nvidia-smi topo -m`; `NCCL_DEBUG=INFO` shows the path NCCL "
+            "takes.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Host RAM of ZeRO-3 offload plans
+
+GIB = 2**30
+
+
+@dataclass
+class OffloadEstimate:
+    params: int             # all parameters of the model
+    trainable: int          # those the optimizer updates (all, or the LoRA adapter)
+    optimizer_on_cpu: bool
+    params_on_cpu: bool
+    param_bytes: int        # 2 under bf16/fp16, else 4
+    node_share: float       # fraction of the ZeRO partitions held on this machine (local ranks / world size)
+
+    def parts(self) -> list[tuple[str, float]]:
+        """(what, bytes on this machine). DeepSpeed's CPU offload keeps, per trainable parameter, an fp32 master
+        copy (4 B), Adam's two fp32 moments (8 B) and an fp32 gradient (4 B); parameter offload keeps the
+        16-bit (or fp32) working weights of every parameter (2 or 4 B)."""
+        parts = []
+        if self.optimizer_on_cpu:
+            parts += [("fp32 master weights", 4 * self.trainable), ("Adam moments (fp32 m, v)", 8 * self.trainable),
+                      ("fp32 gradients", 4 * self.trainable)]
+        if self.params_on_cpu:
+            parts.append((f"{8 * self.param_bytes}-bit working weights", self.param_bytes * self.params))
+        return [(what, n * self.node_share) for what, n in parts]
+
+    def total(self) -> float:
+        return sum(n for _, n in self.parts())
+
+
+def offload_targets(ds_config: Mapping) -> tuple[bool, bool]:
+    zero = ds_config.get("zero_optimization", {}) or {}
+
+    def on_cpu(key: str) -> bool:
+        return str((zero.get(key) or {}).get("device", "none")).lower() == "cpu"
+
+    return on_cpu("offload_optimizer"), on_cpu("offload_param")
+
+
+def count_parameters(model_args, lora_args) -> tuple[int, int]:
+    """(all, trainable) parameters, from the config alone: the model is built on the meta device (no memory, no
+    weights read), through the class directly so that ZeRO-3's zero.Init does not intercept it; under LoRA the
+    adapter is attached the way training attaches it (sft/model.py), so the count follows its targets."""
+    import torch
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from sft.model import attach_lora, resolve_model_path
+
+    config = AutoConfig.from_pretrained(resolve_model_path(model_args.model),
+                                        trust_remote_code=model_args.trust_remote_code)
+    with torch.device("meta"):
+        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+        total = sum(p.numel() for p in model.parameters())
+        if not lora_args.lora:
+            return total, total
+        model = attach_lora(model, lora_args, False)
+    return total, sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+def estimate_offload(model_args, lora_args, training_args) -> OffloadEstimate | None:
+    """The host-RAM needs of the DeepSpeed plan in effect, or None when nothing is offloaded to the CPU."""
+    plugin = getattr(training_args, "deepspeed_plugin", None)
+    if plugin is None:
+        return None
+    ds_config = plugin.deepspeed_config
+    optimizer_on_cpu, params_on_cpu = offload_targets(ds_config)
+    if not (optimizer_on_cpu or params_on_cpu):
+        return None
+    params, trainable = count_parameters(model_args, lora_args)
+    stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
+    world = max(1, training_args.world_size)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    # ZeRO-3 partitions everything over all ranks; stages 1-2 offload a partition of the optimizer only, and
+    # under stage 2 the (fp16) parameters are not offloaded at all.
+    share = min(1.0, local / world) if stage >= 1 else 1.0
+    half = training_args.bf16 or training_args.fp16
+    return OffloadEstimate(params, trainable, optimizer_on_cpu, params_on_cpu and stage == 3, 2 if half else 4, share)
+
+
+def check_offload_ram(model_args, lora_args, training_args, available: int | None = None,
+                      total: int | None = None) -> OffloadEstimate | None:
+    """Stop before loading when the offload plan cannot fit this machine's RAM; warn when it is tight."""
+    estimate = estimate_offload(model_args, lora_args, training_args)
+    if estimate is None:
+        return None
+    if available is None or total is None:
+        import psutil
+
+        memory = psutil.virtual_memory()
+        available, total = memory.available, memory.total
+    need = estimate.total()
+    detail = " + ".join(f"{n / GIB:.1f} GiB {what}" for what, n in estimate.parts())
+    message = (f"the DeepSpeed CPU-offload plan needs at least {need / GIB:.1f} GiB of host RAM on this machine "
+               f"({detail}; {estimate.params / 1e9:.2f}B parameters, {estimate.trainable / 1e9:.3g}B trained, "
+               f"{estimate.node_share:.0%} of the ZeRO partitions here), not counting the processes themselves "
+               f"and loading buffers; this machine has {total / GIB:.1f} GiB, {available / GIB:.1f} GiB available.")
+    advice = (" Use fewer offloaded parts (ds_configs/zero3.json: no offload; or offload the optimizer only), "
+              "LoRA (--lora), more machines, or a machine with more RAM.")
+    if need > total:
+        raise ConfigError(message + advice)
+    if need > available:
+        print(f"warning: {message} It may be killed for lack of memory.{advice}", file=sys.stderr, flush=True)
+    elif int(os.environ.get("RANK", "0")) == 0:
+        print(f"Host RAM: {message}", flush=True)
+    return estimate
+
+
+def preflight(model_args, lora_args, training_args) -> None:
+    """Run once the process group exists (TrainingArguments built) and before the model loads."""
+    check_offload_ram(model_args, lora_args, training_args)
+    check_allreduce()
+
+
+def zero3_partition_report(model) -> str | None:
+    """Whether the model was created already partitioned by ZeRO-3 (zero.Init): each parameter then carries
+    DeepSpeed's `ds_numel` (full size) and `ds_tensor` (this rank's shard). None when ZeRO-3 is not in use."""
+    from transformers.integrations import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        return None
+    params = list(model.parameters())
+    partitioned = [p for p in params if hasattr(p, "ds_numel")]
+    if len(partitioned) < len(params):
+        return (f"warning: ZeRO-3 is on but {len(params) - len(partitioned)} of {len(params)} parameters were "
+                "loaded whole on every rank (no zero.Init): build TrainingArguments before loading the model.")
+    full = sum(p.ds_numel for p in partitioned)
+    local = sum(p.ds_tensor.numel() for p in partitioned)
+    return f"ZeRO-3: model loaded partitioned (zero.Init): {local:,} of {full:,} parameters on this rank"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FSDP: activation checkpointing and the final save
+
+def fsdp_launched() -> bool:
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes")
+
+
+def use_fsdp_activation_checkpointing(training_args) -> None:
+    """Under FSDP, `--activation_checkpointing` becomes FSDP's own (fsdp_activation_checkpointing): the Trainer's
+    adds a redundant all-gather per layer in backward, and the Trainer refuses both at once (transformers
+    docs, issue 30404). The FSDP plugin reads FSDP_ACTIVATION_CHECKPOINTING when the Trainer creates it."""
+    if not (fsdp_launched() and training_args.activation_checkpointing):
+        return
+    os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = "true"
+    training_args.activation_checkpointing = training_args.gradient_checkpointing = False
+    if training_args.process_index == 0:
+        print("FSDP: --activation_checkpointing applied as FSDP's activation checkpointing", flush=True)
+
+
+def consolidate_fsdp_saves(trainer) -> None:
+    """Checkpoints stay sharded (fast, no full copy on one rank, resumable); the final model is gathered into
+    one consolidated safetensors model (or adapter) that plain transformers/peft loads. Under a sharded
+    state-dict type, Trainer.save_model would write nothing at all."""
+    if getattr(trainer, "is_fsdp_enabled", False):
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+
+
+@contextmanager
+def zero3_init_disabled():
+    """Load a whole model in one process while ZeRO-3 is on (e.g. reloading a save to check it). Otherwise
+    from_pretrained runs under zero.Init, whose collectives the other ranks never join: a hang, or on gloo a
+    'collective mismatch' abort. from_pretrained asks transformers' global DeepSpeed config (a weak reference
+    that TrainingArguments sets), so that is what is switched off here, and restored after."""
+    from transformers.integrations import deepspeed as hf_deepspeed
+
+    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+    config = ref() if ref is not None else None
+    if config is None:
+        yield
+        return
+    hf_deepspeed.unset_hf_deepspeed_config()
+    try:
+        yield
+    finally:
+        hf_deepspeed.set_hf_deepspeed_config(config)
