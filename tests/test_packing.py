@@ -1,0 +1,142 @@
+"""Packing: best-fit decreasing, position_ids restarting per document, and no attention or label across documents:
+the loss and every gradient of a packed batch equal the per-document computation (fp32) for each model family."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conftest import save_tiny_model
+from sft.packing import IGNORE, Collator, best_fit_decreasing, pack_rows
+
+
+def reference_bfd(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Textbook best-fit decreasing: longest first, each into the bin it leaves the least room in."""
+    bins, space = [], []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        fits = [b for b in range(len(bins)) if space[b] >= lengths[i]]
+        if fits:
+            b = min(fits, key=lambda b: (space[b], b))
+        else:
+            b = len(bins)
+            bins.append([])
+            space.append(capacity)
+        bins[b].append(i)
+        space[b] -= lengths[i]
+    return bins
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_best_fit_decreasing_matches_the_textbook_algorithm(seed):
+    rng = random.Random(seed)
+    lengths = [rng.randint(1, 100) for _ in range(rng.randint(1, 300))]
+    bins = best_fit_decreasing(lengths, 100)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))
+    assert all(sum(lengths[i] for i in b) <= 100 for b in bins)
+    assert [sorted(lengths[i] for i in b) for b in bins] == [sorted(lengths[i] for i in b)
+                                                             for b in reference_bfd(lengths, 100)]
+
+
+def test_pack_rows_keeps_documents_whole_and_aligned():
+    import pyarrow as pa
+
+    rng = random.Random(0)
+    docs = [[rng.randint(5, 999) for _ in range(rng.randint(1, 60))] for _ in range(200)]
+    labels = [[IGNORE] + [t if rng.random() < 0.5 else IGNORE for t in d[1:]] for d in docs]
+    table = pack_rows(docs, labels, 128)
+    rows = table.to_pylist()
+    seen = []
+    for row in rows:
+        assert len(row["input_ids"]) == len(row["labels"]) == sum(row["seq_lengths"]) <= 128
+        start = 0
+        for n in row["seq_lengths"]:
+            seen.append((row["input_ids"][start:start + n], row["labels"][start:start + n]))
+            start += n
+    assert sorted(seen) == sorted(zip(docs, labels))
+    # Sliced Arrow columns (what datasets hands over after a filter) pack the same.
+    sliced = pa.array([[0]] + docs, type=pa.list_(pa.int32())).slice(1)
+    sliced_labels = pa.array([[0]] + labels, type=pa.list_(pa.int32())).slice(1)
+    assert pack_rows(sliced, sliced_labels, 128).to_pylist() == rows
+
+
+def test_collator_restarts_positions_per_document_and_pads_as_its_own_document():
+    batch = Collator(pad_token_id=0)([
+        {"input_ids": [1, 2, 3, 4, 5], "labels": [IGNORE, 2, 3, IGNORE, 5], "seq_lengths": [3, 2]},
+        {"input_ids": [6, 7], "labels": [IGNORE, 7], "seq_lengths": [2]},
+    ])
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]
+    assert batch["labels"].tolist() == [[IGNORE, 2, 3, IGNORE, 5], [IGNORE, 7, IGNORE, IGNORE, IGNORE]]
+    assert "attention_mask" not in batch
+    plain = Collator(pad_token_id=0)([{"input_ids": [1, 2, 3], "labels": [IGNORE, 2, 3]},
+                                      {"input_ids": [4], "labels": [IGNORE]}])
+    assert plain["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    return {t: save_tiny_model(tmp_path_factory.mktemp(t), t) for t in
+            ("llama", "qwen2", "deepseek_v2", "deepseek_v3")}
+
+
+def documents(vocab: int, seed: int = 0):
+    """Documents as the data layer makes them: first label ignored, a prompt part ignored, replies trained."""
+    rng = random.Random(seed)
+    docs = []
+    for n in (13, 7, 21, 5, 17, 9):
+        ids = [rng.randrange(3, vocab) for _ in range(n)]
+        prompt = rng.randint(1, n - 2)
+        docs.append((ids, [IGNORE] * prompt + ids[prompt:]))
+    return docs
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "deepseek_v2", "deepseek_v3"])
+def test_packed_loss_and_gradients_equal_per_document(tiny_models, model_type, attn):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_models[model_type], dtype=torch.float32,
+                                                 attn_implementation=attn)
+    model.train()  # dropout is 0 in these configs; train mode is what the Trainer runs
+    docs = documents(model.config.vocab_size)
+    table = pack_rows([d[0] for d in docs], [d[1] for d in docs], 40)
+    rows = table.to_pylist()
+    assert len(rows) >= 2 and any(len(r["seq_lengths"]) > 1 for r in rows)
+    batch = Collator(pad_token_id=0)(rows)  # two or more packed rows, padded: a real training batch
+
+    packed = model(**batch, use_cache=False).loss
+    packed.backward()
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+
+    total, count = 0.0, 0
+    for ids, labels in docs:
+        out = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels]), use_cache=False)
+        n = sum(label != IGNORE for label in labels[1:])
+        total = total + out.loss * n
+        count += n
+    per_document = total / count
+    per_document.backward()
+
+    assert abs(packed.item() - per_document.item()) < 1e-5
+    assert packed_grads.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    worst = max((packed_grads[n] - p.grad).abs().max().item() for n, p in model.named_parameters()
+                if p.grad is not None)
+    assert worst < 1e-5, f"largest gradient difference {worst:.2e}"
+
+
+def test_without_position_ids_documents_would_leak(tiny_models):
+    """The check above can fail: the same packed row with positions running on (no document boundaries) gives a
+    different loss."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    docs = documents(model.config.vocab_size)
+    batch = Collator(pad_token_id=0)(pack_rows([d[0] for d in docs], [d[1] for d in docs], 40).to_pylist())
+    with torch.no_grad():
+        separated = model(**batch, use_cache=False).loss
+        leaking = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
+    assert abs(separated.item() - leaking.item()) > 1e-3

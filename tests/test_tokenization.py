@@ -1,0 +1,92 @@
+"""Masks and lengths: assistant tokens + end of turn only (or everything with --train_on_prompt), every reply of
+a multi-turn conversation, truncation at a turn boundary or dropping, and the fast byte-length path equal to the
+tokenizer's own offsets on real data."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import ALPACA_SAMPLE, DEEPSEEK_TOKENIZER, OASST_SAMPLE, needs_shared
+from sft import tokenization
+from sft.formats import ReadOptions, read_conversations
+from sft.templates import get_template
+from sft.tokenization import IGNORE, render_mask, tokenize_batch, tokenize_one
+
+pytestmark = needs_shared
+
+TURNS = [{"role": "system", "content": "Be brief."},
+         {"role": "user", "content": "First question?"}, {"role": "assistant", "content": "First answer."},
+         {"role": "user", "content": "Second question?"}, {"role": "assistant", "content": "Second answer."},
+         {"role": "user", "content": "Third question?"}, {"role": "assistant", "content": "Third answer " * 100}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(DEEPSEEK_TOKENIZER)
+
+
+def runs(row, tokenizer):
+    out, current = [], []
+    for token, label in zip(row["input_ids"], row["labels"]):
+        if label != IGNORE:
+            assert label == token
+            current.append(token)
+        elif current:
+            out.append(tokenizer.decode(current))
+            current = []
+    return out + ([tokenizer.decode(current)] if current else [])
+
+
+def test_every_assistant_turn_and_its_eot_is_trained_nothing_else(tokenizer):
+    row = tokenize_one(TURNS, tokenizer=tokenizer, template=get_template("deepseek_coder", tokenizer),
+                       max_length=4096)
+    assert row["status"] == "ok" and row["labels"][0] == IGNORE
+    assert runs(row, tokenizer) == [m["content"] + "\n<|EOT|>" for m in TURNS if m["role"] == "assistant"]
+
+
+def test_train_on_prompt_trains_every_token_but_the_first(tokenizer):
+    row = tokenize_one(TURNS, tokenizer=tokenizer, template=get_template("deepseek", tokenizer), max_length=4096,
+                       train_on_prompt=True)
+    assert row["labels"][0] == IGNORE and row["labels"][1:] == row["input_ids"][1:]
+
+
+def test_overlong_truncates_after_the_last_reply_that_fits_or_drops(tokenizer):
+    template = get_template("deepseek_coder", tokenizer)
+    full = tokenize_one(TURNS, tokenizer=tokenizer, template=template, max_length=4096)
+    assert full["length"] > 150
+    row = tokenize_one(TURNS, tokenizer=tokenizer, template=template, max_length=150)
+    assert row["status"] == "truncated at a turn boundary" and row["length"] <= 150
+    assert runs(row, tokenizer) == ["First answer.\n<|EOT|>", "Second answer.\n<|EOT|>"]
+    assert row["input_ids"] == full["input_ids"][: row["length"]]
+    assert tokenizer.decode(row["input_ids"]).endswith("Second answer.\n<|EOT|>")
+    dropped = tokenize_one(TURNS, tokenizer=tokenizer, template=template, max_length=150, overlong="drop")
+    assert dropped["status"] == "too long (dropped)" and dropped["length"] == 0
+    first_too_long = [{"role": "user", "content": "q " * 300}, {"role": "assistant", "content": "a"}]
+    assert tokenize_one(first_too_long, tokenizer=tokenizer, template=template, max_length=150)["status"] == \
+        "too long (dropped)"
+
+
+def test_byte_length_path_equals_the_tokenizers_offsets_on_real_data(tokenizer, monkeypatch):
+    conversations = read_conversations(str(ALPACA_SAMPLE), None, ReadOptions())[0][:300]
+    conversations += read_conversations(str(OASST_SAMPLE), None, ReadOptions(oasst_threads="all"))[0][:200]
+    batch = {"messages": [c["messages"] for c in conversations]}
+    for name in ("deepseek_coder", "deepseek", "alpaca"):
+        template = get_template(name, tokenizer)
+        fast = tokenize_batch(batch, tokenizer=tokenizer, template=template, max_length=1024).to_pydict()
+        monkeypatch.setitem(tokenization._BYTE_TABLES, id(tokenizer), None)  # force the offsets path
+        slow = tokenize_batch(batch, tokenizer=tokenizer, template=template, max_length=1024).to_pydict()
+        monkeypatch.undo()
+        assert fast == slow, name
+        texts = [template.text(m) for m in batch["messages"][:50]]  # ids are the tokenizer's own encoding
+        kept = [ids for ids, status in zip(fast["input_ids"], fast["status"]) if status == "ok"][:50]
+        assert kept[:10] == [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts[:10]]
+
+
+def test_render_mask_marks_trained_tokens(tokenizer):
+    row = tokenize_one(TURNS[:3], tokenizer=tokenizer, template=get_template("deepseek", tokenizer),
+                       max_length=4096)
+    shown = render_mask(row["input_ids"], row["labels"], tokenizer)
+    assert shown == ("<｜begin▁of▁sentence｜>Be brief.\n\nUser: First question?\n\nAssistant:"
+                     "[[ First answer.<|EOT|>]]")
