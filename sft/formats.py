@@ -9,6 +9,7 @@ expected, or (with `skip_bad=True`) is counted under its reason in `ReadStats` a
 from __future__ import annotations
 
 import csv
+import io
 import json
 import os
 from collections import Counter
@@ -70,8 +71,13 @@ def is_local(spec: str) -> bool:
     return os.path.exists(spec) or spec.lower().endswith(LOCAL_SUFFIXES)
 
 
-def iter_records(spec: str) -> Iterator[tuple[Any, str]]:
-    """Yield (record, where) from a local file or a hub dataset name (`name` or `name:split`)."""
+class BadLine:
+    """Stands for a JSON Lines line that does not parse, when bad records are skipped rather than fatal."""
+
+
+def iter_records(spec: str, skip_bad: bool = False) -> Iterator[tuple[Any, str]]:
+    """Yield (record, where) from a local file or a hub dataset name (`name` or `name:split`). With `skip_bad`, a
+    JSON Lines line that does not parse is yielded as a `BadLine` (for the caller to count) instead of raising."""
     if not is_local(spec):
         yield from _iter_hub(spec)
         return
@@ -84,7 +90,7 @@ def iter_records(spec: str) -> Iterator[tuple[Any, str]]:
     elif suffix == ".csv":
         yield from _iter_csv(path)
     elif suffix in (".json", ".jsonl"):
-        yield from _iter_json(path)
+        yield from _iter_json(path, skip_bad)
     else:
         raise DataError(f"{spec}: unknown file type '{suffix}'. Use .json, .jsonl, .parquet or .csv.")
 
@@ -102,7 +108,7 @@ def _read_text(path: Path) -> str:
                         f"Re-encode the file as UTF-8 (e.g. `iconv -f latin1 -t utf-8`).") from None
 
 
-def _iter_json(path: Path) -> Iterator[tuple[Any, str]]:
+def _iter_json(path: Path, skip_bad: bool = False) -> Iterator[tuple[Any, str]]:
     """A JSON list of records, or JSON Lines; each record is reported with its line number."""
     text = _read_text(path)
     if not text.strip():
@@ -121,16 +127,21 @@ def _iter_json(path: Path) -> Iterator[tuple[Any, str]]:
             if end >= 0 and not text[end:].strip():
                 yield record, f"{path}:{text.count(chr(10), 0, start) + 1}"
                 return
-        for number, raw in enumerate(text.splitlines(), start=1):
+        # Lines end at "\n" only: str.splitlines() would also cut at U+2028 and other separators that JSON
+        # allows raw inside strings (json.dumps(..., ensure_ascii=False) writes them), breaking valid records.
+        for number, raw in enumerate(text.split("\n"), start=1):
             if not raw.strip():
                 continue
             try:
                 record = json.loads(raw)
-            except json.JSONDecodeError as e:
+            except (json.JSONDecodeError, RecursionError) as e:
+                if skip_bad:
+                    yield BadLine(), f"{path}:{number}"
+                    continue
+                if isinstance(e, RecursionError):
+                    raise DataError(f"{path}:{number}: JSON nested too deeply to read.") from None
                 raise DataError(f"{path}:{number}: invalid JSON ({e.msg}, column {e.colno}). "
                                 f"Each line of a .jsonl file must be one JSON object.") from None
-            except RecursionError:
-                raise DataError(f"{path}:{number}: JSON nested too deeply to read.") from None
             yield record, f"{path}:{number}"
     except RecursionError:
         raise DataError(f"{path}: JSON nested too deeply to read.") from None
@@ -186,7 +197,7 @@ def _iter_parquet(path: Path) -> Iterator[tuple[Any, str]]:
 
 def _iter_csv(path: Path) -> Iterator[tuple[Any, str]]:
     csv.field_size_limit(2**31 - 1)  # the default (128 KiB) would reject long but valid texts
-    reader = csv.DictReader(_read_text(path).splitlines(keepends=True))
+    reader = csv.DictReader(io.StringIO(_read_text(path), newline=""))
     try:
         for record in reader:
             yield record, f"{path}:{reader.line_num}"
@@ -227,14 +238,14 @@ def detect_format(record: Any, where: str) -> str:
 
 def read_conversations(spec: str, fmt: str | None, options: ReadOptions) -> tuple[list[dict], ReadStats]:
     """Read one dataset (file or hub name) in the given format (None: detect) into conversations."""
-    records = iter_records(spec)
+    stats = ReadStats()
+    records = _drop_bad_lines(iter_records(spec, options.skip_bad), stats)
     first = next(records, None)
     if first is None:
-        raise DataError(f"{spec}: holds no records.")
+        raise DataError(f"{spec}: holds no records" + (" that parse." if stats.read else "."))
     fmt = fmt or detect_format(*first)
     if fmt not in FORMATS:
         raise DataError(f"--dataset_format {fmt!r} is unknown; use one of {', '.join(FORMATS)}.")
-    stats = ReadStats()
     all_records = _chain([first], records)
     if fmt == "oasst":
         conversations = list(oasst_conversations(all_records, stats, options))
@@ -256,6 +267,15 @@ def read_conversations(spec: str, fmt: str | None, options: ReadOptions) -> tupl
             conversations.append(conversation)
     stats.kept = len(conversations)
     return conversations, stats
+
+
+def _drop_bad_lines(records: Iterator[tuple[Any, str]], stats: ReadStats) -> Iterator[tuple[Any, str]]:
+    for record, where in records:
+        if isinstance(record, BadLine):
+            stats.read += 1
+            stats.skip("invalid JSON line")
+        else:
+            yield record, where
 
 
 def _chain(head: list, tail: Iterable) -> Iterator:
