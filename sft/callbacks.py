@@ -26,8 +26,13 @@ def flops_per_token(model, lora: bool) -> float:
     """Model FLOPs per trained token: 6N for full fine-tuning, 4N under LoRA (the frozen weights get no weight
     gradient), N = parameters of the matmuls (all but the input embeddings). Attention scores are not counted."""
     embeddings = model.get_input_embeddings()
-    n = sum(p.numel() for p in model.parameters()) - (embeddings.weight.numel() if embeddings is not None else 0)
+    n = sum(full_numel(p) for p in model.parameters()) - (full_numel(embeddings.weight) if embeddings else 0)
     return (4 if lora else 6) * n
+
+
+def full_numel(p) -> int:
+    """Elements of the whole parameter, also when ZeRO-3 has partitioned it (its local numel is then 0)."""
+    return getattr(p, "ds_numel", None) or p.numel()
 
 
 class ThroughputCallback(TrainerCallback):
