@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (the device tool): install the carried wheels (.whl: ../shared/tools/
+# device-wheels.sh plus torchao), show the machine, run the benchmark matrix within a time budget, and leave
+# logs and the new result lines under $OUT. On your own GPU box, run bench/run_matrix.sh directly.
+#
+#   bench/gpu_session.sh RUN_ID BUDGET_S [run_matrix options...]
+#   GPU_CHECKS=1 bench/gpu_session.sh ...     # also run bench/gpu_strategy_checks.* first (if present)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RUN_ID=$1; BUDGET_S=$2; shift 2
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+start=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  >"$OUT/pip.txt" 2>&1 || { tail -20 "$OUT/pip.txt"; exit 1; }
+export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
+export TORCH_EXTENSIONS_DIR=/tmp/torch-ext HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast here
+# These VMs report a MemTotal that grows as memory is used (31 GiB at start on nvidia-h200-x2): tell the
+# host-RAM check of offload plans the machine's real size.
+export SFT_BENCH_HOST_RAM_GIB=${SFT_BENCH_HOST_RAM_GIB:-$(( $(nproc) * 8 ))}
+export BENCH_RESULTS=$OUT/results.jsonl BENCH_OUT=/tmp/bench
+{
+  nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
+  nvidia-smi topo -m
+  python3 -c "import torch, transformers, accelerate, peft, deepspeed, torchao, liger_kernel, datasets; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__, 'deepspeed', deepspeed.__version__, 'torchao', torchao.__version__, 'gpus', torch.cuda.device_count())"
+  echo "cpus $(nproc), MemTotal $(grep MemTotal /proc/meminfo)"
+} 2>&1 | grep -v Warning | tee "$OUT/machine.txt"
+python3 bench/liger_check.py 2>&1 | grep LIGER_ | tee "$OUT/liger.txt"
+grep -q LIGER_OK "$OUT/liger.txt" && export BENCH_LIGER=1 || export BENCH_LIGER=0
+echo "setup took $(( $(date +%s) - start ))s"
+
+if [ "${GPU_CHECKS:-0}" = 1 ]; then
+  checks=$(ls bench/gpu_strategy_checks.* 2>/dev/null | head -1)
+  if [ -n "$checks" ]; then
+    case $checks in *.py) cmd=(python3 "$checks");; *) cmd=(bash "$checks");; esac
+    timeout "${GPU_CHECKS_TIMEOUT:-300}" "${cmd[@]}" >"$OUT/gpu_checks.txt" 2>&1
+    echo "gpu strategy checks exit $?"; grep -E "PASS|FAIL" "$OUT/gpu_checks.txt" | tail -40
+  else
+    echo "no bench/gpu_strategy_checks.* in this tree"
+  fi
+fi
+
+left=$(( BUDGET_S - ($(date +%s) - start) ))
+bash bench/run_matrix.sh --run_id "$RUN_ID" --budget_s "$left" "$@" 2>&1 | tee "$OUT/matrix.txt" | grep -E "^\[bench\]|^\[matrix\]|^run_id|^\|" | cut -c1-400
+tar czf "$OUT/logs.tgz" -C /tmp/bench . --exclude='*/output' --exclude='dataset-cache' --exclude='models' 2>/dev/null
+ls -la "$OUT"
