@@ -1,0 +1,123 @@
+"""Guards: a NaN/inf loss or gradient stops the run before the weights change (keeping the last good checkpoint)
+or skips the step; loss spikes are warned about and counted in TensorBoard."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+from conftest import REPO
+from sft.checkpoints import FINAL_MARKER, checkpoint_dirs, is_complete, newest_complete
+from sft.guards import LossSpikeLogger, NonFiniteError, NonFiniteGuard
+
+
+def run_args(model: Path, output_dir: Path, cache: Path, *extra: str) -> list[str]:
+    return ["--model", str(model), "--dataset", str(REPO / "data" / "alpaca_demo.json"), "--max_length", "64",
+            "--per_device_train_batch_size", "2", "--max_steps", "8", "--save_strategy", "steps", "--save_steps", "2",
+            "--learning_rate", "1e-3", "--logging_steps", "1", "--disable_tqdm", "true", "--seed", "0",
+            "--dataset_cache_dir", str(cache), "--output_dir", str(output_dir), *extra]
+
+
+def tensorboard_scalars(logdir: Path, tag: str) -> list[float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = []
+    for events in sorted(logdir.rglob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(events.parent))
+        accumulator.Reload()
+        if tag in accumulator.Tags()["scalars"]:
+            values += [e.value for e in accumulator.Scalars(tag)]
+    return values
+
+
+class PoisonWeight(TrainerCallback):
+    """Test-only: after step `at`, one weight becomes NaN, so the next forward gives a NaN loss."""
+
+    def __init__(self, at: int):
+        self.at = at
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.at:
+            with torch.no_grad():
+                next(p for p in model.parameters() if p.dim() == 2)[0, 0] = float("nan")
+
+
+class PoisonGradient(TrainerCallback):
+    """Test-only: at step `at`, one gradient element becomes inf; records the weights around that step."""
+
+    def __init__(self, at: int):
+        self.at = at
+        self.before = self.after = None
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        if state.global_step + 1 == self.at:
+            self.before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+        if state.global_step + 1 == self.at:
+            next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.at:
+            self.after = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.slow
+def test_nan_loss_stops_before_the_update_and_keeps_the_last_checkpoint(tmp_path, tiny_llama, capsys):
+    from safetensors.torch import load_file
+
+    from sft.train import main
+
+    out = tmp_path / "run"
+    rc = main(run_args(tiny_llama, out, tmp_path / "cache", "--report_to", "none"), callbacks=[PoisonWeight(at=5)])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "step 6: the loss or a gradient is NaN/inf" in err and "checkpoint-4" in err
+    assert "--resume_from_checkpoint true" in err and "--nan_policy skip" in err
+    assert newest_complete(out).name == "checkpoint-4"
+    assert [p.name for p in checkpoint_dirs(out)] == ["checkpoint-2", "checkpoint-4"]
+    assert all(torch.isfinite(t).all() for t in load_file(out / "checkpoint-4" / "model.safetensors").values())
+    assert not (out / FINAL_MARKER).exists() and not (out / "model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_skip_policy_drops_the_step_and_goes_on(tmp_path, tiny_llama):
+    from sft.train import main
+
+    out = tmp_path / "run"
+    poison = PoisonGradient(at=3)
+    rc = main(run_args(tiny_llama, out, tmp_path / "cache", "--nan_policy", "skip", "--report_to", "tensorboard"),
+              callbacks=[poison])
+    assert rc == 0
+    assert poison.before is not None and poison.after is not None
+    unchanged = [n for n in poison.before if torch.equal(poison.before[n], poison.after[n])]
+    assert len(unchanged) == len(poison.before), "the skipped step changed weights"
+    assert is_complete(out, FINAL_MARKER)
+    assert max(tensorboard_scalars(out / "runs", "train/skipped_steps")) == 1
+    assert tensorboard_scalars(out / "runs", "train/loss_spikes")  # the spike count reaches TensorBoard
+
+
+def test_guard_without_gradients_checks_the_logs():
+    """DeepSpeed keeps gradients in its engine: then the logged loss/grad_norm are checked."""
+    guard = NonFiniteGuard("stop", lambda: "out/checkpoint-4", "python sft/train.py --resume_from_checkpoint true")
+    args, state = SimpleNamespace(fp16=False), SimpleNamespace(global_step=7)
+    guard.on_log(args, state, None, logs={"loss": 2.0, "grad_norm": 1.0})
+    with pytest.raises(NonFiniteError, match="step 7.*grad_norm.*checkpoint-4"):
+        guard.on_log(args, state, None, logs={"loss": 2.0, "grad_norm": math.inf})
+
+
+def test_loss_spike_is_warned_and_counted(caplog):
+    spikes = LossSpikeLogger(factor=2.0)
+    state = SimpleNamespace(global_step=0)
+    counts = []
+    for loss in (5.0, 4.8, 4.6, 4.4, 12.0, 4.3, math.nan):
+        logs = {"loss": loss}
+        spikes.on_log(None, state, None, logs=logs)
+        counts.append(logs.get("loss_spikes"))
+    assert counts == [0, 0, 0, 0, 1, 1, None]
+    assert spikes.spikes == 1
