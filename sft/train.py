@@ -21,12 +21,16 @@ from sft.config import ConfigError, parse_args
 from sft.formats import DataError
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
+    """Train; -> exit code (2: bad options or data, 1: training stopped). `callbacks`: extra Trainer callbacks."""
     try:
         from sft.distributed import DistributedCheckError, configure_nccl_env, preflight
 
         configure_nccl_env()  # consumer GPUs: before TrainingArguments starts the process group
         model_args, data_args, lora_args, training_args = parse_args(argv)
+        from sft.checkpoints import resolve_resume, safety_callbacks, save_final
+
+        resume = resolve_resume(training_args, argv)  # a checkpoint, or None; never overwrites a run silently
         from sft.dataset import prepare, read_datasets
 
         conversations = read_datasets(data_args, training_args.seed)  # bad data stops here, before any model
@@ -54,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
 
     use_fsdp_activation_checkpointing(training_args)  # FSDP's own, not the Trainer's (a redundant all-gather)
     model = load_model(model_args, lora_args, training_args.gradient_checkpointing)
+    safety, verifier = safety_callbacks(model, model_args, lora_args, training_args, argv)  # checkpoints, guards
     trainer = Trainer(
         model=model,
         args=training_args,
@@ -61,16 +66,24 @@ def main(argv: list[str] | None = None) -> int:
         eval_dataset=eval_data,
         data_collator=Collator(tokenizer.pad_token_id),
         processing_class=tokenizer,
-        callbacks=[ThroughputCallback(flops_per_token(model, lora_args.lora), peak_flops())],
+        callbacks=[ThroughputCallback(flops_per_token(model, lora_args.lora), peak_flops()), *(callbacks or []),
+                   *safety],
     )
     if trainer.pop_callback(TensorBoardCallback):  # after ours, so that it logs what ours adds
         trainer.add_callback(TensorBoardCallback)
 
-    trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-    if eval_data is not None and training_args.eval_strategy == "no":
-        trainer.evaluate()
-    consolidate_fsdp_saves(trainer)  # FSDP: one consolidated safetensors model, not shards
-    trainer.save_model(training_args.output_dir)  # the model or the LoRA adapter, and the tokenizer
+    from sft.guards import NonFiniteError
+    from sft.verify import SaveMismatchError
+
+    try:
+        trainer.train(resume_from_checkpoint=resume)
+        if eval_data is not None and training_args.eval_strategy == "no":
+            trainer.evaluate()
+        consolidate_fsdp_saves(trainer)  # FSDP: one consolidated safetensors model, not shards
+        save_final(trainer, training_args.output_dir, verifier)  # model or LoRA adapter + tokenizer, reloaded, checked
+    except (NonFiniteError, SaveMismatchError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
     if main_process:
         output = Path(training_args.output_dir).resolve()
