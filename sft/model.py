@@ -55,6 +55,7 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
         dtype=weights_dtype(model_args, lora_args.lora),
         attn_implementation=model_args.attn_implementation,
         trust_remote_code=model_args.trust_remote_code,
+        use_safetensors=True,  # never unpickle weights: a .bin checkpoint can run code when loaded
         **tensor_parallel(model_args),
     )
     report_zero3_partitioning(model)

@@ -75,3 +75,20 @@ def test_lora_run_verifies_checkpoints_and_final_adapter(tmp_path, tiny_llama):
     assert (out / "adapter_model.safetensors").exists() and is_complete(out, FINAL_MARKER)
     assert [p.name for p in checkpoint_dirs(out)] == ["checkpoint-2", "checkpoint-4"]
     assert all(is_complete(p) and (p / "adapter_model.safetensors").exists() for p in checkpoint_dirs(out))
+
+
+def test_pickled_weights_are_never_loaded(tmp_path, tiny_llama):
+    """Safe defaults: a model directory with only a pickled pytorch_model.bin is refused, not unpickled."""
+    import shutil
+
+    from sft.config import ModelArguments
+    from sft.model import load_model
+
+    target = tmp_path / "pickled"
+    shutil.copytree(tiny_llama, target)
+    tensors = load_file(target / "model.safetensors")
+    (target / "model.safetensors").unlink()
+    torch.save(tensors, target / "pytorch_model.bin")
+    with pytest.raises(OSError, match="safetensors"):
+        load_model(ModelArguments(model=str(target)), LoraArguments())
+    assert ModelArguments().trust_remote_code is False
