@@ -17,7 +17,10 @@ whatever its state. So:
 - A run into an output directory that holds a run stops with the exact command to resume or to overwrite.
 
 Safe loading on resume (checked in transformers 5.24): the Trainer loads weights from safetensors and
-`optimizer.pt`, `scheduler.pt`, `scaler.pt` and `rng_state*.pth` with `torch.load(weights_only=True)`.
+`optimizer.pt`, `scheduler.pt`, `scaler.pt` and `rng_state*.pth` with `torch.load(weights_only=True)`; it never
+loads the pickled `training_args.bin`, and neither do we. Exception: under DeepSpeed the Trainer hands resuming
+to DeepSpeed 0.19.8, whose TorchCheckpointEngine.load unpickles with `weights_only=False` (its checkpoints hold
+non-tensor objects): resume DeepSpeed runs only from checkpoints you wrote yourself.
 """
 
 from __future__ import annotations
@@ -204,9 +207,9 @@ def resolve_resume(training_args, argv: list[str] | None = None) -> str | None:
         if found and not overwrite:
             resume = command_with(argv, resume_from_checkpoint="true") if newest_complete(output_dir) else None
             fresh = command_with(argv, overwrite_output_dir="true")
-            hint = f"to continue it: {resume}  |  " if resume else ""
+            hint = f"To continue it: `{resume}`. " if resume else ""
             raise ConfigError(f"--output_dir {output_dir} already holds a run ({found}); nothing was changed. "
-                              f"{hint}to start over and delete it: {fresh}  |  or give another --output_dir.")
+                              f"{hint}To start over, deleting it: `{fresh}`. Or give another --output_dir.")
         if overwrite and cleaning:
             clear_run(output_dir)
         drop_incomplete()

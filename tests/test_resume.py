@@ -92,7 +92,8 @@ def test_command_replaces_earlier_values():
 
 
 def test_explicit_half_written_checkpoint_is_refused(tmp_path):
-    fake_checkpoint(tmp_path, 2)
+    good = fake_checkpoint(tmp_path, 2)
+    assert resolve_resume(args_for(tmp_path, str(good))) == str(good)
     bad = fake_checkpoint(tmp_path, 4, complete=False)
     with pytest.raises(ConfigError, match="half-written.*checkpoint-2"):
         resolve_resume(args_for(tmp_path, str(bad)))
