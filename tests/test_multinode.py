@@ -1,0 +1,74 @@
+"""Multi-node: the shipped accelerate config with num_machines > 1, as two "machines" of one process each on
+loopback (two `accelerate launch --num_machines 2 --machine_rank {0,1}` processes, gloo on CPU). Then a resume
+of that run's checkpoint under plain single-machine DDP ends with bit-identical weights (CPU, fixed seed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+pytestmark = pytest.mark.slow
+ACCELERATE = str(Path(sys.executable).with_name("accelerate"))
+PORT = 29641
+
+
+def train_args(model: Path, output: Path, *extra: str) -> list[str]:
+    return [str(REPO / "sft" / "train.py"), "--model", str(model), "--dataset", str(REPO / "data" / "alpaca_demo.json"),
+            "--max_samples", "64", "--max_length", "128", "--packing", "true", "--per_device_train_batch_size", "2",
+            "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
+            "--learning_rate", "1e-2", "--lr_scheduler_type", "constant", "--report_to", "none", "--seed", "0",
+            "--ddp_backend", "gloo",  # on CPU accelerate picks no backend and each rank would train alone
+            "--output_dir", str(output), *extra]
+
+
+def env() -> dict:
+    return {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+
+
+def test_two_machines_on_loopback_then_resume_on_one(tmp_path, tiny_llama):
+    import torch
+    from safetensors.torch import load_file
+
+    output = tmp_path / "two-machines"
+    machines = [subprocess.Popen(
+        [ACCELERATE, "launch", "--config_file", str(REPO / "accelerate_configs" / "ddp.yaml"),
+         "--num_machines", "2", "--num_processes", "2", "--machine_rank", str(rank),
+         "--main_process_ip", "127.0.0.1", "--main_process_port", str(PORT), *train_args(tiny_llama, output)],
+        cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    logs = []
+    for machine in machines:
+        try:
+            logs.append(machine.communicate(timeout=300)[0])
+        except subprocess.TimeoutExpired:  # one machine died and the other waits for it: stop both
+            for m in machines:
+                m.kill()
+            raise
+    assert [m.returncode for m in machines] == [0, 0], "\n=====\n".join(log[-3000:] for log in logs)
+    assert "Training on 2 process(es)" in logs[0]  # machine 0 holds rank 0, which prints the summary
+    state = json.loads((output / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["global_step"] == 4
+    # Both ranks wrote their RNG state into the shared checkpoint: two processes really took part.
+    assert sorted(p.name for p in (output / "checkpoint-2").glob("rng_state_*.pth")) == ["rng_state_0.pth",
+                                                                                          "rng_state_1.pth"]
+
+    resumed = tmp_path / "resumed"
+    result = subprocess.run(
+        [ACCELERATE, "launch", "--config_file", str(REPO / "accelerate_configs" / "ddp.yaml"), "--num_processes", "2",
+         "--main_process_port", str(PORT + 2),
+         *train_args(tiny_llama, resumed, "--resume_from_checkpoint", str(output / "checkpoint-2"))],
+        cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "Training on 2 process(es)" in result.stdout
+    first, second = load_file(output / "model.safetensors"), load_file(resumed / "model.safetensors")
+    initial = load_file(tiny_llama / "model.safetensors")
+    assert first.keys() == second.keys() == initial.keys()
+    for key in first:
+        assert torch.equal(first[key], second[key]), f"{key}: resumed run differs from the uninterrupted one"
+        assert not torch.equal(first[key], initial[key]), f"{key} did not train"
