@@ -71,11 +71,11 @@ def build_model(path: Path, small: bool) -> Path:
 # ---- launching ---------------------------------------------------------------------------------------------
 
 def launch(args, strategy: str, out: Path, train_args: list[str], log: Path, port: int) -> tuple[int, str, float]:
-    accelerate = str(Path(sys.executable).with_name("accelerate"))
-    if not Path(accelerate).exists():
-        accelerate = shutil.which("accelerate") or "accelerate"
+    # `python -m accelerate.commands.launch`: the accelerate of this interpreter (and of PYTHONPATH, where the GPU
+    # machines get the carried wheels), whatever `accelerate` script is first on PATH.
     config = REPO / "accelerate_configs" / f"{strategy}.yaml"
-    command = [accelerate, "launch", "--config_file", str(config), "--num_processes", str(args.num_processes),
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+               "--num_processes", str(args.num_processes),
                "--main_process_port", str(port), str(REPO / "sft" / "train.py"), *train_args,
                "--output_dir", str(out)]
     if args.cpu:
@@ -338,7 +338,7 @@ def main() -> int:
     parser.add_argument("--num_processes", type=int, default=2)
     parser.add_argument("--workdir", default="/tmp/gpu_strategy_checks")
     parser.add_argument("--out", default=os.environ.get("OUT"), help="where to write checks.json (default $OUT)")
-    parser.add_argument("--timeout", type=int, default=420, help="seconds per training run")
+    parser.add_argument("--timeout", type=int, default=240, help="seconds per training run (a hang fails it)")
     parser.add_argument("--skip_resume", action="store_true")
     parser.add_argument("--with_verify", action="store_true", help="keep sft's own --verify_saves on")
     parser.add_argument("--cpu", action="store_true", help="CPU development run: gloo, fp32, FSDP skipped")
@@ -356,8 +356,9 @@ def main() -> int:
     for strategy in [s for s in args.strategies.split(",") if s]:
         if strategy not in STRATEGIES:
             parser.error(f"unknown strategy {strategy}: use {', '.join(STRATEGIES)}")
-        if args.cpu and strategy == "fsdp":
-            print("SKIP fsdp: FSDP through accelerate silently becomes DDP on CPU (STACK-NOTES)", flush=True)
+        if args.cpu and strategy in ("fsdp", "zero3_offload"):
+            print(f"SKIP {strategy}: GPU only (FSDP becomes DDP on CPU; offload needs a GPU to offload from)",
+                  flush=True)
             continue
         for method in [m for m in args.methods.split(",") if m]:
             run_strategy(args, strategy, method, model, work, port, [])
