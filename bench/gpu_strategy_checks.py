@@ -78,8 +78,8 @@ def launch(args, strategy: str, out: Path, train_args: list[str], log: Path, por
                "--num_processes", str(args.num_processes),
                "--main_process_port", str(port), str(REPO / "sft" / "train.py"), *train_args,
                "--output_dir", str(out)]
-    if args.cpu:
-        command += ["--ddp_backend", "gloo"]  # the DeepSpeed configs on CPU (see tests/test_distributed.py)
+    if args.cpu:  # on CPU accelerate picks no backend by itself; DDP needs MULTI_CPU, DeepSpeed needs gloo
+        command += ["--ddp_backend", "gloo"] if strategy.startswith("zero") else ["--use_cpu", "true"]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     started = time.monotonic()
     with open(log, "w") as f:

@@ -24,8 +24,8 @@ def train_args(model: Path, output: Path, *extra: str) -> list[str]:
             "--max_samples", "64", "--max_length", "128", "--packing", "true", "--per_device_train_batch_size", "2",
             "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
             "--learning_rate", "1e-2", "--lr_scheduler_type", "constant", "--report_to", "none", "--seed", "0",
-            "--ddp_backend", "gloo",  # on CPU accelerate picks no backend and each rank would train alone
-            "--output_dir", str(output), *extra]
+            # On CPU: without --use_cpu accelerate picks no backend and DDP is never set up (each rank trains alone).
+            "--use_cpu", "true", "--output_dir", str(output), *extra]
 
 
 def env() -> dict:
@@ -72,3 +72,15 @@ def test_two_machines_on_loopback_then_resume_on_one(tmp_path, tiny_llama):
     for key in first:
         assert torch.equal(first[key], second[key]), f"{key}: resumed run differs from the uninterrupted one"
         assert not torch.equal(first[key], initial[key]), f"{key} did not train"
+
+    # The two machines really averaged their gradients: one process with the same global batch (4) ends at the
+    # same weights, up to the order of floating-point sums. A rank training alone on its half lands far away.
+    single = tmp_path / "single"
+    args = train_args(tiny_llama, single, "--per_device_train_batch_size", "4", "--save_strategy", "no")
+    result = subprocess.run([sys.executable, *args], cwd=REPO, env=env(), capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    alone = load_file(single / "model.safetensors")
+    gap = sum(float(((first[k] - alone[k]) ** 2).sum()) for k in first) ** 0.5
+    travelled = sum(float(((alone[k] - initial[k]) ** 2).sum()) for k in first) ** 0.5
+    assert gap < 0.02 * travelled, f"2 machines vs 1 process with the same global batch: {gap:.3g} apart, " \
+                                   f"training moved the weights {travelled:.3g}"
