@@ -4,7 +4,9 @@
 # logs and the new result lines under $OUT. On your own GPU box, run bench/run_matrix.sh directly.
 #
 #   bench/gpu_session.sh RUN_ID BUDGET_S [run_matrix options...]
-#   GPU_CHECKS=1 bench/gpu_session.sh ...     # also run bench/gpu_strategy_checks.* first (if present)
+#   GPU_CHECKS="--strategies fsdp" bench/gpu_session.sh ...   # then bench/gpu_strategy_checks.py with those
+#                                                               # options, in what is left of the budget
+#   BENCH_LIGER=1 skips the Liger probe; BENCH_COMMIT names the commit where the tree has no git.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RUN_ID=$1; BUDGET_S=$2; shift 2
@@ -25,22 +27,25 @@ export BENCH_RESULTS=$OUT/results.jsonl BENCH_OUT=/tmp/bench
   python3 -c "import torch, transformers, accelerate, peft, deepspeed, torchao, liger_kernel, datasets; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'peft', peft.__version__, 'deepspeed', deepspeed.__version__, 'torchao', torchao.__version__, 'gpus', torch.cuda.device_count())"
   echo "cpus $(nproc), MemTotal $(grep MemTotal /proc/meminfo)"
 } 2>&1 | grep -v Warning | tee "$OUT/machine.txt"
-python3 bench/liger_check.py 2>&1 | grep LIGER_ | tee "$OUT/liger.txt"
-grep -q LIGER_OK "$OUT/liger.txt" && export BENCH_LIGER=1 || export BENCH_LIGER=0
+python3 -c "import transformers, accelerate, peft, datasets, deepspeed, torchao" 2>&1 | tail -3
+[ "${PIPESTATUS[0]}" = 0 ] || { echo "imports failed: carry the missing wheels"; exit 1; }
+if [ -z "${BENCH_LIGER:-}" ]; then
+  python3 bench/liger_check.py 2>&1 | grep LIGER_ | tee "$OUT/liger.txt"
+  grep -q LIGER_OK "$OUT/liger.txt" && export BENCH_LIGER=1 || export BENCH_LIGER=0
+fi
 echo "setup took $(( $(date +%s) - start ))s"
 
-if [ "${GPU_CHECKS:-0}" = 1 ]; then
-  checks=$(ls bench/gpu_strategy_checks.* 2>/dev/null | head -1)
-  if [ -n "$checks" ]; then
-    case $checks in *.py) cmd=(python3 "$checks");; *) cmd=(bash "$checks");; esac
-    timeout "${GPU_CHECKS_TIMEOUT:-300}" "${cmd[@]}" >"$OUT/gpu_checks.txt" 2>&1
-    echo "gpu strategy checks exit $?"; grep -E "PASS|FAIL" "$OUT/gpu_checks.txt" | tail -40
-  else
-    echo "no bench/gpu_strategy_checks.* in this tree"
+left=$(( BUDGET_S - ($(date +%s) - start) - ${CHECKS_S:-0} ))  # CHECKS_S: seconds kept for the checks
+bash bench/run_matrix.sh --run_id "$RUN_ID" --budget_s "$left" "$@" 2>&1 | tee "$OUT/matrix.txt" | grep -E "^\[bench\]|^\[matrix\]|^run_id|^\|" | cut -c1-400
+if [ -n "${GPU_CHECKS:-}" ]; then
+  left=$(( BUDGET_S - ($(date +%s) - start) - 15 ))
+  echo "gpu strategy checks ($GPU_CHECKS), ${left}s left"
+  if [ $left -gt 60 ]; then
+    timeout $left python3 bench/gpu_strategy_checks.py $GPU_CHECKS --out /tmp/checks >"$OUT/gpu_checks.txt" 2>&1
+    echo "gpu strategy checks exit $?"
+    grep -E "^(PASS|FAIL)" "$OUT/gpu_checks.txt" | cut -c1-200
+    tar czf "$OUT/checks.tgz" -C /tmp checks 2>/dev/null
   fi
 fi
-
-left=$(( BUDGET_S - ($(date +%s) - start) ))
-bash bench/run_matrix.sh --run_id "$RUN_ID" --budget_s "$left" "$@" 2>&1 | tee "$OUT/matrix.txt" | grep -E "^\[bench\]|^\[matrix\]|^run_id|^\|" | cut -c1-400
 tar czf "$OUT/logs.tgz" -C /tmp/bench . --exclude='*/output' --exclude='dataset-cache' --exclude='models' 2>/dev/null
 ls -la "$OUT"

@@ -8,6 +8,7 @@
 #       full   full fine-tune, FSDP2, bf16 weights + torchao 8-bit AdamW with bf16 stochastic rounding
 #       full4  the same with 4-bit AdamW states (run by default only if the 8-bit row failed or passed 22 GiB)
 #       peer   the peers' recipe: Trainer + ZeRO-3, optimizer and parameters offloaded to CPU, micro-batch 1 and 2
+#              (peer1 / peer2: only micro-batch 1 / 2)
 #       zero2  LoRA with ZeRO-2 in fp16 (dynamic loss scaling) on N GPUs
 # N defaults to every visible GPU (2 on nvidia-h200-x2; use --num_processes 3 on the three-card box).
 # Needs: torchao (full rows), liger-kernel, deepspeed. Results: one JSON line per row in bench/results.jsonl,
@@ -88,8 +89,10 @@ fi
 # parameters on the CPU (ds_configs/zero3_offload.json is that config), fp32 master weights, checkpointing on.
 PEER=(--method full --strategy zero3_offload --peer zero3-offload-recipe --n_gpus "$N" --grad_accum 1 --warmup 1
       --steps 3)
-if has peer; then
+if has peer || has peer1; then
   bench 300 "${M7[@]}" "${PEER[@]}" --name peer-mb1 --micro_batch 1 -- --activation_checkpointing true
+fi
+if has peer || has peer2; then
   bench 300 "${M7[@]}" "${PEER[@]}" --name peer-mb2 --micro_batch 2 -- --activation_checkpointing true
 fi
 
