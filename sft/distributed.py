@@ -241,8 +241,22 @@ def check_offload_ram(model_args, lora_args, training_args, available: int | Non
     return estimate
 
 
+def check_data_parallel(training_args) -> None:
+    """Several processes but no distributed backend: accelerate then wraps nothing, and each process trains alone
+    on its share of the data (on a CPU machine, without --use_cpu or --ddp_backend)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    state = getattr(training_args, "distributed_state", None)
+    unwrapped = state is not None and str(state.distributed_type) == "DistributedType.NO"
+    if launched < 2 or (training_args.world_size == launched and not unwrapped):
+        return
+    raise ConfigError(f"{launched} processes were started but no distributed backend was set up, "
+                      "so each would train alone on its share of the data. On a machine without GPUs add "
+                      "--use_cpu true (DDP) or --ddp_backend gloo (DeepSpeed configs).")
+
+
 def preflight(model_args, lora_args, training_args) -> None:
     """Run once the process group exists (TrainingArguments built) and before the model loads."""
+    check_data_parallel(training_args)
     check_offload_ram(model_args, lora_args, training_args)
     check_allreduce()
 

@@ -139,6 +139,28 @@ def test_allreduce_check_with_two_gloo_processes(tmp_path, mode):
         assert "NCCL_P2P_DISABLE=1 NCCL_IB_DISABLE=1" in message
 
 
+def test_processes_without_a_backend_are_refused(monkeypatch):
+    """`accelerate launch --num_processes 2` on CPU with neither --use_cpu nor --ddp_backend: two processes that
+    would each train alone (and log twice the loss). Seen on this box; now a clear error."""
+    from accelerate.utils import DistributedType
+
+    from sft.config import ConfigError
+    from sft.distributed import check_data_parallel
+
+    def args(world_size, kind):
+        return SimpleNamespace(world_size=world_size, distributed_state=SimpleNamespace(distributed_type=kind))
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="each would train alone.*--use_cpu true"):
+        check_data_parallel(args(2, DistributedType.NO))  # DDP config with --ddp_backend gloo only
+    with pytest.raises(ConfigError, match="2 processes were started"):
+        check_data_parallel(args(1, DistributedType.NO))  # DeepSpeed config with no backend: each sees world 1
+    for kind in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.DEEPSPEED):
+        check_data_parallel(args(2, kind))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    check_data_parallel(args(1, DistributedType.NO))
+
+
 # ---- host RAM of ZeRO-3 offload plans --------------------------------------------------------------------------
 
 def offload_args(ds_config: str, world_size: int = 2, bf16: bool = True):
@@ -370,28 +392,33 @@ def verify_off() -> list[str]:
 
 
 @pytest.mark.slow
-def test_zero3_full_fine_tune_on_cpu(tmp_path, tiny_llama):
-    """accelerate_configs/zero3.yaml, 2 gloo ranks: the model is created partitioned (zero.Init), trains, and the
-    final save is one consolidated model.safetensors equal to DeepSpeed's own consolidation of the last
-    checkpoint's shards; plain transformers loads it."""
+def test_zero3_and_zero2_full_fine_tune_on_cpu(tmp_path, tiny_llama):
+    """accelerate_configs/zero3.yaml and zero2.yaml, 2 gloo ranks each. ZeRO-3 creates the model partitioned
+    (zero.Init). Each final save is one model.safetensors equal to DeepSpeed's own consolidation of the last
+    checkpoint's shards, which plain transformers loads. Both shardings train to the same weights."""
     import torch
     from transformers import AutoModelForCausalLM
 
-    output = tmp_path / "zero3"
-    result = run_deepspeed("zero3.yaml", 29621, short_run(tiny_llama, output, *verify_off()))
-    n = sum(v.numel() for v in tensors(tiny_llama / "model.safetensors").values())
-    assert f"ZeRO-3: model loaded partitioned (zero.Init): {n // 2:,} of {n:,} parameters on this rank" \
-        in result.stdout
-    saved = tensors(output / "model.safetensors")
-    reference = zero_checkpoint(output / "checkpoint-4")
     initial = tensors(tiny_llama / "model.safetensors")
-    assert saved.keys() == initial.keys()
-    for key, value in saved.items():
-        assert torch.equal(value, reference[key]), key  # fp32 training: the gathered weights are the masters
-        assert not torch.equal(value, initial[key]), f"{key} did not train"
-    model = AutoModelForCausalLM.from_pretrained(output)
-    assert torch.equal(model.state_dict()["model.layers.0.mlp.down_proj.weight"],
-                       saved["model.layers.0.mlp.down_proj.weight"])
+    n = sum(v.numel() for v in initial.values())
+    saved = {}
+    for stage, port in (("zero3", 29621), ("zero2", 29627)):
+        output = tmp_path / stage
+        result = run_deepspeed(f"{stage}.yaml", port, short_run(tiny_llama, output, *verify_off()))
+        partitioned = f"ZeRO-3: model loaded partitioned (zero.Init): {n // 2:,} of {n:,} parameters on this rank"
+        assert (partitioned in result.stdout) is (stage == "zero3"), result.stdout[-2000:]
+        saved[stage] = tensors(output / "model.safetensors")
+        reference = zero_checkpoint(output / "checkpoint-4")
+        assert saved[stage].keys() == initial.keys()
+        for key, value in saved[stage].items():
+            assert torch.equal(value, reference[key]), key  # fp32 training: the gathered weights are the masters
+            assert not torch.equal(value, initial[key]), f"{key} did not train"
+        model = AutoModelForCausalLM.from_pretrained(output)
+        assert torch.equal(model.state_dict()["model.layers.0.mlp.down_proj.weight"],
+                           saved[stage]["model.layers.0.mlp.down_proj.weight"])
+    gap = sum(float(((saved["zero3"][k] - saved["zero2"][k]) ** 2).sum()) for k in initial) ** 0.5
+    travelled = sum(float(((saved["zero3"][k] - initial[k]) ** 2).sum()) for k in initial) ** 0.5
+    assert gap < 1e-3 * travelled, f"ZeRO-3 and ZeRO-2 ended {gap:.3g} apart (training moved {travelled:.3g})"
 
 
 @pytest.mark.slow
@@ -420,20 +447,3 @@ def test_zero3_lora_adapter_is_complete_and_resumes(tmp_path, tiny_llama):
         torch.testing.assert_close(again[key], adapter[key], rtol=1e-5, atol=1e-6, msg=key)
     state = json.loads((resumed / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4 and "ZeRO-3: model loaded partitioned" in result.stdout
-
-
-@pytest.mark.slow
-def test_zero2_full_fine_tune_on_cpu(tmp_path, tiny_llama):
-    """accelerate_configs/zero2.yaml: trains on 2 gloo ranks, saves a model equal to the ZeRO-2 shards' fp32
-    masters, which plain transformers loads."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    output = tmp_path / "zero2"
-    result = run_deepspeed("zero2.yaml", 29627, short_run(tiny_llama, output, *verify_off()))
-    assert "ZeRO-3" not in result.stdout
-    saved = tensors(output / "model.safetensors")
-    reference = zero_checkpoint(output / "checkpoint-4")
-    for key, value in saved.items():
-        assert torch.equal(value, reference[key]), key
-    AutoModelForCausalLM.from_pretrained(output)
