@@ -116,7 +116,7 @@ class SFTTrainingArguments(TrainingArguments):
                 "a run into a directory that holds a run stops and prints the command to resume it."})
     verify_saves: str = field(default="auto", metadata={
         "help": "Reload each save and compare its logits with the trained model: auto (the final save, and every "
-                "checkpoint when the model has < 1e9 parameters), all, final, no."})
+                "checkpoint under LoRA or when the model has < 1e9 parameters), all, final, no."})
     nan_policy: str = field(default="stop", metadata={
         "help": "On a NaN/inf loss or gradient: stop (before the weights change; the last checkpoint is kept) "
                 "or skip (drop that step's update and go on)."})

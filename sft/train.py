@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
     from sft.distributed import consolidate_fsdp_saves, use_fsdp_activation_checkpointing
 
     use_fsdp_activation_checkpointing(training_args)  # FSDP's own, not the Trainer's (a redundant all-gather)
+    from transformers import set_seed
+
+    set_seed(training_args.seed)  # the LoRA init happens before the Trainer seeds: make it follow --seed too
     model = load_model(model_args, lora_args, training_args.gradient_checkpointing)
     safety, verifier = safety_callbacks(model, model_args, lora_args, training_args, argv)  # checkpoints, guards
     trainer = Trainer(

@@ -2,9 +2,14 @@
 
 A save that silently dropped a tensor, wrote the wrong dtype, saved a LoRA adapter that does not attach to the
 base, or wrote nothing (ZeRO-3 without `stage3_gather_16bit_weights_on_model_save`) fails here, loudly, instead
-of at the user's first inference. Full models are reloaded from the saved directory; LoRA adapters are reloaded
-with peft onto a fresh copy of the base model. The reload happens on CPU in the main process (the GPU is full);
-every process computes the in-memory logits, since sharded models (ZeRO-3, FSDP) need all ranks for a forward.
+of at the user's first inference.
+
+- LoRA (unsharded): the saved adapter is loaded with peft next to the trained one, on the same base in memory,
+  and the two are compared on the same device with the same kernels (cheap at any model size; exact).
+- Full models (and sharded LoRA): reloaded from the saved directory in the main process, on the model's own GPU
+  when it has room (exact), else on CPU (other kernels: a looser tolerance, still far below what a wrong or
+  missing tensor does). Every process computes the in-memory logits, since sharded models (ZeRO-3, FSDP) need
+  all ranks for a forward.
 """
 
 from __future__ import annotations
@@ -29,13 +34,30 @@ def fixed_batch(vocab_size: int) -> torch.Tensor:
 @torch.no_grad()
 def logits_of(model, input_ids: torch.Tensor) -> torch.Tensor:
     device = next(model.parameters()).device
-    was_training = model.training
+    was_training, tf32 = model.training, torch.backends.cuda.matmul.allow_tf32
     model.eval()  # no dropout
+    torch.backends.cuda.matmul.allow_tf32 = False  # --tf32 would make two identical models disagree by ~1e-3
     try:
         # use_cache=False: a cache would change the attention mask path (see sft/packing.py)
         return model(input_ids=input_ids.to(device), use_cache=False).logits.float().cpu()
     finally:
         model.train(was_training)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+def is_sharded(model) -> bool:
+    """ZeRO-3 (parameters carry ds_id) or FSDP2 (DTensor parameters): no process holds the whole model."""
+    return any(hasattr(p, "ds_id") or hasattr(p, "to_local") for p in model.parameters())
+
+
+def reload_device(model) -> torch.device:
+    """The model's own GPU if a second copy fits there (with a margin), else CPU."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return torch.device("cpu")
+    need = sum(p.numel() * p.element_size() for p in model.parameters())
+    free, _ = torch.cuda.mem_get_info(device)
+    return device if free > 1.5 * need + 2**30 else torch.device("cpu")
 
 
 def _is_main() -> bool:
@@ -61,36 +83,66 @@ class SaveVerifier:
     trust_remote_code: bool = False
     checkpoints: bool = True  # verify every checkpoint, not only the final save
     final: bool = True
+    lora_in_place: bool = True  # False: reload base + adapter from disk even when the in-place check could run
 
-    def reload(self, path: Path, dtype: torch.dtype):
+    def reload(self, path: Path, dtype: torch.dtype, device: torch.device):
         from transformers import AutoModelForCausalLM
 
         source = self.base_model if self.lora else str(path)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=self.attn_implementation,
-                                                     trust_remote_code=self.trust_remote_code, use_safetensors=True)
+                                                     trust_remote_code=self.trust_remote_code, use_safetensors=True,
+                                                     device_map={"": device})
         if self.lora:
             from peft import PeftModel
 
             model = PeftModel.from_pretrained(model, str(path))
         return model
 
+    def adapter_in_place(self, model, path: Path, input_ids: torch.Tensor) -> str | None:
+        """Load the saved adapter beside the trained one on the same base; compare; remove it again."""
+        expected = logits_of(model, input_ids)
+        trained = model.active_adapter
+        try:
+            model.load_adapter(str(path), adapter_name="_saved")
+            model.set_adapter("_saved")
+            got = logits_of(model, input_ids)
+        except Exception as e:  # a save that cannot even be loaded is the loudest mismatch of all
+            return f"{type(e).__name__}: {e}"
+        finally:
+            model.set_adapter(trained)  # also makes the trained adapter's weights trainable again
+            if "_saved" in model.peft_config:
+                model.delete_adapter("_saved")
+        return compare(expected, got, torch.float32, same_device=True)
+
+    def reload_and_compare(self, model, base, path: Path, input_ids: torch.Tensor,
+                           expected: torch.Tensor) -> str | None:
+        dtype = next(p.dtype for p in base.parameters() if not p.requires_grad or not self.lora)
+        device = reload_device(model)
+        try:
+            reloaded = self.reload(path, dtype, device)
+            got = logits_of(reloaded, input_ids)
+            del reloaded
+        except Exception as e:  # a save that cannot even be loaded is the loudest mismatch of all
+            return f"{type(e).__name__}: {e}"
+        return compare(expected, got, dtype, same_device=device == next(model.parameters()).device)
+
     def check(self, model, path: str | Path) -> None:
         """Raise SaveMismatchError (on every rank) unless the files in `path` give the in-memory logits."""
         path = Path(path)
         base = model.get_base_model() if self.lora and hasattr(model, "get_base_model") else model
         input_ids = fixed_batch(base.config.vocab_size)
-        expected = logits_of(model, input_ids)
         error = None
-        if _is_main():
-            dtype = next(p.dtype for p in base.parameters() if not p.requires_grad or not self.lora)
-            try:
-                reloaded = self.reload(path, dtype)
-                got = logits_of(reloaded, input_ids)
-                del reloaded
-            except Exception as e:  # a save that cannot even be loaded is the loudest mismatch of all
-                error = f"{type(e).__name__}: {e}"
+        # Loading initialises modules from the RNG: leave the training's RNG streams (dropout, shuffling) as they
+        # were, or a resumed run (which restores the RNG state saved before this check) would diverge.
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            if self.lora and self.lora_in_place and not is_sharded(model):
+                if _is_main():
+                    error = self.adapter_in_place(model, path, input_ids)
             else:
-                error = compare(expected, got, dtype, same_device=next(model.parameters()).device.type == "cpu")
+                expected = logits_of(model, input_ids)
+                if _is_main():
+                    error = self.reload_and_compare(model, base, path, input_ids, expected)
         error = _broadcast(error)
         if error:
             what = "LoRA adapter" if self.lora else "model"
@@ -102,10 +154,10 @@ def compare(expected: torch.Tensor, got: torch.Tensor, dtype: torch.dtype, same_
     if expected.shape != got.shape:
         return f"logits shape {tuple(got.shape)} instead of {tuple(expected.shape)}"
     scale = max(1.0, expected.abs().max().item())
-    if dtype in (torch.bfloat16, torch.float16):
-        tolerance = 2e-2
-    else:
-        tolerance = 1e-5 if same_device else 1e-3  # other device: other kernels (and TF32) round differently
+    # Same device: same weights through the same kernels, identical but for a rounding step. Other device:
+    # other kernels round differently. A missing, stale or mis-cast tensor moves logits by O(scale).
+    half = dtype in (torch.bfloat16, torch.float16)
+    tolerance = (1e-2 if half else 1e-5) if same_device else (3e-2 if half else 1e-3)
     diff = (expected - got).abs().max().item()
     if not diff <= tolerance * scale:  # `not <=` also catches NaN
         return f"logits differ by up to {diff:.3g} on a fixed batch (allowed {tolerance * scale:.3g})"
@@ -114,10 +166,11 @@ def compare(expected: torch.Tensor, got: torch.Tensor, dtype: torch.dtype, same_
 
 def make_verifier(mode: str, model, model_path: str, lora: bool, attn_implementation: str,
                   trust_remote_code: bool) -> SaveVerifier | None:
-    """--verify_saves: auto (final save always, checkpoints too when the model has < 1e9 parameters), all,
-    final, no."""
+    """--verify_saves: auto (final save always; checkpoints too under LoRA, checked in place, or when the model
+    has < 1e9 parameters), all, final, no."""
     if mode == "no":
         return None
     n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 holds shards
-    every_checkpoint = mode == "all" or (mode == "auto" and n < CHEAP_PARAMETERS)
+    cheap = (lora and not is_sharded(model)) or n < CHEAP_PARAMETERS
+    every_checkpoint = mode == "all" or (mode == "auto" and cheap)
     return SaveVerifier(model_path, lora, attn_implementation, trust_remote_code, checkpoints=every_checkpoint)

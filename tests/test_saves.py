@@ -55,11 +55,18 @@ def test_lora_adapter_reloaded_onto_the_base(tmp_path, tiny_llama):
             if "lora_B" in name:
                 p.normal_(0, 0.05)  # a trained adapter (peft initialises B to zero: no effect)
     model.save_pretrained(tmp_path / "adapter")
-    verifier = SaveVerifier(str(tiny_llama), lora=True)
-    verifier.check(model, tmp_path / "adapter")
-    perturb(tmp_path / "adapter" / "adapter_model.safetensors", "lora_B")
-    with pytest.raises(SaveMismatchError, match="LoRA adapter .* does not reproduce"):
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    rng = torch.get_rng_state()
+    for in_place in (True, False):  # beside the trained adapter on the same base; or base + adapter from disk
+        verifier = SaveVerifier(str(tiny_llama), lora=True, lora_in_place=in_place)
         verifier.check(model, tmp_path / "adapter")
+    assert torch.equal(rng, torch.get_rng_state())  # loading adapters drew no random numbers from training's RNG
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable  # the model is as it was
+    perturb(tmp_path / "adapter" / "adapter_model.safetensors", "lora_B")
+    for in_place in (True, False):
+        with pytest.raises(SaveMismatchError, match="LoRA adapter .* does not reproduce"):
+            SaveVerifier(str(tiny_llama), lora=True, lora_in_place=in_place).check(model, tmp_path / "adapter")
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable
 
 
 @pytest.mark.slow
