@@ -259,6 +259,18 @@ def checkpoint_callback(training_args, verifier=None):
     limit, training_args.save_total_limit = training_args.save_total_limit, None
 
     class CompleteCheckpoints(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            """A run resumed from an older checkpoint rewrites later step numbers in place: unmark the old
+            directory before the Trainer writes into it, or a kill mid-write would leave it marked complete."""
+            save_ahead = control.should_save or (control.should_evaluate and args.save_strategy == "best")
+            if args.should_save and save_ahead:
+                stale = Path(args.output_dir) / f"checkpoint-{state.global_step}" / MARKER
+                if stale.exists():
+                    stale.unlink()
+                    _fsync(stale.parent)
+
+        on_epoch_end = on_step_end
+
         def on_save(self, args, state, control, model=None, **kwargs):
             path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             _barrier()  # every rank has written its part (RNG states, ZeRO shards)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from conftest import REPO
-from sft.checkpoints import (MARKER, checkpoint_dirs, command_with, is_complete, mark_complete, newest_complete,
-                             resolve_resume, rotate)
+from sft.checkpoints import (MARKER, checkpoint_callback, checkpoint_dirs, command_with, is_complete, mark_complete,
+                             newest_complete, resolve_resume, rotate)
 from sft.config import ConfigError
 
 
@@ -110,6 +110,20 @@ def test_rotation_keeps_newest_complete_and_best(tmp_path):
     rotate(tmp_path, 2, keep=str(tmp_path / "checkpoint-2"))
     assert [p.name for p in checkpoint_dirs(tmp_path)] == ["checkpoint-2", "checkpoint-6", "checkpoint-8",
                                                           "checkpoint-10"]
+
+
+def test_old_checkpoint_is_unmarked_before_being_rewritten(tmp_path):
+    """Resumed from checkpoint-4 of a run that reached checkpoint-6: step 6 is written again, in place."""
+    fake_checkpoint(tmp_path, 4)
+    old = fake_checkpoint(tmp_path, 6)
+    args = SimpleNamespace(output_dir=str(tmp_path), should_save=True, save_strategy="steps", save_total_limit=None)
+    callback = checkpoint_callback(args)
+    control = SimpleNamespace(should_save=False, should_evaluate=False)
+    callback.on_step_end(args, SimpleNamespace(global_step=6), control)
+    assert is_complete(old)  # no save at this step: left alone
+    control.should_save = True
+    callback.on_step_end(args, SimpleNamespace(global_step=6), control)
+    assert not is_complete(old) and (old / "model.safetensors").exists()
 
 
 # ---- slow: real runs killed with SIGKILL ---------------------------------------------------------------------
