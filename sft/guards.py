@@ -33,9 +33,16 @@ def grads_finite(model) -> bool | None:
     if not grads:
         return None
     grads = [g.to_local() if hasattr(g, "to_local") else g for g in grads]  # FSDP2 shards (DTensor)
-    # One fused pass: a norm is finite iff every element is (an fp32 norm overflows only past 3e38).
-    bad = (~torch.isfinite(torch.stack(torch._foreach_norm(grads)).sum())).float()
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:  # offloaded gradients live on the CPU
+        by_device.setdefault(g.device, []).append(g)
+    # One fused pass per device: a norm is finite iff every element is (an fp32 norm overflows only past 3e38).
+    device = grads[0].device
+    bad = sum((~torch.isfinite(torch.stack(torch._foreach_norm(gs)).sum())).float().to(device)
+              for gs in by_device.values())
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        if "nccl" in str(torch.distributed.get_backend()) and torch.cuda.is_available():
+            bad = bad.cuda()  # NCCL reduces GPU tensors only
         torch.distributed.all_reduce(bad, op=torch.distributed.ReduceOp.MAX)  # shards differ between ranks
     return bad.item() == 0
 

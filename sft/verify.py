@@ -118,6 +118,9 @@ class SaveVerifier:
                            expected: torch.Tensor) -> str | None:
         dtype = next(p.dtype for p in base.parameters() if not p.requires_grad or not self.lora)
         device = reload_device(model)
+        if not self.lora and not any(path.glob("model*.safetensors")):
+            return ("no weights were written (DeepSpeed ZeRO-3 writes them only with "
+                    "\"stage3_gather_16bit_weights_on_model_save\": true in its config)")
         try:
             reloaded = self.reload(path, dtype, device)
             got = logits_of(reloaded, input_ids)
