@@ -96,7 +96,8 @@ class DataArguments:
     dataset_cache_dir: str | None = field(default=None, metadata={
         "help": "Where prepared datasets are cached (default: ~/.cache/deepseek-sft/datasets)."})
     show_masks: int = field(default=0, metadata={
-        "help": "Print this many rendered examples with the trained tokens marked, then continue."})
+        "help": "Print this many rendered examples with the trained tokens marked, then continue. "
+                "`python -m sft.dataset <options>` does only that (and the summary), loading no model."})
 
 
 @dataclass
