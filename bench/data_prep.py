@@ -77,12 +77,20 @@ def trl_prepare(messages: list, tokenizer, max_length: int, num_proc: int, workd
 
 def totals(rows) -> tuple[int, int]:
     """(tokens, trained tokens): both sides must do the same work and train on the same tokens."""
-    import numpy as np
-
     table = rows.with_format("arrow")[:]
     ids = table.column("input_ids").combine_chunks().flatten()
     labels = table.column("labels").combine_chunks().flatten().to_numpy()
     return len(ids), int((labels != -100).sum())
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:
@@ -95,6 +103,9 @@ def main() -> None:
     args = parser.parse_args()
 
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    # Parallelism comes from the 2 worker processes on both sides, not from extra tokenizer threads.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    load_before = os.getloadavg()[0]
     import datasets
     from transformers import AutoTokenizer
 
@@ -126,12 +137,13 @@ def main() -> None:
             trl_rows = trl_prepare(messages, trl_tokenizer, args.max_length, args.num_proc, workdir)
             trl_times.append(time.perf_counter() - start)
     our_s, trl_s = min(our_times), min(trl_times)
+    load_after = os.getloadavg()[0]
     our_tokens, our_trained = totals(our_rows)
     trl_tokens, trl_trained = totals(trl_rows)
     assert (our_tokens, our_trained) == (trl_tokens, trl_trained), "the two sides did not prepare the same data"
 
     print(f"records: {len(records)}, max_length {args.max_length}, num_proc {args.num_proc}, cores {os.cpu_count()}, "
-          f"best of {args.rounds} interleaved rounds")
+          f"best of {args.rounds} interleaved rounds; 1-min load average {load_before:.1f} -> {load_after:.1f}")
     print(f"ours: {our_s:.2f} s ({', '.join(f'{t:.2f}' for t in our_times)}), {len(our_rows)} packed rows, "
           f"{our_tokens} tokens, {our_trained} trained")
     print(f"trl:  {trl_s:.2f} s ({', '.join(f'{t:.2f}' for t in trl_times)}), {len(trl_rows)} packed rows, "
@@ -141,11 +153,13 @@ def main() -> None:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                 text=True).stdout.strip()
         line = {"bench": "data_prep", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                "commit": commit, "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or ''}".strip(", "),
+                "commit": commit, "machine": f"{cpu_model()}, {os.cpu_count()} cores, {platform.machine()}",
                 "records": len(records), "max_length": args.max_length, "num_proc": args.num_proc,
                 "rounds": args.rounds, "ours_s": round(our_s, 2), "trl_s": round(trl_s, 2),
                 "ours_rows": len(our_rows), "trl_rows": len(trl_rows), "tokens": our_tokens,
                 "trained_tokens": our_trained, "trl_version": trl.__version__,
+                "ours_all_s": [round(t, 2) for t in our_times], "trl_all_s": [round(t, 2) for t in trl_times],
+                "load_avg_1min": [round(load_before, 2), round(load_after, 2)],
                 "speedup_vs_trl": round(speedup, 2)}
         with open(REPO / "bench" / "results.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")

@@ -2,7 +2,9 @@
 
 `read_datasets` runs first and alone (no tokenizer, no model), so bad data stops the run within seconds.
 `prepare` tokenizes with a batched, multi-process `datasets.map`, packs, and caches the result under a key made
-of the data files' contents, the options, the tokenizer and this code: a second identical run loads it.
+of the conversations, the options, the tokenizer and this code: a second identical run loads it.
+`python -m sft.dataset <training options>` runs both and prints the summary and --show_masks examples, loading
+no model.
 """
 
 from __future__ import annotations
@@ -13,14 +15,14 @@ import os
 import random
 import shutil
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from sft.config import DataArguments
-from sft.formats import DataError, ReadOptions, ReadStats, is_local, read_conversations
+from sft.formats import DataError, ReadOptions, ReadStats, read_conversations
 from sft.packing import pack_rows
 from sft.templates import get_template
 from sft.tokenization import IGNORE, render_mask, tokenize_batch, tokenize_one
@@ -53,6 +55,7 @@ def read_datasets(args: DataArguments, seed: int = 0) -> Conversations:
                 part = part[: args.max_samples]
             if not part:
                 raise DataError(f"{spec}: no usable conversation in it ({dict(part_stats.skipped) or 'empty'}).")
+            part_stats.sources.append((spec, part_stats.read, len(part)))
             stats.merge(part_stats)
             conversations += part
         return conversations
@@ -63,6 +66,9 @@ def read_datasets(args: DataArguments, seed: int = 0) -> Conversations:
         random.Random(seed).shuffle(train)
         n_eval = max(1, int(len(train) * args.eval_split))
         evaluation, train = train[:n_eval], train[n_eval:]
+        if not train:
+            raise DataError(f"--eval_split {args.eval_split} leaves no training conversation out of "
+                            f"{len(evaluation)}; give more data or a smaller split.")
     return Conversations(train, evaluation, stats)
 
 
@@ -178,6 +184,8 @@ def summarize(stats: ReadStats, counts: dict, lengths: np.ndarray, train, args: 
               template_name: str = "") -> str:
     lines = [f"Data: {stats.read} records read, {stats.kept} conversations kept"
              + (f" (template {template_name})" if template_name else "")]
+    if len(stats.sources) > 1:
+        lines += [f"  {spec}: {read} records read, {used} conversations used" for spec, read, used in stats.sources]
     lines += [f"  skipped ({reason}): {n}" for reason, n in sorted(stats.skipped.items()) if n]
     lines += [f"  {status}: {n}" for status, n in sorted(counts.items()) if status != "ok"]
     if len(lengths):

@@ -47,6 +47,7 @@ class ReadStats:
     read: int = 0
     kept: int = 0
     skipped: Counter = field(default_factory=Counter)
+    sources: list = field(default_factory=list)  # (dataset, records read, conversations used), per dataset
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] += 1
@@ -55,6 +56,7 @@ class ReadStats:
         self.read += other.read
         self.kept += other.kept
         self.skipped.update(other.skipped)
+        self.sources += other.sources
 
 
 @dataclass

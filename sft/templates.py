@@ -80,7 +80,7 @@ class DeepSeekCoder(Template):
             if m["role"] == "system":
                 out.append((m["content"], False))
             elif m["role"] == "user":
-                out.append((f"### Instruction:\n{user_text(m)}\n", False))
+                out += [("### Instruction:\n", False), (f"{user_text(m)}\n", False)]
             else:
                 out += [("### Response:\n", False), (f"{m['content']}\n{CODER_EOT}", True), ("\n", False)]
         if add_generation_prompt:

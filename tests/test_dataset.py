@@ -33,6 +33,8 @@ def test_summary_counts_lengths_and_packing_efficiency(tmp_path, tokenizer):
     train, evaluation, summary = prepare(args, tokenizer, read_datasets(args))
     lines = summary.splitlines()
     assert lines[0] == "Data: 3039 records read, 2094 conversations kept (template deepseek_coder)"
+    assert lines[1:3] == [f"  {ALPACA_SAMPLE}: 2000 records read, 2000 conversations used",
+                          f"  {OASST_SAMPLE}: 1039 records read, 94 conversations used"]
     assert "  skipped (deleted or failed review): 44" in lines
     dropped = next(int(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("  too long (dropped):"))
     assert dropped > 0
