@@ -293,6 +293,18 @@ def _expect_str(record: dict, key: str, where: str, required: bool = True) -> st
         got = "missing" if key not in record else f"{type(value).__name__} {_short(value)}"
         raise DataError(f"{where}: field '{key}' must be a string, got {got}. "
                         f"Fix the record, or pass --skip_bad_records to skip it.")
+    return _valid_text(value, key, where)
+
+
+def _valid_text(value: str, key: str, where: str) -> str:
+    """JSON may spell lone UTF-16 surrogates (\\ud800), which are not text: no tokenizer or Arrow column takes them."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise DataError(f"{where}: field '{key}' holds an unpaired surrogate \\u{ord(value[e.start]):04x} at "
+                            f"character {e.start}, which is not text. Fix the record, or pass --skip_bad_records "
+                            f"to skip it.") from None
     return value
 
 
@@ -344,8 +356,8 @@ def messages_conversation(record: Any, where: str) -> dict | str:
         raise DataError(f"{where}: field '{key}' must be a list of turns, got {type(turns).__name__}. "
                         f"Fix the record, or pass --skip_bad_records to skip it.")
     messages = []
-    system = record.get("system")
-    if isinstance(system, str) and system.strip():
+    system = _expect_str(record, "system", where, required=False)
+    if system.strip():
         messages.append({"role": "system", "content": system})
     for i, turn in enumerate(turns):
         turn = _expect_dict(turn, f"{where}: {key}[{i}]", f"{role_key}/{text_key}")
@@ -356,7 +368,7 @@ def messages_conversation(record: Any, where: str) -> dict | str:
         content = turn.get(text_key)
         if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and
                                              isinstance(p.get("text"), str) for p in content):
-            content = "".join(p["text"] for p in content)  # OpenAI content parts, text only
+            content = _valid_text("".join(p["text"] for p in content), text_key, f"{where}: {key}[{i}]")
         else:
             content = _expect_str(turn, text_key, f"{where}: {key}[{i}]")
         role = role.lower()

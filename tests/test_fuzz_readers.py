@@ -140,3 +140,21 @@ def test_empty_whitespace_huge_and_deeply_nested_files(tmp_path):
     deep_list = tmp_path / "deep.json"
     deep_list.write_text("[" + "[" * 100_000 + "]" * 100_000 + "]")
     check(deep_list, deep_list.read_bytes(), None, False)
+
+
+def test_lone_surrogates_are_named_not_passed_on(tmp_path):
+    """JSON can spell an unpaired UTF-16 surrogate; Python reads it into a str that no tokenizer can encode."""
+    for record, field in (({"instruction": "a", "output": "b\\ud800"}, "output"),
+                          ({"messages": [{"role": "user", "content": "q"},
+                                         {"role": "assistant", "content": [{"type": "text", "text": "\\udfff"}]}]},
+                           "content"),
+                          ({"message_id": "m", "parent_id": None, "role": "prompter", "text": "\\ud83d"}, "text")):
+        path = tmp_path / "s.jsonl"
+        path.write_text(json.dumps(record).replace("\\\\u", "\\u") + "\n")  # the JSON escape \ud800
+        try:
+            read_conversations(str(path), None, ReadOptions())
+        except DataError as e:
+            assert str(e).startswith(f"{path}:1") and f"'{field}' holds an unpaired surrogate" in str(e), e
+        else:
+            raise AssertionError(f"a lone surrogate in '{field}' was accepted")
+        assert read_conversations(str(path), None, ReadOptions(skip_bad=True))[1].skipped == {"invalid record": 1}
