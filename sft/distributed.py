@@ -87,7 +87,9 @@ def configure_nccl_env() -> NcclDecision:
     names = visible_gpu_names()
     if len(names) < 2 or int(os.environ.get("WORLD_SIZE", "1")) < 2:
         return NcclDecision()
-    decision = decide_nccl_env(names, gpus_have_peer_access(), os.environ)
+    # Named consumer cards decide it already; otherwise ask CUDA whether every pair reaches each other.
+    peer_access = None if any(is_consumer_gpu(n) for n in names) else gpus_have_peer_access()
+    decision = decide_nccl_env(names, peer_access, os.environ)
     os.environ.update(decision.env)
     if decision.reasons and int(os.environ.get("RANK", "0")) == 0:
         for line in decision.reasons:
@@ -105,7 +107,9 @@ def check_allreduce(numels: Sequence[int] = (1024, 4 * 1024 * 1024)) -> None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    # "nccl", or "cuda:nccl,cpu:gloo" (accelerate's choice for FSDP with CPU state dicts): test the GPU path.
+    on_gpu = "nccl" in str(dist.get_backend())
+    device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     for numel in numels:
         pattern = torch.arange(numel, device=device, dtype=torch.float32).remainder_(251)
         tensor = pattern + (rank + 1)
