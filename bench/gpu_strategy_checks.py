@@ -311,12 +311,11 @@ def run_strategy(args, strategy: str, method: str, model: Path, work: Path, port
     rc, log, seconds = launch(args, strategy, out, train, work / f"{out.name}.log", port)
     if not check_training(name, rc, log, out, args, strategy, seconds):
         return
-    if tag:  # precision variants: training is the check
-        if "fp16" in tag:
-            report(f"{name}/fp16_active", re.search(r"fp16|loss.scale|LossScaler", log, re.I) is not None)
-        return
     saved = check_save(name, out, strategy, method == "lora", model)
-    if saved is not None and not args.skip_resume:
+    if saved is not None and "fp16" in tag:  # DeepSpeed's fp16 engine holds (and saves) fp16 weights
+        dtypes = sorted({str(v.dtype) for v in saved.values()})
+        report(f"{name}/fp16_active", dtypes == ["torch.float16"], f"saved dtypes: {', '.join(dtypes)}")
+    if saved is not None and not tag and not args.skip_resume:
         check_resume(name, args, strategy, method, model, out, saved, work, port + 1)
 
 

@@ -238,10 +238,11 @@ def check_offload_ram(model_args, lora_args, training_args, available: int | Non
               "LoRA (--lora), more machines, or a machine with more RAM.")
     if need > total:
         raise ConfigError(message + advice)
-    if need > available:
-        print(f"warning: {message} It may be killed for lack of memory.{advice}", file=sys.stderr, flush=True)
-    elif int(os.environ.get("RANK", "0")) == 0:
-        print(f"Host RAM: {message}", flush=True)
+    if int(os.environ.get("RANK", "0")) == 0:  # one report per run, not one per process
+        if need > available:
+            print(f"warning: {message} It may be killed for lack of memory.{advice}", file=sys.stderr, flush=True)
+        else:
+            print(f"Host RAM: {message}", flush=True)
     return estimate
 
 
