@@ -88,10 +88,14 @@ class SaveVerifier:
     def reload(self, path: Path, dtype: torch.dtype, device: torch.device):
         from transformers import AutoModelForCausalLM
 
+        from sft.distributed import zero3_init_disabled
+
         source = self.base_model if self.lora else str(path)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=self.attn_implementation,
-                                                     trust_remote_code=self.trust_remote_code, use_safetensors=True,
-                                                     device_map={"": device})
+        with zero3_init_disabled():  # one process loads a whole copy: no zero.Init (the other ranks would not join)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
+                                                         attn_implementation=self.attn_implementation,
+                                                         trust_remote_code=self.trust_remote_code,
+                                                         use_safetensors=True, device_map={"": device})
         if self.lora:
             from peft import PeftModel
 
