@@ -313,6 +313,35 @@ def test_fsdp_config_shards_per_decoder_layer():
     assert fsdp["fsdp_state_dict_type"] == "SHARDED_STATE_DICT"  # checkpoints; the final save is consolidated
 
 
+FSDP_PROBE = textwrap.dedent("""
+    import json, os
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from transformers import AutoConfig, AutoModelForCausalLM
+    os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = "true"  # what sft/train.py does with --activation_checkpointing
+    plugin = FullyShardedDataParallelPlugin()  # as the Trainer's Accelerator builds it, from the launcher's env
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=128))
+    plugin.set_auto_wrap_policy(model)
+    print(json.dumps({"version": plugin.fsdp_version, "state_dict_type": str(plugin.state_dict_type),
+                      "activation_checkpointing": plugin.activation_checkpointing,
+                      "wrap": sorted(c.__name__ for c in plugin.auto_wrap_policy.keywords["transformer_layer_cls"])}))
+""")
+
+
+def test_fsdp_yaml_through_the_launcher(tmp_path):
+    """`accelerate launch --config_file accelerate_configs/fsdp.yaml`: the FSDP plugin it yields is FSDP2, wraps
+    each decoder layer, keeps sharded checkpoints and takes activation checkpointing from the environment."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(FSDP_PROBE)
+    result = subprocess.run([str(Path(sys.executable).with_name("accelerate")), "launch", "--config_file",
+                             str(CONFIGS / "fsdp.yaml"), "--num_processes", "1", str(probe)],
+                            capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = json.loads(next(line for line in result.stdout.splitlines() if line.startswith("{")))
+    assert found == {"version": 2, "state_dict_type": "StateDictType.SHARDED_STATE_DICT",
+                     "activation_checkpointing": True, "wrap": ["LlamaDecoderLayer"]}
+
+
 def test_fsdp_takes_the_trainer_activation_checkpointing_flag(monkeypatch):
     from sft.distributed import use_fsdp_activation_checkpointing
 
