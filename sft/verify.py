@@ -160,6 +160,8 @@ class SaveVerifier:
 def compare(expected: torch.Tensor, got: torch.Tensor, dtype: torch.dtype, same_device: bool) -> str | None:
     if expected.shape != got.shape:
         return f"logits shape {tuple(got.shape)} instead of {tuple(expected.shape)}"
+    if not torch.isfinite(expected).all():
+        return "the trained model itself gives NaN/inf logits (training diverged; see --nan_policy)"
     scale = max(1.0, expected.abs().max().item())
     # Same device: same weights through the same kernels, identical but for a rounding step. Other device:
     # other kernels round differently. A missing, stale or mis-cast tensor moves logits by O(scale).

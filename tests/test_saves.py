@@ -39,6 +39,10 @@ def test_full_model_save_verified_and_corruption_caught(tmp_path, tiny_llama):
     perturb(tmp_path / "saved" / "model.safetensors", "o_proj")
     with pytest.raises(SaveMismatchError, match="logits differ"):
         verifier.check(model, tmp_path / "saved")
+    with torch.no_grad():
+        model.model.norm.weight[0] = float("nan")  # a diverged model is never passed as a good save
+    with pytest.raises(SaveMismatchError, match="NaN/inf logits"):
+        verifier.check(model, tmp_path / "saved")
     (tmp_path / "saved" / "model.safetensors").unlink()
     with pytest.raises(SaveMismatchError, match="no weights were written"):
         verifier.check(model, tmp_path / "saved")
