@@ -274,7 +274,7 @@ def checkpoint_callback(training_args, verifier=None):
         def on_save(self, args, state, control, model=None, **kwargs):
             path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
             _barrier()  # every rank has written its part (RNG states, ZeRO shards)
-            if verifier is not None and verifier.checkpoints:
+            if verifier is not None and verifier.checkpoints and verifier.verifiable(path):
                 verifier.check(model, path)
             if args.should_save:
                 mark_complete(path)

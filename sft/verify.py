@@ -85,6 +85,12 @@ class SaveVerifier:
     final: bool = True
     lora_in_place: bool = True  # False: reload base + adapter from disk even when the in-place check could run
 
+    def verifiable(self, path: str | Path) -> bool:
+        """Whether `path` holds consolidated weights. Sharded checkpoints (FSDP's SHARDED_STATE_DICT, ZeRO-3
+        without the gather flag) hold none: they resume, and the consolidated final save is what gets checked."""
+        pattern = "adapter_model.safetensors" if self.lora else "model*.safetensors"
+        return any(Path(path).glob(pattern))
+
     def reload(self, path: Path, dtype: torch.dtype, device: torch.device):
         from transformers import AutoModelForCausalLM
 
