@@ -223,9 +223,12 @@ def resolve_resume(training_args, argv: list[str] | None = None) -> str | None:
                                   f"checkpoint to resume from. To start over: "
                                   f"{command_with(argv, resume_from_checkpoint='false', overwrite_output_dir='true')}")
             drop_incomplete()
-            print(f"No complete checkpoint in {output_dir}: starting from the beginning.", flush=True)
+            if cleaning:
+                print(f"No complete checkpoint in {output_dir}: starting from the beginning.", flush=True)
             return None
         drop_incomplete()
+        if cleaning:
+            print(f"Resuming from {checkpoint} (the newest complete checkpoint).", flush=True)
         return str(checkpoint)
 
     checkpoint = Path(value)
