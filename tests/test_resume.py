@@ -172,9 +172,7 @@ def kill_at_random_moment(args: list[str], output_dir: Path, rng: random.Random)
     time.sleep(rng.uniform(0, 1.2))
     proc.send_signal(signal.SIGKILL)
     out, _ = proc.communicate()
-    return out
-
-
+    return f"[exit {proc.returncode}]\n{out}"
 
 
 def assert_same_weights(reference: Path, resumed: Path, file: str, note: str = "") -> None:
@@ -212,6 +210,7 @@ def test_lora_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path, t
     final = launch(args)
     out, _ = final.communicate(timeout=120)
     assert final.returncode == 0, f"seed {seed}\n" + "\n=====\n".join(logs + [out])
+    assert any(log.startswith(f"[exit {-signal.SIGKILL}]") for log in logs), "no run was actually killed"
     assert is_complete(killed, "training_complete.json")
     assert_same_weights(reference, killed, "adapter_model.safetensors", f"seed {seed}: ")
     assert all(is_complete(p) for p in checkpoint_dirs(killed)), f"seed {seed}"
