@@ -223,7 +223,9 @@ def check_offload_ram(model_args, lora_args, training_args, available: int | Non
     estimate = estimate_offload(model_args, lora_args, training_args)
     if estimate is None:
         return None
-    if available is None or total is None:
+    if os.environ.get("SFT_HOST_RAM_GIB"):  # VMs whose RAM grows on demand report a small MemTotal at start
+        available = total = float(os.environ["SFT_HOST_RAM_GIB"]) * GIB
+    elif available is None or total is None:
         import psutil
 
         memory = psutil.virtual_memory()
@@ -237,7 +239,8 @@ def check_offload_ram(model_args, lora_args, training_args, available: int | Non
     advice = (" Use fewer offloaded parts (ds_configs/zero3.json: no offload; or offload the optimizer only), "
               "LoRA (--lora), more machines, or a machine with more RAM.")
     if need > total:
-        raise ConfigError(message + advice)
+        raise ConfigError(message + advice + " If this machine's RAM grows on demand (some VMs start with a small "
+                          "MemTotal), give its real size: SFT_HOST_RAM_GIB=<GiB>.")
     if int(os.environ.get("RANK", "0")) == 0:  # one report per run, not one per process
         if need > available:
             print(f"warning: {message} It may be killed for lack of memory.{advice}", file=sys.stderr, flush=True)
@@ -290,16 +293,33 @@ def fsdp_launched() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes")
 
 
-def use_fsdp_activation_checkpointing(training_args) -> None:
-    """Under FSDP, `--activation_checkpointing` becomes FSDP's own (fsdp_activation_checkpointing): the Trainer's
-    adds a redundant all-gather per layer in backward, and the Trainer refuses both at once (transformers
-    docs, issue 30404). The FSDP plugin reads FSDP_ACTIVATION_CHECKPOINTING when the Trainer creates it."""
-    if not (fsdp_launched() and training_args.activation_checkpointing):
+def fsdp_training_settings(training_args) -> None:
+    """Trainer settings that FSDP needs, applied before the Trainer (and its FSDP plugin) is created.
+
+    - `--activation_checkpointing` becomes FSDP's own (FSDP_ACTIVATION_CHECKPOINTING, read by the plugin): the
+      Trainer's adds a redundant all-gather per layer in backward, and the Trainer refuses both at once
+      (transformers docs, issue 30404).
+    - With gradient accumulation, gradients are reduce-scattered after every micro-batch (accelerate's
+      `sync_each_batch`): FSDP2's no-sync mode keeps UNSHARDED gradients between micro-batches on every rank
+      (12.9 GiB in bf16 for 7B), which a 24 GB card cannot hold. An explicit
+      `--accelerator_config '{"gradient_accumulation_kwargs": {"sync_each_batch": false}}'` is kept.
+    """
+    if not fsdp_launched():
         return
-    os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = "true"
-    training_args.activation_checkpointing = training_args.gradient_checkpointing = False
-    if training_args.process_index == 0:
-        print("FSDP: --activation_checkpointing applied as FSDP's activation checkpointing", flush=True)
+    notes = []
+    if training_args.activation_checkpointing:
+        os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = "true"
+        training_args.activation_checkpointing = training_args.gradient_checkpointing = False
+        notes.append("--activation_checkpointing applied as FSDP's activation checkpointing")
+    if training_args.gradient_accumulation_steps > 1:
+        config = training_args.accelerator_config
+        kwargs = dict(config.gradient_accumulation_kwargs or {})
+        if "sync_each_batch" not in kwargs:
+            config.gradient_accumulation_kwargs = {**kwargs, "sync_each_batch": True}
+            notes.append("gradients reduce-scattered after every micro-batch (sync_each_batch: sharded, not "
+                         "full, gradients between micro-batches)")
+    if notes and training_args.process_index == 0:
+        print("FSDP: " + "; ".join(notes), flush=True)
 
 
 def consolidate_fsdp_saves(trainer) -> None:

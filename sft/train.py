@@ -54,9 +54,9 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
     from sft.callbacks import ThroughputCallback, flops_per_token, peak_flops
     from sft.packing import Collator
 
-    from sft.distributed import consolidate_fsdp_saves, use_fsdp_activation_checkpointing
+    from sft.distributed import consolidate_fsdp_saves, fsdp_training_settings
 
-    use_fsdp_activation_checkpointing(training_args)  # FSDP's own, not the Trainer's (a redundant all-gather)
+    fsdp_training_settings(training_args)  # FSDP's own activation checkpointing; sharded gradients under accumulation
     from transformers import set_seed
 
     set_seed(training_args.seed)  # the LoRA init happens before the Trainer seeds: make it follow --seed too

@@ -200,10 +200,11 @@ def deepseek_7b_config(path: Path) -> Path:
     return path
 
 
-def test_offload_plan_of_a_7b_model_is_refused_on_a_small_machine(tmp_path):
+def test_offload_plan_of_a_7b_model_is_refused_on_a_small_machine(tmp_path, monkeypatch):
     from sft.config import ConfigError
     from sft.distributed import GIB, check_offload_ram
 
+    monkeypatch.delenv("SFT_HOST_RAM_GIB", raising=False)
     path = deepseek_7b_config(tmp_path / "7b")
     margs, largs = model_args(path)
     with pytest.raises(ConfigError) as caught:
@@ -213,7 +214,16 @@ def test_offload_plan_of_a_7b_model_is_refused_on_a_small_machine(tmp_path):
     assert "at least 115.8 GiB" in message
     assert "6.91B parameters" in message and "this machine has 64.0 GiB, 60.0 GiB available" in message
     assert "51.5 GiB Adam moments" in message and "12.9 GiB 16-bit working weights" in message
-    assert "--lora" in message  # says what to do instead
+    assert "--lora" in message and "SFT_HOST_RAM_GIB" in message  # says what to do instead
+
+
+def test_offload_ram_can_be_given_for_machines_whose_ram_grows(tmp_path, monkeypatch, capsys):
+    from sft.distributed import check_offload_ram
+
+    path = deepseek_7b_config(tmp_path / "7b")
+    monkeypatch.setenv("SFT_HOST_RAM_GIB", "256")
+    check_offload_ram(*model_args(path), offload_args("zero3_offload.json"), available=20 * 2**30, total=31 * 2**30)
+    assert "this machine has 256.0 GiB, 256.0 GiB available" in capsys.readouterr().out
 
 
 def test_offload_plan_that_fits_passes_and_lora_needs_little(tmp_path, capsys):
@@ -342,18 +352,34 @@ def test_fsdp_yaml_through_the_launcher(tmp_path):
                      "activation_checkpointing": True, "wrap": ["LlamaDecoderLayer"]}
 
 
-def test_fsdp_takes_the_trainer_activation_checkpointing_flag(monkeypatch):
-    from sft.distributed import use_fsdp_activation_checkpointing
+def test_fsdp_training_settings(monkeypatch, capsys):
+    """Under FSDP: the Trainer's --activation_checkpointing becomes FSDP's own, and gradient accumulation keeps
+    gradients sharded (sync_each_batch) unless the user chose otherwise. Without FSDP nothing changes."""
+    from transformers.trainer_pt_utils import AcceleratorConfig
 
-    args = SimpleNamespace(activation_checkpointing=True, gradient_checkpointing=True, process_index=0)
+    from sft.distributed import fsdp_training_settings
+
+    def args(**kw):
+        return SimpleNamespace(activation_checkpointing=True, gradient_checkpointing=True, process_index=0,
+                               gradient_accumulation_steps=4, accelerator_config=AcceleratorConfig(**kw))
+
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     monkeypatch.delenv("FSDP_ACTIVATION_CHECKPOINTING", raising=False)
-    use_fsdp_activation_checkpointing(args)
-    assert args.activation_checkpointing and "FSDP_ACTIVATION_CHECKPOINTING" not in os.environ
+    plain = args()
+    fsdp_training_settings(plain)
+    assert plain.activation_checkpointing and plain.accelerator_config.gradient_accumulation_kwargs is None
+    assert "FSDP_ACTIVATION_CHECKPOINTING" not in os.environ
+
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    use_fsdp_activation_checkpointing(args)
-    assert not args.activation_checkpointing and not args.gradient_checkpointing
+    fsdp = args()
+    fsdp_training_settings(fsdp)
+    assert not fsdp.activation_checkpointing and not fsdp.gradient_checkpointing
     assert os.environ["FSDP_ACTIVATION_CHECKPOINTING"] == "true"
+    assert fsdp.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
+    assert "FSDP: --activation_checkpointing applied as FSDP's" in capsys.readouterr().out
+    chosen = args(gradient_accumulation_kwargs={"sync_each_batch": False})
+    fsdp_training_settings(chosen)
+    assert chosen.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": False}
 
 
 def test_zero3_init_can_be_switched_off_for_a_one_process_reload():
