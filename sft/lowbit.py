@@ -1,39 +1,41 @@
-"""torchao's low-bit AdamW (`--optim adamw_torch_8bit` / `adamw_torch_4bit` with
-`--optim_args bf16_stochastic_round=True`): the optimizer of the bf16 full fine-tune plan (bench/RESULTS.md).
+"""torchao's low-bit AdamW (`--optim adamw_torch_8bit` with `--optim_args bf16_stochastic_round=True`): the
+optimizer of the bf16 full fine-tune plan (bench/RESULTS.md), made to work under FSDP2.
 
-torchao 0.18's optimizer-state subclasses implement `aten._to_copy` (they only change their "appearance" dtype)
-but not `aten.view.dtype`, which torch.compile's trace of the optimizer step calls on PyTorch >= 2.9.1, so the
-first step dies with "OptimState8bit dispatch: attempting to run unimplemented operator ... aten.view.dtype"
-(seen on torch 2.11 with FSDP2; pytorch/ao PR #4216 adds the same registration upstream). Registering it as
-"change the appearance dtype" is what that PR does and what `_to_copy` already does.
+torchao 0.18 gives each quantized optimizer state the parameter's dtype as an "appearance" dtype (bf16 for bf16
+weights). Its compiled update then calls `state.float()`, which under FSDP2 (DTensor states) and
+torch.compile dies on the first step: "OptimState8bit dispatch: attempting to run unimplemented operator ...
+aten.view.dtype" (seen on torch 2.11 on H200s and torch 2.13 on CPU with 2 gloo ranks; pytorch/ao PR #4216 is
+the open upstream report). Registering view.dtype alone is not enough (the traced view then fails dynamo's
+metadata check), and eager mode fails too ("expected dtype torch.bfloat16 for `end`"). Giving the states a
+float32 appearance dtype, as torchao did before, makes `.float()` a no-op: the states are stored the same way
+(uint8 codes + fp32 block scales), only their reported dtype differs. 4-bit states still fail under FSDP2
+("wrong number of dimensions"), so the plan uses 8-bit.
 """
 
 from __future__ import annotations
 
 
-def patch_torchao_view_dtype() -> list[str]:
-    """Register aten.view.dtype for torchao's optimizer-state subclasses that lack it. -> names patched."""
-    import importlib
-
+def patch_torchao_state_dtype() -> list[str]:
+    """Make torchao's 8/4-bit Adam(W) create optimizer states with a float32 appearance dtype. -> classes patched."""
     import torch
 
-    aten = torch.ops.aten
+    try:
+        from torchao.optim import adam
+        from torchao.optim.subclass_4bit import OptimState4bit
+        from torchao.optim.subclass_8bit import OptimState8bit
+    except ImportError:
+        return []
     patched = []
-    for module, name in (("torchao.optim.subclass_8bit", "OptimState8bit"),
-                         ("torchao.optim.subclass_4bit", "OptimState4bit"),
-                         ("torchao.optim.subclass_fp8", "OptimStateFp8")):
-        try:
-            cls = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            continue
-        table = getattr(cls, "_ATEN_OP_TABLE", {}).get(cls, {})
-        to_copy = table.get(aten._to_copy.default)
-        if to_copy is None or aten.view.dtype in table:
+    for name, state in (("Adam8bit", OptimState8bit), ("AdamW8bit", OptimState8bit),
+                        ("Adam4bit", OptimState4bit), ("AdamW4bit", OptimState4bit)):
+        cls = getattr(adam, name, None)
+        if cls is None or getattr(cls, "_sft_float32_states", False):
             continue
 
-        def view_dtype(func, types, args, kwargs, _to_copy=to_copy):
-            return _to_copy(aten._to_copy.default, types, (args[0],), {"dtype": args[1]})
+        def zeros(p, signed: bool, block_size: int, _state=state):
+            return _state.zeros(p.shape, signed, block_size, p.device, dtype=torch.float32)
 
-        cls.implements(aten.view.dtype)(view_dtype)
+        cls._subclass_zeros = staticmethod(zeros)
+        cls._sft_float32_states = True
         patched.append(name)
     return patched
