@@ -19,9 +19,9 @@ def load(path: Path):
     if (path / "adapter_config.json").is_file():
         from peft import AutoPeftModelForCausalLM
 
-        model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
 

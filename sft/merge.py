@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from sft.model import resolve_model_path
 
-    tuned = AutoPeftModelForCausalLM.from_pretrained(adapter, dtype=torch.float32)
+    tuned = AutoPeftModelForCausalLM.from_pretrained(adapter, dtype=torch.float32, use_safetensors=True)
     probe = torch.randint(0, tuned.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = tuned(input_ids=probe, use_cache=False).logits
