@@ -104,15 +104,9 @@ def base_train_args(args, model: Path, method: str, extra: list[str]) -> list[st
         train += ["--bf16", "true", "--activation_checkpointing", "true"]
     if method == "lora":
         train += ["--lora", "true", "--lora_dropout", "0"]
-    if has_option("verify_saves") and not args.with_verify:
-        train += ["--verify_saves", "no"]  # this script does its own, independent comparison
+    if args.no_verify:
+        train += ["--verify_saves", "no"]  # sft's own reload-and-compare off (this script's checks stay)
     return train + extra
-
-
-def has_option(name: str) -> bool:
-    from sft.config import PARSER_TYPES
-
-    return any(name in t.__dataclass_fields__ for t in PARSER_TYPES)
 
 
 # ---- reading weights ---------------------------------------------------------------------------------------
@@ -339,7 +333,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT"), help="where to write checks.json (default $OUT)")
     parser.add_argument("--timeout", type=int, default=240, help="seconds per training run (a hang fails it)")
     parser.add_argument("--skip_resume", action="store_true")
-    parser.add_argument("--with_verify", action="store_true", help="keep sft's own --verify_saves on")
+    parser.add_argument("--no_verify", action="store_true", help="turn sft's own --verify_saves off")
     parser.add_argument("--cpu", action="store_true", help="CPU development run: gloo, fp32, FSDP skipped")
     parser.add_argument("--small", action="store_true", help="a 2-layer model instead of ~85M parameters")
     parser.add_argument("--port", type=int, default=29611)

@@ -438,14 +438,6 @@ def zero_checkpoint(checkpoint: Path) -> dict:
     return {k.replace(".default.", "."): v for k, v in get_fp32_state_dict_from_zero_checkpoint(str(checkpoint)).items()}
 
 
-def verify_off() -> list[str]:
-    """sft/verify.py reloads saves in the main process only; under ZeRO-3 that must not run zero.Init (see
-    /work/notes/zero3_reload_collectives.md): off here, these tests compare the files themselves."""
-    from sft.config import PARSER_TYPES
-
-    return ["--verify_saves", "no"] if any("verify_saves" in t.__dataclass_fields__ for t in PARSER_TYPES) else []
-
-
 @pytest.mark.slow
 def test_zero3_and_zero2_full_fine_tune_on_cpu(tmp_path, tiny_llama):
     """accelerate_configs/zero3.yaml and zero2.yaml, 2 gloo ranks each. ZeRO-3 creates the model partitioned
@@ -459,7 +451,7 @@ def test_zero3_and_zero2_full_fine_tune_on_cpu(tmp_path, tiny_llama):
     saved = {}
     for stage, port in (("zero3", 29621), ("zero2", 29627)):
         output = tmp_path / stage
-        result = run_deepspeed(f"{stage}.yaml", port, short_run(tiny_llama, output, *verify_off()))
+        result = run_deepspeed(f"{stage}.yaml", port, short_run(tiny_llama, output))
         partitioned = f"ZeRO-3: model loaded partitioned (zero.Init): {n // 2:,} of {n:,} parameters on this rank"
         assert (partitioned in result.stdout) is (stage == "zero3"), result.stdout[-2000:]
         saved[stage] = tensors(output / "model.safetensors")
@@ -484,7 +476,7 @@ def test_zero3_lora_adapter_is_complete_and_resumes(tmp_path, tiny_llama):
     import torch
 
     first, resumed = tmp_path / "first", tmp_path / "resumed"
-    lora = ["--lora", "true", "--lora_dropout", "0", *verify_off()]
+    lora = ["--lora", "true", "--lora_dropout", "0"]
     run_deepspeed("zero3.yaml", 29623, short_run(tiny_llama, first, *lora))
     adapter = tensors(first / "adapter_model.safetensors")
     layers = json.loads((tiny_llama / "config.json").read_text())["num_hidden_layers"]
