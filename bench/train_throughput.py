@@ -164,7 +164,7 @@ def parent(args, train_args: list[str]) -> int:
     spec = {k: getattr(args, k) for k in ("name", "model", "method", "strategy", "seq_len", "micro_batch",
                                            "grad_accum", "warmup", "steps", "profile_steps", "mem_cap_gib")}
     spec["out"] = str(out)
-    command = ["accelerate", "launch",
+    command = [sys.executable, "-m", "accelerate.commands.launch",  # this interpreter's accelerate
                *launch_flags(args.strategy, args.n_gpus, args.ds_config, free_port(), cpu),
                str(Path(__file__).resolve()), "--worker", json.dumps(spec), "--",
                *worker_train_args(args, cpu), *train_args]

@@ -270,6 +270,36 @@ def _env_true(name: str) -> bool:
     return os.environ.get(name, "false").lower() in ("1", "true", "yes")
 
 
+LOW_BIT_SR_OPTIMIZERS = ("adamw_torch_8bit", "adamw_torch_4bit")  # torchao, with bf16_stochastic_round
+
+
+def low_precision_full_fine_tune(model_args: ModelArguments, lora_args: LoraArguments, training_args) -> None:
+    """Full fine-tuning keeps fp32 master weights (--dtype auto) OR trains bf16 weights with an optimizer that
+    rounds its update stochastically (torchao's 8/4-bit AdamW with bf16_stochastic_round=True): plain bf16
+    AdamW loses every update smaller than bf16's spacing. The bf16 plan is how a 7B full fine-tune fits 24 GB
+    cards without offload (FSDP: ~6 bytes per parameter over the GPUs; bench/RESULTS.md)."""
+    import importlib.util
+
+    if lora_args.lora or model_args.dtype in ("auto", "float32"):
+        return
+    recipe = ("--dtype bfloat16 --optim adamw_torch_8bit --optim_args bf16_stochastic_round=True (torchao)")
+    if model_args.dtype == "float16":
+        raise ConfigError("--dtype float16 without --lora: full fine-tuning needs fp32 master weights (--dtype "
+                          f"auto with --fp16) or bf16 weights with stochastic rounding: {recipe}.")
+    optim = getattr(training_args.optim, "value", training_args.optim)
+    rounds = "bf16_stochastic_round=true" in (training_args.optim_args or "").replace(" ", "").lower()
+    if optim not in LOW_BIT_SR_OPTIMIZERS or not rounds:
+        raise ConfigError(f"--dtype bfloat16 without --lora with --optim {optim} "
+                          f"{('--optim_args ' + training_args.optim_args) if training_args.optim_args else ''}: "
+                          f"plain bf16 AdamW silently drops small updates. Use {recipe}, or --dtype auto "
+                          f"(fp32 master weights).")
+    if importlib.util.find_spec("torchao") is None:
+        raise ConfigError(f"--optim {optim} needs torchao: pip install torchao.")
+    if training_args.bf16 and (training_args.fsdp or _env_true("ACCELERATE_USE_FSDP")):
+        raise ConfigError("--bf16 with --dtype bfloat16 under FSDP: accelerate would upcast the weights to fp32 "
+                          "master weights (twice the memory). The weights are already bf16: drop --bf16.")
+
+
 def validate_setup(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraArguments,
                    training_args: SFTTrainingArguments) -> None:
     """Checks against this machine, the launcher's settings (accelerate exports them as ACCELERATE_* variables)
@@ -304,6 +334,7 @@ def validate_setup(model_args: ModelArguments, data_args: DataArguments, lora_ar
                           "and train in fp32.")
     if model_args.dtype == "bfloat16" and cuda and not torch.cuda.is_bf16_supported():
         raise ConfigError("--dtype bfloat16: this GPU has no bf16; use --dtype float16 with --lora, or float32.")
+    low_precision_full_fine_tune(model_args, lora_args, training_args)
 
     # Quantized base weights (QLoRA), if an option for them exists: ZeRO-3 cannot shard 4/8-bit weights.
     quantized = [k for k in ("load_in_4bit", "load_in_8bit", "qlora") if getattr(model_args, k, False)]

@@ -57,6 +57,10 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
     from sft.distributed import consolidate_fsdp_saves, fsdp_training_settings
 
     fsdp_training_settings(training_args)  # FSDP's own activation checkpointing; sharded gradients under accumulation
+    if training_args.optim in ("adamw_torch_8bit", "adamw_torch_4bit"):  # torchao under FSDP2: see sft/lowbit.py
+        from sft.lowbit import patch_torchao_state_dtype
+
+        patch_torchao_state_dtype()
     from transformers import set_seed
 
     set_seed(training_args.seed)  # the LoRA init happens before the Trainer seeds: make it follow --seed too
