@@ -75,8 +75,9 @@ if has lora; then
 fi
 
 # Full fine-tune without offload: FSDP2 shards bf16 weights, bf16 gradients and 8-bit Adam states; the update
-# is applied with stochastic rounding (torchao), so no fp32 master copy is needed. Gradient accumulation 1:
-# under FSDP2 accumulation keeps unsharded gradients between micro-batches.
+# is applied with stochastic rounding (torchao), so no fp32 master copy is needed. Gradient accumulation 1 (the
+# measured setting; with more, sft turns sync_each_batch on so gradients stay sharded between micro-batches).
+# The 4-bit variant still crashes under FSDP2 (torchao 0.18; see sft/lowbit.py).
 FULL=(--method full --strategy fsdp --n_gpus "$N" --precision none --micro_batch 2 --grad_accum 1 --warmup 3 --steps 5)
 FULL_T=(--dtype bfloat16 --optim_args bf16_stochastic_round=True --activation_checkpointing true "${LIGER[@]}")
 full8_ok=1
