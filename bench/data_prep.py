@@ -22,6 +22,7 @@ import datetime
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -44,7 +45,7 @@ def with_generation_markers(template: str) -> str:
     return template.replace(turn, marked)
 
 
-def ours(records: list, tokenizer, max_length: int, num_proc: int):
+def ours_prepare(records: list, tokenizer, max_length: int, num_proc: int):
     from sft.config import DataArguments
     from sft.dataset import finish, tokenize
     from sft.formats import alpaca_conversation
@@ -81,6 +82,14 @@ def totals(rows) -> tuple[int, int]:
     ids = table.column("input_ids").combine_chunks().flatten()
     labels = table.column("labels").combine_chunks().flatten().to_numpy()
     return len(ids), int((labels != -100).sum())
+
+
+def cpu_seconds() -> float:
+    """User + system CPU time of this process and its finished workers: the work done, whatever else runs."""
+    import resource
+
+    own, workers = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + workers.ru_utime + workers.ru_stime
 
 
 def cpu_model() -> str:
@@ -127,15 +136,17 @@ def main() -> None:
     import sft.dataset  # noqa: F401  (imports are not preparation: both sides import before the clock starts)
     import trl
 
-    our_times, trl_times = [], []
+    our_times, trl_times, our_cpu, trl_cpu = [], [], [], []
     with tempfile.TemporaryDirectory() as workdir:
         for _ in range(args.rounds):  # interleaved, so that load from other processes hits both sides alike
-            start = time.perf_counter()
-            our_rows = ours(records, tokenizer, args.max_length, args.num_proc)
+            start, cpu = time.perf_counter(), cpu_seconds()
+            our_rows = ours_prepare(records, tokenizer, args.max_length, args.num_proc)
             our_times.append(time.perf_counter() - start)
-            start = time.perf_counter()
+            our_cpu.append(cpu_seconds() - cpu)
+            start, cpu = time.perf_counter(), cpu_seconds()
             trl_rows = trl_prepare(messages, trl_tokenizer, args.max_length, args.num_proc, workdir)
             trl_times.append(time.perf_counter() - start)
+            trl_cpu.append(cpu_seconds() - cpu)
     our_s, trl_s = min(our_times), min(trl_times)
     load_after = os.getloadavg()[0]
     our_tokens, our_trained = totals(our_rows)
@@ -144,10 +155,14 @@ def main() -> None:
 
     print(f"records: {len(records)}, max_length {args.max_length}, num_proc {args.num_proc}, cores {os.cpu_count()}, "
           f"best of {args.rounds} interleaved rounds; 1-min load average {load_before:.1f} -> {load_after:.1f}")
-    print(f"ours: {our_s:.2f} s ({', '.join(f'{t:.2f}' for t in our_times)}), {len(our_rows)} packed rows, "
-          f"{our_tokens} tokens, {our_trained} trained")
-    print(f"trl:  {trl_s:.2f} s ({', '.join(f'{t:.2f}' for t in trl_times)}), {len(trl_rows)} packed rows, "
-          f"{trl_tokens} tokens, {trl_trained} trained")
+    print(f"ours: {our_s:.2f} s (rounds: {', '.join(f'{t:.2f}' for t in our_times)}; CPU "
+          f"{', '.join(f'{t:.1f}' for t in our_cpu)} s), {len(our_rows)} packed rows, {our_tokens} tokens, "
+          f"{our_trained} trained")
+    print(f"trl:  {trl_s:.2f} s (rounds: {', '.join(f'{t:.2f}' for t in trl_times)}; CPU "
+          f"{', '.join(f'{t:.1f}' for t in trl_cpu)} s), {len(trl_rows)} packed rows, {trl_tokens} tokens, "
+          f"{trl_trained} trained")
+    print(f"median wall-clock ratio {statistics.median(trl_times) / statistics.median(our_times):.2f}, "
+          f"CPU-time ratio {statistics.median(trl_cpu) / statistics.median(our_cpu):.2f}")
     speedup = trl_s / our_s
     if args.record:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
@@ -159,6 +174,9 @@ def main() -> None:
                 "ours_rows": len(our_rows), "trl_rows": len(trl_rows), "tokens": our_tokens,
                 "trained_tokens": our_trained, "trl_version": trl.__version__,
                 "ours_all_s": [round(t, 2) for t in our_times], "trl_all_s": [round(t, 2) for t in trl_times],
+                "ours_cpu_s": [round(t, 1) for t in our_cpu], "trl_cpu_s": [round(t, 1) for t in trl_cpu],
+                "median_wall_ratio": round(statistics.median(trl_times) / statistics.median(our_times), 2),
+                "cpu_ratio": round(statistics.median(trl_cpu) / statistics.median(our_cpu), 2),
                 "load_avg_1min": [round(load_before, 2), round(load_after, 2)],
                 "speedup_vs_trl": round(speedup, 2)}
         with open(REPO / "bench" / "results.jsonl", "a") as f:

@@ -109,40 +109,99 @@ def tokenize_batch(batch: dict[str, list], *, tokenizer, template: Template, max
     run_ids = [e.ids for e in backend.encode_batch(list(run_index), add_special_tokens=False)] \
         if backend is not None else None
 
-    out_ids, out_labels, lengths, statuses = [], [], [], []
-    for i, text in enumerate(texts):
-        if run_ids is not None:
-            runs = record_runs[i]
-            ids = np.asarray(run_ids[run_index[runs[0]]] if len(runs) == 1 else
-                             [t for run in runs for t in run_ids[run_index[run]]], dtype=np.int64)
-        else:
-            ids = np.asarray(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=np.int64)
-        starts = None
-        if table is not None and len(ids):
-            sizes = table[ids]
-            ends = np.cumsum(sizes)
-            if ends[-1] == bounds[i][-1]:
-                starts = ends - sizes
-        if starts is None:  # character offsets from the tokenizer (slower; exact for any tokenizer)
-            bounds[i] = np.cumsum([len(t) for t, _ in template.render(batch["messages"][i])])
-            encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-            ids = np.asarray(encoded["input_ids"], dtype=np.int64)
-            starts = np.fromiter((o[0] for o in encoded["offset_mapping"]), dtype=np.int64, count=len(ids))
-        ids, labels, status = _mask(ids, starts, bounds[i], trained_flags[i], max_length, train_on_prompt, overlong)
-        out_ids.append(ids)
-        out_labels.append(labels)
-        lengths.append(len(ids))
-        statuses.append(status)
-    offsets = np.zeros(len(out_ids) + 1, dtype=np.int32)
+    if table is not None and run_ids is not None:
+        ids, labels, lengths, statuses = _mask_batch(run_ids, run_index, record_runs, bounds, trained_flags,
+                                                     table, max_length, train_on_prompt, overlong)
+        special = [i for i, status in enumerate(statuses) if status is None]
+    else:
+        ids = labels = np.zeros(0, np.int64)
+        lengths, statuses, special = [0] * len(texts), [None] * len(texts), list(range(len(texts)))
+    # One by one: records the batch path left (byte lengths that do not add up, or no byte table) and the few
+    # over --max_length, which need a cut at a turn boundary.
+    pieces_ids, pieces_labels, done = [], [], 0
+    token_offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    for i in special:
+        pieces_ids.append(ids[token_offsets[done]:token_offsets[i]])
+        pieces_labels.append(labels[token_offsets[done]:token_offsets[i]])
+        one_ids, starts = _encode_one(i, texts, record_runs, run_ids, run_index, bounds, table, tokenizer,
+                                      template, batch)
+        one_ids, one_labels, statuses[i] = _mask(one_ids, starts, bounds[i], trained_flags[i], max_length,
+                                                 train_on_prompt, overlong)
+        pieces_ids.append(one_ids)
+        pieces_labels.append(one_labels)
+        lengths[i] = len(one_ids)
+        done = i + 1
+    pieces_ids.append(ids[token_offsets[done]:])
+    pieces_labels.append(labels[token_offsets[done]:])
+    offsets = np.zeros(len(texts) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
-    flat_ids = np.concatenate(out_ids).astype(np.int32) if out_ids else np.zeros(0, np.int32)
-    flat_labels = np.concatenate(out_labels).astype(np.int32) if out_labels else np.zeros(0, np.int32)
+    flat_ids = np.concatenate(pieces_ids).astype(np.int32)
+    flat_labels = np.concatenate(pieces_labels).astype(np.int32)
     return pa.table({
         "input_ids": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_ids)),
         "labels": pa.ListArray.from_arrays(pa.array(offsets), pa.array(flat_labels)),
         "length": pa.array(np.asarray(lengths, dtype=np.int32)),
         "status": pa.array(statuses, type=pa.string()),
     })
+
+
+def _mask_batch(run_ids, run_index, record_runs, bounds, trained_flags, table, max_length: int,
+                train_on_prompt: bool, overlong: str):
+    """Labels for a whole batch with a handful of numpy calls: token start = running sum of byte lengths,
+    located among all records' segment ends at once. -> (ids, labels, lengths, statuses); a record whose bytes
+    do not add up, or that is over max_length, gets status None and no tokens (the caller does it alone)."""
+    n = len(record_runs)
+    run_arrays = [np.asarray(r, dtype=np.int64) for r in run_ids]
+    order = [run_index[run] for runs in record_runs for run in runs]
+    flat = np.concatenate([run_arrays[j] for j in order]) if order else np.zeros(0, np.int64)
+    run_lengths = np.fromiter((len(run_arrays[j]) for j in order), dtype=np.int64, count=len(order))
+    runs_per_record = np.fromiter((len(runs) for runs in record_runs), dtype=np.int64, count=n)
+    token_cum = np.concatenate([[0], np.cumsum(run_lengths)])
+    token_offsets = token_cum[np.concatenate([[0], np.cumsum(runs_per_record)])]
+    counts = np.diff(token_offsets)
+    record = np.repeat(np.arange(n), counts)  # the record of every token
+
+    sizes = table[flat]
+    byte_cum = np.concatenate([[0], np.cumsum(sizes)])
+    text_bytes = np.fromiter((b[-1] if len(b) else 0 for b in bounds), dtype=np.int64, count=n)
+    whole = np.diff(byte_cum[token_offsets]) == text_bytes
+    record_bytes = np.concatenate([[0], np.cumsum(text_bytes)])
+    # Start of every token in the concatenation of all texts; segment ends likewise.
+    position = byte_cum[:-1] - byte_cum[token_offsets[:-1]][record] + record_bytes[:-1][record]
+    segment_ends = np.concatenate([b + record_bytes[i] for i, b in enumerate(bounds)]) if n else np.zeros(0)
+    flags = np.concatenate([np.asarray(f, dtype=bool) for f in trained_flags]) if n else np.zeros(0, bool)
+    segment = np.minimum(np.searchsorted(segment_ends, position, side="right"), len(flags) - 1)
+    labels = flat.copy() if train_on_prompt else np.where(flags[segment], flat, IGNORE)
+    labels[token_offsets[:-1][counts > 0]] = IGNORE  # a document's first token is never a target
+    trained_cum = np.concatenate([[0], np.cumsum(labels != IGNORE)])
+    trained_counts = trained_cum[token_offsets[1:]] - trained_cum[token_offsets[:-1]]
+
+    alone = ~whole | (counts > max_length)
+    empty = ~alone & (trained_counts == 0)
+    keep = ~(alone | empty)
+    statuses = np.where(alone, None, np.where(empty, "no trained tokens", "ok")).tolist()
+    lengths = np.where(keep, counts, 0)
+    kept_tokens = keep[record]
+    return flat[kept_tokens], labels[kept_tokens], lengths.tolist(), statuses
+
+
+def _encode_one(i: int, texts, record_runs, run_ids, run_index, bounds, table, tokenizer, template, batch):
+    """One record's ids and token starts (in the units of bounds[i]; switched to characters when the byte
+    lengths do not add up to its text)."""
+    if run_ids is not None:
+        ids = np.asarray([t for run in record_runs[i] for t in run_ids[run_index[run]]], dtype=np.int64)
+    else:
+        ids = np.asarray(tokenizer(texts[i], add_special_tokens=False)["input_ids"], dtype=np.int64)
+    if table is not None and len(ids):
+        sizes = table[ids]
+        ends = np.cumsum(sizes)
+        if ends[-1] == bounds[i][-1]:
+            return ids, ends - sizes
+    # Character offsets from the tokenizer (slower; exact for any tokenizer).
+    bounds[i] = np.cumsum([len(t) for t, _ in template.render(batch["messages"][i])])
+    encoded = tokenizer(texts[i], add_special_tokens=False, return_offsets_mapping=True)
+    ids = np.asarray(encoded["input_ids"], dtype=np.int64)
+    return ids, np.fromiter((o[0] for o in encoded["offset_mapping"]), dtype=np.int64, count=len(ids))
 
 
 def _runs(segments: list[tuple[str, bool]]) -> list[str]:

@@ -73,13 +73,17 @@ def test_fast_path_equals_the_tokenizers_own_ids_and_offsets_on_real_data(tokeni
     conversations = read_conversations(str(ALPACA_SAMPLE), None, ReadOptions())[0][:300]
     conversations += read_conversations(str(OASST_SAMPLE), None, ReadOptions(oasst_threads="all"))[0][:200]
     batch = {"messages": [c["messages"] for c in conversations]}
-    for name in ("deepseek_coder", "deepseek", "alpaca"):
+    for name, max_length in (("deepseek_coder", 1024), ("deepseek", 1024), ("alpaca", 1024),
+                             ("deepseek_coder", 120)):  # the last truncates and drops many
         template = get_template(name, tokenizer)
-        fast = tokenize_batch(batch, tokenizer=tokenizer, template=template, max_length=1024).to_pydict()
+        fast = tokenize_batch(batch, tokenizer=tokenizer, template=template, max_length=max_length).to_pydict()
         monkeypatch.setattr(tokenization, "byte_lengths", lambda tok: None)  # the plain path: full text, offsets
-        slow = tokenize_batch(batch, tokenizer=tokenizer, template=template, max_length=1024).to_pydict()
+        slow = tokenize_batch(batch, tokenizer=tokenizer, template=template, max_length=max_length).to_pydict()
         monkeypatch.undo()
         assert fast == slow, name
+        if max_length == 120:
+            assert {"ok", "truncated at a turn boundary", "too long (dropped)"} <= set(fast["status"])
+            continue
         # ids are the tokenizer's own encoding of the whole text (the reused opening changes nothing)
         whole = tokenizer([template.text(m) for m in batch["messages"]], add_special_tokens=False)["input_ids"]
         assert all(ids == full for ids, full, status in zip(fast["input_ids"], whole, fast["status"])
