@@ -325,9 +325,10 @@ def fsdp_training_settings(training_args) -> None:
 def consolidate_fsdp_saves(trainer) -> None:
     """Checkpoints stay sharded (fast, no full copy on one rank, resumable); the final model is gathered into
     one consolidated safetensors model (or adapter) that plain transformers/peft loads. Under a sharded
-    state-dict type, Trainer.save_model would write nothing at all."""
+    state-dict type, Trainer.save_model would write nothing at all. Call after training and evaluation."""
     if getattr(trainer, "is_fsdp_enabled", False):
         trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+        remove_checkpoint_wrappers(trainer.model)  # else a LoRA adapter is saved empty (see below)
 
 
 @contextmanager
@@ -348,3 +349,21 @@ def zero3_init_disabled():
         yield
     finally:
         hf_deepspeed.set_hf_deepspeed_config(config)
+
+
+def remove_checkpoint_wrappers(model) -> int:
+    """Put each activation-checkpointed block back in its parent's place once training is over; -> how many.
+
+    FSDP's activation checkpointing wraps every decoder layer in a CheckpointWrapper, which adds
+    `_checkpoint_wrapped_module.` to module names. The state dict leaves it out, but peft finds a LoRA
+    adapter's keys from the module names (it strips only FSDP1's prefix), matches nothing, and writes an
+    EMPTY adapter: the trl #4416 failure, here under FSDP. Seen on 2 x H200, reproduced on CPU."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    removed = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, CheckpointWrapper):
+                setattr(module, name, child._checkpoint_wrapped_module)
+                removed += 1
+    return removed

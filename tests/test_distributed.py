@@ -353,6 +353,72 @@ def test_fsdp_yaml_through_the_launcher(tmp_path):
                      "activation_checkpointing": True, "wrap": ["LlamaDecoderLayer"]}
 
 
+FSDP_LORA_WORKER = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+    from sft.distributed import remove_checkpoint_wrappers
+
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=int(sys.argv[2]), world_size=2)
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, vocab_size=128)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    # What accelerate does for fsdp.yaml + activation checkpointing: wrap each layer, then shard each layer.
+    apply_activation_checkpointing(
+        model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
+        check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
+    for module in list(model.modules()):
+        if isinstance(module, LlamaDecoderLayer):
+            fully_shard(module)
+    fully_shard(model)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
+    for _ in range(2):
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    trained = {n.replace("_checkpoint_wrapped_module.", "").replace(".default", ""): p.full_tensor().detach()
+               for n, p in model.named_parameters() if p.requires_grad}
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    counts = {}
+    for case in ("as_is", "unwrapped"):
+        if case == "unwrapped":
+            counts["removed"] = remove_checkpoint_wrappers(model)
+        state = get_model_state_dict(model, options=options)  # what Trainer.save_model gathers under FSDP2
+        if dist.get_rank() == 0:
+            model.save_pretrained(sys.argv[3] + "/" + case, state_dict=state)
+            adapter = load_file(sys.argv[3] + "/" + case + "/adapter_model.safetensors")
+            counts[case] = len(adapter)
+            if adapter:
+                counts["equal"] = all(torch.equal(adapter[k], v) for k, v in trained.items())
+    if dist.get_rank() == 0:
+        print(json.dumps(counts))
+""")
+
+
+def test_fsdp_lora_adapter_is_saved_complete(tmp_path):
+    """FSDP2 + FSDP's activation checkpointing + LoRA, on two gloo processes (raw fully_shard, as accelerate
+    applies it): peft derives the adapter's keys from module names, which carry the checkpoint wrapper's prefix
+    while the state dict does not, so it saves an EMPTY adapter (seen on 2 x H200 with fsdp.yaml). After
+    remove_checkpoint_wrappers (done by consolidate_fsdp_saves) it holds every tensor, equal to the trained ones."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    workers = [subprocess.Popen([sys.executable, "-c", FSDP_LORA_WORKER, str(tmp_path / "rendezvous"), str(rank),
+                                 str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for rank in (0, 1)]
+    outputs = [w.communicate(timeout=180)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], outputs
+    counts = json.loads(next(line for line in outputs[0].splitlines() if line.startswith("{")))
+    assert counts == {"as_is": 0, "removed": 2, "unwrapped": 8, "equal": True}  # 2 layers x q,v x A,B
+
+
 def test_fsdp_training_settings(monkeypatch, capsys):
     """Under FSDP: the Trainer's --activation_checkpointing becomes FSDP's own, and gradient accumulation keeps
     gradients sharded (sync_each_batch) unless the user chose otherwise. Without FSDP nothing changes."""
