@@ -416,7 +416,8 @@ def test_fsdp_lora_adapter_is_saved_complete(tmp_path):
     outputs = [w.communicate(timeout=180)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], outputs
     counts = json.loads(next(line for line in outputs[0].splitlines() if line.startswith("{")))
-    assert counts == {"as_is": 0, "removed": 2, "unwrapped": 8, "equal": True}  # 2 layers x q,v x A,B
+    assert counts["as_is"] in (0, 8)  # 0 with peft 0.21: the bug; 8 once peft strips the wrapper's prefix itself
+    assert counts["removed"] == 2 and counts["unwrapped"] == 8 and counts["equal"]  # 2 layers x q,v x A,B
 
 
 def test_fsdp_training_settings(monkeypatch, capsys):
