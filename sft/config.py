@@ -31,6 +31,7 @@ DEMO = {  # what `accelerate launch sft/train.py` with no arguments runs: about 
     "eval_strategy": "epoch",
     "save_strategy": "no",
     "seed": 0,
+    "overwrite_output_dir": True,  # the demo is disposable: running it again starts it again
 }
 
 

@@ -13,15 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from sft.config import TINY_MODEL, LoraArguments, ModelArguments
-
-# Every attention and MLP projection of the dense families (deepseek-llm/coder are Llama; R1-Distill are
-# Qwen2 or Llama). Other families fall back to peft's "all-linear" (every linear layer but the LM head).
-LORA_TARGETS = {
-    "llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "qwen2": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-    "mistral": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
-}
-
+from sft.families import family_of
 
 def resolve_model_path(name: str) -> str:
     if name == TINY_MODEL:
@@ -83,17 +75,25 @@ def report_zero3_partitioning(model) -> None:
         print(report, flush=True)
 
 
-def lora_targets(model, lora_args: LoraArguments) -> list[str] | str:
+def lora_targets(model, lora_args: LoraArguments) -> tuple[list[str] | str, list[str]]:
+    """(target_modules, target_parameters): the user's, else the family's (sft/families.py), else peft's
+    "all-linear" (every linear layer but the LM head)."""
     if lora_args.lora_target_modules:
-        return lora_args.lora_target_modules
-    return LORA_TARGETS.get(model.config.model_type, "all-linear")
+        return lora_args.lora_target_modules, []
+    family = family_of(model.config.model_type)
+    return (family.lora_modules, family.lora_parameters) if family else ("all-linear", [])
 
 
 def attach_lora(model, lora_args: LoraArguments, gradient_checkpointing: bool):
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha, lora_dropout=lora_args.lora_dropout,
-                        target_modules=lora_targets(model, lora_args), task_type="CAUSAL_LM")
+    modules, parameters = lora_targets(model, lora_args)
+    dropout = lora_args.lora_dropout
+    if parameters and dropout:
+        print(f"LoRA: lora_dropout {dropout} -> 0: peft's LoRA on fused expert weights cannot apply dropout.")
+        dropout = 0.0
+    config = LoraConfig(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha, lora_dropout=dropout,
+                        target_modules=modules, target_parameters=parameters or None, task_type="CAUSAL_LM")
     if gradient_checkpointing:
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     return get_peft_model(model, config)
