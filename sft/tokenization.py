@@ -14,6 +14,7 @@ Over-long conversations are cut after the last assistant turn that fits, or drop
 from __future__ import annotations
 
 import weakref
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -92,16 +93,23 @@ def tokenize_batch(batch: dict[str, list], *, tokenizer, template: Template, max
     table = byte_lengths(tokenizer)
     backend = getattr(tokenizer, "backend_tokenizer", None)
     cut = table is not None and backend is not None and splits_after_newline(tokenizer)
-    texts, bounds, trained_flags, record_runs = [], [], [], []
+    # Every segment of the batch in order: its length (bytes with a byte table, else characters) and whether it
+    # is trained; seg_start[i] is record i's first segment.
+    texts, record_runs, seg_lengths, seg_flags, seg_start = [], [], [], [], [0]
     for messages in batch["messages"]:
         segments = template.render(messages)
-        texts.append("".join(text for text, _ in segments))
-        if table is not None:  # segment ends in bytes
-            bounds.append(np.cumsum([len(text.encode("utf-8")) for text, _ in segments]))
+        text = "".join(t for t, _ in segments)
+        texts.append(text)
+        if table is not None and not text.isascii():
+            seg_lengths += [len(t.encode("utf-8")) for t, _ in segments]
         else:
-            bounds.append(np.cumsum([len(text) for text, _ in segments]))
-        trained_flags.append([trained for _, trained in segments])
-        record_runs.append(_runs(segments) if cut else [texts[-1]])
+            seg_lengths += [len(t) for t, _ in segments]
+        seg_flags += [trained for _, trained in segments]
+        seg_start.append(len(seg_lengths))
+        record_runs.append(_runs(segments) if cut else [text])
+    bounds = [np.cumsum(seg_lengths[seg_start[i]:seg_start[i + 1]]) for i in range(len(texts))] \
+        if table is None else _LazyBounds(seg_lengths, seg_start)
+    trained_flags = [seg_flags[seg_start[i]:seg_start[i + 1]] for i in range(len(texts))]
     run_index: dict[str, int] = {}
     for runs in record_runs:
         for run in runs:
@@ -110,8 +118,8 @@ def tokenize_batch(batch: dict[str, list], *, tokenizer, template: Template, max
         if backend is not None else None
 
     if table is not None and run_ids is not None:
-        ids, labels, lengths, statuses = _mask_batch(run_ids, run_index, record_runs, bounds, trained_flags,
-                                                     table, max_length, train_on_prompt, overlong)
+        ids, labels, lengths, statuses = _mask_batch(run_ids, run_index, record_runs, seg_lengths, seg_flags,
+                                                     seg_start, table, max_length, train_on_prompt)
         special = [i for i, status in enumerate(statuses) if status is None]
     else:
         ids = labels = np.zeros(0, np.int64)
@@ -145,16 +153,27 @@ def tokenize_batch(batch: dict[str, list], *, tokenizer, template: Template, max
     })
 
 
-def _mask_batch(run_ids, run_index, record_runs, bounds, trained_flags, table, max_length: int,
-                train_on_prompt: bool, overlong: str):
+class _LazyBounds(dict):
+    """Segment ends of record i, made when first asked (only records handled one by one need them)."""
+
+    def __init__(self, seg_lengths: list[int], seg_start: list[int]):
+        super().__init__()
+        self.seg_lengths, self.seg_start = seg_lengths, seg_start
+
+    def __missing__(self, i: int) -> np.ndarray:
+        self[i] = np.cumsum(self.seg_lengths[self.seg_start[i]:self.seg_start[i + 1]], dtype=np.int64)
+        return self[i]
+
+
+def _mask_batch(run_ids, run_index, record_runs, seg_lengths, seg_flags, seg_start, table, max_length: int,
+                train_on_prompt: bool):
     """Labels for a whole batch with a handful of numpy calls: token start = running sum of byte lengths,
     located among all records' segment ends at once. -> (ids, labels, lengths, statuses); a record whose bytes
     do not add up, or that is over max_length, gets status None and no tokens (the caller does it alone)."""
     n = len(record_runs)
-    run_arrays = [np.asarray(r, dtype=np.int64) for r in run_ids]
     order = [run_index[run] for runs in record_runs for run in runs]
-    flat = np.concatenate([run_arrays[j] for j in order]) if order else np.zeros(0, np.int64)
-    run_lengths = np.fromiter((len(run_arrays[j]) for j in order), dtype=np.int64, count=len(order))
+    run_lengths = np.fromiter((len(run_ids[j]) for j in order), dtype=np.int64, count=len(order))
+    flat = np.fromiter(chain.from_iterable(run_ids[j] for j in order), dtype=np.int64, count=int(run_lengths.sum()))
     runs_per_record = np.fromiter((len(runs) for runs in record_runs), dtype=np.int64, count=n)
     token_cum = np.concatenate([[0], np.cumsum(run_lengths)])
     token_offsets = token_cum[np.concatenate([[0], np.cumsum(runs_per_record)])]
@@ -163,13 +182,12 @@ def _mask_batch(run_ids, run_index, record_runs, bounds, trained_flags, table, m
 
     sizes = table[flat]
     byte_cum = np.concatenate([[0], np.cumsum(sizes)])
-    text_bytes = np.fromiter((b[-1] if len(b) else 0 for b in bounds), dtype=np.int64, count=n)
-    whole = np.diff(byte_cum[token_offsets]) == text_bytes
-    record_bytes = np.concatenate([[0], np.cumsum(text_bytes)])
-    # Start of every token in the concatenation of all texts; segment ends likewise.
+    # Segment ends, and token starts, as positions in the concatenation of all the batch's texts.
+    segment_ends = np.cumsum(np.asarray(seg_lengths, dtype=np.int64))
+    record_bytes = np.concatenate([[0], segment_ends])[np.asarray(seg_start)]
+    whole = np.diff(byte_cum[token_offsets]) == np.diff(record_bytes)
     position = byte_cum[:-1] - byte_cum[token_offsets[:-1]][record] + record_bytes[:-1][record]
-    segment_ends = np.concatenate([b + record_bytes[i] for i, b in enumerate(bounds)]) if n else np.zeros(0)
-    flags = np.concatenate([np.asarray(f, dtype=bool) for f in trained_flags]) if n else np.zeros(0, bool)
+    flags = np.asarray(seg_flags, dtype=bool)
     segment = np.minimum(np.searchsorted(segment_ends, position, side="right"), len(flags) - 1)
     labels = flat.copy() if train_on_prompt else np.where(flags[segment], flat, IGNORE)
     labels[token_offsets[:-1][counts > 0]] = IGNORE  # a document's first token is never a target
