@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import importlib
 import json
 import os
 import shlex
@@ -328,14 +327,10 @@ def worker(spec: dict, train_argv: list[str]) -> int:
     import sft.train
 
     sft.model.AutoModelForCausalLM = _RandomInitModel()
-    sft.callbacks.ThroughputCallback = _bench_callback(spec, rank)
+    sft.train.ThroughputCallback = _bench_callback(spec, rank)  # sft.train holds its own reference
     # Saving is not timed here (the strategy checks prove it): skip the final save and FSDP's consolidation.
     transformers.Trainer.save_model = lambda self, *a, **k: None
-    for module, name in (("sft.checkpoints", "save_final"), ("sft.distributed", "consolidate_fsdp_saves")):
-        try:
-            setattr(importlib.import_module(module), name, lambda *a, **k: None)
-        except ImportError:
-            pass
+    sft.train.save_final = sft.train.consolidate_fsdp_saves = lambda *a, **k: None
     host_ram = os.environ.get("SFT_BENCH_HOST_RAM_GIB")
     if host_ram:  # the GPU VMs report a MemTotal that grows as memory is used: give the offload check the real size
         import sft.distributed

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from transformers import HfArgumentParser, TrainingArguments
 
+from sft.lowbit import LOW_BIT_OPTIMIZERS
+
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL = "tiny-deepseek"  # the embedded default, built from its config by sft/tiny.py
 DEMO = {  # what `accelerate launch sft/train.py` with no arguments runs: about a minute on 2 CPU cores
@@ -271,7 +273,6 @@ def _env_true(name: str) -> bool:
     return os.environ.get(name, "false").lower() in ("1", "true", "yes")
 
 
-LOW_BIT_SR_OPTIMIZERS = ("adamw_torch_8bit", "adamw_torch_4bit")  # torchao, with bf16_stochastic_round
 
 
 def low_precision_full_fine_tune(model_args: ModelArguments, lora_args: LoraArguments, training_args) -> None:
@@ -289,7 +290,7 @@ def low_precision_full_fine_tune(model_args: ModelArguments, lora_args: LoraArgu
                           f"auto with --fp16) or bf16 weights with stochastic rounding: {recipe}.")
     optim = getattr(training_args.optim, "value", training_args.optim)
     rounds = "bf16_stochastic_round=true" in (training_args.optim_args or "").replace(" ", "").lower()
-    if optim not in LOW_BIT_SR_OPTIMIZERS or not rounds:
+    if optim not in LOW_BIT_OPTIMIZERS or not rounds:  # torchao, with bf16_stochastic_round
         raise ConfigError(f"--dtype bfloat16 without --lora with --optim {optim} "
                           f"{('--optim_args ' + training_args.optim_args) if training_args.optim_args else ''}: "
                           f"plain bf16 AdamW silently drops small updates. Use {recipe}, or --dtype auto "

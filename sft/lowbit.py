@@ -15,6 +15,15 @@ float32 appearance dtype, as torchao did before, makes `.float()` a no-op: the s
 from __future__ import annotations
 
 
+LOW_BIT_OPTIMIZERS = ("adamw_torch_8bit", "adamw_torch_4bit")
+
+
+def prepare_optimizer(optim: str) -> None:
+    """Called before the Trainer builds its optimizer: patch torchao when `--optim` is one of its low-bit AdamWs."""
+    if optim in LOW_BIT_OPTIMIZERS:
+        patch_torchao_state_dtype()
+
+
 def patch_torchao_state_dtype() -> list[str]:
     """Make torchao's 8/4-bit Adam(W) create optimizer states with a float32 appearance dtype. -> classes patched."""
     import torch

@@ -5,7 +5,8 @@
         --model deepseek-ai/deepseek-llm-7b-base --dataset data.jsonl --lora
     python sft/train.py --config recipe.yaml             # one process; a recipe holds the same options
 
-Reads top to bottom: parse, read data, tokenizer, prepare data, model, trainer, train, save.
+Reads top to bottom: parse and check everything (options, resume, data, tokenizer, machine) before any model
+loads; then model, Trainer, train, save (verified).
 """
 
 from __future__ import annotations
@@ -17,25 +18,30 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python sft/train.py` from a checkout: make the `sft` package importable
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+from transformers import Trainer, set_seed
+from transformers.integrations import TensorBoardCallback
+
+from sft.callbacks import ThroughputCallback, flops_per_token, peak_flops
+from sft.checkpoints import resolve_resume, safety_callbacks, save_final
 from sft.config import ConfigError, parse_args
+from sft.dataset import prepare, read_datasets
+from sft.distributed import (DistributedCheckError, configure_nccl_env, consolidate_fsdp_saves,
+                             fsdp_training_settings, preflight)
 from sft.formats import DataError
+from sft.guards import NonFiniteError
+from sft.lowbit import prepare_optimizer
+from sft.model import load_model, load_tokenizer
+from sft.packing import Collator
+from sft.verify import SaveMismatchError
 
 
 def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
     """Train; -> exit code (2: bad options or data, 1: training stopped). `callbacks`: extra Trainer callbacks."""
     try:
-        from sft.distributed import DistributedCheckError, configure_nccl_env, preflight
-
         configure_nccl_env()  # consumer GPUs: before TrainingArguments starts the process group
         model_args, data_args, lora_args, training_args = parse_args(argv)
-        from sft.checkpoints import resolve_resume, safety_callbacks, save_final
-
         resume = resolve_resume(training_args, argv)  # a checkpoint, or None; never overwrites a run silently
-        from sft.dataset import prepare, read_datasets
-
         conversations = read_datasets(data_args, training_args.seed)  # bad data stops here, before any model
-        from sft.model import load_model, load_tokenizer
-
         tokenizer = load_tokenizer(model_args)
         train_data, eval_data, summary = prepare(data_args, tokenizer, conversations, training_args)
         preflight(model_args, lora_args, training_args)  # all-reduce check; host RAM of offload plans
@@ -48,23 +54,10 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
         print(f"Training on {training_args.world_size} process(es) "
               f"({training_args.parallel_mode.value}, device {training_args.device})", flush=True)
 
-    from transformers import Trainer
-    from transformers.integrations import TensorBoardCallback
-
-    from sft.callbacks import ThroughputCallback, flops_per_token, peak_flops
-    from sft.packing import Collator
-
-    from sft.distributed import consolidate_fsdp_saves, fsdp_training_settings
-
     fsdp_training_settings(training_args)  # FSDP's own activation checkpointing; sharded gradients under accumulation
-    if training_args.optim in ("adamw_torch_8bit", "adamw_torch_4bit"):  # torchao under FSDP2: see sft/lowbit.py
-        from sft.lowbit import patch_torchao_state_dtype
-
-        patch_torchao_state_dtype()
-    from transformers import set_seed
-
+    prepare_optimizer(training_args.optim)  # torchao's low-bit AdamW under FSDP2: see sft/lowbit.py
     set_seed(training_args.seed)  # the LoRA init happens before the Trainer seeds: make it follow --seed too
-    model = load_model(model_args, lora_args, training_args.gradient_checkpointing)
+    model = load_model(model_args, lora_args, training_args.activation_checkpointing)
     safety, verifier = safety_callbacks(model, model_args, lora_args, training_args, argv)  # checkpoints, guards
     trainer = Trainer(
         model=model,
@@ -79,15 +72,12 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
     if trainer.pop_callback(TensorBoardCallback):  # after ours, so that it logs what ours adds
         trainer.add_callback(TensorBoardCallback)
 
-    from sft.guards import NonFiniteError
-    from sft.verify import SaveMismatchError
-
     try:
         trainer.train(resume_from_checkpoint=resume)
         if eval_data is not None and training_args.eval_strategy == "no":
             trainer.evaluate()
         consolidate_fsdp_saves(trainer)  # FSDP: one consolidated safetensors model, not shards
-        save_final(trainer, training_args.output_dir, verifier)  # model or LoRA adapter + tokenizer, reloaded, checked
+        save_final(trainer, training_args.output_dir, verifier)  # model or adapter + tokenizer, reloaded, checked
     except (NonFiniteError, SaveMismatchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
