@@ -29,6 +29,7 @@ from sft.tokenization import IGNORE, render_mask, tokenize_batch, tokenize_one
 
 CODE = ("formats.py", "templates.py", "tokenization.py", "packing.py", "dataset.py")
 PARALLEL_FROM = 4000  # conversations; below this, starting worker processes costs more than it saves
+BATCH_SIZE = 1000  # conversations per map batch (one tokenizer call each); 500 was ~4% slower
 
 
 @dataclass
@@ -106,7 +107,7 @@ def tokenize(conversations: list[dict], args: DataArguments, tokenizer, template
     fn = partial(tokenize_batch, tokenizer=tokenizer, template=template, max_length=args.max_length,
                  train_on_prompt=args.train_on_prompt, overlong=args.overlong)
     # Our own cache (prepare) decides reuse; a fixed fingerprint spares datasets from hashing the tokenizer.
-    return table.map(fn, batched=True, batch_size=500, num_proc=num_proc, remove_columns=table.column_names,
+    return table.map(fn, batched=True, batch_size=BATCH_SIZE, num_proc=num_proc, remove_columns=table.column_names,
                      input_columns=None, new_fingerprint=f"sft-tokenize-{os.getpid()}-{id(table)}",
                      desc="Tokenizing")
 
