@@ -64,3 +64,16 @@ def run_train(args: list[str], *, launcher: list[str] | None = None, env: dict |
     command = (launcher or [sys.executable]) + [str(REPO / "sft" / "train.py"), *args]
     full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run(command, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def tensorboard_scalars(logdir: Path, tag: str) -> list[float]:
+    """Every value logged under `tag` in the TensorBoard event files below `logdir`, in file order."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    values = []
+    for events in sorted(logdir.rglob("events.out.tfevents.*")):
+        accumulator = EventAccumulator(str(events.parent))
+        accumulator.Reload()
+        if tag in accumulator.Tags()["scalars"]:
+            values += [e.value for e in accumulator.Scalars(tag)]
+    return values

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import TrainerCallback
 
-from conftest import REPO
+from conftest import REPO, tensorboard_scalars
 from sft.checkpoints import FINAL_MARKER, checkpoint_dirs, is_complete, newest_complete
 from sft.guards import LossSpikeLogger, NonFiniteError, NonFiniteGuard
 
@@ -21,18 +21,6 @@ def run_args(model: Path, output_dir: Path, cache: Path, *extra: str) -> list[st
             "--per_device_train_batch_size", "2", "--max_steps", "8", "--save_strategy", "steps", "--save_steps", "2",
             "--learning_rate", "1e-3", "--logging_steps", "1", "--disable_tqdm", "true", "--seed", "0",
             "--dataset_cache_dir", str(cache), "--output_dir", str(output_dir), *extra]
-
-
-def tensorboard_scalars(logdir: Path, tag: str) -> list[float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    values = []
-    for events in sorted(logdir.rglob("events.out.tfevents.*")):
-        accumulator = EventAccumulator(str(events.parent))
-        accumulator.Reload()
-        if tag in accumulator.Tags()["scalars"]:
-            values += [e.value for e in accumulator.Scalars(tag)]
-    return values
 
 
 class PoisonWeight(TrainerCallback):

@@ -3,8 +3,6 @@ outputs loaded back with plain transformers/peft."""
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -12,21 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, run_train
+from conftest import REPO, run_train, tensorboard_scalars
 
 pytestmark = pytest.mark.slow
-
-
-def scalars(logdir: Path, tag: str) -> list[float]:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    values = []
-    for events in sorted(logdir.rglob("events.out.tfevents.*")):
-        accumulator = EventAccumulator(str(events.parent))
-        accumulator.Reload()
-        if tag in accumulator.Tags()["scalars"]:
-            values += [e.value for e in accumulator.Scalars(tag)]
-    return values
 
 
 def accelerate() -> list[str]:
@@ -43,13 +29,13 @@ def test_demo_with_no_arguments(tmp_path):
     output = tmp_path / "output" / "demo"
     assert f"Saved model and tokenizer: {output}" in result.stdout
     assert "TensorBoard logs:" in result.stdout
-    losses = scalars(output / "runs", "train/loss")
+    losses = tensorboard_scalars(output / "runs", "train/loss")
     assert len(losses) >= 5, losses
     assert losses[-1] < 0.6 * losses[0], f"loss did not fall: {losses}"
-    eval_losses = scalars(output / "runs", "eval/loss")
+    eval_losses = tensorboard_scalars(output / "runs", "eval/loss")
     assert eval_losses and eval_losses[-1] < eval_losses[0]
     for tag in ("train/learning_rate", "train/grad_norm", "train/real_tokens_per_second"):
-        assert scalars(output / "runs", tag), f"{tag} missing from TensorBoard"
+        assert tensorboard_scalars(output / "runs", tag), f"{tag} missing from TensorBoard"
     print(f"demo took {elapsed:.1f} s")
     assert elapsed < 120  # ~15-25 s on a 2-core CPU; generous for a loaded CI machine
 
