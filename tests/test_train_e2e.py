@@ -37,7 +37,7 @@ def test_demo_with_no_arguments(tmp_path):
     for tag in ("train/learning_rate", "train/grad_norm", "train/real_tokens_per_second"):
         assert tensorboard_scalars(output / "runs", tag), f"{tag} missing from TensorBoard"
     print(f"demo took {elapsed:.1f} s")
-    assert elapsed < 120  # ~15-25 s on a 2-core CPU; generous for a loaded CI machine
+    assert elapsed < 120  # ~36 s on a quiet 2-core CPU (imports included); generous for a loaded CI machine
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
