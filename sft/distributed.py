@@ -34,6 +34,11 @@ class NcclDecision:
     reasons: list[str] = field(default_factory=list)   # one line each, for the log
 
 
+def is_first_process() -> bool:
+    """Rank 0 of the launch, from the launcher's environment: usable before the process group exists."""
+    return int(os.environ.get("RANK", "0")) == 0
+
+
 def is_consumer_gpu(name: str) -> bool:
     return bool(CONSUMER_GPU.search(name))
 
@@ -91,7 +96,7 @@ def configure_nccl_env() -> NcclDecision:
     peer_access = None if any(is_consumer_gpu(n) for n in names) else gpus_have_peer_access()
     decision = decide_nccl_env(names, peer_access, os.environ)
     os.environ.update(decision.env)
-    if decision.reasons and int(os.environ.get("RANK", "0")) == 0:
+    if decision.reasons and is_first_process():
         for line in decision.reasons:
             print(f"NCCL: {line}", file=sys.stderr, flush=True)
     return decision
@@ -241,7 +246,7 @@ def check_offload_ram(model_args, lora_args, training_args, available: int | Non
     if need > total:
         raise ConfigError(message + advice + " If this machine's RAM grows on demand (some VMs start with a small "
                           "MemTotal), give its real size: SFT_HOST_RAM_GIB=<GiB>.")
-    if int(os.environ.get("RANK", "0")) == 0:  # one report per run, not one per process
+    if is_first_process():  # one report per run, not one per process
         if need > available:
             print(f"warning: {message} It may be killed for lack of memory.{advice}", file=sys.stderr, flush=True)
         else:

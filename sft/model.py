@@ -7,7 +7,6 @@ weights stay fp32 (peft's default).
 
 from __future__ import annotations
 
-import os
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -68,10 +67,10 @@ def tensor_parallel(model_args: ModelArguments) -> dict:
 
 
 def report_zero3_partitioning(model) -> None:
-    from sft.distributed import zero3_partition_report
+    from sft.distributed import is_first_process, zero3_partition_report
 
     report = zero3_partition_report(model)
-    if report and int(os.environ.get("RANK", "0")) == 0:
+    if report and is_first_process():
         print(report, flush=True)
 
 
