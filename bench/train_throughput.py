@@ -338,7 +338,9 @@ def worker(spec: dict, train_argv: list[str]) -> int:
         check = sft.distributed.check_offload_ram
         size = int(float(host_ram) * GIB)
         sft.distributed.check_offload_ram = lambda *a, **k: check(*a, **{**k, "available": size, "total": size})
-    return sft.train.main(train_argv)
+    code = sft.train.main(train_argv)
+    sft.distributed.end_process_group()
+    return code
 
 
 class _RandomInitModel:

@@ -39,6 +39,15 @@ def is_first_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
+def end_process_group() -> None:
+    """Destroy the process group before the interpreter exits: a live one is torn down by destructors at exit,
+    which can abort a finished run ("terminate called without an active exception", seen with gloo)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def is_consumer_gpu(name: str) -> bool:
     return bool(CONSUMER_GPU.search(name))
 

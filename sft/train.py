@@ -26,7 +26,7 @@ from sft.checkpoints import resolve_resume, safety_callbacks, save_final
 from sft.config import ConfigError, parse_args
 from sft.dataset import prepare, read_datasets
 from sft.distributed import (DistributedCheckError, configure_nccl_env, consolidate_fsdp_saves,
-                             fsdp_training_settings, preflight)
+                             end_process_group, fsdp_training_settings, preflight)
 from sft.formats import DataError
 from sft.guards import NonFiniteError
 from sft.lowbit import prepare_optimizer
@@ -94,5 +94,12 @@ def tensorboard_dir(training_args) -> str:
     return os.environ.get("TENSORBOARD_LOGGING_DIR") or str(Path(training_args.output_dir).resolve() / "runs")
 
 
+def run() -> None:
+    """The command: train, then end the process group cleanly (so a finished run exits 0)."""
+    code = main()
+    end_process_group()
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
