@@ -89,6 +89,9 @@ class DataArguments:
         "help": "Conversations over --max_length: truncate (after the last assistant turn that fits) or drop."})
     packing: bool = field(default=False, metadata={
         "help": "Pack conversations into rows of --max_length (best-fit decreasing; no attention across them)."})
+    pad_to_multiple_of: int | None = field(default=None, metadata={
+        "help": "Pad every batch to a multiple of this many tokens. Default: --max_length for packed rows under "
+                "flex_attention (one shape, so its kernels compile once), else the batch's longest row."})
     train_on_prompt: bool = field(default=False, metadata={"help": "Also train on prompt tokens, not only replies."})
     skip_bad_records: bool = field(default=False, metadata={
         "help": "Skip and count malformed records instead of stopping at the first one."})
@@ -250,6 +253,10 @@ def validate(model_args: ModelArguments, data_args: DataArguments, lora_args: Lo
         raise ConfigError(f"--packing needs an attention that separates packed documents by position_ids "
                           f"(sdpa, eager, flex_attention, flash_attention_2/3), not "
                           f"{model_args.attn_implementation!r}.")
+    if data_args.pad_to_multiple_of is not None and data_args.pad_to_multiple_of < 1:
+        raise ConfigError(f"--pad_to_multiple_of {data_args.pad_to_multiple_of}: give a positive number of tokens.")
+    if data_args.pad_to_multiple_of is None and data_args.packing and model_args.attn_implementation == "flex_attention":
+        data_args.pad_to_multiple_of = data_args.max_length  # every new shape would compile flex's kernels again
     validate_setup(model_args, data_args, lora_args, training_args)
 
 

@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
         args=training_args,
         train_dataset=train_data,
         eval_dataset=eval_data,
-        data_collator=Collator(tokenizer.pad_token_id),
+        data_collator=Collator(tokenizer.pad_token_id, data_args.pad_to_multiple_of),
         processing_class=tokenizer,
         callbacks=[ThroughputCallback(flops_per_token(model, lora_args.lora), peak_flops()), *(callbacks or []),
                    *safety],

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from sft.config import ConfigError, parse_args, validate_setup
+from sft.config import ConfigError, parse_args, validate, validate_setup
 
 DATA = str(REPO / "data" / "alpaca_demo.json")
 
@@ -129,3 +129,16 @@ def test_train_prints_one_line_and_exits_2(capsys, tmp_path):
     assert main(["--model", "m", "--dataset", DATA, "--output_dir", str(tmp_path), "--fp16", "true"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --fp16") and "\n" not in err and "Traceback" not in err
+
+
+def test_flex_attention_pads_packed_rows_to_one_shape(gpus):
+    """flex_attention compiles its kernels per shape: packed rows are padded to --max_length unless told."""
+    model_args, data_args, lora_args, training_args = parse("--packing", "true", "--max_length", "512")
+    assert data_args.pad_to_multiple_of is None  # sdpa: the batch's longest row
+    gpus(1)
+    model_args.attn_implementation = "flex_attention"
+    validate(model_args, data_args, lora_args, training_args)
+    assert data_args.pad_to_multiple_of == 512
+    gpus(0)
+    assert parse("--pad_to_multiple_of", "64")[1].pad_to_multiple_of == 64
+    assert "positive" in refused("--pad_to_multiple_of", "0")

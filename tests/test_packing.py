@@ -71,6 +71,10 @@ def test_collator_restarts_positions_per_document_and_pads_as_its_own_document()
     plain = Collator(pad_token_id=0)([{"input_ids": [1, 2, 3], "labels": [IGNORE, 2, 3]},
                                       {"input_ids": [4], "labels": [IGNORE]}])
     assert plain["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    fixed = Collator(pad_token_id=0, pad_to_multiple_of=4)([{"input_ids": [1, 2, 3, 4, 5], "labels": [IGNORE, 2, 3, 4, 5],
+                                                             "seq_lengths": [5]}])
+    assert fixed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
+    assert fixed["labels"].tolist() == [[IGNORE, 2, 3, 4, 5, IGNORE, IGNORE, IGNORE]]
 
 
 @pytest.fixture(scope="module")
