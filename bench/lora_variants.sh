@@ -12,8 +12,9 @@
 #   flex-mb1       flex_attention (skips masked blocks), micro-batch 1, no checkpointing
 #   flex-mb2-ckpt  flex_attention, micro-batch 2, activation checkpointing
 #   flex-mb4-ckpt  flex_attention, micro-batch 4, activation checkpointing
-# Note: rows that run side by side share the host's CPUs and memory bandwidth, not their GPUs; nvidia_smi_mem_gib
-# is only right for rows on GPU 0 (NVML does not follow CUDA_VISIBLE_DEVICES).
+#   flex-mb8-ckpt  flex_attention, micro-batch 8, activation checkpointing (16,384 tokens per step per GPU)
+# Rows that run side by side share the host's CPUs and memory bandwidth, not their GPUs (CUDA_VISIBLE_DEVICES; the
+# single_gpu config leaves it alone). nvidia_smi_mem_gib is the peak of GPU 0 as NVML numbers it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 RUN_ID="$(date -u +%Y%m%dT%H%M%SZ)-$(hostname | cut -c1-8)"
@@ -41,6 +42,7 @@ shape() {  # variant -> train_throughput options, then "--", then sft options
     flex-mb1) echo "--micro_batch 1 --grad_accum 4 -- --attn_implementation flex_attention";;
     flex-mb2-ckpt) echo "--micro_batch 2 --grad_accum 2 -- --attn_implementation flex_attention --activation_checkpointing true";;
     flex-mb4-ckpt) echo "--micro_batch 4 --grad_accum 1 -- --attn_implementation flex_attention --activation_checkpointing true";;
+    flex-mb8-ckpt) echo "--micro_batch 8 --grad_accum 1 -- --attn_implementation flex_attention --activation_checkpointing true";;
     *) echo "unknown variant $1" >&2; return 2;;
   esac
 }
