@@ -203,7 +203,7 @@ def check_training(name: str, rc: int, log: str, output: Path, args, strategy: s
         line = re.search(r"ZeRO-3: model loaded partitioned.*", log)
         report(f"{name}/zero3_partitioned_load", bool(line), line.group(0) if line else "no zero.Init report in the log")
     if strategy == "fsdp" and not args.cpu:
-        report(f"{name}/fsdp_activation_checkpointing", "FSDP: --activation_checkpointing applied" in log)
+        report(f"{name}/fsdp_activation_checkpointing", bool(re.search(r"FSDP: (.*; )?--activation_checkpointing applied", log)))
     return True
 
 

@@ -307,12 +307,16 @@ def fsdp_launched() -> bool:
     return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes")
 
 
-def fsdp_training_settings(training_args) -> None:
+def fsdp_training_settings(training_args, lora: bool = False) -> None:
     """Trainer settings that FSDP needs, applied before the Trainer (and its FSDP plugin) is created.
 
-    - `--activation_checkpointing` becomes FSDP's own (FSDP_ACTIVATION_CHECKPOINTING, read by the plugin): the
-      Trainer's adds a redundant all-gather per layer in backward, and the Trainer refuses both at once
-      (transformers docs, issue 30404).
+    - Full fine-tuning: `--activation_checkpointing` becomes FSDP's own (FSDP_ACTIVATION_CHECKPOINTING, read by
+      the plugin), as transformers recommends (the Trainer refuses both at once; issue 30404).
+    - LoRA keeps the Trainer's (transformers' per-layer checkpointing, non-reentrant): FSDP's wraps every layer
+      in a CheckpointWrapper, and peft then finds no adapter weights in the state dict (see
+      remove_checkpoint_wrappers), so every CHECKPOINT's adapter was empty and resuming silently restarted from
+      the untrained adapter (seen on 2 x H200). Under FSDP2 each layer is already gathered when its backward
+      recomputes it, so this costs no extra all-gather.
     - With gradient accumulation, gradients are reduce-scattered after every micro-batch (accelerate's
       `sync_each_batch`): FSDP2's no-sync mode keeps UNSHARDED gradients between micro-batches on every rank
       (12.9 GiB in bf16 for 7B), which a 24 GB card cannot hold. An explicit
@@ -321,10 +325,13 @@ def fsdp_training_settings(training_args) -> None:
     if not fsdp_launched():
         return
     notes = []
-    if training_args.activation_checkpointing:
+    if training_args.activation_checkpointing and not lora:
         os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = "true"
         training_args.activation_checkpointing = training_args.gradient_checkpointing = False
         notes.append("--activation_checkpointing applied as FSDP's activation checkpointing")
+    elif training_args.activation_checkpointing:
+        notes.append("--activation_checkpointing applied as transformers' own (LoRA: FSDP's wrappers would hide "
+                     "the adapter from checkpoint saves)")
     if training_args.gradient_accumulation_steps > 1:
         config = training_args.accelerator_config
         kwargs = dict(config.gradient_accumulation_kwargs or {})

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
         print(f"Training on {training_args.world_size} process(es) "
               f"({training_args.parallel_mode.value}, device {training_args.device})", flush=True)
 
-    fsdp_training_settings(training_args)  # FSDP's own activation checkpointing; sharded gradients under accumulation
+    fsdp_training_settings(training_args, lora_args.lora)  # activation checkpointing; sharded gradients
     prepare_optimizer(training_args.optim)  # torchao's low-bit AdamW under FSDP2: see sft/lowbit.py
     set_seed(training_args.seed)  # the LoRA init happens before the Trainer seeds: make it follow --seed too
     model = load_model(model_args, lora_args, training_args.activation_checkpointing)

@@ -448,6 +448,10 @@ def test_fsdp_training_settings(monkeypatch, capsys):
     chosen = args(gradient_accumulation_kwargs={"sync_each_batch": False})
     fsdp_training_settings(chosen)
     assert chosen.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": False}
+    monkeypatch.delenv("FSDP_ACTIVATION_CHECKPOINTING")
+    lora = args()  # LoRA keeps transformers' checkpointing: FSDP's wrappers hide the adapter from peft's saves
+    fsdp_training_settings(lora, lora=True)
+    assert lora.activation_checkpointing and "FSDP_ACTIVATION_CHECKPOINTING" not in os.environ
 
 
 def test_zero3_init_can_be_switched_off_for_a_one_process_reload():
