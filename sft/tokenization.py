@@ -13,6 +13,7 @@ Over-long conversations are cut after the last assistant turn that fits, or drop
 
 from __future__ import annotations
 
+import re
 import weakref
 from itertools import chain
 from typing import Any
@@ -78,15 +79,45 @@ def _splits_after_newline(tokenizer) -> bool:
                 and not any("\n" in t.content or "\r" in t.content for t in tokenizer.added_tokens_decoder.values()))
 
 
+def splits_before_words(tokenizer) -> bool:
+    """Whether, besides newlines, the pre-tokenizer always cuts before a space followed by an ASCII letter: its
+    first splits isolate newlines and then `\\s?\\p{L}+` (DeepSeek LLM/Coder). A match of that pattern can hold a
+    space only as its first character, so a space before a letter always starts a piece; later steps (splits,
+    digits, byte-level without a prefix space) only cut pieces further. No added token may contain a space or strip
+    the whitespace around it (it would then match across, or eat, the cut)."""
+    return _fact(tokenizer, "splits_before_words", _splits_before_words)
+
+
+def _splits_before_words(tokenizer) -> bool:
+    import json
+
+    if not splits_after_newline(tokenizer):
+        return False
+    steps = json.loads(tokenizer.backend_tokenizer.to_str())["pre_tokenizer"]["pretokenizers"]
+    letters = next((i for i, step in enumerate(steps) if step.get("type") == "Split"
+                    and (step.get("pattern") or {}).get("Regex") == "\\s?\\p{L}+"), None)
+    if letters is None or steps[letters].get("behavior") != "Isolated" or steps[letters].get("invert"):
+        return False
+    before_ok = all(step.get("type") == "Split" and step.get("behavior") == "Isolated" and not step.get("invert")
+                    and (step.get("pattern") or {}).get("Regex") in ("[\r\n]", "[\n\r]") for step in steps[:letters])
+    after_ok = all(step.get("type") in ("Split", "Digits") or (step.get("type") == "ByteLevel"
+                                                                and not step.get("add_prefix_space"))
+                   for step in steps[letters + 1:])
+    added_ok = not any(" " in t.content or t.lstrip or t.rstrip or t.single_word
+                       for t in tokenizer.added_tokens_decoder.values())
+    return before_ok and after_ok and added_ok
+
+
 def tokenize_batch(batch: dict[str, list], *, tokenizer, template: Template, max_length: int,
                    train_on_prompt: bool = False, overlong: str = "truncate"):
     """`datasets.map(batched=True)` function: messages -> input_ids, labels, length, status (an Arrow table).
 
-    The text is tokenized whole, except where the tokenizer itself always cuts it (at each newline, for a
-    tokenizer that isolates newlines before anything else: DeepSeek LLM and Coder): there it is cut into runs and
-    each distinct run of the batch is tokenized once, so a template's fixed parts (BOS and the default system
-    prompt, a third of the tokens of a short Alpaca record under the DeepSeek-Coder template; `### Response:`)
-    cost nothing per record. The ids are the same either way (tested against the tokenizer on real data).
+    The text is tokenized whole, except where the tokenizer itself always cuts it (at each newline, and before
+    each space followed by a letter, for the DeepSeek LLM and Coder pre-tokenizers): there it is cut, and each
+    distinct piece of the batch is tokenized once. A template's fixed parts (BOS and the default system prompt, a
+    third of the tokens of a short Alpaca record under the DeepSeek-Coder template; `### Response:`) and the words
+    that recur across a batch's records (`the`, `of`, ...) then cost nothing per use. The ids are the same either
+    way (tested against the tokenizer on real data and on generated text).
     """
     import pyarrow as pa
 
@@ -114,11 +145,11 @@ def tokenize_batch(batch: dict[str, list], *, tokenizer, template: Template, max
     for runs in record_runs:
         for run in runs:
             run_index.setdefault(run, len(run_index))
-    run_ids = [e.ids for e in backend.encode_batch(list(run_index), add_special_tokens=False)] \
+    runs = _encode_runs(list(run_index), backend, table, cut and splits_before_words(tokenizer)) \
         if backend is not None else None
 
-    if table is not None and run_ids is not None:
-        ids, labels, lengths, statuses = _mask_batch(run_ids, run_index, record_runs, seg_lengths, seg_flags,
+    if table is not None and runs is not None:
+        ids, labels, lengths, statuses = _mask_batch(runs, run_index, record_runs, seg_lengths, seg_flags,
                                                      seg_start, table, max_length, train_on_prompt)
         special = [i for i, status in enumerate(statuses) if status is None]
     else:
@@ -131,7 +162,7 @@ def tokenize_batch(batch: dict[str, list], *, tokenizer, template: Template, max
     for i in special:
         pieces_ids.append(ids[token_offsets[done]:token_offsets[i]])
         pieces_labels.append(labels[token_offsets[done]:token_offsets[i]])
-        one_ids, starts = _encode_one(i, texts, record_runs, run_ids, run_index, bounds, table, tokenizer,
+        one_ids, starts = _encode_one(i, texts, record_runs, runs, run_index, bounds, table, tokenizer,
                                       template, batch)
         one_ids, one_labels, statuses[i] = _mask(one_ids, starts, bounds[i], trained_flags[i], max_length,
                                                  train_on_prompt, overlong)
@@ -165,16 +196,87 @@ class _LazyBounds(dict):
         return self[i]
 
 
-def _mask_batch(run_ids, run_index, record_runs, seg_lengths, seg_flags, seg_start, table, max_length: int,
+# Where a DeepSeek LLM/Coder pre-tokenizer always cuts inside a line: before a space followed by a letter.
+_WORD = re.compile(r"(?= [A-Za-z])")
+_CHUNK = 1000  # pieces per tokenizer input: fewer inputs cost less per input, a few keep the tokenizer's batching
+
+
+def _encode_runs(runs: list[str], backend, table: np.ndarray | None, by_word: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids of each run -> (all ids, run offsets): run j's ids are ids[offsets[j]:offsets[j + 1]].
+
+    by_word (the tokenizer cuts before every space + letter, and at every newline): each run is cut into words,
+    the batch's distinct words are joined by newlines into a few long inputs and tokenized once each, and every
+    word's tokens are found by their byte positions (tokens never cross a cut). If the bytes do not add up (a token
+    across a cut, which the tokenizer's structure rules out), the runs are tokenized whole instead."""
+    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
+    if by_word and table is not None:
+        words_of_runs = [_WORD.split(run) for run in runs]
+        occurrences = list(chain.from_iterable(words_of_runs))
+        distinct = list(dict.fromkeys(occurrences))
+        found = _encode_joined(distinct, encode, table)
+        if found is not None:
+            word_ids, first, count = found
+            index = dict(zip(distinct, range(len(distinct))))
+            word = np.fromiter(map(index.__getitem__, occurrences), dtype=np.int64, count=len(occurrences))
+            ids = word_ids[_ranges(first[word], count[word])]
+            per_run = np.fromiter(map(len, words_of_runs), dtype=np.int64, count=len(runs))
+            ends = np.concatenate([[0], np.cumsum(count[word])])
+            return ids, ends[np.concatenate([[0], np.cumsum(per_run)])]
+    encoded = [e.ids for e in encode(runs, add_special_tokens=False)]
+    lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
+    ids = np.fromiter(chain.from_iterable(encoded), dtype=np.int64, count=int(lengths.sum()))
+    return ids, np.concatenate([[0], np.cumsum(lengths)])
+
+
+def _encode_joined(pieces: list[str], encode, table: np.ndarray):
+    """Tokenize pieces joined by newlines (cuts the tokenizer always makes, so each piece tokenizes as alone).
+    -> (ids, first token of each piece, token count of each piece), or None when the bytes do not add up."""
+    sizes = np.fromiter((len(p) if p.isascii() else len(p.encode("utf-8")) for p in pieces), dtype=np.int64,
+                        count=len(pieces))
+    starts = np.concatenate([[0], np.cumsum(sizes + 1)[:-1]])  # byte where each piece starts in the joined text
+    chunks = [pieces[k:k + _CHUNK] for k in range(0, len(pieces), _CHUNK)]
+    encoded = [np.asarray(e.ids, dtype=np.int64) for e in encode(["\n".join(c) for c in chunks],
+                                                                 add_special_tokens=False)]
+    ids = np.concatenate(encoded) if encoded else np.zeros(0, np.int64)
+    # Token starts in the joined text; each chunk starts at its first piece (the newline between chunks is not
+    # tokenized).
+    token_sizes = table[ids]
+    chunk_start = np.repeat(starts[::_CHUNK], [len(e) for e in encoded])
+    chunk_first_token = np.repeat(np.concatenate([[0], np.cumsum([len(e) for e in encoded])[:-1]]),
+                                  [len(e) for e in encoded])
+    cum = np.cumsum(token_sizes)
+    token_starts = chunk_start + (cum - token_sizes) - (cum - token_sizes)[chunk_first_token]
+    first = np.searchsorted(token_starts, starts, side="left")
+    last = np.searchsorted(token_starts, starts + sizes, side="left")
+    count = last - first
+    # Every piece's tokens must cover exactly its bytes.
+    covered = np.concatenate([[0], np.cumsum(token_sizes)])
+    nonempty = count > 0
+    if not (np.array_equal(covered[last] - covered[first], sizes)
+            and np.array_equal(token_starts[first[nonempty]], starts[nonempty])):
+        return None
+    return ids, first, count
+
+
+def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """Concatenated aranges: starts[k] ... starts[k] + counts[k] - 1 for every k."""
+    total = int(counts.sum())
+    if not total:
+        return np.zeros(0, np.int64)
+    return np.repeat(starts - np.concatenate([[0], np.cumsum(counts)[:-1]]), counts) + np.arange(total)
+
+
+def _mask_batch(runs, run_index, record_runs, seg_lengths, seg_flags, seg_start, table, max_length: int,
                 train_on_prompt: bool):
     """Labels for a whole batch with a handful of numpy calls: token start = running sum of byte lengths,
     located among all records' segment ends at once. -> (ids, labels, lengths, statuses); a record whose bytes
     do not add up, or that is over max_length, gets status None and no tokens (the caller does it alone)."""
     n = len(record_runs)
-    order = [run_index[run] for runs in record_runs for run in runs]
-    run_lengths = np.fromiter((len(run_ids[j]) for j in order), dtype=np.int64, count=len(order))
-    flat = np.fromiter(chain.from_iterable(run_ids[j] for j in order), dtype=np.int64, count=int(run_lengths.sum()))
-    runs_per_record = np.fromiter((len(runs) for runs in record_runs), dtype=np.int64, count=n)
+    run_ids, run_offsets = runs
+    order = np.fromiter((run_index[run] for runs_ in record_runs for run in runs_), dtype=np.int64)
+    run_lengths = np.diff(run_offsets)[order]
+    flat = run_ids[_ranges(run_offsets[order], run_lengths)]
+    runs_per_record = np.fromiter((len(runs_) for runs_ in record_runs), dtype=np.int64, count=n)
     token_cum = np.concatenate([[0], np.cumsum(run_lengths)])
     token_offsets = token_cum[np.concatenate([[0], np.cumsum(runs_per_record)])]
     counts = np.diff(token_offsets)
@@ -203,11 +305,13 @@ def _mask_batch(run_ids, run_index, record_runs, seg_lengths, seg_flags, seg_sta
     return flat[kept_tokens], labels[kept_tokens], lengths.tolist(), statuses
 
 
-def _encode_one(i: int, texts, record_runs, run_ids, run_index, bounds, table, tokenizer, template, batch):
+def _encode_one(i: int, texts, record_runs, runs, run_index, bounds, table, tokenizer, template, batch):
     """One record's ids and token starts (in the units of bounds[i]; switched to characters when the byte
     lengths do not add up to its text)."""
-    if run_ids is not None:
-        ids = np.asarray([t for run in record_runs[i] for t in run_ids[run_index[run]]], dtype=np.int64)
+    if runs is not None:
+        run_ids, run_offsets = runs
+        ids = np.concatenate([np.zeros(0, np.int64)] + [
+            run_ids[run_offsets[run_index[run]]:run_offsets[run_index[run] + 1]] for run in record_runs[i]])
     else:
         ids = np.asarray(tokenizer(texts[i], add_special_tokens=False)["input_ids"], dtype=np.int64)
     if table is not None and len(ids):

@@ -1,10 +1,15 @@
 """Masks and lengths: assistant tokens + end of turn only (or everything with --train_on_prompt), every reply of
 a multi-turn conversation, truncation at a turn boundary or dropping, and the fast byte-length path equal to the
-tokenizer's own offsets on real data."""
+tokenizer's own offsets on real data; ids cut where the tokenizer always cuts (newlines, before a space + letter)
+equal the tokenizer's own on generated text built to hit those cuts."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from conftest import ALPACA_SAMPLE, DEEPSEEK_TOKENIZER, OASST_SAMPLE, needs_shared
 from sft import tokenization
@@ -96,3 +101,39 @@ def test_render_mask_marks_trained_tokens(tokenizer):
     shown = render_mask(row["input_ids"], row["labels"], tokenizer)
     assert shown == ("<｜begin▁of▁sentence｜>Be brief.\n\nUser: First question?\n\nAssistant:"
                      "[[ First answer.<|EOT|>]]")
+
+
+# Text made of what sits around the cuts: spaces and other whitespace before letters, newlines and carriage
+# returns, letters with and without accents, added tokens (`õ` is one), digits, punctuation, symbols, CJK, emoji.
+PARTS = [" ", "  ", "\t", "\u00a0", "\u3000", "\n", "\r", "\r\n", "\n\n", "a", "Z", "word", " the", "é", "ÿ", "õ",
+         "<|EOT|>", "<｜end▁of▁sentence｜>", "7", "2019", ".", ",", "'s", "(", "=", "$", "|", "中文", "가", "😀", "Ġ", "_"]
+texts = st.lists(st.sampled_from(PARTS), max_size=40).map("".join)
+
+
+@settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 80)), deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@given(st.lists(st.tuples(texts, texts), min_size=1, max_size=6))
+def test_ids_cut_at_words_and_newlines_equal_the_tokenizers_own(tokenizer, monkeypatch, pairs):
+    assert tokenization.splits_before_words(tokenizer)
+    monkeypatch.setattr(tokenization, "_CHUNK", 3)  # several tokenizer inputs per batch, pieces across them
+    template = get_template("deepseek_coder", tokenizer)
+    conversations = [[{"role": "user", "content": u}, {"role": "assistant", "content": a}] for u, a in pairs]
+    rows = tokenize_batch({"messages": conversations}, tokenizer=tokenizer, template=template, max_length=10**6,
+                          train_on_prompt=True).to_pydict()
+    for conversation, ids, status in zip(conversations, rows["input_ids"], rows["status"]):
+        assert status == "ok"
+        assert ids == tokenizer(template.text(conversation), add_special_tokens=False)["input_ids"]
+
+
+def test_tokenizers_that_do_not_always_cut_there_are_tokenized_whole(tokenizer):
+    from transformers import AutoTokenizer
+
+    spaced = AutoTokenizer.from_pretrained(DEEPSEEK_TOKENIZER)
+    spaced.add_tokens(["hello world"])  # an added token across a space + letter: no cut before words
+    assert tokenization.splits_after_newline(spaced) and not tokenization.splits_before_words(spaced)
+    conversation = [{"role": "user", "content": "say hello world twice: hello world"},
+                    {"role": "assistant", "content": "hello world hello world"}]
+    template = get_template("deepseek_coder", spaced)
+    row = tokenize_one(conversation, tokenizer=spaced, template=template, max_length=4096)
+    assert row["input_ids"] == spaced(template.text(conversation), add_special_tokens=False)["input_ids"]
+    assert row["input_ids"].count(spaced.convert_tokens_to_ids("hello world")) == 4
