@@ -121,6 +121,9 @@ class SFTTrainingArguments(TrainingArguments):
     overwrite_output_dir: bool = field(default=False, metadata={
         "help": "Delete the checkpoints and model of a previous run in --output_dir and start over. Without it, "
                 "a run into a directory that holds a run stops and prints the command to resume it."})
+    activation_checkpointing_skip_layers: int = field(default=0, metadata={
+        "help": "With --activation_checkpointing: leave this many of the last decoder layers unchecked, which "
+                "spends spare GPU memory to skip their recomputation (each layer ~1/num_layers of it)."})
     verify_saves: str = field(default="auto", metadata={
         "help": "Reload each save and compare its logits with the trained model: auto (the final save, and every "
                 "checkpoint under LoRA or when the model has < 1e9 parameters), all, final, no."})
@@ -336,6 +339,16 @@ def validate_setup(model_args: ModelArguments, data_args: DataArguments, lora_ar
     if training_args.loss_spike_factor < 0 or 0 < training_args.loss_spike_factor <= 1:
         raise ConfigError(f"--loss_spike_factor {training_args.loss_spike_factor}: give a factor above 1, or 0 "
                           f"to turn spike warnings off.")
+
+    skip = training_args.activation_checkpointing_skip_layers
+    if skip < 0:
+        raise ConfigError(f"--activation_checkpointing_skip_layers {skip}: give a number of layers (0 or more).")
+    if skip and not training_args.activation_checkpointing:
+        raise ConfigError(f"--activation_checkpointing_skip_layers {skip} needs --activation_checkpointing true "
+                          f"(it leaves some layers out of the checkpointing).")
+    if skip and (training_args.fsdp or _env_true("ACCELERATE_USE_FSDP")) and not lora_args.lora:
+        raise ConfigError("--activation_checkpointing_skip_layers: a full fine-tune under FSDP uses FSDP's own "
+                          "activation checkpointing of every layer; drop the option.")
 
     # Precision. (--bf16 without hardware support is refused while parsing: see training_arguments_message.)
     if training_args.fp16 and not cuda:

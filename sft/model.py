@@ -9,7 +9,7 @@ from __future__ import annotations
 
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from sft.config import TINY_MODEL, LoraArguments, ModelArguments
 from sft.families import family_of
@@ -96,3 +96,25 @@ def attach_lora(model, lora_args: LoraArguments, gradient_checkpointing: bool):
     if gradient_checkpointing:
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     return get_peft_model(model, config)
+
+
+class PartialCheckpointing(TrainerCallback):
+    """`--activation_checkpointing_skip_layers K`: the last K decoder layers keep their activations instead of
+    recomputing them in backward. The Trainer switches checkpointing on for every layer at the start of train();
+    this runs right after (on_train_begin) and switches it off again for those layers."""
+
+    def __init__(self, skip_layers: int):
+        self.skip_layers = skip_layers
+        self.unchecked: list[str] = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        layers = [(name, m) for name, m in model.named_modules()
+                  if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+        for name, layer in layers[len(layers) - min(self.skip_layers, len(layers)):]:
+            layer.gradient_checkpointing = False
+            self.unchecked.append(name)
+        if args.process_index == 0:
+            print(f"Activation checkpointing: {len(layers) - len(self.unchecked)} of {len(layers)} layers "
+                  f"checkpointed, the last {len(self.unchecked)} keep their activations", flush=True)

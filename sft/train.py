@@ -30,7 +30,7 @@ from sft.distributed import (DistributedCheckError, configure_nccl_env, consolid
 from sft.formats import DataError
 from sft.guards import NonFiniteError
 from sft.lowbit import prepare_optimizer
-from sft.model import load_model, load_tokenizer
+from sft.model import PartialCheckpointing, load_model, load_tokenizer
 from sft.packing import Collator
 from sft.verify import SaveMismatchError
 
@@ -59,6 +59,8 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
     set_seed(training_args.seed)  # the LoRA init happens before the Trainer seeds: make it follow --seed too
     model = load_model(model_args, lora_args, training_args.activation_checkpointing)
     safety, verifier = safety_callbacks(model, model_args, lora_args, training_args, argv)  # checkpoints, guards
+    skip = training_args.activation_checkpointing_skip_layers  # spare memory: fewer layers recomputed
+    partial_checkpointing = [PartialCheckpointing(skip)] if skip else []
     trainer = Trainer(
         model=model,
         args=training_args,
@@ -67,7 +69,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
         data_collator=Collator(tokenizer.pad_token_id, data_args.pad_to_multiple_of),
         processing_class=tokenizer,
         callbacks=[ThroughputCallback(flops_per_token(model, lora_args.lora), peak_flops()), *(callbacks or []),
-                   *safety],
+                   *safety, *partial_checkpointing],
     )
     if trainer.pop_callback(TensorBoardCallback):  # after ours, so that it logs what ours adds
         trainer.add_callback(TensorBoardCallback)
