@@ -12,6 +12,9 @@
 #   flex-mb1       flex_attention (skips masked blocks), micro-batch 1, no checkpointing
 #   flex-mb2-ckpt  flex_attention, micro-batch 2, activation checkpointing
 #   flex-mb4-ckpt  flex_attention, micro-batch 4, activation checkpointing
+#   flex-mb4-ckpt-skip3  the same, the last 3 of 30 layers not checkpointed (their recomputation skipped)
+#   flex-mb2-ckpt-skip8  micro-batch 2 (x2 accumulation), the last 8 layers not checkpointed
+#   flex-mb4-ckpt-compile  flex-mb4-ckpt under torch.compile (--torch_compile true)
 #   flex-mb8-ckpt  flex_attention, micro-batch 8, activation checkpointing (16,384 tokens per step per GPU)
 # Rows that run side by side share the host's CPUs and memory bandwidth, not their GPUs (CUDA_VISIBLE_DEVICES; the
 # single_gpu config leaves it alone). nvidia_smi_mem_gib is the peak of GPU 0 as NVML numbers it.
@@ -42,6 +45,9 @@ shape() {  # variant -> train_throughput options, then "--", then sft options
     flex-mb1) echo "--micro_batch 1 --grad_accum 4 -- --attn_implementation flex_attention";;
     flex-mb2-ckpt) echo "--micro_batch 2 --grad_accum 2 -- --attn_implementation flex_attention --activation_checkpointing true";;
     flex-mb4-ckpt) echo "--micro_batch 4 --grad_accum 1 -- --attn_implementation flex_attention --activation_checkpointing true";;
+    flex-mb4-ckpt-skip3) echo "--micro_batch 4 --grad_accum 1 -- --attn_implementation flex_attention --activation_checkpointing true --activation_checkpointing_skip_layers 3";;
+    flex-mb2-ckpt-skip8) echo "--micro_batch 2 --grad_accum 2 -- --attn_implementation flex_attention --activation_checkpointing true --activation_checkpointing_skip_layers 8";;
+    flex-mb4-ckpt-compile) echo "--micro_batch 4 --grad_accum 1 -- --attn_implementation flex_attention --activation_checkpointing true --torch_compile true";;
     flex-mb8-ckpt) echo "--micro_batch 8 --grad_accum 1 -- --attn_implementation flex_attention --activation_checkpointing true";;
     *) echo "unknown variant $1" >&2; return 2;;
   esac
