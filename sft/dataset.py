@@ -25,7 +25,7 @@ from sft.config import DataArguments
 from sft.formats import DataError, ReadOptions, ReadStats, read_conversations
 from sft.packing import pack_rows
 from sft.templates import get_template
-from sft.tokenization import IGNORE, render_mask, tokenize_batch, tokenize_one
+from sft.tokenization import IGNORE, render_mask, tokenize_batch, tokenize_one, tokenizer_facts
 
 CODE = ("formats.py", "templates.py", "tokenization.py", "packing.py", "dataset.py")
 PARALLEL_FROM = 4000  # conversations; below this, starting worker processes costs more than it saves
@@ -100,16 +100,20 @@ def cache_dir(args: DataArguments) -> Path:
 
 def tokenize(conversations: list[dict], args: DataArguments, tokenizer, template):
     import datasets
+    import pyarrow as pa
+    from datasets.table import InMemoryTable
 
-    table = datasets.Dataset.from_list(conversations)
+    # Only the messages go to the workers. Our own cache (prepare) decides reuse, so the fingerprints are made up
+    # rather than computed: that spares datasets from hashing the whole table and the tokenizer.
+    fingerprint = f"sft-{os.getpid()}-{id(conversations)}"
+    table = datasets.Dataset(InMemoryTable(pa.table({"messages": [c["messages"] for c in conversations]})),
+                             fingerprint=fingerprint + "-messages")
     num_proc = args.num_proc if args.num_proc is not None else (os.cpu_count() or 1)
     num_proc = num_proc if len(conversations) >= PARALLEL_FROM else None
     fn = partial(tokenize_batch, tokenizer=tokenizer, template=template, max_length=args.max_length,
-                 train_on_prompt=args.train_on_prompt, overlong=args.overlong)
-    # Our own cache (prepare) decides reuse; a fixed fingerprint spares datasets from hashing the tokenizer.
+                 train_on_prompt=args.train_on_prompt, overlong=args.overlong, facts=tokenizer_facts(tokenizer))
     return table.map(fn, batched=True, batch_size=BATCH_SIZE, num_proc=num_proc, remove_columns=table.column_names,
-                     input_columns=None, new_fingerprint=f"sft-tokenize-{os.getpid()}-{id(table)}",
-                     desc="Tokenizing")
+                     input_columns=None, new_fingerprint=fingerprint + "-tokens", desc="Tokenizing")
 
 
 def finish(rows, args: DataArguments):
@@ -126,12 +130,13 @@ def finish(rows, args: DataArguments):
     counts = dict(zip(status.field("values").to_pylist(), status.field("counts").to_pylist()))
     lengths = table.column("length").to_numpy()
     table = table.select(["input_ids", "labels"])
-    if (lengths == 0).any():
-        table = table.filter(pa.array(lengths > 0))
     kept = lengths[lengths > 0]
     if args.packing and len(kept):
-        table = pack_rows(table.column("input_ids"), table.column("labels"), args.max_length)
-    return datasets.Dataset(InMemoryTable(table)), counts, kept
+        table = pack_rows(table.column("input_ids"), table.column("labels"), args.max_length)  # skips empty rows
+    elif len(kept) < len(lengths):
+        table = table.filter(pa.array(lengths > 0))
+    # A made-up fingerprint: hashing the whole table would cost more than packing it.
+    return datasets.Dataset(InMemoryTable(table), fingerprint=f"sft-{os.getpid()}-{id(table)}-rows"), counts, kept
 
 
 def prepare(args: DataArguments, tokenizer, conversations: Conversations, training_args=None):

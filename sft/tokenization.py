@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import re
 import weakref
-from itertools import chain
+from itertools import chain, repeat
 from typing import Any
 
 import numpy as np
@@ -108,8 +108,15 @@ def _splits_before_words(tokenizer) -> bool:
     return before_ok and after_ok and added_ok
 
 
+def tokenizer_facts(tokenizer) -> dict[str, Any]:
+    """What tokenize_batch needs to know about a tokenizer. Computed once and handed to `datasets.map` with the
+    function, so that each worker process (which unpickles its own copy of the tokenizer) need not recompute it."""
+    return {"byte_lengths": byte_lengths(tokenizer), "splits_after_newline": splits_after_newline(tokenizer),
+            "splits_before_words": splits_before_words(tokenizer)}
+
+
 def tokenize_batch(batch: dict[str, list], *, tokenizer, template: Template, max_length: int,
-                   train_on_prompt: bool = False, overlong: str = "truncate"):
+                   train_on_prompt: bool = False, overlong: str = "truncate", facts: dict[str, Any] | None = None):
     """`datasets.map(batched=True)` function: messages -> input_ids, labels, length, status (an Arrow table).
 
     The text is tokenized whole, except where the tokenizer itself always cuts it (at each newline, and before
@@ -121,9 +128,10 @@ def tokenize_batch(batch: dict[str, list], *, tokenizer, template: Template, max
     """
     import pyarrow as pa
 
-    table = byte_lengths(tokenizer)
+    facts = facts or tokenizer_facts(tokenizer)
+    table = facts["byte_lengths"]
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    cut = table is not None and backend is not None and splits_after_newline(tokenizer)
+    cut = table is not None and backend is not None and facts["splits_after_newline"]
     # Every segment of the batch in order: its length (bytes with a byte table, else characters) and whether it
     # is trained; seg_start[i] is record i's first segment.
     texts, record_runs, seg_lengths, seg_flags, seg_start = [], [], [], [], [0]
@@ -145,7 +153,7 @@ def tokenize_batch(batch: dict[str, list], *, tokenizer, template: Template, max
     for runs in record_runs:
         for run in runs:
             run_index.setdefault(run, len(run_index))
-    runs = _encode_runs(list(run_index), backend, table, cut and splits_before_words(tokenizer)) \
+    runs = _encode_runs(list(run_index), backend, table, cut and facts["splits_before_words"]) \
         if backend is not None else None
 
     if table is not None and runs is not None:
@@ -210,18 +218,27 @@ def _encode_runs(runs: list[str], backend, table: np.ndarray | None, by_word: bo
     across a cut, which the tokenizer's structure rules out), the runs are tokenized whole instead."""
     encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
     if by_word and table is not None:
-        words_of_runs = [_WORD.split(run) for run in runs]
-        occurrences = list(chain.from_iterable(words_of_runs))
+        # Every line of every run, cut into words; each line ends with a newline piece except a run's last line
+        # (that newline is the join's, not the run's: it gets no tokens).
+        lines = "\n".join(runs).split("\n")
+        words_of_lines = list(map(_WORD.split, lines))
+        for words in words_of_lines:
+            words.append("\n")
+        occurrences = list(chain.from_iterable(words_of_lines))
         distinct = list(dict.fromkeys(occurrences))
         found = _encode_joined(distinct, encode, table)
         if found is not None:
             word_ids, first, count = found
             index = dict(zip(distinct, range(len(distinct))))
             word = np.fromiter(map(index.__getitem__, occurrences), dtype=np.int64, count=len(occurrences))
-            ids = word_ids[_ranges(first[word], count[word])]
-            per_run = np.fromiter(map(len, words_of_runs), dtype=np.int64, count=len(runs))
-            ends = np.concatenate([[0], np.cumsum(count[word])])
-            return ids, ends[np.concatenate([[0], np.cumsum(per_run)])]
+            line_ends = np.cumsum(np.fromiter(map(len, words_of_lines), dtype=np.int64, count=len(lines))) - 1
+            lines_per_run = np.fromiter(map(str.count, runs, repeat("\n")), dtype=np.int64, count=len(runs)) + 1
+            run_ends = line_ends[np.cumsum(lines_per_run) - 1]  # the join's newline after each run
+            counts = count[word]
+            counts[run_ends] = 0
+            ids = word_ids[_ranges(first[word], counts)]
+            ends = np.concatenate([[0], np.cumsum(counts)])
+            return ids, ends[np.concatenate([[0], run_ends + 1])]
     encoded = [e.ids for e in encode(runs, add_special_tokens=False)]
     lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
     ids = np.fromiter(chain.from_iterable(encoded), dtype=np.int64, count=int(lengths.sum()))
@@ -231,8 +248,7 @@ def _encode_runs(runs: list[str], backend, table: np.ndarray | None, by_word: bo
 def _encode_joined(pieces: list[str], encode, table: np.ndarray):
     """Tokenize pieces joined by newlines (cuts the tokenizer always makes, so each piece tokenizes as alone).
     -> (ids, first token of each piece, token count of each piece), or None when the bytes do not add up."""
-    sizes = np.fromiter((len(p) if p.isascii() else len(p.encode("utf-8")) for p in pieces), dtype=np.int64,
-                        count=len(pieces))
+    sizes = np.fromiter(map(len, map(str.encode, pieces)), dtype=np.int64, count=len(pieces))  # UTF-8 bytes
     starts = np.concatenate([[0], np.cumsum(sizes + 1)[:-1]])  # byte where each piece starts in the joined text
     chunks = [pieces[k:k + _CHUNK] for k in range(0, len(pieces), _CHUNK)]
     encoded = [np.asarray(e.ids, dtype=np.int64) for e in encode(["\n".join(c) for c in chunks],
