@@ -45,6 +45,23 @@ def with_generation_markers(template: str) -> str:
     return template.replace(turn, marked)
 
 
+def distinct_copy(record: dict, i: int, period: int) -> dict:
+    """Record i of the repeated list, made distinct from every other copy: the same words (so the same kind of
+    text for the tokenizer), in another order in each field; the first copy is left as it is."""
+    import random
+
+    if i < period:
+        return record
+    rng = random.Random(i)
+
+    def shuffled(text: str) -> str:
+        words = text.split(" ")
+        rng.shuffle(words)
+        return " ".join(words)
+
+    return {key: shuffled(value) if isinstance(value, str) else value for key, value in record.items()}
+
+
 def ours_prepare(records: list, tokenizer, max_length: int, num_proc: int):
     from sft.config import DataArguments
     from sft.dataset import finish, tokenize
@@ -109,6 +126,9 @@ def main() -> None:
     parser.add_argument("--num_proc", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=2, help="interleaved runs of each side; the best counts")
     parser.add_argument("--record", action="store_true", help="append the result to bench/results.jsonl")
+    parser.add_argument("--distinct", action="store_true",
+                        help="make every record distinct (in copies after the first, the words of each field are "
+                             "shuffled, differently per record): checks that no speed-up depends on repetition")
     args = parser.parse_args()
 
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
@@ -120,6 +140,9 @@ def main() -> None:
 
     datasets.disable_caching()  # neither side may reuse an earlier run's map results
     records = json.loads(ALPACA.read_text()) * args.repeat
+    if args.distinct:
+        records = [distinct_copy(r, i, len(records) // args.repeat) for i, r in enumerate(records)]
+        print(f"distinct records: {len({json.dumps(r, sort_keys=True) for r in records})} of {len(records)}")
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     trl_tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     trl_tokenizer.chat_template = with_generation_markers(tokenizer.chat_template)
@@ -153,7 +176,7 @@ def main() -> None:
     trl_tokens, trl_trained = totals(trl_rows)
     assert (our_tokens, our_trained) == (trl_tokens, trl_trained), "the two sides did not prepare the same data"
 
-    print(f"records: {len(records)}, max_length {args.max_length}, num_proc {args.num_proc}, cores {os.cpu_count()}, "
+    print(f"records: {len(records)}{' (all distinct)' if args.distinct else ''}, max_length {args.max_length}, num_proc {args.num_proc}, cores {os.cpu_count()}, "
           f"best of {args.rounds} interleaved rounds; 1-min load average {load_before:.1f} -> {load_after:.1f}")
     print(f"ours: {our_s:.2f} s (rounds: {', '.join(f'{t:.2f}' for t in our_times)}; CPU "
           f"{', '.join(f'{t:.1f}' for t in our_cpu)} s), {len(our_rows)} packed rows, {our_tokens} tokens, "
@@ -177,7 +200,7 @@ def main() -> None:
                 "ours_cpu_s": [round(t, 1) for t in our_cpu], "trl_cpu_s": [round(t, 1) for t in trl_cpu],
                 "median_wall_ratio": round(statistics.median(trl_times) / statistics.median(our_times), 2),
                 "cpu_ratio": round(statistics.median(trl_cpu) / statistics.median(our_cpu), 2),
-                "load_avg_1min": [round(load_before, 2), round(load_after, 2)],
+                "load_avg_1min": [round(load_before, 2), round(load_after, 2)], "distinct_records": args.distinct,
                 "speedup_vs_trl": round(speedup, 2)}
         with open(REPO / "bench" / "results.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")

@@ -29,7 +29,10 @@ from sft.tokenization import IGNORE, render_mask, tokenize_batch, tokenize_one, 
 
 CODE = ("formats.py", "templates.py", "tokenization.py", "packing.py", "dataset.py")
 PARALLEL_FROM = 4000  # conversations; below this, starting worker processes costs more than it saves
-BATCH_SIZE = 1000  # conversations per map batch (one tokenizer call each); 500 was ~4% slower
+# Conversations per map batch (one tokenizer call each). Each distinct word of a batch is tokenized once, and a
+# bigger batch shares more of its words (on Alpaca records, 13 new words per record at 1,000, 10.5 at 2,000): 2,000
+# took 12-15% less CPU than 1,000 (500 was ~4% slower than 1,000).
+BATCH_SIZE = 2000
 
 
 @dataclass

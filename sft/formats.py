@@ -324,15 +324,15 @@ def alpaca_conversation(record: Any, where: str) -> dict | str:
     system = _expect_str(record, "system", where, required=False)
     if not output.strip():
         return "empty output"
-    if is_no_input(context):
+    if context and is_no_input(context):  # (most inputs are empty: no need to look)
         context = ""
     if not instruction.strip() and not context.strip():
         return "empty instruction"
-    messages = [{"role": "system", "content": system}] if system.strip() else []
+    messages = [{"role": "system", "content": system}] if system and not system.isspace() else []
     history = record.get("history") or []
-    if not isinstance(history, list) or not all(
+    if history and (not isinstance(history, list) or not all(
             isinstance(turn, list | tuple) and len(turn) == 2 and all(isinstance(t, str) for t in turn)
-            for turn in history):
+            for turn in history)):
         raise DataError(f"{where}: field 'history' must be a list of [user, assistant] string pairs.")
     for user, assistant in history:
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]

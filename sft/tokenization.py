@@ -93,7 +93,8 @@ def _splits_before_words(tokenizer) -> bool:
 
     if not splits_after_newline(tokenizer):
         return False
-    steps = json.loads(tokenizer.backend_tokenizer.to_str())["pre_tokenizer"]["pretokenizers"]
+    pre = json.loads(tokenizer.backend_tokenizer.to_str())["pre_tokenizer"]
+    steps = pre.get("pretokenizers") or [] if pre.get("type") == "Sequence" else [pre]
     letters = next((i for i, step in enumerate(steps) if step.get("type") == "Split"
                     and (step.get("pattern") or {}).get("Regex") == "\\s?\\p{L}+"), None)
     if letters is None or steps[letters].get("behavior") != "Isolated" or steps[letters].get("invert"):
