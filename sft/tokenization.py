@@ -79,16 +79,18 @@ def _splits_after_newline(tokenizer) -> bool:
                 and not any("\n" in t.content or "\r" in t.content for t in tokenizer.added_tokens_decoder.values()))
 
 
-def splits_before_words(tokenizer) -> bool:
-    """Whether, besides newlines, the pre-tokenizer always cuts before a space followed by an ASCII letter: its
-    first splits isolate newlines and then `\\s?\\p{L}+` (DeepSeek LLM/Coder). A match of that pattern can hold a
-    space only as its first character, so a space before a letter always starts a piece; later steps (splits,
-    digits, byte-level without a prefix space) only cut pieces further. No added token may contain a space or strip
-    the whitespace around it (it would then match across, or eat, the cut)."""
-    return _fact(tokenizer, "splits_before_words", _splits_before_words)
+def splits_at_words(tokenizer) -> bool:
+    """Whether, besides newlines, the pre-tokenizer always cuts before a space followed by an ASCII letter and
+    between an ASCII letter and punctuation (_PUNCTUATION) after it: its first splits isolate newlines and then
+    `\\s?\\p{L}+` (DeepSeek LLM/Coder). A match of that pattern holds a space only as its first character, so a
+    space before a letter always starts one; and it takes every letter up to the first non-letter, so punctuation
+    after a letter always starts a new piece. Later steps (splits, digits, byte-level without a prefix space) only
+    cut pieces further. No added token may contain a space or a letter followed by that punctuation, or strip the
+    whitespace around it (it would then match across, or eat, a cut)."""
+    return _fact(tokenizer, "splits_at_words", _splits_at_words)
 
 
-def _splits_before_words(tokenizer) -> bool:
+def _splits_at_words(tokenizer) -> bool:
     import json
 
     if not splits_after_newline(tokenizer):
@@ -104,7 +106,7 @@ def _splits_before_words(tokenizer) -> bool:
     after_ok = all(step.get("type") in ("Split", "Digits") or (step.get("type") == "ByteLevel"
                                                                 and not step.get("add_prefix_space"))
                    for step in steps[letters + 1:])
-    added_ok = not any(" " in t.content or t.lstrip or t.rstrip or t.single_word
+    added_ok = not any(" " in t.content or _AFTER_LETTERS.search(t.content) or t.lstrip or t.rstrip or t.single_word
                        for t in tokenizer.added_tokens_decoder.values())
     return before_ok and after_ok and added_ok
 
@@ -113,7 +115,7 @@ def tokenizer_facts(tokenizer) -> dict[str, Any]:
     """What tokenize_batch needs to know about a tokenizer. Computed once and handed to `datasets.map` with the
     function, so that each worker process (which unpickles its own copy of the tokenizer) need not recompute it."""
     return {"byte_lengths": byte_lengths(tokenizer), "splits_after_newline": splits_after_newline(tokenizer),
-            "splits_before_words": splits_before_words(tokenizer)}
+            "splits_at_words": splits_at_words(tokenizer)}
 
 
 def tokenize_batch(batch: dict[str, list], *, tokenizer, template: Template, max_length: int,
@@ -154,7 +156,7 @@ def tokenize_batch(batch: dict[str, list], *, tokenizer, template: Template, max
     for runs in record_runs:
         for run in runs:
             run_index.setdefault(run, len(run_index))
-    runs = _encode_runs(list(run_index), backend, table, cut and facts["splits_before_words"]) \
+    runs = _encode_runs(list(run_index), backend, table, cut and facts["splits_at_words"]) \
         if backend is not None else None
 
     if table is not None and runs is not None:
@@ -205,18 +207,23 @@ class _LazyBounds(dict):
         return self[i]
 
 
-# Where a DeepSeek LLM/Coder pre-tokenizer always cuts inside a line: before a space followed by a letter.
+# Where a DeepSeek LLM/Coder pre-tokenizer always cuts inside a line: before a space followed by a letter, and
+# after a letter followed by punctuation (see splits_at_words).
 _WORD = re.compile(r"(?= [A-Za-z])")
+_PUNCTUATION = ".,;:!?)'\"/-"
+_AFTER_LETTERS = re.compile(r"(?<=[A-Za-z])(?=[" + re.escape(_PUNCTUATION) + r"])")
 _CHUNK = 1000  # pieces per tokenizer input: fewer inputs cost less per input, a few keep the tokenizer's batching
 
 
 def _encode_runs(runs: list[str], backend, table: np.ndarray | None, by_word: bool) -> tuple[np.ndarray, np.ndarray]:
     """Token ids of each run -> (all ids, run offsets): run j's ids are ids[offsets[j]:offsets[j + 1]].
 
-    by_word (the tokenizer cuts before every space + letter, and at every newline): each run is cut into words,
-    the batch's distinct words are joined by newlines into a few long inputs and tokenized once each, and every
-    word's tokens are found by their byte positions (tokens never cross a cut). If the bytes do not add up (a token
-    across a cut, which the tokenizer's structure rules out), the runs are tokenized whole instead."""
+    by_word (the tokenizer cuts at every newline, before every space + letter and between a letter and the
+    punctuation after it): each run is cut into lines and words, each distinct word into its letters and what
+    follows them (`sentence.` and `sentence,` share ` sentence`); the batch's distinct pieces are joined by newlines
+    into a few long inputs and tokenized once each, and every piece's tokens are found by their byte positions
+    (tokens never cross a cut). If the bytes do not add up (a token across a cut, which the tokenizer's structure
+    rules out), the runs are tokenized whole instead."""
     encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
     if by_word and table is not None:
         # Every line of every run, cut into words; each line ends with a newline piece except a run's last line
@@ -226,20 +233,19 @@ def _encode_runs(runs: list[str], backend, table: np.ndarray | None, by_word: bo
         for words in words_of_lines:
             words.append("\n")
         occurrences = list(chain.from_iterable(words_of_lines))
-        distinct = list(dict.fromkeys(occurrences))
-        found = _encode_joined(distinct, encode, table)
+        words = list(dict.fromkeys(occurrences))
+        parts_of_words = list(map(_AFTER_LETTERS.split, words))
+        part_occurrences = list(chain.from_iterable(parts_of_words))
+        parts = list(dict.fromkeys(part_occurrences))
+        found = _encode_joined(parts, encode, table)
         if found is not None:
-            word_ids, first, count = found
-            index = dict(zip(distinct, range(len(distinct))))
-            word = np.fromiter(map(index.__getitem__, occurrences), dtype=np.int64, count=len(occurrences))
+            word_ids, word_offsets = _gather(*found, _lookup(parts, part_occurrences),
+                                             np.fromiter(map(len, parts_of_words), dtype=np.int64, count=len(words)))
             line_ends = np.cumsum(np.fromiter(map(len, words_of_lines), dtype=np.int64, count=len(lines))) - 1
             lines_per_run = np.fromiter(map(str.count, runs, repeat("\n")), dtype=np.int64, count=len(runs)) + 1
             run_ends = line_ends[np.cumsum(lines_per_run) - 1]  # the join's newline after each run
-            counts = count[word]
-            counts[run_ends] = 0
-            ids = word_ids[_ranges(first[word], counts)]
-            ends = np.concatenate([[0], np.cumsum(counts)])
-            return ids, ends[np.concatenate([[0], run_ends + 1])]
+            return _gather(word_ids, word_offsets[:-1], np.diff(word_offsets), _lookup(words, occurrences),
+                           np.diff(np.concatenate([[-1], run_ends])), skip=run_ends)
     encoded = [e.ids for e in encode(runs, add_special_tokens=False)]
     lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
     ids = np.fromiter(chain.from_iterable(encoded), dtype=np.int64, count=int(lengths.sum()))
@@ -273,6 +279,24 @@ def _encode_joined(pieces: list[str], encode, table: np.ndarray):
             and np.array_equal(token_starts[first[nonempty]], starts[nonempty])):
         return None
     return ids, first, count
+
+
+def _lookup(distinct: list[str], occurrences: list[str]) -> np.ndarray:
+    """The index in `distinct` of every occurrence."""
+    index = dict(zip(distinct, range(len(distinct))))
+    return np.fromiter(map(index.__getitem__, occurrences), dtype=np.int64, count=len(occurrences))
+
+
+def _gather(ids: np.ndarray, first: np.ndarray, count: np.ndarray, pieces: np.ndarray, per_group: np.ndarray,
+            skip: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Tokens of groups of pieces, where piece k's tokens are ids[first[k]:first[k] + count[k]]: the groups are
+    consecutive runs of the occurrences `pieces` (per_group[g] of them); occurrences at positions `skip` count for
+    nothing. -> (ids, offsets): group g's tokens are ids[offsets[g]:offsets[g + 1]]."""
+    counts = count[pieces]
+    if skip is not None:
+        counts[skip] = 0
+    ends = np.concatenate([[0], np.cumsum(counts)])
+    return ids[_ranges(first[pieces], counts)], ends[np.concatenate([[0], np.cumsum(per_group)])]
 
 
 def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:

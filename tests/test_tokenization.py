@@ -106,7 +106,8 @@ def test_render_mask_marks_trained_tokens(tokenizer):
 # Text made of what sits around the cuts: spaces and other whitespace before letters, newlines and carriage
 # returns, letters with and without accents, added tokens (`õ` is one), digits, punctuation, symbols, CJK, emoji.
 PARTS = [" ", "  ", "\t", "\u00a0", "\u3000", "\n", "\r", "\r\n", "\n\n", "a", "Z", "word", " the", "é", "ÿ", "õ",
-         "<|EOT|>", "<｜end▁of▁sentence｜>", "7", "2019", ".", ",", "'s", "(", "=", "$", "|", "中文", "가", "😀", "Ġ", "_"]
+         "<|EOT|>", "<｜end▁of▁sentence｜>", "7", "2019", ".", ",", ";", ":", "!", "?", ")", "'s", "'", '"', "-", "/",
+         "...", "U.S.", "(", "=", "$", "|", "中文", "가", "😀", "Ġ", "_"]
 texts = st.lists(st.sampled_from(PARTS), max_size=40).map("".join)
 
 
@@ -114,7 +115,7 @@ texts = st.lists(st.sampled_from(PARTS), max_size=40).map("".join)
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(st.lists(st.tuples(texts, texts), min_size=1, max_size=6))
 def test_ids_cut_at_words_and_newlines_equal_the_tokenizers_own(tokenizer, monkeypatch, pairs):
-    assert tokenization.splits_before_words(tokenizer)
+    assert tokenization.splits_at_words(tokenizer)
     monkeypatch.setattr(tokenization, "_CHUNK", 3)  # several tokenizer inputs per batch, pieces across them
     template = get_template("deepseek_coder", tokenizer)
     conversations = [[{"role": "user", "content": u}, {"role": "assistant", "content": a}] for u, a in pairs]
@@ -128,9 +129,12 @@ def test_ids_cut_at_words_and_newlines_equal_the_tokenizers_own(tokenizer, monke
 def test_tokenizers_that_do_not_always_cut_there_are_tokenized_whole(tokenizer):
     from transformers import AutoTokenizer
 
+    dotted = AutoTokenizer.from_pretrained(DEEPSEEK_TOKENIZER)
+    dotted.add_tokens(["e.g"])  # an added token across a letter + punctuation: no cuts at words
+    assert tokenization.splits_after_newline(dotted) and not tokenization.splits_at_words(dotted)
     spaced = AutoTokenizer.from_pretrained(DEEPSEEK_TOKENIZER)
-    spaced.add_tokens(["hello world"])  # an added token across a space + letter: no cut before words
-    assert tokenization.splits_after_newline(spaced) and not tokenization.splits_before_words(spaced)
+    spaced.add_tokens(["hello world"])  # an added token across a space + letter: no cuts at words
+    assert tokenization.splits_after_newline(spaced) and not tokenization.splits_at_words(spaced)
     conversation = [{"role": "user", "content": "say hello world twice: hello world"},
                     {"role": "assistant", "content": "hello world hello world"}]
     template = get_template("deepseek_coder", spaced)
