@@ -2,11 +2,13 @@
 # The GPU benchmark matrix of issue 4 (one run_id for every row compared): deepseek-llm-7b shape, random init,
 # Alpaca conversations packed to 2048 tokens, every rank capped at 24 GiB (emulating 24 GB cards).
 #
-#   bench/run_matrix.sh [--num_processes N] [--rows "lora full peer zero2 full4"] [--run_id ID] [--budget_s S]
+#   bench/run_matrix.sh [--num_processes N] [--rows "lora full peer zero2 full22"] [--run_id ID] [--budget_s S]
 #
 # Rows: lora   LoRA on 1 GPU and with DDP on N GPUs (scaling = N-GPU tok/s / 1-GPU tok/s)
-#       full   full fine-tune, FSDP2, bf16 weights + torchao 8-bit AdamW with bf16 stochastic rounding
-#       full4  the same with 4-bit AdamW states (only when asked: torchao 0.18's 4-bit states crash under FSDP2)
+#       full   full fine-tune, FSDP2, bf16 weights + torchao 4-bit AdamW with bf16 stochastic rounding (the plan),
+#              then the same with 8-bit AdamW states (full4 / full8: only one of them)
+#       full22 the 4-bit plan with every rank capped at 22 GiB instead of 24 (only when asked): it runs when
+#              PyTorch may never hold more than 22 GiB, what a 24 GB card leaves after the CUDA context and NCCL
 #       peer   the peers' recipe: Trainer + ZeRO-3, optimizer and parameters offloaded to CPU, micro-batch 1 and 2
 #              (peer1 / peer2: only micro-batch 1 / 2)
 #       zero2  LoRA with ZeRO-2 in fp16 (dynamic loss scaling) on N GPUs
@@ -51,12 +53,14 @@ print(r[-1]['peak_mem_gib'] if r else '')" 2>/dev/null
 }
 
 M7=(--model "${BENCH_MODEL:-deepseek-llm-7b}" --seq_len "${BENCH_SEQ_LEN:-2048}" --mem_cap_gib 24)  # BENCH_MODEL=tiny: a CPU smoke test
-# LoRA: bf16 frozen base, no activation checkpointing (Liger's fused kernels make it fit 24 GB), no LoRA dropout
-# (dropout would keep one more copy of every adapted layer's input).
+# LoRA: the fastest plan of bench/lora_variants.sh (README, Multi-GPU strategies): bf16 frozen base, Liger,
+# flex_attention (skips the masked blocks of packed rows), micro-batch 4, activation checkpointing except the
+# last 3 layers, no LoRA dropout (dropout would keep one more copy of every adapted layer's input).
 # BENCH_LIGER=0 (set when bench/liger_check.py fails): rows run without Liger, LoRA with checkpointing instead.
 LIGER=(); [ "${BENCH_LIGER:-1}" = 1 ] && LIGER=(--use_liger_kernel true)
-LORA=(--method lora --micro_batch 1 --grad_accum 4 --warmup 2 --steps 6)
-LORA_T=("${LIGER[@]}" --lora_dropout 0)
+LORA=(--method lora --micro_batch 4 --grad_accum 1 --warmup 2 --steps 6)
+LORA_T=("${LIGER[@]}" --lora_dropout 0 --attn_implementation flex_attention --activation_checkpointing true
+        --activation_checkpointing_skip_layers 3)
 if [ ${#LIGER[@]} = 0 ]; then
   LORA=(--method lora --micro_batch 2 --grad_accum 2 --warmup 2 --steps 6)
   LORA_T=(--activation_checkpointing true)
@@ -74,17 +78,21 @@ if has lora; then
   fi
 fi
 
-# Full fine-tune without offload: FSDP2 shards bf16 weights, bf16 gradients and 8-bit Adam states; the update
-# is applied with stochastic rounding (torchao), so no fp32 master copy is needed. Gradient accumulation 1 (the
-# measured setting; with more, sft turns sync_each_batch on so gradients stay sharded between micro-batches).
-# The 4-bit variant still crashes under FSDP2 (torchao 0.18; see sft/lowbit.py).
+# Full fine-tune without offload: FSDP2 shards bf16 weights, bf16 gradients and 4-bit (or 8-bit) Adam states;
+# the update is applied with stochastic rounding (torchao), so no fp32 master copy is needed. Gradient
+# accumulation 1 (the measured setting; with more, sft turns sync_each_batch on so gradients stay sharded between
+# micro-batches). Per rank on 2 GPUs: weights 6.4 GiB + gradients 6.4 + states 3.4 (4-bit) or 6.5 (8-bit);
+# sft/lowbit.py makes torchao work under FSDP2 and updates the 210M-value embedding/lm_head shards in chunks.
 FULL=(--method full --strategy fsdp --n_gpus "$N" --precision none --micro_batch 2 --grad_accum 1 --warmup 3 --steps 5)
-FULL_T=(--dtype bfloat16 --optim_args bf16_stochastic_round=True --activation_checkpointing true "${LIGER[@]}")
-full8_ok=1
-if has full; then
-  bench 300 "${M7[@]}" "${FULL[@]}" --name full-fsdp-8bit -- "${FULL_T[@]}" --optim adamw_torch_8bit || full8_ok=0
-  peak=$(peak_of full-fsdp-8bit)
-  python3 -c "import sys; sys.exit(0 if '$peak' and float('$peak') <= 22 else 1)" || full8_ok=0
+FULL_T=(--dtype bfloat16 --activation_checkpointing true "${LIGER[@]}")
+# 4-bit: torchao's own block size for 4-bit states (128; transformers would pass 256 to both optimizers).
+FULL4=(--optim adamw_torch_4bit --optim_args bf16_stochastic_round=True,block_size=128)
+FULL8=(--optim adamw_torch_8bit --optim_args bf16_stochastic_round=True)
+full_ok=1
+if has full || has full4; then
+  bench 300 "${M7[@]}" "${FULL[@]}" --name full-fsdp-4bit -- "${FULL_T[@]}" "${FULL4[@]}" || full_ok=0
+  peak=$(peak_of full-fsdp-4bit)
+  python3 -c "import sys; sys.exit(0 if '$peak' and float('$peak') <= 22 else 1)" || full_ok=0
 fi
 # The peers' recipe (DeepSeek's finetune script, most blog posts): Trainer + ZeRO-3 with optimizer and
 # parameters on the CPU (ds_configs/zero3_offload.json is that config), fp32 master weights, checkpointing on.
@@ -97,11 +105,14 @@ if has peer || has peer2; then
   bench 300 "${M7[@]}" "${PEER[@]}" --name peer-mb2 --micro_batch 2 -- --activation_checkpointing true
 fi
 
-# The 4-bit variant, after the peers' rows (the time budget may run out). full8_ok says whether the 8-bit row
-# fitted 22 GiB.
-[ "$full8_ok" = 0 ] && echo "[matrix] full-fsdp-8bit failed or reserved more than 22 GiB"
-if has full4; then
-  bench 300 "${M7[@]}" "${FULL[@]}" --name full-fsdp-4bit -- "${FULL_T[@]}" --optim adamw_torch_4bit
+# The 8-bit variant and the 22 GiB cap, after the peers' rows (the time budget may run out). full_ok says whether
+# the 4-bit row fitted 22 GiB reserved.
+[ "$full_ok" = 0 ] && echo "[matrix] full-fsdp-4bit failed or reserved more than 22 GiB"
+if has full || has full8; then
+  bench 300 "${M7[@]}" "${FULL[@]}" --name full-fsdp-8bit -- "${FULL_T[@]}" "${FULL8[@]}"
+fi
+if has full22; then
+  bench 300 "${M7[@]}" --mem_cap_gib 22 "${FULL[@]}" --name full-fsdp-4bit-cap22 -- "${FULL_T[@]}" "${FULL4[@]}"
 fi
 
 # LoRA with ZeRO-2 in fp16 (dynamic loss scaling): fp16 frozen base.

@@ -35,6 +35,11 @@ FSDP2. Two patches, both applied by `prepare_optimizer`:
    Shards above CHUNK_NUMEL values are updated in row chunks aligned to the quantization blocks instead: the
    same arithmetic on the same blocks (the update is elementwise and each block is quantized alone), so the
    result is bit-identical with round-to-nearest, and the temporaries stay below ~0.9 GiB (4-bit).
+
+4. `--optim_args block_size=N` (`patch_torchao_block_size`). transformers passes optim_args values as strings
+   and forwards `block_size` as given ("128"); torchao then fails at the first step ("unsupported operand
+   type(s) for %: 'int' and 'str'"). Without it transformers uses 256 for both optimizers, where torchao's own
+   4-bit default (after the 4-bit states paper, Li et al. 2023) is 128: the string is made an int.
 """
 
 from __future__ import annotations
@@ -54,6 +59,7 @@ def prepare_optimizer(optim: str) -> None:
         patch_torchao_state_dtype()
         patch_dtensor_cache_key()
         patch_torchao_chunked_update()
+        patch_torchao_block_size()
 
 
 def patch_torchao_state_dtype() -> list[str]:
@@ -115,13 +121,13 @@ def patch_dtensor_cache_key() -> bool:
 
 def chunk_rows(local, states, chunk_numel: int) -> int | None:
     """Rows of `local` (a parameter shard) per update call, or None to update it in one call. A chunk boundary
-    must fall on a quantization block boundary of every quantized state (torchao slices states along dim 0)."""
+    must fall on a quantization block boundary of every quantized state (torchao slices states along dim 0), and
+    on a multiple of 64 values, so that every chunk starts 16-byte aligned (what inductor's kernels assume)."""
     if local.dim() == 0 or local.numel() <= chunk_numel:
         return None
     row = math.prod(local.shape[1:])
     step = 1
-    for state in states:
-        block = getattr(state, "block_size", None)
+    for block in [64] + [getattr(state, "block_size", None) for state in states]:
         if block:
             need = block // math.gcd(row, block)
             step = step * need // math.gcd(step, need)
@@ -184,4 +190,23 @@ def patch_torchao_chunked_update() -> bool:
     skip(single_param_adam)
     single_param_adam._sft_chunked = True
     adam.single_param_adam = single_param_adam
+    return True
+
+
+def patch_torchao_block_size() -> bool:
+    """Let torchao's Adam(W) take `block_size` as a string (what transformers passes from --optim_args). -> patched
+    now."""
+    try:
+        from torchao.optim import adam
+    except ImportError:
+        return False
+    init = adam._AdamBase.__init__
+    if getattr(init, "_sft_int_block_size", False):
+        return False
+
+    def __init__(self, *args, block_size, **kwargs):
+        init(self, *args, block_size=int(block_size) if isinstance(block_size, str) else block_size, **kwargs)
+
+    __init__._sft_int_block_size = True
+    adam._AdamBase.__init__ = __init__
     return True

@@ -168,3 +168,22 @@ def test_chunked_update_is_bit_identical_and_needs_fewer_temporaries(monkeypatch
     assert torch.equal(whole_state["exp_avg"].codes, chunked_state["exp_avg"].codes)
     assert torch.equal(whole_state["exp_avg_sq"].scale, chunked_state["exp_avg_sq"].scale)
     assert whole_extra > 6 * 2**24 and chunked_extra < whole_extra / 2, (whole_extra, chunked_extra)
+
+
+def test_block_size_from_optim_args_reaches_torchao_as_a_number():
+    """transformers forwards `--optim_args block_size=128` as the string "128"; torchao failed on it at step 1."""
+    import torch
+    from transformers import Trainer, TrainingArguments
+
+    from sft.lowbit import prepare_optimizer
+
+    prepare_optimizer("adamw_torch_4bit")
+    args = TrainingArguments(output_dir="/tmp/sft-lowbit-test", optim="adamw_torch_4bit", use_cpu=True,
+                             optim_args="bf16_stochastic_round=True,block_size=128")
+    optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    assert kwargs["block_size"] == "128"  # what transformers passes
+    p = torch.nn.Parameter(torch.randn(64, 128, dtype=torch.bfloat16))
+    p.grad = torch.randn_like(p)
+    optimizer = optimizer_class([p], **kwargs)
+    optimizer.step()
+    assert optimizer.block_size == 128 and optimizer.state[p]["exp_avg"].block_size == 128
