@@ -211,6 +211,7 @@ class _LazyBounds(dict):
 # after a letter followed by punctuation (see splits_at_words).
 _WORD = re.compile(r"(?= [A-Za-z])")
 _PUNCTUATION = ".,;:!?)'\"/-"
+_STARTS_WORD = re.compile(" [A-Za-z]")
 _AFTER_LETTERS = re.compile(r"(?<=[A-Za-z])(?=[" + re.escape(_PUNCTUATION) + r"])")
 _CHUNK = 1000  # pieces per tokenizer input: fewer inputs cost less per input, a few keep the tokenizer's batching
 
@@ -253,22 +254,30 @@ def _encode_runs(runs: list[str], backend, table: np.ndarray | None, by_word: bo
 
 
 def _encode_joined(pieces: list[str], encode, table: np.ndarray):
-    """Tokenize pieces joined by newlines (cuts the tokenizer always makes, so each piece tokenizes as alone).
-    -> (ids, first token of each piece, token count of each piece), or None when the bytes do not add up."""
-    sizes = np.fromiter(map(len, map(str.encode, pieces)), dtype=np.int64, count=len(pieces))  # UTF-8 bytes
-    starts = np.concatenate([[0], np.cumsum(sizes + 1)[:-1]])  # byte where each piece starts in the joined text
-    chunks = [pieces[k:k + _CHUNK] for k in range(0, len(pieces), _CHUNK)]
-    encoded = [np.asarray(e.ids, dtype=np.int64) for e in encode(["\n".join(c) for c in chunks],
-                                                                 add_special_tokens=False)]
+    """Tokenize pieces as a few long texts that each tokenize as their pieces would alone: pieces that start with a
+    space + letter are simply concatenated (the tokenizer cuts before each), the others joined by newlines (it cuts
+    on both sides of one). -> (ids, first token of each piece, token count of each piece), or None when the bytes
+    do not add up."""
+    n = len(pieces)
+    glued = np.fromiter(map(bool, map(_STARTS_WORD.match, pieces)), dtype=bool, count=n)
+    order = np.argsort(~glued, kind="stable")  # the pieces that start with a space + letter first
+    n_glued = int(glued.sum())
+    ordered = [pieces[i] for i in order.tolist()]
+    sizes = np.fromiter(map(len, map(str.encode, ordered)), dtype=np.int64, count=n)  # UTF-8 bytes
+    steps = sizes + (np.arange(n) >= n_glued)  # a newline after each of the others
+    starts = np.cumsum(steps) - steps  # where each piece starts, the texts laid end to end
+    heads = sorted(set(range(0, n_glued, _CHUNK)) | set(range(n_glued, n, _CHUNK)))  # each text's first piece
+    texts = [("" if a < n_glued else "\n").join(ordered[a:b]) for a, b in zip(heads, heads[1:] + [n])]
+    encoded = [np.asarray(e.ids, dtype=np.int64) for e in encode(texts, add_special_tokens=False)]
     ids = np.concatenate(encoded) if encoded else np.zeros(0, np.int64)
-    # Token starts in the joined text; each chunk starts at its first piece (the newline between chunks is not
-    # tokenized).
+    # Token starts: bytes before the token in its text, plus where the text starts (at its first piece).
+    per_text = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded))
     token_sizes = table[ids]
-    chunk_start = np.repeat(starts[::_CHUNK], [len(e) for e in encoded])
-    chunk_first_token = np.repeat(np.concatenate([[0], np.cumsum([len(e) for e in encoded])[:-1]]),
-                                  [len(e) for e in encoded])
-    cum = np.cumsum(token_sizes)
-    token_starts = chunk_start + (cum - token_sizes) - (cum - token_sizes)[chunk_first_token]
+    before = np.cumsum(token_sizes) - token_sizes  # bytes before each token, the texts' tokens end to end
+    shift = np.zeros(len(heads), np.int64)
+    if len(ids):  # (a text without tokens has no first token, and needs no shift)
+        shift = starts[heads] - before[np.minimum(np.cumsum(per_text) - per_text, len(ids) - 1)]
+    token_starts = before + np.repeat(shift, per_text)
     first = np.searchsorted(token_starts, starts, side="left")
     last = np.searchsorted(token_starts, starts + sizes, side="left")
     count = last - first
@@ -278,7 +287,9 @@ def _encode_joined(pieces: list[str], encode, table: np.ndarray):
     if not (np.array_equal(covered[last] - covered[first], sizes)
             and np.array_equal(token_starts[first[nonempty]], starts[nonempty])):
         return None
-    return ids, first, count
+    piece_first, piece_count = np.empty(n, np.int64), np.empty(n, np.int64)
+    piece_first[order], piece_count[order] = first, count
+    return ids, piece_first, piece_count
 
 
 def _lookup(distinct: list[str], occurrences: list[str]) -> np.ndarray:

@@ -113,10 +113,10 @@ texts = st.lists(st.sampled_from(PARTS), max_size=40).map("".join)
 
 @settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 80)), deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-@given(st.lists(st.tuples(texts, texts), min_size=1, max_size=6))
-def test_ids_cut_at_words_and_newlines_equal_the_tokenizers_own(tokenizer, monkeypatch, pairs):
+@given(st.lists(st.tuples(texts, texts), min_size=1, max_size=6), st.sampled_from([1, 3, 1000]))
+def test_ids_cut_at_words_and_newlines_equal_the_tokenizers_own(tokenizer, monkeypatch, pairs, chunk):
     assert tokenization.splits_at_words(tokenizer)
-    monkeypatch.setattr(tokenization, "_CHUNK", 3)  # several tokenizer inputs per batch, pieces across them
+    monkeypatch.setattr(tokenization, "_CHUNK", chunk)  # pieces per tokenizer input: one, a few, all
     template = get_template("deepseek_coder", tokenizer)
     conversations = [[{"role": "user", "content": u}, {"role": "assistant", "content": a}] for u, a in pairs]
     rows = tokenize_batch({"messages": conversations}, tokenizer=tokenizer, template=template, max_length=10**6,
