@@ -1,6 +1,6 @@
 """torchao's low-bit AdamW (`--optim adamw_torch_8bit` or `adamw_torch_4bit`, with `--optim_args
 bf16_stochastic_round=True`): the optimizer of the bf16 full fine-tune plan (bench/RESULTS.md), made to work under
-FSDP2. Two patches, both applied by `prepare_optimizer`:
+FSDP2 and lean enough for 24 GB cards. Four patches, all applied by `prepare_optimizer`:
 
 1. State dtype (`patch_torchao_state_dtype`). torchao 0.18 gives each quantized optimizer state the parameter's
    dtype as an "appearance" dtype (bf16 for bf16 weights). Its compiled update then calls `state.float()`, which
@@ -14,14 +14,15 @@ FSDP2. Two patches, both applied by `prepare_optimizer`:
 2. Compile-cache key (`patch_dtensor_cache_key`). The 4-bit crash under FSDP2 ("AssertionError: wrong number of
    dimensions1 for op: input", inside inductor's compiled `single_param_adam`) is not a 4-bit bug: it is a false
    hit in torch's on-disk AOTAutograd cache. torchao compiles one update per parameter shape. DTensor's cache key
-   (`DTensor._stable_hash_for_caching`, torch >= 2.11) hashes only its spec: mesh, placements, GLOBAL
+   (`DTensor._stable_hash_for_caching`, here torch 2.13) hashes only its spec: mesh, placements, GLOBAL
    shape/stride/dtype. It leaves out what the DTensor wraps, so a DTensor holding an 8-bit state (uint8 codes
    shaped like the parameter, one scale per 256 values) and one holding a 4-bit state (codes packed in a flat
    buffer, one scale per 128 values) of the same parameter get the same key. Once an 8-bit run has compiled
    (any earlier run on the machine: /tmp/torchinductor_$USER persists), a 4-bit run loads the 8-bit graph and
    inductor's input check rejects the 1-D codes. Reproduced on CPU (2 gloo ranks, torch 2.13): 4-bit alone
    in a fresh cache trains; 8-bit then 4-bit crashes, in one process or two; either cache switched off
-   (TORCHINDUCTOR_AUTOGRAD_CACHE=0) avoids it; eager mode never crashes. The patch adds the local tensor's
+   (TORCHINDUCTOR_AUTOGRAD_CACHE=0) avoids it; eager mode never crashes. (On the H200s, torch 2.11, the 4-bit row
+   crashed so right after the 8-bit row on the same machine.) The patch adds the local tensor's
    device, and for a wrapped tensor subclass its type, metadata and inner tensors' shapes, to DTensor's key. The
    device also keeps rank 1 from loading the kernel rank 0 compiled for cuda:0 (pytorch #188390; fixed upstream
    by #188401, not in torch 2.13). A different key only ever means a recompile, never a wrong graph.
