@@ -343,6 +343,49 @@ def fsdp_training_settings(training_args, lora: bool = False) -> None:
         print("FSDP: " + "; ".join(notes), flush=True)
 
 
+def fsdp_callbacks() -> list:
+    """Trainer callbacks of FSDP runs (none otherwise): the embedding's backward without an all-gather."""
+    if not fsdp_launched():
+        return []
+    from transformers import TrainerCallback
+
+    class EmbeddingBackwardWithoutAllGather(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            if skip_embedding_unshard_in_backward(model) and args.process_index == 0:
+                print("FSDP: the input embedding's backward runs without gathering its weight", flush=True)
+
+    return [EmbeddingBackwardWithoutAllGather()]
+
+
+def skip_embedding_unshard_in_backward(model) -> bool:
+    """Tell FSDP2 not to all-gather the input embedding again for backward; -> whether it was set.
+
+    accelerate 1.15 shards the input embedding as its own unit (fsdp2_prepare_model), which FSDP2 gathers in
+    forward and, like every unit, again in backward, although an embedding's backward needs only the token ids
+    and the incoming gradient, not the weight. For deepseek-llm-7b that is a 0.78 GiB all-gather per step, and
+    0.78 GiB held (prefetched) during the first decoder layer's backward, near the peak. torch's
+    FSDPModule.set_unshard_in_backward(False) exists for exactly this. Only when the unit holds nothing but
+    nn.Embedding weights, alone (with tied input/output embeddings accelerate puts the embedding in one unit with
+    lm_head, whose weight backward does need)."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    get = getattr(model, "get_input_embeddings", None)
+    embed = get() if get is not None else None
+    if not isinstance(embed, FSDPModule) or not hasattr(embed, "set_unshard_in_backward"):
+        return False
+    output = getattr(model, "get_output_embeddings", lambda: None)()
+    if output is not None and any(p is q for p in embed.parameters() for q in output.parameters()):
+        return False  # tied weights
+    state = embed._get_fsdp_state()
+    sharing = [m for m in model.modules() if isinstance(m, FSDPModule) and m._get_fsdp_state() is state]
+    owners = [m for m in embed.modules() if any(True for _ in m.parameters(recurse=False))]
+    if len(sharing) != 1 or not owners or not all(isinstance(m, torch.nn.Embedding) for m in owners):
+        return False
+    embed.set_unshard_in_backward(False)
+    return True
+
+
 def consolidate_fsdp_saves(trainer) -> None:
     """Checkpoints stay sharded (fast, no full copy on one rank, resumable); the final model is gathered into
     one consolidated safetensors model (or adapter) that plain transformers/peft loads. Under a sharded

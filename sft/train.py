@@ -26,7 +26,7 @@ from sft.checkpoints import resolve_resume, safety_callbacks, save_final
 from sft.config import ConfigError, parse_args
 from sft.dataset import prepare, read_datasets
 from sft.distributed import (DistributedCheckError, configure_nccl_env, consolidate_fsdp_saves,
-                             end_process_group, fsdp_training_settings, preflight)
+                             end_process_group, fsdp_callbacks, fsdp_training_settings, preflight)
 from sft.formats import DataError
 from sft.guards import NonFiniteError
 from sft.lowbit import prepare_optimizer
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
         data_collator=Collator(tokenizer.pad_token_id, data_args.pad_to_multiple_of),
         processing_class=tokenizer,
         callbacks=[ThroughputCallback(flops_per_token(model, lora_args.lora), peak_flops()), *(callbacks or []),
-                   *safety, *partial_checkpointing],
+                   *safety, *partial_checkpointing, *fsdp_callbacks()],
     )
     if trainer.pop_callback(TensorBoardCallback):  # after ours, so that it logs what ours adds
         trainer.add_callback(TensorBoardCallback)
