@@ -65,12 +65,14 @@ def distinct_copy(record: dict, i: int, period: int) -> dict:
 def ours_prepare(records: list, tokenizer, max_length: int, num_proc: int):
     from sft.config import DataArguments
     from sft.dataset import finish, tokenize
-    from sft.formats import alpaca_conversation
+    from sft.formats import ReadOptions, ReadStats, convert_records
     from sft.templates import get_template
 
     args = DataArguments(dataset=["bench"], template="deepseek_coder", max_length=max_length, packing=True,
                          num_proc=num_proc)
-    conversations = [alpaca_conversation(r, f"bench:{i}") for i, r in enumerate(records)]
+    # What the reader does with the records of a file (sft.formats.read_conversations), from memory.
+    conversations = convert_records(((r, f"bench:{i}") for i, r in enumerate(records)), "alpaca", ReadStats(),
+                                    ReadOptions())
     template = get_template(args.template, tokenizer)
     rows, counts, lengths = finish(tokenize(conversations, args, tokenizer, template), args)
     return rows
