@@ -144,7 +144,7 @@ def main() -> None:
     records = json.loads(ALPACA.read_text()) * args.repeat
     if args.distinct:
         records = [distinct_copy(r, i, len(records) // args.repeat) for i, r in enumerate(records)]
-        print(f"distinct records: {len({json.dumps(r, sort_keys=True) for r in records})} of {len(records)}")
+    n_distinct = len({json.dumps(r, sort_keys=True) for r in records})
     tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     trl_tokenizer = AutoTokenizer.from_pretrained(TOKENIZER)
     trl_tokenizer.chat_template = with_generation_markers(tokenizer.chat_template)
@@ -178,7 +178,8 @@ def main() -> None:
     trl_tokens, trl_trained = totals(trl_rows)
     assert (our_tokens, our_trained) == (trl_tokens, trl_trained), "the two sides did not prepare the same data"
 
-    print(f"records: {len(records)}{' (all distinct)' if args.distinct else ''}, max_length {args.max_length}, num_proc {args.num_proc}, cores {os.cpu_count()}, "
+    print(f"records: {len(records)} ({n_distinct} distinct), max_length {args.max_length}, num_proc {args.num_proc}, "
+          f"cores {os.cpu_count()}, "
           f"best of {args.rounds} interleaved rounds; 1-min load average {load_before:.1f} -> {load_after:.1f}")
     print(f"ours: {our_s:.2f} s (rounds: {', '.join(f'{t:.2f}' for t in our_times)}; CPU "
           f"{', '.join(f'{t:.1f}' for t in our_cpu)} s), {len(our_rows)} packed rows, {our_tokens} tokens, "
@@ -202,7 +203,7 @@ def main() -> None:
                 "ours_cpu_s": [round(t, 1) for t in our_cpu], "trl_cpu_s": [round(t, 1) for t in trl_cpu],
                 "median_wall_ratio": round(statistics.median(trl_times) / statistics.median(our_times), 2),
                 "cpu_ratio": round(statistics.median(trl_cpu) / statistics.median(our_cpu), 2),
-                "load_avg_1min": [round(load_before, 2), round(load_after, 2)], "distinct_records": args.distinct,
+                "load_avg_1min": [round(load_before, 2), round(load_after, 2)], "distinct_records": n_distinct,
                 "speedup_vs_trl": round(speedup, 2)}
         with open(REPO / "bench" / "results.jsonl", "a") as f:
             f.write(json.dumps(line) + "\n")
