@@ -58,6 +58,11 @@ def test_pack_rows_keeps_documents_whole_and_aligned():
     sliced = pa.array([[0]] + docs, type=pa.list_(pa.int32())).slice(1)
     sliced_labels = pa.array([[0]] + labels, type=pa.list_(pa.int32())).slice(1)
     assert pack_rows(sliced, sliced_labels, 128).to_pylist() == rows
+    # Empty documents (records tokenization dropped) are left out, not packed as documents of length 0.
+    with_empty = pack_rows([[]] + docs[:100] + [[]] * 3 + docs[100:], [[]] + labels[:100] + [[]] * 3 + labels[100:],
+                           128).to_pylist()
+    assert all(n > 0 for row in with_empty for n in row["seq_lengths"])
+    assert sorted(map(str, with_empty)) == sorted(map(str, rows))
 
 
 def test_collator_restarts_positions_per_document_and_pads_as_its_own_document():
