@@ -284,10 +284,10 @@ def convert_records(records: Iterable[tuple[Any, str]], fmt: str, stats: ReadSta
 
 @contextmanager
 def gc_paused() -> Iterator[None]:
-    """Python's cyclic garbage collector off for a bulk conversion that makes many short-lived or lasting
-    containers and no cycles (conversations, a tokenizer batch): each collection they would set off also walks every
-    object of the process (with torch and transformers loaded, half a million or more), which made such loops
-    2-3 times slower. Cycles made meanwhile, if any, are collected once it is back on."""
+    """Python's cyclic garbage collector off for a bulk conversion that makes many containers and no cycles
+    (conversations, a tokenizer batch, packing bins): now and then a collection they set off walks every object of
+    the process (with torch and transformers loaded, a quarter to half a million), which made such loops 2-4 times
+    slower. Cycles made meanwhile, if any, are collected once it is back on."""
     enabled = gc.isenabled()
     gc.disable()
     try:
