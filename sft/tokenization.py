@@ -1,8 +1,9 @@
 """Tokens: conversations -> `input_ids` and `labels` in one pass, vectorised over a batch.
 
-The template's segments are joined and tokenized once (so ids equal the tokenizer's own encoding of the rendered
-text, byte for byte); where each token starts in the text says which segment it belongs to, and so whether it is
-trained. For byte-level BPE tokenizers (every DeepSeek one) a token's start is the running sum of its byte length,
+The template's segments are joined and tokenized as one text (so ids equal the tokenizer's own encoding of the
+rendered text, byte for byte; for DeepSeek LLM/Coder tokenizers, in pieces cut only where the tokenizer itself
+always cuts, each distinct piece of a batch once); where each token starts in the text says which segment it
+belongs to, and so whether it is trained. For byte-level BPE tokenizers (every DeepSeek one) a token's start is the running sum of its byte length,
 read from a table with numpy: asking the tokenizer for offsets costs more than the tokenization itself. A record
 whose byte lengths do not add up to its text (a normalizer or an added token that strips spaces) falls back to
 the tokenizer's character offsets, so the result is exact either way.
