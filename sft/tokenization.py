@@ -3,10 +3,10 @@
 The template's segments are joined and tokenized as one text (so ids equal the tokenizer's own encoding of the
 rendered text, byte for byte; for DeepSeek LLM/Coder tokenizers, in pieces cut only where the tokenizer itself
 always cuts, each distinct piece of a batch once); where each token starts in the text says which segment it
-belongs to, and so whether it is trained. For byte-level BPE tokenizers (every DeepSeek one) a token's start is the running sum of its byte length,
-read from a table with numpy: asking the tokenizer for offsets costs more than the tokenization itself. A record
-whose byte lengths do not add up to its text (a normalizer or an added token that strips spaces) falls back to
-the tokenizer's character offsets, so the result is exact either way.
+belongs to, and so whether it is trained. For byte-level BPE tokenizers (every DeepSeek one) a token's start is
+the running sum of its byte length, read from a table with numpy: asking the tokenizer for offsets costs more
+than the tokenization itself. A record whose byte lengths do not add up to its text (a normalizer or an added
+token that strips spaces) falls back to the tokenizer's character offsets, so the result is exact either way.
 Over-long conversations are cut after the last assistant turn that fits, or dropped, and counted.
 (Named `tokenization` rather than `tokenize`, which would shadow the standard library module when
 `python sft/train.py` puts `sft/` first on the path.)
@@ -162,11 +162,9 @@ def _tokenize_batch(batch, tokenizer, template, max_length, train_on_prompt, ove
     bounds = [np.cumsum(seg_lengths[seg_start[i]:seg_start[i + 1]]) for i in range(len(texts))] \
         if table is None else _LazyBounds(seg_lengths, seg_start)
     trained_flags = [seg_flags[seg_start[i]:seg_start[i + 1]] for i in range(len(texts))]
-    run_index: dict[str, int] = {}
-    for runs in record_runs:
-        for run in runs:
-            run_index.setdefault(run, len(run_index))
-    runs = _encode_runs(list(run_index), backend, table, cut and facts["splits_at_words"]) \
+    distinct_runs = list(dict.fromkeys(chain.from_iterable(record_runs)))
+    run_index = dict(zip(distinct_runs, range(len(distinct_runs))))
+    runs = _encode_runs(distinct_runs, backend, table, cut and facts["splits_at_words"]) \
         if backend is not None else None
 
     if table is not None and runs is not None:
@@ -231,10 +229,9 @@ def _encode_runs(runs: list[str], backend, table: np.ndarray | None, by_word: bo
 
     by_word (the tokenizer cuts at every newline, before every space + letter and between a letter and the
     punctuation after it): each run is cut into lines and words, each distinct word into its letters and what
-    follows them (`sentence.` and `sentence,` share ` sentence`); the batch's distinct pieces are joined by newlines
-    into a few long inputs and tokenized once each, and every piece's tokens are found by their byte positions
-    (tokens never cross a cut). If the bytes do not add up (a token across a cut, which the tokenizer's structure
-    rules out), the runs are tokenized whole instead."""
+    follows them (`sentence.` and `sentence,` share ` sentence`); the batch's distinct pieces are tokenized once
+    each, as a few long inputs (_encode_joined), and put back together. If their bytes do not add up (a token
+    across a cut, which the tokenizer's structure rules out), the runs are tokenized whole instead."""
     encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
     if by_word and table is not None:
         # Every line of every run, cut into words; each line ends with a newline piece except a run's last line
@@ -335,10 +332,10 @@ def _mask_batch(runs, run_index, record_runs, seg_lengths, seg_flags, seg_start,
     do not add up, or that is over max_length, gets status None and no tokens (the caller does it alone)."""
     n = len(record_runs)
     run_ids, run_offsets = runs
-    order = np.fromiter((run_index[run] for runs_ in record_runs for run in runs_), dtype=np.int64)
+    order = np.fromiter(map(run_index.__getitem__, chain.from_iterable(record_runs)), dtype=np.int64)
     run_lengths = np.diff(run_offsets)[order]
     flat = run_ids[_ranges(run_offsets[order], run_lengths)]
-    runs_per_record = np.fromiter((len(runs_) for runs_ in record_runs), dtype=np.int64, count=n)
+    runs_per_record = np.fromiter(map(len, record_runs), dtype=np.int64, count=n)
     token_cum = np.concatenate([[0], np.cumsum(run_lengths)])
     token_offsets = token_cum[np.concatenate([[0], np.cumsum(runs_per_record)])]
     counts = np.diff(token_offsets)
