@@ -13,6 +13,7 @@ import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
+from typing import NoReturn
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -39,13 +40,33 @@ def is_first_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def end_process_group() -> None:
+def end_process_group() -> bool:
     """Destroy the process group before the interpreter exits: a live one is torn down by destructors at exit,
-    which can abort a finished run ("terminate called without an active exception", seen with gloo)."""
+    which can abort a finished run ("terminate called without an active exception", seen with gloo).
+    -> whether there was one."""
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        return True
+    return False
+
+
+def exit_process(code: int) -> NoReturn:
+    """Leave with `code`. After a multi-process run: destroy the process group, run the atexit handlers (loggers
+    such as wandb finish there) while the interpreter is whole, then exit without its final teardown. Even with
+    the group destroyed, Gloo's C++ threads can abort that teardown of a run that finished and saved
+    ("terminate called without an active exception": 1 two-rank CI run in ~10; pytorch #179291, #190489)."""
+    if not end_process_group():
+        sys.exit(code)
+    import atexit
+    import logging
+
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def is_consumer_gpu(name: str) -> bool:

@@ -26,7 +26,7 @@ from sft.checkpoints import resolve_resume, safety_callbacks, save_final
 from sft.config import ConfigError, parse_args
 from sft.dataset import prepare, read_datasets
 from sft.distributed import (DistributedCheckError, configure_nccl_env, consolidate_fsdp_saves,
-                             end_process_group, fsdp_callbacks, fsdp_training_settings, preflight)
+                             exit_process, fsdp_callbacks, fsdp_training_settings, preflight)
 from sft.formats import DataError
 from sft.guards import NonFiniteError
 from sft.lowbit import prepare_optimizer
@@ -97,10 +97,8 @@ def tensorboard_dir(training_args) -> str:
 
 
 def run() -> None:
-    """The command: train, then end the process group cleanly (so a finished run exits 0)."""
-    code = main()
-    end_process_group()
-    sys.exit(code)
+    """The command: train, then exit with main's code (and a clean end of the process group)."""
+    exit_process(main())
 
 
 if __name__ == "__main__":

@@ -566,3 +566,30 @@ def test_zero3_lora_adapter_is_complete_and_resumes(tmp_path, tiny_llama):
         torch.testing.assert_close(again[key], adapter[key], rtol=1e-5, atol=1e-6, msg=key)
     state = json.loads((resumed / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["global_step"] == 4 and "ZeRO-3: model loaded partitioned" in result.stdout
+
+
+EXIT_AFTER_A_GROUP = """
+import atexit, sys
+import torch.distributed as dist
+from sft.distributed import exit_process
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+atexit.register(lambda: open(sys.argv[1], "w").write("atexit ran"))
+print("trained", flush=True)
+exit_process(3)
+"""
+
+
+def test_exit_process_ends_the_group_runs_atexit_and_keeps_the_code(tmp_path):
+    """After a multi-process run the command leaves without the interpreter's teardown (where gloo's threads
+    can abort a finished run), but with the group destroyed, atexit handlers run, output flushed, code kept."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    marker = tmp_path / "marker"
+    result = subprocess.run([sys.executable, "-c", EXIT_AFTER_A_GROUP.format(port=port), str(marker)], cwd=REPO,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 3, result.stderr[-2000:]
+    assert result.stdout.strip() == "trained" and marker.read_text() == "atexit ran"
+    assert "terminate called" not in result.stderr

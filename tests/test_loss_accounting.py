@@ -63,12 +63,12 @@ def max_difference(a: dict, b: dict) -> float:
 
 TWO_RANKS = """
 import sys, json
-from sft.distributed import end_process_group
+from sft.distributed import exit_process
 from sft.train import main
 for args in json.loads(sys.argv[1]):
     if main(args) != 0:
-        sys.exit(1)
-end_process_group()
+        exit_process(1)
+exit_process(0)
 """
 
 
