@@ -1,6 +1,6 @@
 """torchao's low-bit AdamW (`--optim adamw_torch_8bit` or `adamw_torch_4bit`, with `--optim_args
 bf16_stochastic_round=True`): the optimizer of the bf16 full fine-tune plan (bench/RESULTS.md), made to work under
-FSDP2 and lean enough for 24 GB cards. Four patches, all applied by `prepare_optimizer`:
+FSDP2 and lean enough for 24 GB cards. Four patches (the first in two parts), all applied by `prepare_optimizer`:
 
 1. State dtype (`patch_torchao_state_dtype`). torchao 0.18 gives each quantized optimizer state the parameter's
    dtype as an "appearance" dtype (bf16 for bf16 weights). Its compiled update then calls `state.float()`, which
@@ -10,6 +10,13 @@ FSDP2 and lean enough for 24 GB cards. Four patches, all applied by `prepare_opt
    traced view then fails dynamo's metadata check), and eager mode fails too ("expected dtype torch.bfloat16 for
    `end`"). Giving the states a float32 appearance dtype, as torchao did before, makes `.float()` a no-op: the
    states are stored the same way (uint8 codes + fp32 block scales), only their reported dtype differs.
+   Resuming a checkpoint brought the bf16 dtype back (the patch's second part): torch's
+   `Optimizer.load_state_dict` casts every loaded state to its parameter's dtype (`value.to(dtype=param.dtype)`),
+   and torchao's `_to_copy` takes that as the new appearance dtype, so after `--resume_from_checkpoint` (FSDP2:
+   accelerate's load_fsdp_optimizer -> set_optimizer_state_dict) every quantized state reports bf16, a form that a
+   fresh run never has. On CPU (torch 2.13, 2 gloo ranks) the resumed update still equals the uninterrupted one
+   bit for bit, but the GPU runs only ever proved float32-appearance states: the patch casts them back after
+   loading (appearance only: the same codes and scales, no copy).
 
 2. Compile-cache key (`patch_dtensor_cache_key`). The 4-bit crash under FSDP2 ("AssertionError: wrong number of
    dimensions1 for op: input", inside inductor's compiled `single_param_adam`) is not a 4-bit bug: it is a false
@@ -64,7 +71,8 @@ def prepare_optimizer(optim: str) -> None:
 
 
 def patch_torchao_state_dtype() -> list[str]:
-    """Make torchao's 8/4-bit Adam(W) create optimizer states with a float32 appearance dtype. -> classes patched."""
+    """Make torchao's 8/4-bit Adam(W) create optimizer states with a float32 appearance dtype, and keep it through
+    `load_state_dict` (a resumed checkpoint). -> what was patched now: optimizer classes, "load_state_dict"."""
     import torch
 
     try:
@@ -86,6 +94,20 @@ def patch_torchao_state_dtype() -> list[str]:
         cls._subclass_zeros = staticmethod(zeros)
         cls._sft_float32_states = True
         patched.append(name)
+
+    load = adam._AdamBase.load_state_dict
+    if not getattr(load, "_sft_float32_states", False):
+        def load_state_dict(self, state_dict) -> None:
+            load(self, state_dict)  # casts every state to its parameter's dtype (torch's Optimizer.load_state_dict)
+            for state in self.state.values():
+                for key, value in state.items():
+                    local = getattr(value, "_local_tensor", value)  # a DTensor under FSDP2
+                    if isinstance(local, (OptimState4bit, OptimState8bit)) and value.dtype != torch.float32:
+                        state[key] = value.to(torch.float32)  # torchao's _to_copy: new dtype, same codes/scales
+
+        load_state_dict._sft_float32_states = True
+        adam._AdamBase.load_state_dict = load_state_dict
+        patched.append("load_state_dict")
     return patched
 
 
