@@ -13,9 +13,9 @@ import os
 import re
 import sys
 from collections.abc import Mapping, Sequence
-from typing import NoReturn
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from sft.config import ConfigError
 
@@ -56,7 +56,8 @@ def exit_process(code: int) -> NoReturn:
     """Leave with `code`. After a multi-process run: destroy the process group, run the atexit handlers (loggers
     such as wandb finish there) while the interpreter is whole, then exit without its final teardown. Even with
     the group destroyed, Gloo's C++ threads can abort that teardown of a run that finished and saved
-    ("terminate called without an active exception": 1 two-rank CI run in ~10; pytorch #179291, #190489)."""
+    ("terminate called without an active exception": twice in about a dozen CI runs; pytorch #179291,
+    #190489)."""
     if not end_process_group():
         sys.exit(code)
     import atexit

@@ -110,6 +110,7 @@ class PartialCheckpointing(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         from transformers.modeling_layers import GradientCheckpointingLayer
 
+        self.unchecked = []  # the Trainer switched every layer back on (again, if train() is called twice)
         layers = [(name, m) for name, m in model.named_modules()
                   if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
         for name, layer in layers[len(layers) - min(self.skip_layers, len(layers)):]:
