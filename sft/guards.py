@@ -8,8 +8,8 @@ gradients are dropped (`p.grad = None`: torch optimizers then leave those parame
 untouched, so the step changes no weight) and training goes on; skipped steps are counted in the logs.
 
 Not covered by the gradient check: DeepSpeed keeps gradients inside its engine (then the logged loss and
-grad_norm are checked at each log, so use `--logging_steps 1` for a per-step check), and fp16, whose GradScaler
-skips overflowing steps by design. Loss spikes are judged per logged value (the mean over `--logging_steps`).
+grad_norm are checked at each log, so use `--logging_steps 1` for a per-step check), and fp16, whose loss scaler
+skips overflowing steps by design (there only the logged loss is checked: an inf grad_norm is such an overflow). Loss spikes are judged per logged value (the mean over `--logging_steps`).
 """
 
 from __future__ import annotations
@@ -80,8 +80,11 @@ class NonFiniteGuard(TrainerCallback):
             return
         if self.policy == "skip":
             logs["skipped_steps"] = self.skipped
-        elif not self.checked_gradients:  # gradients were out of our sight (DeepSpeed): check what was logged
-            bad = {k: logs[k] for k in ("loss", "grad_norm") if k in logs and not math.isfinite(logs[k])}
+        elif not self.checked_gradients:  # gradients were out of our sight (DeepSpeed, fp16): check the logs
+            # fp16's dynamic loss scaling overflows by design (a grad_norm of inf): the scaler skips that step and
+            # lowers the scale. Only a non-finite loss is a real failure there.
+            watched = ("loss",) if args.fp16 else ("loss", "grad_norm")
+            bad = {k: logs[k] for k in watched if k in logs and not math.isfinite(logs[k])}
             if bad:
                 self._stop(f"step {state.global_step}: logged {bad}")
 

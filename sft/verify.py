@@ -112,8 +112,11 @@ class SaveVerifier:
         """Load the saved adapter beside the trained one on the same base; compare; remove it again."""
         expected = logits_of(model, input_ids)
         trained = model.active_adapter
+        # DeepSpeed's fp16/bf16 engines cast the trained adapter to half precision with the rest of the model; peft
+        # would upcast the loaded one to fp32 and compute differently. Load it in the trained adapter's dtype.
+        adapter_dtype = next((p.dtype for p in model.parameters() if p.requires_grad), torch.float32)
         try:
-            model.load_adapter(str(path), adapter_name="_saved")
+            model.load_adapter(str(path), adapter_name="_saved", autocast_adapter_dtype=adapter_dtype == torch.float32)
             model.set_adapter("_saved")
             got = logits_of(model, input_ids)
         except Exception as e:  # a save that cannot even be loaded is the loudest mismatch of all

@@ -142,3 +142,14 @@ def test_flex_attention_pads_packed_rows_to_one_shape(gpus):
     gpus(0)
     assert parse("--pad_to_multiple_of", "64")[1].pad_to_multiple_of == 64
     assert "positive" in refused("--pad_to_multiple_of", "0")
+
+
+def test_tensor_parallel_checkpoints_hold_weights_only():
+    """transformers' Trainer refuses checkpoints with optimizer state for a model sharded at load time (seen on
+    GPUs): a TP run saves weights-only checkpoints, and resuming one is refused with what to do instead."""
+    training_args = parse("--tp_size", "2", "--save_strategy", "steps")[3]
+    assert training_args.save_only_model
+    assert not parse("--tp_size", "2", "--save_strategy", "no")[3].save_only_model
+    assert not parse("--save_strategy", "steps")[3].save_only_model
+    message = refused("--tp_size", "2", "--resume_from_checkpoint", "true")
+    assert "--model <output_dir>/checkpoint-N" in message and "FSDP or ZeRO-3" in message

@@ -99,6 +99,16 @@ def test_guard_without_gradients_checks_the_logs():
         guard.on_log(args, state, None, logs={"loss": 2.0, "grad_norm": math.inf})
 
 
+def test_fp16_overflow_is_the_loss_scalers_business_but_a_nonfinite_loss_stops():
+    """Under fp16 dynamic loss scaling the first steps overflow (grad_norm inf) and are skipped by the scaler:
+    seen on GPUs under ZeRO-3, where stopping there ended every fp16 run at step 1."""
+    guard = NonFiniteGuard("stop", lambda: None, "")
+    args, state = SimpleNamespace(fp16=True), SimpleNamespace(global_step=1)
+    guard.on_log(args, state, None, logs={"loss": 7.1, "grad_norm": math.inf})
+    with pytest.raises(NonFiniteError, match="step 1.*loss"):
+        guard.on_log(args, state, None, logs={"loss": math.nan, "grad_norm": math.inf})
+
+
 def test_loss_spike_is_warned_and_counted(caplog):
     spikes = LossSpikeLogger(factor=2.0)
     state = SimpleNamespace(global_step=0)

@@ -74,6 +74,30 @@ def test_lora_adapter_reloaded_onto_the_base(tmp_path, tiny_llama):
     assert {n for n, p in model.named_parameters() if p.requires_grad} == trainable
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_adapter_verified_exactly_in_place(tmp_path, tiny_llama, dtype):
+    """DeepSpeed's fp16/bf16 engines cast the whole model, LoRA weights included, to half precision (the fp32
+    copy lives in the optimizer). The saved adapter is then loaded in that dtype too, not upcast to fp32 as peft
+    does by default, so the check stays exact: seen on GPUs, where ZeRO-2 fp16 failed with a 1.4e-3 difference."""
+    from transformers import AutoModelForCausalLM
+
+    from sft.model import attach_lora
+
+    model = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_llama), LoraArguments(lora=True), False)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.05)
+    model.to(dtype)
+    model.save_pretrained(tmp_path / "adapter")
+    verifier = SaveVerifier(str(tiny_llama), lora=True)
+    verifier.check(model, tmp_path / "adapter")
+    assert all(p.dtype == dtype for p in model.parameters() if p.requires_grad)  # left as it was
+    perturb(tmp_path / "adapter" / "adapter_model.safetensors", "lora_B")
+    with pytest.raises(SaveMismatchError, match="does not reproduce"):
+        verifier.check(model, tmp_path / "adapter")
+
+
 @pytest.mark.slow
 def test_lora_run_verifies_checkpoints_and_final_adapter(tmp_path, tiny_llama):
     from sft.train import main
