@@ -38,8 +38,11 @@ def logits_of(model, input_ids: torch.Tensor) -> torch.Tensor:
     model.eval()  # no dropout
     torch.backends.cuda.matmul.allow_tf32 = False  # --tf32 would make two identical models disagree by ~1e-3
     try:
+        # accelerate's mixed precision wraps forward in autocast; the reloaded model runs without it, as a user's
+        # would, so the trained model is compared through its own forward (else bf16 autocast vs fp32: ~2e-3).
+        forward = getattr(model, "_original_forward", model.forward)
         # use_cache=False: a cache would change the attention mask path (see sft/packing.py)
-        return model(input_ids=input_ids.to(device), use_cache=False).logits.float().cpu()
+        return forward(input_ids=input_ids.to(device), use_cache=False).logits.float().cpu()
     finally:
         model.train(was_training)
         torch.backends.cuda.matmul.allow_tf32 = tf32

@@ -98,6 +98,22 @@ def test_half_precision_adapter_verified_exactly_in_place(tmp_path, tiny_llama, 
         verifier.check(model, tmp_path / "adapter")
 
 
+def test_full_model_under_mixed_precision_autocast_is_compared_without_it(tmp_path, tiny_llama):
+    """DDP with --bf16 keeps fp32 weights and accelerate wraps forward in bf16 autocast; the saved fp32 model
+    reloads without autocast. Seen on GPUs: comparing through the autocast forward failed every DDP full save."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    model = Accelerator(mixed_precision="bf16", cpu=True).prepare_model(model)
+    assert hasattr(model, "_original_forward")  # the autocast wrapper this test is about
+    model.save_pretrained(tmp_path / "saved")
+    SaveVerifier(str(tiny_llama), lora=False).check(model, tmp_path / "saved")
+    perturb(tmp_path / "saved" / "model.safetensors", "o_proj")
+    with pytest.raises(SaveMismatchError, match="logits differ"):
+        SaveVerifier(str(tiny_llama), lora=False).check(model, tmp_path / "saved")
+
+
 @pytest.mark.slow
 def test_lora_run_verifies_checkpoints_and_final_adapter(tmp_path, tiny_llama):
     from sft.train import main
