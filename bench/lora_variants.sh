@@ -16,6 +16,7 @@
 #   flex-mb2-ckpt-skip8  micro-batch 2 (x2 accumulation), the last 8 layers not checkpointed
 #   flex-mb4-ckpt-compile  flex-mb4-ckpt under torch.compile (--torch_compile true)
 #   flex-mb8-ckpt  flex_attention, micro-batch 8, activation checkpointing (16,384 tokens per step per GPU)
+#   <variant>-peftcast  the variant with peft's own fp32 casts of the LoRA inputs (what sft skips under autocast)
 # Rows that run side by side share the host's CPUs and memory bandwidth, not their GPUs (CUDA_VISIBLE_DEVICES; the
 # single_gpu config leaves it alone). nvidia_smi_mem_gib is the peak of GPU 0 as NVML numbers it.
 set -uo pipefail
@@ -49,6 +50,7 @@ shape() {  # variant -> train_throughput options, then "--", then sft options
     flex-mb2-ckpt-skip8) echo "--micro_batch 2 --grad_accum 2 -- --attn_implementation flex_attention --activation_checkpointing true --activation_checkpointing_skip_layers 8";;
     flex-mb4-ckpt-compile) echo "--micro_batch 4 --grad_accum 1 -- --attn_implementation flex_attention --activation_checkpointing true --torch_compile true";;
     flex-mb8-ckpt) echo "--micro_batch 8 --grad_accum 1 -- --attn_implementation flex_attention --activation_checkpointing true";;
+    *-peftcast) shape "${1%-peftcast}";;  # the same, with peft's fp32 input casts (row() sets the switch)
     *) echo "unknown variant $1" >&2; return 2;;
   esac
 }
@@ -56,6 +58,7 @@ row() {  # name gpu(s) strategy n_gpus variant [extra]
   local name=$1 gpus=$2 strategy=$3 n=$4 variant=$5; shift 5
   local spec; spec=$(shape "$variant") || return 2
   local bench_opts=${spec%% -- *} train_opts=${spec#* -- }
+  case $variant in *-peftcast) local -x SFT_PEFT_INPUT_CAST=1;; esac  # sft/model.py: skip_input_casts_under_autocast
   # shellcheck disable=SC2086
   CUDA_VISIBLE_DEVICES=$gpus python3 bench/train_throughput.py "${COMMON[@]}" --name "$name" --strategy "$strategy" \
     --n_gpus "$n" $bench_opts "$@" -- "${TRAIN[@]}" $train_opts

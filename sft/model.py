@@ -7,12 +7,15 @@ weights stay fp32 (peft's default).
 
 from __future__ import annotations
 
+import os
+import types
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from sft.config import TINY_MODEL, LoraArguments, ModelArguments
 from sft.families import family_of
+
 
 def resolve_model_path(name: str) -> str:
     if name == TINY_MODEL:
@@ -95,7 +98,30 @@ def attach_lora(model, lora_args: LoraArguments, gradient_checkpointing: bool):
                         target_modules=modules, target_parameters=parameters or None, task_type="CAUSAL_LM")
     if gradient_checkpointing:
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
-    return get_peft_model(model, config)
+    model = get_peft_model(model, config)
+    if os.environ.get("SFT_PEFT_INPUT_CAST") != "1":  # "1": peft's own casts (bench/lora_variants.sh compares)
+        skip_input_casts_under_autocast(model)
+    return model
+
+
+def _cast_unless_autocast(self, x, dtype: torch.dtype):
+    if x is None or x.dtype == dtype or torch.is_autocast_enabled(x.device.type):
+        return x
+    return x.to(dtype=dtype)
+
+
+def skip_input_casts_under_autocast(model) -> None:
+    """peft casts each adapted layer's input to the adapter's dtype (fp32) before the LoRA matmuls. Under the
+    Trainer's bf16/fp16 autocast those matmuls run in half precision anyway, so the cast writes an fp32 copy of
+    the activations that autocast at once casts back: an exact round trip that costs memory traffic at 7 layers
+    per block, in forward, recomputation and backward. Under autocast the input now goes to the LoRA matmuls as
+    it is (the same values, the same loss and gradients bit for bit: tests/test_lora_casts.py); without
+    autocast peft's cast stays."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            module._cast_input_dtype = types.MethodType(_cast_unless_autocast, module)
 
 
 class PartialCheckpointing(TrainerCallback):
