@@ -12,6 +12,8 @@
 #       peer   the peers' recipe: Trainer + ZeRO-3, optimizer and parameters offloaded to CPU, micro-batch 1 and 2
 #              (peer1 / peer2: only micro-batch 1 / 2)
 #       zero2  LoRA with ZeRO-2 in fp16 (dynamic loss scaling) on N GPUs
+#       tp     (only when asked) tensor parallel against FSDP, full fine-tune of the deepseek-coder-1.3b shape with
+#              fp32 master weights (too big for a replica per 24 GB card, fits sharded either way), same run
 # N defaults to every visible GPU (2 on nvidia-h200-x2; use --num_processes 3 on the three-card box).
 # Needs: torchao (full rows), liger-kernel, deepspeed. Results: one JSON line per row in bench/results.jsonl,
 # logs under $BENCH_OUT (default output/bench/<run_id>); a table for the run_id is printed at the end.
@@ -119,6 +121,16 @@ fi
 if has zero2; then
   bench 240 "${M7[@]}" "${LORA[@]}" --name lora-zero2-fp16 --strategy zero2 --n_gpus "$N" --precision fp16 \
     -- "${LORA_T[@]}" --dtype float16
+fi
+
+# Tensor parallel: every layer split over the N GPUs (transformers' tp_plan) against FSDP sharding the same model.
+# A 1.3B model (7B with fp32 master weights is ~55 GB per GPU even split over two), on 2 GPUs also on the
+# three-card box: the 16 heads must divide by the TP size.
+M13=(--model deepseek-coder-1.3b --seq_len "${BENCH_SEQ_LEN:-2048}" --mem_cap_gib 24 --method full --n_gpus 2
+     --micro_batch 2 --grad_accum 1 --warmup 3 --steps 5)
+if has tp; then
+  bench 300 "${M13[@]}" --name fsdp-1.3b --strategy fsdp -- --activation_checkpointing true
+  bench 300 "${M13[@]}" --name tp-1.3b --strategy tp -- --activation_checkpointing true
 fi
 
 python3 bench/report.py --run_id "$RUN_ID" --results "$RESULTS"

@@ -46,6 +46,11 @@ MODELS = {
     "deepseek-llm-7b": dict(vocab_size=102400, hidden_size=4096, intermediate_size=11008, num_hidden_layers=30,
                             num_attention_heads=32, num_key_value_heads=32, rope_theta=10000.0,
                             max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # deepseek-coder-1.3b's shape: small enough that a full fine-tune with fp32 master weights fits two 24 GB cards
+    # sharded (FSDP or tensor parallel) but not one replica per card: the size where TP and FSDP compete.
+    "deepseek-coder-1.3b": dict(vocab_size=32256, hidden_size=2048, intermediate_size=5504, num_hidden_layers=24,
+                                num_attention_heads=16, num_key_value_heads=16, rope_theta=100000.0,
+                                max_position_embeddings=16384, rms_norm_eps=1e-6, tie_word_embeddings=False),
     "tiny": dict(vocab_size=32256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=4, rope_theta=10000.0, max_position_embeddings=4096,
                  tie_word_embeddings=False),
@@ -64,7 +69,7 @@ def matmul_params(shape: dict) -> int:
 # Each strategy is launched with the repository's own accelerate config (what users run), with the number of
 # processes given here. DeepSpeed rows may name another JSON (the peers' recipe) with --ds_config.
 CONFIGS = {"single": "single_gpu.yaml", "ddp": "ddp.yaml", "fsdp": "fsdp.yaml", "zero2": "zero2.yaml",
-           "zero3": "zero3.yaml", "zero3_offload": "zero3_offload.yaml"}
+           "zero3": "zero3.yaml", "zero3_offload": "zero3_offload.yaml", "tp": "tp.yaml"}
 
 
 def launch_flags(strategy: str, n_gpus: int, ds_config: str | None, port: int, cpu: bool) -> list[str]:
@@ -276,14 +281,25 @@ def make_row(args, ranks: list[dict], monitor: Monitor, wall: float, cpu: bool) 
 
 def model_dir(args) -> Path:
     """A model directory holding only config.json and the tokenizer: the worker builds random weights from it
-    (sft's model loading, the host-RAM check and the LoRA target lookup read it like any model directory)."""
+    (sft's model loading, the host-RAM check and the LoRA target lookup read it like any model directory).
+    Tensor parallel rows get random bf16 weights on disk instead: transformers shards a TP model while loading
+    its files, so those rows load through the real from_pretrained."""
     from transformers import AutoTokenizer, LlamaConfig
 
-    path = Path(args.out).resolve() / "models" / args.model
+    weights = args.strategy == "tp"
+    path = Path(args.out).resolve() / "models" / (args.model + ("-weights" if weights else ""))
     if not (path / "config.json").exists():
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-        LlamaConfig(**MODELS[args.model], bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                    pad_token_id=tokenizer.pad_token_id, use_cache=False).save_pretrained(path)
+        config = LlamaConfig(**MODELS[args.model], bos_token_id=tokenizer.bos_token_id,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, use_cache=False)
+        if weights:
+            import torch
+            from transformers import AutoModelForCausalLM
+
+            torch.manual_seed(0)
+            AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+        else:
+            config.save_pretrained(path)
         tokenizer.save_pretrained(path)
     return path
 
@@ -303,7 +319,8 @@ def worker_train_args(args, cpu: bool) -> list[str]:
             "--output_dir", str(Path(args.out).resolve() / args.name / "output"),
             "--dataset_cache_dir", str(Path(args.out).resolve() / "dataset-cache"),
             "--dataloader_num_workers", "2", "--seed", "0", "--verify_saves", "no", *precision,
-            *(["--lora", "true"] if args.method == "lora" else [])]
+            *(["--lora", "true"] if args.method == "lora" else []),
+            *(["--tp_size", str(args.n_gpus)] if args.strategy == "tp" else [])]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -326,7 +343,8 @@ def worker(spec: dict, train_argv: list[str]) -> int:
     import sft.model
     import sft.train
 
-    sft.model.AutoModelForCausalLM = _RandomInitModel()
+    if spec["strategy"] != "tp":  # TP rows load their random weights from disk, sharded as they load
+        sft.model.AutoModelForCausalLM = _RandomInitModel()
     sft.train.ThroughputCallback = _bench_callback(spec, rank)  # sft.train holds its own reference
     # Saving is not timed here (the strategy checks prove it): skip the final save and FSDP's consolidation.
     transformers.Trainer.save_model = lambda self, *a, **k: None
@@ -465,7 +483,7 @@ def parse(argv: list[str]):
     p.add_argument("--name", required=True, help="Row name, unique within the run (used by --scaling_of).")
     p.add_argument("--model", default="deepseek-llm-7b", choices=sorted(MODELS))
     p.add_argument("--method", default="lora", choices=["lora", "full"])
-    p.add_argument("--strategy", default="single", choices=["single", "ddp", "fsdp", "zero2", "zero3", "zero3_offload"])
+    p.add_argument("--strategy", default="single", choices=sorted(CONFIGS))
     p.add_argument("--peer", default="ours", help="ours, trl, zero3-offload-recipe, ...")
     p.add_argument("--n_gpus", type=int, default=1, help="Processes (one per GPU); 3 for the three-card box.")
     p.add_argument("--ds_config", help="DeepSpeed JSON for zero2/zero3/zero3_offload.")

@@ -39,7 +39,8 @@ class ThroughputCallback(TrainerCallback):
     """Real (non-padding) tokens per second, MFU and peak GPU memory, over the steps since the last log.
 
     Time spent evaluating or saving is left out, so the numbers describe training steps. Tokens come from the
-    Trainer's own count (`include_num_input_tokens_seen="non_padding"`), summed over ranks.
+    Trainer's own count (`include_num_input_tokens_seen="non_padding"`), summed over ranks; under tensor
+    parallelism the ranks of one model copy see the same batch, so that sum counts each token tp_size times.
     """
 
     def __init__(self, flops_per_token: float, peak_flops_per_gpu: float | None):
@@ -66,7 +67,8 @@ class ThroughputCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or "loss" not in logs or self.busy <= 0:
             return
-        tokens = state.num_input_tokens_seen - self.tokens_at_last_log
+        same_batch = getattr(kwargs.get("model"), "tp_size", None) or 1  # ranks that share one batch (TP)
+        tokens = (state.num_input_tokens_seen - self.tokens_at_last_log) / same_batch
         rate = tokens / self.busy
         logs["real_tokens_per_second"] = round(rate, 1)
         if self.peak:

@@ -75,6 +75,27 @@ def test_one_bench_row_on_cpu_appends_the_issue_fields(tmp_path):
     assert row["tokens_per_step"] > 0.5 * 2 * 256  # packed rows are mostly real tokens
 
 
+def test_tensor_parallel_rows_load_real_weights_with_tp_size(tmp_path):
+    """TP rows cannot use the random-init stand-in (transformers shards a TP model while reading its files): the
+    row's model directory holds random weights that sft's real loader reads, and sft gets --tp_size N."""
+    from sft.config import ModelArguments, LoraArguments
+    from sft.model import load_model
+
+    args = bench.parse(["--run_id", "t", "--name", "tp", "--model", "tiny", "--strategy", "tp", "--n_gpus", "2",
+                        "--method", "full", "--out", str(tmp_path), "--tokenizer", str(_tiny_tokenizer())])
+    train = bench.worker_train_args(args, cpu=True)
+    assert train[train.index("--tp_size") + 1] == "2"
+    path = Path(train[train.index("--model") + 1])
+    assert path.name == "tiny-weights" and any(path.glob("model*.safetensors"))
+    model = load_model(ModelArguments(model=str(path)), LoraArguments())  # the real path (no TP on CPU)
+    assert model.config.hidden_size == bench.MODELS["tiny"]["hidden_size"]
+    assert bench.launch_flags("tp", 2, None, 1234, cpu=False)[1].endswith("accelerate_configs/tp.yaml")
+    plain = bench.parse(["--run_id", "t", "--name", "x", "--model", "tiny", "--out", str(tmp_path),
+                         "--tokenizer", str(_tiny_tokenizer())])
+    assert "--tp_size" not in bench.worker_train_args(plain, cpu=True)
+    assert not any(Path(bench.model_dir(plain)).glob("*.safetensors"))  # other rows: config only
+
+
 def _tiny_tokenizer() -> Path:
     from sft.tiny import ensure_tiny_model
 

@@ -1,0 +1,34 @@
+"""ThroughputCallback: real tokens per second and MFU from the Trainer's token count and the step time."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from sft.callbacks import ThroughputCallback
+
+
+def logged(model, tokens_counted: int, busy_s: float, world_size: int) -> dict:
+    callback = ThroughputCallback(flops_per_token=6e9, peak_flops_per_gpu=1e15)
+    args, state = SimpleNamespace(world_size=world_size), SimpleNamespace(num_input_tokens_seen=0)
+    callback.on_train_begin(args, state, None)
+    state.num_input_tokens_seen = tokens_counted
+    callback.busy = busy_s
+    logs = {"loss": 1.0}
+    callback.on_log(args, state, None, logs=logs, model=model)
+    return logs
+
+
+def test_tokens_per_second_and_mfu():
+    logs = logged(SimpleNamespace(), tokens_counted=20_000, busy_s=2.0, world_size=2)
+    assert logs["real_tokens_per_second"] == 10_000
+    assert logs["mfu"] == pytest.approx(10_000 * 6e9 / (1e15 * 2), abs=1e-4)
+
+
+def test_tensor_parallel_ranks_share_a_batch_so_it_is_counted_once():
+    """The Trainer sums every rank's tokens; the 2 ranks of a TP model process the same batch."""
+    plain = logged(SimpleNamespace(tp_size=None), tokens_counted=20_000, busy_s=2.0, world_size=2)
+    tp = logged(SimpleNamespace(tp_size=2), tokens_counted=20_000, busy_s=2.0, world_size=2)
+    assert tp["real_tokens_per_second"] == plain["real_tokens_per_second"] / 2
+    assert tp["mfu"] == pytest.approx(plain["mfu"] / 2, abs=1e-4)
