@@ -9,7 +9,8 @@ untouched, so the step changes no weight) and training goes on; skipped steps ar
 
 Not covered by the gradient check: DeepSpeed keeps gradients inside its engine (then the logged loss and
 grad_norm are checked at each log, so use `--logging_steps 1` for a per-step check), and fp16, whose loss scaler
-skips overflowing steps by design (there only the logged loss is checked: an inf grad_norm is such an overflow). Loss spikes are judged per logged value (the mean over `--logging_steps`).
+skips overflowing steps by design (there only the logged loss is checked: an inf grad_norm is such an overflow).
+Loss spikes are judged per logged value (the mean over `--logging_steps`).
 """
 
 from __future__ import annotations
