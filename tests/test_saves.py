@@ -102,10 +102,15 @@ def test_full_model_under_mixed_precision_autocast_is_compared_without_it(tmp_pa
     """DDP with --bf16 keeps fp32 weights and accelerate wraps forward in bf16 autocast; the saved fp32 model
     reloads without autocast. Seen on GPUs: comparing through the autocast forward failed every DDP full save."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
-    model = Accelerator(mixed_precision="bf16", cpu=True).prepare_model(model)
+    AcceleratorState._reset_state(reset_partial_state=True)  # earlier tests in this process made a state without bf16
+    try:
+        model = Accelerator(mixed_precision="bf16", cpu=True).prepare_model(model)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
     assert hasattr(model, "_original_forward")  # the autocast wrapper this test is about
     model.save_pretrained(tmp_path / "saved")
     SaveVerifier(str(tiny_llama), lora=False).check(model, tmp_path / "saved")
