@@ -395,6 +395,9 @@ def validate_setup(model_args: ModelArguments, data_args: DataArguments, lora_ar
     # Tensor parallel: transformers (5.x) cannot checkpoint the optimizer of a model sharded at load time, and its
     # Trainer refuses to save checkpoints at all unless they hold the model only.
     if model_args.tp_size > 1:
+        if not cuda:
+            raise ConfigError(f"--tp_size {model_args.tp_size} needs GPUs: accelerate refuses tensor parallelism on "
+                              f"CPU. Drop --tp_size (DDP over gloo trains on CPU), or run on GPUs.")
         if str(training_args.resume_from_checkpoint or "false").lower() not in ("false", "no", "0", "none", ""):
             raise ConfigError(f"--resume_from_checkpoint with --tp_size {model_args.tp_size}: transformers cannot "
                               f"save a tensor-parallel run's optimizer, so its checkpoints hold the weights only. "

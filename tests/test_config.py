@@ -144,12 +144,26 @@ def test_flex_attention_pads_packed_rows_to_one_shape(gpus):
     assert "positive" in refused("--pad_to_multiple_of", "0")
 
 
-def test_tensor_parallel_checkpoints_hold_weights_only():
+def test_tensor_parallel_needs_gpus():
+    assert "needs GPUs" in refused("--tp_size", "2")  # accelerate's ParallelismConfig refuses MULTI_CPU
+
+
+def test_tensor_parallel_checkpoints_hold_weights_only(gpus):
     """transformers' Trainer refuses checkpoints with optimizer state for a model sharded at load time (seen on
     GPUs): a TP run saves weights-only checkpoints, and resuming one is refused with what to do instead."""
-    training_args = parse("--tp_size", "2", "--save_strategy", "steps")[3]
-    assert training_args.save_only_model
-    assert not parse("--tp_size", "2", "--save_strategy", "no")[3].save_only_model
+    def tp_validated(*extra: str):
+        model_args, data_args, lora_args, training_args = parse(*extra)  # parsed without GPUs, then "on 2 GPUs"
+        gpus(2)
+        model_args.tp_size = 2
+        try:
+            validate(model_args, data_args, lora_args, training_args)
+        finally:
+            gpus(0)
+        return training_args
+
+    assert tp_validated("--save_strategy", "steps").save_only_model
+    assert not tp_validated("--save_strategy", "no").save_only_model
     assert not parse("--save_strategy", "steps")[3].save_only_model
-    message = refused("--tp_size", "2", "--resume_from_checkpoint", "true")
-    assert "--model <output_dir>/checkpoint-N" in message and "FSDP or ZeRO-3" in message
+    with pytest.raises(ConfigError) as e:
+        tp_validated("--resume_from_checkpoint", "true")
+    assert "--model <output_dir>/checkpoint-N" in str(e.value) and "FSDP or ZeRO-3" in str(e.value)
