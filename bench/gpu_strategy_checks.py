@@ -70,12 +70,13 @@ def build_model(path: Path, small: bool) -> Path:
 
 # ---- launching ---------------------------------------------------------------------------------------------
 
-def launch(args, strategy: str, out: Path, train_args: list[str], log: Path, port: int) -> tuple[int, str, float]:
+def launch(args, strategy: str, out: Path, train_args: list[str], log: Path, port: int,
+           processes: int | None = None) -> tuple[int, str, float]:
     # `python -m accelerate.commands.launch`: the accelerate of this interpreter (and of PYTHONPATH, where the GPU
     # machines get the carried wheels), whatever `accelerate` script is first on PATH.
     config = REPO / "accelerate_configs" / f"{strategy}.yaml"
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-               "--num_processes", str(args.num_processes),
+               "--num_processes", str(processes or args.num_processes),
                "--main_process_port", str(port), str(REPO / "sft" / "train.py"), *train_args,
                "--output_dir", str(out)]
     if args.cpu:  # on CPU accelerate picks no backend by itself; DDP needs MULTI_CPU, DeepSpeed needs gloo
@@ -326,6 +327,18 @@ def run_tp(args, model: Path, work: Path, port: int) -> None:
         weights = [c.name for c in checkpoints if any(c.glob("model*.safetensors"))]
         report(f"{name}/weights_only_checkpoints", bool(checkpoints) and len(weights) == len(checkpoints),
                f"{len(weights)} of {len(checkpoints)} checkpoints hold the weights (not resumable: README)")
+        # The TP ranks hold one model copy between them, so they must read the same batches (data-parallel size
+        # 1): the losses are then those of one GPU alone on the same options, up to the split matmuls' rounding.
+        one = work / "tp-reference-1gpu"
+        shutil.rmtree(one, ignore_errors=True)
+        rc, _, _ = launch(args, "single_gpu", one, base_train_args(args, model, "full", args.extra),
+                          work / "tp-reference-1gpu.log", port + 1, processes=1)
+        ref, got = losses(one), losses(out)
+        steps = sorted(set(ref) & set(got))
+        worst = max((abs(got[s] - ref[s]) / abs(ref[s]) for s in steps), default=math.inf)
+        report(f"{name}/matches_one_gpu", rc == 0 and len(steps) == len(got) > 0 and worst <= 0.02,
+               f"one GPU exit {rc}; " + ", ".join(f"step {s}: {got[s]:.4f} vs {ref[s]:.4f}" for s in steps)
+               + f"; worst relative difference {worst:.2g} (allowed 0.02)")
 
 
 def main() -> int:
