@@ -33,7 +33,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from sft.config import ConfigError
+from sft.config import ConfigError, resume_requested
 
 MARKER = "checkpoint_complete.json"
 FINAL_MARKER = "training_complete.json"  # written after the final model was saved and verified
@@ -189,8 +189,7 @@ def resolve_resume(training_args, argv: list[str] | None = None) -> str | None:
     every process reaches the same answer from the directory's contents.
     """
     output_dir = Path(training_args.output_dir)
-    value = training_args.resume_from_checkpoint
-    value = None if value in (None, "", "false", "False", "no", "0") else str(value)
+    value = resume_requested(training_args.resume_from_checkpoint)
     cleaning = training_args.should_save
     overwrite = getattr(training_args, "overwrite_output_dir", False)
     if value is not None and overwrite:

@@ -228,6 +228,11 @@ def unknown_options_message(unknown: list[str], parser: HfArgumentParser) -> str
             f"`python sft/train.py --help` lists every option.")
 
 
+def resume_requested(value) -> str | None:
+    """--resume_from_checkpoint as given: None when it says no, else the checkpoint path or "true"."""
+    return None if value in (None, "", "false", "False", "no", "0") else str(value)
+
+
 def validate(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraArguments,
              training_args: SFTTrainingArguments) -> None:
     """Combinations that cannot work, caught before anything is loaded."""
@@ -398,7 +403,7 @@ def validate_setup(model_args: ModelArguments, data_args: DataArguments, lora_ar
         if not cuda:
             raise ConfigError(f"--tp_size {model_args.tp_size} needs GPUs: accelerate refuses tensor parallelism on "
                               f"CPU. Drop --tp_size (DDP over gloo trains on CPU), or run on GPUs.")
-        if str(training_args.resume_from_checkpoint or "false").lower() not in ("false", "no", "0", "none", ""):
+        if resume_requested(training_args.resume_from_checkpoint) is not None:
             raise ConfigError(f"--resume_from_checkpoint with --tp_size {model_args.tp_size}: transformers cannot "
                               f"save a tensor-parallel run's optimizer, so its checkpoints hold the weights only. "
                               f"Start a new run from one (--model <output_dir>/checkpoint-N: the optimizer and the "

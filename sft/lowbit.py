@@ -29,7 +29,7 @@ FSDP2 and lean enough for 24 GB cards. Four patches (the first in two parts), al
    inductor's input check rejects the 1-D codes. Reproduced on CPU (2 gloo ranks, torch 2.13): 4-bit alone
    in a fresh cache trains; 8-bit then 4-bit crashes, in one process or two; either cache switched off
    (TORCHINDUCTOR_AUTOGRAD_CACHE=0) avoids it; eager mode never crashes. (On the H200s, torch 2.11, the 4-bit row
-   crashed so right after the 8-bit row on the same machine.) The patch adds the local tensor's
+   crashed right after the 8-bit row on the same machine.) The patch adds the local tensor's
    device, and for a wrapped tensor subclass its type, metadata and inner tensors' shapes, to DTensor's key. The
    device also keeps rank 1 from loading the kernel rank 0 compiled for cuda:0 (pytorch #188390; fixed upstream
    by #188401, not in torch 2.13). A different key only ever means a recompile, never a wrong graph.
