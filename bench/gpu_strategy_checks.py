@@ -267,14 +267,14 @@ def check_save(name: str, output: Path, strategy: str, lora: bool, model: Path) 
 
 
 def check_resume(name: str, args, strategy: str, method: str, model: Path, first: Path, saved: dict,
-                 work: Path, port: int) -> None:
+                 work: Path, port: int, extra: tuple[str, ...] = ()) -> None:
     checkpoint = first / "checkpoint-2"
     if not checkpoint.is_dir():
         report(f"{name}/resume", False, f"{checkpoint} missing")
         return
     out = work / f"{strategy}-{method}-resumed"
     shutil.rmtree(out, ignore_errors=True)
-    train = base_train_args(args, model, method, args.extra) + ["--resume_from_checkpoint", str(checkpoint)]
+    train = base_train_args(args, model, method, [*args.extra, *extra]) + ["--resume_from_checkpoint", str(checkpoint)]
     rc, log, seconds = launch(args, strategy, out, train, work / f"{strategy}-{method}-resumed.log", port)
     tail = "\n".join(log.splitlines()[-15:])
     if not report(f"{name}/resume_runs", rc == 0, f"exit {rc} after {seconds:.0f} s" + ("" if rc == 0 else f"\n{tail}")):
@@ -318,15 +318,19 @@ def run_tp(args, model: Path, work: Path, port: int) -> None:
     name = "tp/full"
     out = work / "tp-full"
     shutil.rmtree(out, ignore_errors=True)
-    train = base_train_args(args, model, "full", args.extra + ["--tp_size", str(args.num_processes)])
+    tp = ("--tp_size", str(args.num_processes))
+    train = base_train_args(args, model, "full", [*args.extra, *tp])
     rc, log, seconds = launch(args, "tp", out, train, work / "tp-full.log", port)
     if check_training(name, rc, log, out, args, "tp", seconds):
-        check_save(name, out, "tp", False, model)
-        # transformers checkpoints no optimizer state for a model sharded at load time: sft saves weights only
+        saved = check_save(name, out, "tp", False, model)
+        # transformers checkpoints only the weights of a model sharded at load time; sft adds the sharded
+        # training state (sft/tensor_parallel.py), which the resume below reads
         checkpoints = sorted(out.glob("checkpoint-*"))
-        weights = [c.name for c in checkpoints if any(c.glob("model*.safetensors"))]
-        report(f"{name}/weights_only_checkpoints", bool(checkpoints) and len(weights) == len(checkpoints),
-               f"{len(weights)} of {len(checkpoints)} checkpoints hold the weights (not resumable: README)")
+        resumable = [c.name for c in checkpoints if (c / "tp_state").is_dir() and (c / "scheduler.pt").is_file()]
+        report(f"{name}/resumable_checkpoints", bool(checkpoints) and len(resumable) == len(checkpoints),
+               f"{len(resumable)} of {len(checkpoints)} checkpoints hold tp_state/ and scheduler.pt")
+        if saved is not None and not args.skip_resume:
+            check_resume(name, args, "tp", "full", model, out, saved, work, port + 2, tp)
         # The TP ranks hold one model copy between them, so they must read the same batches (data-parallel size
         # 1): the losses are then those of one GPU alone on the same options, up to the split matmuls' rounding.
         one = work / "tp-reference-1gpu"

@@ -131,6 +131,10 @@ M13=(--model deepseek-coder-1.3b --seq_len "${BENCH_SEQ_LEN:-2048}" --mem_cap_gi
 if has tp; then
   bench 300 "${M13[@]}" --name fsdp-1.3b --strategy fsdp -- --activation_checkpointing true
   bench 300 "${M13[@]}" --name tp-1.3b --strategy tp -- --activation_checkpointing true
+  # the same pair with the kernels of our fast plans (Liger's fused loss and norms, flex_attention)
+  FAST=("${LIGER[@]}" --attn_implementation flex_attention --activation_checkpointing true)
+  bench 300 "${M13[@]}" --name fsdp-1.3b-flex --strategy fsdp -- "${FAST[@]}"
+  bench 300 "${M13[@]}" --name tp-1.3b-flex --strategy tp -- "${FAST[@]}"
 fi
 
 python3 bench/report.py --run_id "$RUN_ID" --results "$RESULTS"

@@ -267,6 +267,8 @@ def make_row(args, ranks: list[dict], monitor: Monitor, wall: float, cpu: bool) 
         "nvidia_smi_mem_gib": round(max(monitor.gpu_peak.values()) / GIB, 2) if monitor.gpu_peak else None,
         "comm_share": r0.get("comm_share"),
         "copy_share": r0.get("copy_share"),
+        "compute_share": r0.get("compute_share"),
+        "top_kernels": r0.get("top_kernels"),
         "step_s": r0.get("step_s"),
         "tokens_per_step": r0.get("tokens_per_step"),
         "callback_mfu": r0.get("callback_mfu"),
@@ -401,7 +403,9 @@ def _bench_callback(spec: dict, rank: int):
             before = self.tokens_at_last_log
             super().on_log(args, state, control, logs=logs, **kwargs)
             if logs and "real_tokens_per_second" in logs:
-                self.windows.append({"step": state.global_step, "tokens": state.num_input_tokens_seen - before,
+                same_batch = getattr(kwargs.get("model"), "tp_size", None) or 1  # TP ranks share one batch
+                self.windows.append({"step": state.global_step,
+                                     "tokens": (state.num_input_tokens_seen - before) / same_batch,
                                      "rate": logs["real_tokens_per_second"], "mfu": logs.get("mfu"),
                                      "loss": logs.get("loss")})
 
@@ -449,9 +453,11 @@ def _bench_callback(spec: dict, rank: int):
 
 def profile_shares(prof, wall_us: float) -> dict:
     """Share of the profiled wall time during which NCCL kernels ran (union of their intervals, on any stream),
-    and likewise host<->device copies. NCCL time that overlaps compute is counted too: this is the time spent
-    communicating, an upper bound on what communication adds to the step."""
-    nccl, copies = [], []
+    and likewise host<->device copies and every other kernel (compute). NCCL time that overlaps compute is counted
+    too: this is the time spent communicating, an upper bound on what communication adds to the step. A low
+    compute share means the GPU waited (on the host, or on a peer); the top kernels say where its time went."""
+    nccl, copies, compute = [], [], []
+    kernel_us: dict[str, float] = {}
     for e in prof.events():
         if getattr(e, "device_type", None) is None or str(e.device_type) != "DeviceType.CUDA":
             continue
@@ -460,9 +466,14 @@ def profile_shares(prof, wall_us: float) -> dict:
             nccl.append((start, end))
         elif "Memcpy HtoD" in e.name or "Memcpy DtoH" in e.name:
             copies.append((start, end))
-    return {"comm_share": round(union(nccl) / wall_us, 3) if wall_us else None,
-            "copy_share": round(union(copies) / wall_us, 3) if wall_us else None,
-            "profiled_us": round(wall_us)}
+        else:
+            compute.append((start, end))
+            kernel_us[e.name] = kernel_us.get(e.name, 0.0) + (end - start)
+    top = sorted(kernel_us.items(), key=lambda kv: -kv[1])[:4]
+    share = (lambda x: round(x / wall_us, 3) if wall_us else None)
+    return {"comm_share": share(union(nccl)), "copy_share": share(union(copies)),
+            "compute_share": share(union(compute)), "profiled_us": round(wall_us),
+            "top_kernels": [f"{share(us)} {name[:70]}" for name, us in top]}
 
 
 def union(intervals: list[tuple[float, float]]) -> float:

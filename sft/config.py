@@ -58,7 +58,7 @@ class ModelArguments:
     tp_size: int = field(default=1, metadata={
         "help": "Tensor parallel: split every layer over this many GPUs (transformers' tp_plan; launch with "
                 "accelerate_configs/tp.yaml). Pays only with fast GPU links; see README, Multi-GPU strategies. "
-                "Its checkpoints hold the weights only: a tensor-parallel run cannot be resumed."})
+                "Its checkpoints resume under the same --tp_size."})
 
 
 @dataclass
@@ -397,22 +397,14 @@ def validate_setup(model_args: ModelArguments, data_args: DataArguments, lora_ar
         raise ConfigError(f"{local_processes} processes on this machine but {gpus} GPU(s): launch with "
                           f"`accelerate launch --num_processes {gpus}` (or `torchrun --nproc_per_node {gpus}`).")
 
-    # Tensor parallel: transformers (5.x) cannot checkpoint the optimizer of a model sharded at load time, and its
-    # Trainer refuses to save checkpoints at all unless they hold the model only.
+    # Tensor parallel: accelerate refuses it on CPU; transformers' Trainer (5.x) refuses checkpoints with optimizer
+    # state for a model sharded at load time, so `save_only_model` is set and sft/tensor_parallel.py adds the rest.
     if model_args.tp_size > 1:
         if not cuda:
             raise ConfigError(f"--tp_size {model_args.tp_size} needs GPUs: accelerate refuses tensor parallelism on "
                               f"CPU. Drop --tp_size (DDP over gloo trains on CPU), or run on GPUs.")
-        if resume_requested(training_args.resume_from_checkpoint) is not None:
-            raise ConfigError(f"--resume_from_checkpoint with --tp_size {model_args.tp_size}: transformers cannot "
-                              f"save a tensor-parallel run's optimizer, so its checkpoints hold the weights only. "
-                              f"Start a new run from one (--model <output_dir>/checkpoint-N: the optimizer and the "
-                              f"learning-rate schedule start over), or use FSDP or ZeRO-3, which resume.")
         if getattr(training_args.save_strategy, "value", training_args.save_strategy) != "no":
             training_args.save_only_model = True
-            if training_args.process_index == 0:
-                print(f"--tp_size {model_args.tp_size}: checkpoints hold the weights only (transformers cannot "
-                      f"save a tensor-parallel optimizer), so they cannot be resumed.", flush=True)
 
     # The launcher's accelerate config, the DeepSpeed JSON and the Trainer's flags must agree.
     mismatches = getattr(getattr(training_args, "hf_deepspeed_config", None), "mismatches", None) or []

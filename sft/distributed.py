@@ -298,9 +298,24 @@ def check_data_parallel(training_args) -> None:
                       "--use_cpu true (DDP) or --ddp_backend gloo (DeepSpeed configs).")
 
 
+def one_gpu_per_process(training_args) -> None:
+    """One process that sees several GPUs trains on the first. The Trainer would wrap the model in
+    nn.DataParallel over all of them (its `n_gpu`): slower than DDP, a global batch of per-device x GPUs, and
+    world-size-based numbers (MFU) wrong. Several GPUs are used through a launcher config (ddp.yaml, fsdp.yaml...)."""
+    gpus = training_args.n_gpu  # (sets the devices up first)
+    if gpus <= 1:
+        return
+    if training_args.process_index == 0:
+        print(f"One process sees {gpus} GPUs: training on {training_args.device} only. To use them all: "
+              f"accelerate launch --config_file accelerate_configs/ddp.yaml (or fsdp.yaml, zero3.yaml) "
+              f"--num_processes {gpus} ...", flush=True)
+    training_args._n_gpu = 1  # read through TrainingArguments.n_gpu by the Trainer (batch size, DataParallel)
+
+
 def preflight(model_args, lora_args, training_args) -> None:
     """Run once the process group exists (TrainingArguments built) and before the model loads."""
     check_data_parallel(training_args)
+    one_gpu_per_process(training_args)
     check_offload_ram(model_args, lora_args, training_args)
     check_allreduce()
 

@@ -32,6 +32,7 @@ from sft.guards import NonFiniteError
 from sft.lowbit import prepare_optimizer
 from sft.model import PartialCheckpointing, load_model, load_tokenizer
 from sft.packing import Collator
+from sft.tensor_parallel import TensorParallelTrainer, check_resumable
 from sft.verify import SaveMismatchError
 
 
@@ -41,6 +42,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
         configure_nccl_env()  # consumer GPUs: before TrainingArguments starts the process group
         model_args, data_args, lora_args, training_args = parse_args(argv)
         resume = resolve_resume(training_args, argv)  # a checkpoint, or None; never overwrites a run silently
+        check_resumable(resume, model_args.tp_size)  # a tensor-parallel checkpoint resumes under its own --tp_size
         conversations = read_datasets(data_args, training_args.seed)  # bad data stops here, before any model
         tokenizer = load_tokenizer(model_args)
         train_data, eval_data, summary = prepare(data_args, tokenizer, conversations, training_args)
@@ -61,7 +63,8 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
     safety, verifier = safety_callbacks(model, model_args, lora_args, training_args, argv)  # checkpoints, guards
     skip = training_args.activation_checkpointing_skip_layers  # spare memory: fewer layers recomputed
     partial_checkpointing = [PartialCheckpointing(skip)] if skip else []
-    trainer = Trainer(
+    trainer_class = TensorParallelTrainer if model_args.tp_size > 1 else Trainer  # TP: checkpoints that resume
+    trainer = trainer_class(
         model=model,
         args=training_args,
         train_dataset=train_data,

@@ -161,6 +161,26 @@ def test_processes_without_a_backend_are_refused(monkeypatch):
     check_data_parallel(args(1, DistributedType.NO))
 
 
+def test_one_process_trains_on_one_gpu(capsys):
+    """A single process on a multi-GPU machine (python sft/train.py, single_gpu.yaml) would otherwise get
+    nn.DataParallel over every GPU and twice the batch: seen on two H200s, where a one-GPU reference run read 4 rows
+    per step at --per_device_train_batch_size 2."""
+    from sft.distributed import one_gpu_per_process
+
+    class Arguments(SimpleNamespace):  # TrainingArguments' n_gpu reads _n_gpu
+        n_gpu = property(lambda self: self._n_gpu)
+
+    alone = Arguments(_n_gpu=2, process_index=0, device="cuda:0")
+    one_gpu_per_process(alone)
+    assert alone.n_gpu == 1
+    assert "One process sees 2 GPUs: training on cuda:0 only" in capsys.readouterr().out
+    for n in (0, 1):  # CPU, one GPU, and every distributed process (TrainingArguments sets 1 there)
+        one = Arguments(_n_gpu=n, process_index=0, device="cpu")
+        one_gpu_per_process(one)
+        assert one.n_gpu == n
+    assert capsys.readouterr().out == ""
+
+
 # ---- host RAM of ZeRO-3 offload plans --------------------------------------------------------------------------
 
 def offload_args(ds_config: str, world_size: int = 2, bf16: bool = True):

@@ -1,0 +1,128 @@
+"""Tensor-parallel runs that resume.
+
+With `--tp_size N` transformers shards the model with its tp_plan as it loads (DTensor parameters), and its
+Trainer (5.x) then checkpoints the consolidated weights only: it refuses optimizer state for such a model (unless
+`save_only_model`), and its resume path copies a full state dict into the DTensor parameters, which fails
+("mixed torch.Tensor and DTensor"). TensorParallelTrainer completes each checkpoint and loads it back:
+
+- `tp_state/`: the trainable weights and the optimizer state, written with torch.distributed.checkpoint (DCP),
+  every rank its own shards, so no rank ever holds the full state, and read back into the same sharding. The
+  weights come from here rather than from the checkpoint's safetensors, which stay what other tools load: those
+  are consolidated (and for some models renamed on save), the DCP copy is exactly what trained.
+- `scheduler.pt` and each rank's `rng_state_<rank>.pth`, in the Trainer's own formats and loaded by it.
+- `tp_state.json`: the tensor-parallel size, checked before any model loads (`check_resumable`).
+
+trainer_state.json (step, skipped batches, logs) is the Trainer's, as for every other strategy.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from transformers import Trainer
+
+from sft.config import ConfigError
+
+STATE_DIR = "tp_state"
+STATE_INFO = "tp_state.json"
+SCHEDULER_FILE = "scheduler.pt"  # the Trainer's name, so that a checkpoint reads the same whatever wrote it
+
+
+def _trainable_state(model, optimizer=None) -> dict:
+    """The model's trainable weights (and the optimizer's state) as DTensor shards keyed by parameter name: what
+    DCP saves, and the structure it loads into in place."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(ignore_frozen_params=True)  # LoRA: the adapter, not the frozen base
+    state = {"model": get_model_state_dict(model, options=options)}
+    if optimizer is not None:  # an optimizer that has not stepped yet gets its states created (zeros) to load into
+        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=options)
+    return state
+
+
+def save_training_state(model, optimizer, tp_size: int, checkpoint: str | Path) -> None:
+    """Every rank: write the sharded weights and optimizer state under checkpoint/tp_state (collective)."""
+    import torch.distributed.checkpoint as dcp
+
+    checkpoint = Path(checkpoint)
+    dcp.save(_trainable_state(model, optimizer), checkpoint_id=str(checkpoint / STATE_DIR))
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        (checkpoint / STATE_INFO).write_text(json.dumps({"tp_size": tp_size}) + "\n")
+
+
+def load_weights(model, checkpoint: str | Path) -> None:
+    """Every rank: the trainable weights from checkpoint/tp_state, into the model's own sharding (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    state = _trainable_state(model)
+    dcp.load(state, checkpoint_id=str(Path(checkpoint) / STATE_DIR))
+    set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=True))
+
+
+def load_optimizer(model, optimizer, checkpoint: str | Path) -> None:
+    """Every rank: the optimizer state from checkpoint/tp_state (collective)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    state = {"optimizer": _trainable_state(model, optimizer)["optimizer"]}
+    dcp.load(state, checkpoint_id=str(Path(checkpoint) / STATE_DIR))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(ignore_frozen_params=True))
+
+
+def saved_tp_size(checkpoint: str | Path) -> int | None:
+    """The TP size a checkpoint's training state was written with; None if it holds none (not a TP run's)."""
+    info = Path(checkpoint) / STATE_INFO
+    if not info.is_file() or not (Path(checkpoint) / STATE_DIR).is_dir():
+        return None
+    return int(json.loads(info.read_text())["tp_size"])
+
+
+def check_resumable(checkpoint: str | None, tp_size: int) -> None:
+    """Before any model loads: a TP checkpoint resumes only under the same --tp_size, and a TP run only from one."""
+    if checkpoint is None:
+        return
+    saved = saved_tp_size(checkpoint)
+    if saved == tp_size or (saved is None and tp_size <= 1):
+        return
+    if saved is None:
+        raise ConfigError(f"--resume_from_checkpoint {checkpoint} with --tp_size {tp_size}: that checkpoint holds no "
+                          f"tensor-parallel training state ({STATE_DIR}/): it was written by another strategy or by "
+                          f"an older version that saved the weights only. Resume it with the strategy that wrote "
+                          f"it, or start a new run from its weights (--model {checkpoint}).")
+    raise ConfigError(f"--resume_from_checkpoint {checkpoint}: it was written by a tensor-parallel run with "
+                      f"--tp_size {saved}; resume it with --tp_size {saved} (and as many processes), not "
+                      f"{tp_size}. Or start a new run from its weights (--model {checkpoint}).")
+
+
+class TensorParallelTrainer(Trainer):
+    """The Trainer, for a model loaded with `--tp_size`: checkpoints that hold what resuming needs, and resuming
+    from them. The Trainer still writes the weights (consolidated safetensors), trainer_state.json and the rotation;
+    `save_only_model` stays set, as it requires for such a model, so its own optimizer saving never runs."""
+
+    def _save_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        checkpoint = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        save_training_state(self.model, self._torch_optimizer(), self.model.tp_size, checkpoint)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(checkpoint, SCHEDULER_FILE))
+        self._save_rng_state(checkpoint)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        load_weights(model or self.model, resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        load_optimizer(self.model, self._torch_optimizer(), checkpoint)
+        self.lr_scheduler.load_state_dict(
+            torch.load(os.path.join(checkpoint, SCHEDULER_FILE), map_location="cpu", weights_only=True))
+
+    def _torch_optimizer(self):
+        return getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper holds the torch one
