@@ -13,7 +13,8 @@
 #              (peer1 / peer2: only micro-batch 1 / 2)
 #       zero2  LoRA with ZeRO-2 in fp16 (dynamic loss scaling) on N GPUs
 #       tp     (only when asked) tensor parallel against FSDP, full fine-tune of the deepseek-coder-1.3b shape with
-#              fp32 master weights (too big for a replica per 24 GB card, fits sharded either way), same run
+#              fp32 master weights (too big for a replica per 24 GB card, fits sharded either way), same run;
+#              tpfast: the same pair with Liger (and flex_attention for FSDP); tp8: the pair at micro-batch 8
 # N defaults to every visible GPU (2 on nvidia-h200-x2; use --num_processes 3 on the three-card box).
 # Needs: torchao (full rows), liger-kernel, deepspeed. Results: one JSON line per row in bench/results.jsonl,
 # logs under $BENCH_OUT (default output/bench/<run_id>); a table for the run_id is printed at the end.
@@ -128,13 +129,18 @@ fi
 # three-card box: the 16 heads must divide by the TP size.
 M13=(--model deepseek-coder-1.3b --seq_len "${BENCH_SEQ_LEN:-2048}" --mem_cap_gib 24 --method full --n_gpus 2
      --micro_batch 2 --grad_accum 1 --warmup 3 --steps 5)
-if has tp; then
+if has tp; then  # sdpa, micro-batch 2
   bench 300 "${M13[@]}" --name fsdp-1.3b --strategy fsdp -- --activation_checkpointing true
   bench 300 "${M13[@]}" --name tp-1.3b --strategy tp -- --activation_checkpointing true
-  # the same pair with the kernels of our fast plans (Liger's fused loss and norms, flex_attention)
-  FAST=("${LIGER[@]}" --attn_implementation flex_attention --activation_checkpointing true)
-  bench 300 "${M13[@]}" --name fsdp-1.3b-flex --strategy fsdp -- "${FAST[@]}"
-  bench 300 "${M13[@]}" --name tp-1.3b-flex --strategy tp -- "${FAST[@]}"
+fi
+if has tpfast; then  # the kernels of our fast plans: Liger's fused loss and norms, and flex_attention (not under TP)
+  bench 300 "${M13[@]}" --name fsdp-1.3b-flex --strategy fsdp -- "${LIGER[@]}" --attn_implementation flex_attention \
+    --activation_checkpointing true
+  bench 300 "${M13[@]}" --name tp-1.3b-liger --strategy tp -- "${LIGER[@]}" --activation_checkpointing true
+fi
+if has tp8; then  # micro-batch 8: four times the work per step for the same per-step overheads
+  bench 300 "${M13[@]}" --micro_batch 8 --name fsdp-1.3b-mb8 --strategy fsdp -- --activation_checkpointing true
+  bench 300 "${M13[@]}" --micro_batch 8 --name tp-1.3b-mb8 --strategy tp -- --activation_checkpointing true
 fi
 
 python3 bench/report.py --run_id "$RUN_ID" --results "$RESULTS"
