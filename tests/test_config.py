@@ -165,3 +165,5 @@ def test_tensor_parallel_checkpoints_skip_the_trainers_optimizer_saving(gpus):
     assert not tp_validated("--save_strategy", "no").save_only_model
     assert not parse("--save_strategy", "steps")[3].save_only_model
     assert tp_validated("--resume_from_checkpoint", "true").save_only_model  # resuming is no longer refused
+    with pytest.raises(ConfigError, match="--use_liger_kernel with --tp_size 2"):
+        tp_validated("--use_liger_kernel", "true")  # seen on 2 H200s: mixed torch.Tensor and DTensor
