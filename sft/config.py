@@ -403,6 +403,10 @@ def validate_setup(model_args: ModelArguments, data_args: DataArguments, lora_ar
         if not cuda:
             raise ConfigError(f"--tp_size {model_args.tp_size} needs GPUs: accelerate refuses tensor parallelism on "
                               f"CPU. Drop --tp_size (DDP over gloo trains on CPU), or run on GPUs.")
+        if lora_args.lora:  # peft's LoRA layers wrap the sharded linears and fail at the first step (seen on CPU)
+            raise ConfigError(f"--lora with --tp_size {model_args.tp_size}: peft's LoRA layers do not handle "
+                              f"transformers' tensor-parallel shards. LoRA of a 7B model fits one 24 GB card: "
+                              f"use accelerate_configs/ddp.yaml (a replica per GPU) without --tp_size.")
         if training_args.use_liger_kernel:  # seen on GPUs: its loss multiplies activations by the sharded lm_head
             raise ConfigError(f"--use_liger_kernel with --tp_size {model_args.tp_size}: Liger's fused loss cannot "
                               f"take the tensor-parallel lm_head (\"mixed torch.Tensor and DTensor\" at the first "

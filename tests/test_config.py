@@ -167,3 +167,5 @@ def test_tensor_parallel_checkpoints_skip_the_trainers_optimizer_saving(gpus):
     assert tp_validated("--resume_from_checkpoint", "true").save_only_model  # resuming is no longer refused
     with pytest.raises(ConfigError, match="--use_liger_kernel with --tp_size 2"):
         tp_validated("--use_liger_kernel", "true")  # seen on 2 H200s: mixed torch.Tensor and DTensor
+    with pytest.raises(ConfigError, match="--lora with --tp_size 2.*ddp.yaml"):
+        tp_validated("--lora")  # peft on the TP shards: a shape error at the first step (seen on CPU over gloo)
