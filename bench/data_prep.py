@@ -193,7 +193,8 @@ def main() -> None:
     if args.record:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                 text=True).stdout.strip()
-        line = {"bench": "data_prep", "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        now = datetime.datetime.now(datetime.timezone.utc)
+        line = {"bench": "data_prep", "date": now.isoformat(timespec="seconds"),
                 "commit": commit, "machine": f"{cpu_model()}, {os.cpu_count()} cores, {platform.machine()}",
                 "records": len(records), "max_length": args.max_length, "num_proc": args.num_proc,
                 "rounds": args.rounds, "ours_s": round(our_s, 2), "trl_s": round(trl_s, 2),

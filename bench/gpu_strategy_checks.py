@@ -122,7 +122,8 @@ def saved_tensors(directory: Path, lora: bool) -> dict:
     from safetensors.torch import load_file
 
     name = "adapter_model.safetensors" if lora else "model.safetensors"
-    files = [directory / name] if (directory / name).exists() else sorted(directory.glob(name.replace(".safetensors", "-*.safetensors")))
+    shards = name.replace(".safetensors", "-*.safetensors")
+    files = [directory / name] if (directory / name).exists() else sorted(directory.glob(shards))
     tensors = {}
     for f in files:
         tensors.update(load_file(f))
@@ -182,7 +183,8 @@ def distance(a: dict, b: dict, keys) -> float:
 def losses(output: Path) -> dict[int, float]:
     state = output / "trainer_state.json"
     if not state.exists():
-        candidates = sorted(output.glob("checkpoint-*/trainer_state.json"), key=lambda p: int(p.parent.name.split("-")[1]))
+        candidates = sorted(output.glob("checkpoint-*/trainer_state.json"),
+                            key=lambda p: int(p.parent.name.split("-")[1]))
         if not candidates:
             return {}
         state = candidates[-1]
@@ -202,9 +204,11 @@ def check_training(name: str, rc: int, log: str, output: Path, args, strategy: s
            ", ".join(f"step {s}: {v:.4f}" for s, v in sorted(found.items())))
     if strategy in ("zero3", "zero3_offload"):
         line = re.search(r"ZeRO-3: model loaded partitioned.*", log)
-        report(f"{name}/zero3_partitioned_load", bool(line), line.group(0) if line else "no zero.Init report in the log")
+        report(f"{name}/zero3_partitioned_load", bool(line),
+               line.group(0) if line else "no zero.Init report in the log")
     if strategy == "fsdp" and not args.cpu:
-        report(f"{name}/fsdp_activation_checkpointing", bool(re.search(r"FSDP: (.*; )?--activation_checkpointing applied", log)))
+        applied = re.search(r"FSDP: (.*; )?--activation_checkpointing applied", log)
+        report(f"{name}/fsdp_activation_checkpointing", bool(applied))
     return True
 
 
@@ -230,7 +234,8 @@ def check_save(name: str, output: Path, strategy: str, lora: bool, model: Path) 
         ids = torch.randint(0, reloaded.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
         with torch.no_grad():
             logits = reloaded(input_ids=ids, use_cache=False).logits
-        report(f"{name}/reload", bool(torch.isfinite(logits).all()), "loaded with plain transformers/peft, finite logits")
+        report(f"{name}/reload", bool(torch.isfinite(logits).all()),
+               "loaded with plain transformers/peft, finite logits")
     except Exception as e:  # noqa: BLE001 - any failure to load is the finding
         report(f"{name}/reload", False, f"{type(e).__name__}: {e}")
     initial = saved_tensors(model, False)
@@ -246,7 +251,8 @@ def check_save(name: str, output: Path, strategy: str, lora: bool, model: Path) 
         pairs, missing = match(saved, initial)
         changed = sum(1 for _, a, b in pairs if not torch.equal(a.float(), b.float()))
         report(f"{name}/model_complete", not missing and len(saved) == len(initial),
-               f"{len(saved)} tensors (base has {len(initial)}){'; unknown: ' + ', '.join(missing[:3]) if missing else ''}")
+               f"{len(saved)} tensors (base has {len(initial)})"
+               + (f"; unknown: {', '.join(missing[:3])}" if missing else ""))
         report(f"{name}/model_trained", changed == len(pairs), f"{changed}/{len(pairs)} tensors changed by training")
     checkpoints = sorted(output.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))
     if not checkpoints:
@@ -277,7 +283,8 @@ def check_resume(name: str, args, strategy: str, method: str, model: Path, first
     train = base_train_args(args, model, method, [*args.extra, *extra]) + ["--resume_from_checkpoint", str(checkpoint)]
     rc, log, seconds = launch(args, strategy, out, train, work / f"{strategy}-{method}-resumed.log", port)
     tail = "\n".join(log.splitlines()[-15:])
-    if not report(f"{name}/resume_runs", rc == 0, f"exit {rc} after {seconds:.0f} s" + ("" if rc == 0 else f"\n{tail}")):
+    ran = f"exit {rc} after {seconds:.0f} s" + ("" if rc == 0 else f"\n{tail}")
+    if not report(f"{name}/resume_runs", rc == 0, ran):
         return
     before, after = losses(first), losses(out)
     steps = sorted(s for s in after if s > 2)

@@ -174,7 +174,8 @@ def parent(args, train_args: list[str]) -> int:
                *worker_train_args(args, cpu), *train_args]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
            # torchrun/accelerate would set 1 thread per process, which starves DeepSpeed's CPU Adam.
-           "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 2) // max(1, args.n_gpus)))}
+           "OMP_NUM_THREADS": (os.environ.get("OMP_NUM_THREADS")
+                               or str(max(1, (os.cpu_count() or 2) // max(1, args.n_gpus))))}
     if args.alloc_conf:
         env["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf
     print(f"[bench] {args.name}: {shlex.join(command)}", flush=True)
@@ -444,7 +445,8 @@ def _bench_callback(spec: dict, rank: int):
                       "callback_mfu": measured[-1]["mfu"] if measured else None,
                       "loss_first_last": [self.windows[0]["loss"], self.windows[-1]["loss"]] if self.windows else None,
                       "max_reserved_gib": torch.cuda.max_memory_reserved() / GIB if torch.cuda.is_available() else None,
-                      "max_allocated_gib": torch.cuda.max_memory_allocated() / GIB if torch.cuda.is_available() else None,
+                      "max_allocated_gib": (torch.cuda.max_memory_allocated() / GIB
+                                            if torch.cuda.is_available() else None),
                       **(self.comm or {})}
             Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(result))
 

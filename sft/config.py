@@ -98,7 +98,8 @@ class DataArguments:
         "help": "Skip and count malformed records instead of stopping at the first one."})
     oasst_threads: str = field(default="best", metadata={
         "help": "OASST trees: best (follow the best-ranked reply) or all (every root-to-leaf thread)."})
-    oasst_lang: list[str] | None = field(default=None, metadata={"help": "Keep only OASST messages in these languages."})
+    oasst_lang: list[str] | None = field(default=None, metadata={
+        "help": "Keep only OASST messages in these languages."})
     num_proc: int | None = field(default=None, metadata={"help": "Processes for tokenization (default: all cores)."})
     dataset_cache_dir: str | None = field(default=None, metadata={
         "help": "Where prepared datasets are cached (default: ~/.cache/deepseek-sft/datasets)."})
@@ -112,7 +113,8 @@ class SFTTrainingArguments(TrainingArguments):
     """transformers' TrainingArguments with defaults for SFT (every one of its flags works as usual)."""
 
     output_dir: str | None = field(default="output/run", metadata={"help": "Where checkpoints, logs and the model go."})
-    report_to: None | str | list[str] = field(default="tensorboard", metadata={"help": "Loggers: tensorboard, none, ..."})
+    report_to: None | str | list[str] = field(default="tensorboard", metadata={
+        "help": "Loggers: tensorboard, none, ..."})
     logging_steps: float = field(default=10, metadata={"help": "Log every N steps."})
     # Our collator needs `seq_lengths`, which the model's forward does not take.
     remove_unused_columns: bool = field(default=False, metadata={"help": "Leave at False for sft."})
@@ -264,7 +266,8 @@ def validate(model_args: ModelArguments, data_args: DataArguments, lora_args: Lo
                           f"{model_args.attn_implementation!r}.")
     if data_args.pad_to_multiple_of is not None and data_args.pad_to_multiple_of < 1:
         raise ConfigError(f"--pad_to_multiple_of {data_args.pad_to_multiple_of}: give a positive number of tokens.")
-    if data_args.pad_to_multiple_of is None and data_args.packing and model_args.attn_implementation == "flex_attention":
+    flex = model_args.attn_implementation == "flex_attention"
+    if data_args.pad_to_multiple_of is None and data_args.packing and flex:
         data_args.pad_to_multiple_of = data_args.max_length  # every new shape would compile flex's kernels again
     validate_setup(model_args, data_args, lora_args, training_args)
 

@@ -37,7 +37,7 @@ def _trainable_state(model, optimizer=None) -> dict:
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict)
 
-    options = StateDictOptions(ignore_frozen_params=True)  # LoRA: the adapter, not the frozen base
+    options = StateDictOptions(ignore_frozen_params=True)  # frozen weights never change: --model has them
     state = {"model": get_model_state_dict(model, options=options)}
     if optimizer is not None:  # an optimizer that has not stepped yet gets its states created (zeros) to load into
         state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=options)
@@ -71,7 +71,8 @@ def load_optimizer(model, optimizer, checkpoint: str | Path) -> None:
 
     state = {"optimizer": _trainable_state(model, optimizer)["optimizer"]}
     dcp.load(state, checkpoint_id=str(Path(checkpoint) / STATE_DIR))
-    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=StateDictOptions(ignore_frozen_params=True))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"],
+                             options=StateDictOptions(ignore_frozen_params=True))
 
 
 def saved_tp_size(checkpoint: str | Path) -> int | None:
@@ -108,7 +109,8 @@ class TensorParallelTrainer(Trainer):
         super()._save_checkpoint(model, trial)
         from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-        checkpoint = os.path.join(self._get_output_dir(trial=trial), f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        run_dir = self._get_output_dir(trial=trial)  # the directory super() just wrote, named as it names it
+        checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         save_training_state(self.model, self._torch_optimizer(), self.model.tp_size, checkpoint)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(checkpoint, SCHEDULER_FILE))

@@ -32,7 +32,8 @@ from transformers.distributed import DistributedConfig
 from sft.tensor_parallel import TensorParallelTrainer
 
 model_dir, output_dir, resume = sys.argv[1], sys.argv[2], sys.argv[3] or None
-model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, distributed_config=DistributedConfig(tp_size=2))
+model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
+                                             distributed_config=DistributedConfig(tp_size=2))
 assert type(model.model.layers[0].mlp.up_proj.weight).__name__ == "DTensor"
 rows = torch.randint(0, model.config.vocab_size, (24, 32), generator=torch.Generator().manual_seed(0))
 data = [{"input_ids": r, "labels": r} for r in rows]
