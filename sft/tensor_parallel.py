@@ -100,6 +100,34 @@ def check_resumable(checkpoint: str | None, tp_size: int) -> None:
                       f"{tp_size}. Or start a new run from its weights (--model {checkpoint}).")
 
 
+def check_tensor_parallel(model_args, world_size: int, resume: str | None) -> None:
+    """Before any model loads: what --tp_size needs of the model and the launch, and of the checkpoint resumed.
+    transformers itself finds none of this out before the first forward (an opaque shape error there)."""
+    check_resumable(resume, model_args.tp_size)
+    tp = model_args.tp_size
+    if tp <= 1:
+        return
+    from transformers import AutoConfig
+
+    from sft.model import resolve_model_path
+
+    config = AutoConfig.from_pretrained(resolve_model_path(model_args.model),
+                                        trust_remote_code=model_args.trust_remote_code)
+    if not getattr(config, "base_model_tp_plan", None):
+        raise ConfigError(f"--tp_size {tp}: transformers has no tensor-parallel plan for {config.model_type} "
+                          f"models ({model_args.model}). Use FSDP or ZeRO-3 (accelerate_configs/fsdp.yaml, "
+                          f"zero3.yaml).")
+    for name in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, name, None)
+        if heads and heads % tp:
+            raise ConfigError(f"--tp_size {tp}: the model's {name} ({heads}) must divide by it, since each GPU "
+                              f"takes whole heads. Use a --tp_size that divides {heads} (2 on the 3-GPU box).")
+    if world_size != tp:
+        raise ConfigError(f"--tp_size {tp} with {world_size} processes: launch exactly {tp} (accelerate launch "
+                          f"--config_file accelerate_configs/tp.yaml --num_processes {tp}); tensor parallelism "
+                          f"combined with data parallelism over more GPUs is not supported here.")
+
+
 class TensorParallelTrainer(Trainer):
     """The Trainer, for a model loaded with `--tp_size`: checkpoints that hold what resuming needs, and resuming
     from them. The Trainer still writes the weights (consolidated safetensors), trainer_state.json and the rotation;

@@ -32,7 +32,7 @@ from sft.guards import NonFiniteError
 from sft.lowbit import prepare_optimizer
 from sft.model import PartialCheckpointing, load_model, load_tokenizer
 from sft.packing import Collator
-from sft.tensor_parallel import TensorParallelTrainer, check_resumable
+from sft.tensor_parallel import TensorParallelTrainer, check_tensor_parallel
 from sft.verify import SaveMismatchError
 
 
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
         configure_nccl_env()  # consumer GPUs: before TrainingArguments starts the process group
         model_args, data_args, lora_args, training_args = parse_args(argv)
         resume = resolve_resume(training_args, argv)  # a checkpoint, or None; never overwrites a run silently
-        check_resumable(resume, model_args.tp_size)  # a tensor-parallel checkpoint resumes under its own --tp_size
+        check_tensor_parallel(model_args, training_args.world_size, resume)  # the model's heads; the checkpoint's TP
         conversations = read_datasets(data_args, training_args.seed)  # bad data stops here, before any model
         tokenizer = load_tokenizer(model_args)
         train_data, eval_data, summary = prepare(data_args, tokenizer, conversations, training_args)

@@ -19,7 +19,7 @@ from conftest import REPO, run_train
 
 from sft.checkpoints import mark_complete
 from sft.config import ConfigError
-from sft.tensor_parallel import STATE_DIR, STATE_INFO, check_resumable
+from sft.tensor_parallel import STATE_DIR, STATE_INFO, check_resumable, check_tensor_parallel
 
 WORKER = r"""
 import json, sys
@@ -117,3 +117,33 @@ def test_resuming_a_tensor_parallel_checkpoint_without_tp_is_refused_before_load
     assert done.returncode == 2, done.stderr[-3000:]
     assert "resume it with --tp_size 2" in done.stderr
     assert "Loading weights" not in done.stderr + done.stdout  # refused before any model loads
+
+
+def test_what_tensor_parallel_needs_is_checked_before_loading(tmp_path):
+    """transformers itself fails only at the first forward, with a shape error (seen with 3 ranks and 4 heads)."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_config
+
+    def model_dir(name: str, **overrides) -> str:
+        tiny_config("llama", **overrides).save_pretrained(tmp_path / name)  # a config is all the check reads
+        return str(tmp_path / name)
+
+    def check(model: str, tp_size: int, world_size: int | None = None):
+        args = SimpleNamespace(model=model, tp_size=tp_size, trust_remote_code=False)
+        check_tensor_parallel(args, world_size or tp_size, None)
+
+    llama = model_dir("llama", num_attention_heads=4, num_key_value_heads=2)
+    check(llama, 2)
+    check(llama, 1, world_size=3)  # no TP: nothing to check
+    with pytest.raises(ConfigError, match=r"num_attention_heads \(4\) must divide"):
+        check(llama, 3)
+    with pytest.raises(ConfigError, match=r"num_key_value_heads \(2\) must divide"):
+        check(model_dir("gqa", num_attention_heads=8, num_key_value_heads=2), 4)
+    with pytest.raises(ConfigError, match="launch exactly 2"):
+        check(llama, 2, world_size=4)
+    no_plan = model_dir("no-plan")
+    config = json.loads((Path(no_plan) / "config.json").read_text())
+    (Path(no_plan) / "config.json").write_text(json.dumps({**config, "base_model_tp_plan": None}))
+    with pytest.raises(ConfigError, match="no tensor-parallel plan"):
+        check(no_plan, 2)
