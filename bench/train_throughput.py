@@ -395,18 +395,14 @@ def _bench_callback(spec: dict, rank: int):
         def __init__(self, *a, **k):
             super().__init__(*a, **k)
             self.windows: list[dict] = []
-            self.tokens_seen = 0
             self.prof = None
             self.prof_t0 = 0.0
             self.comm = None
 
         def on_log(self, args, state, control, logs=None, **kwargs):
-            before = self.tokens_at_last_log
             super().on_log(args, state, control, logs=logs, **kwargs)
             if logs and "real_tokens_per_second" in logs:
-                same_batch = getattr(kwargs.get("model"), "tp_size", None) or 1  # TP ranks share one batch
-                self.windows.append({"step": state.global_step,
-                                     "tokens": (state.num_input_tokens_seen - before) / same_batch,
+                self.windows.append({"step": state.global_step, "tokens": self.logged_tokens,
                                      "rate": logs["real_tokens_per_second"], "mfu": logs.get("mfu"),
                                      "loss": logs.get("loss")})
 

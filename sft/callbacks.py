@@ -49,6 +49,7 @@ class ThroughputCallback(TrainerCallback):
         self.busy = 0.0
         self.mark = time.perf_counter()
         self.tokens_at_last_log = 0
+        self.logged_tokens = 0.0
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.mark = time.perf_counter()
@@ -69,6 +70,7 @@ class ThroughputCallback(TrainerCallback):
             return
         same_batch = getattr(kwargs.get("model"), "tp_size", None) or 1  # ranks that share one batch (TP)
         tokens = (state.num_input_tokens_seen - self.tokens_at_last_log) / same_batch
+        self.logged_tokens = tokens  # over the window just logged (bench/train_throughput.py reads it)
         rate = tokens / self.busy
         logs["real_tokens_per_second"] = round(rate, 1)
         if self.peak:

@@ -217,13 +217,11 @@ def count_parameters(model_args, lora_args) -> tuple[int, int]:
     weights read), through the class directly so that ZeRO-3's zero.Init does not intercept it; under LoRA the
     adapter is attached the way training attaches it (sft/model.py), so the count follows its targets."""
     import torch
-    from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from sft.model import attach_lora, resolve_model_path
+    from sft.model import attach_lora, load_config
 
-    config = AutoConfig.from_pretrained(resolve_model_path(model_args.model),
-                                        trust_remote_code=model_args.trust_remote_code)
+    config = load_config(model_args)
     with torch.device("meta"):
         model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
         total = sum(p.numel() for p in model.parameters())

@@ -11,7 +11,7 @@ import os
 import types
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from sft.config import TINY_MODEL, LoraArguments, ModelArguments
 from sft.families import family_of
@@ -23,6 +23,12 @@ def resolve_model_path(name: str) -> str:
 
         return str(ensure_tiny_model())
     return name
+
+
+def load_config(model_args: ModelArguments):
+    """The model's config alone (no weights read): for the checks made before the model loads."""
+    return AutoConfig.from_pretrained(resolve_model_path(model_args.model),
+                                      trust_remote_code=model_args.trust_remote_code)
 
 
 def load_tokenizer(model_args: ModelArguments):

@@ -31,17 +31,24 @@ STATE_INFO = "tp_state.json"
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's name, so that a checkpoint reads the same whatever wrote it
 
 
-def _trainable_state(model, optimizer=None) -> dict:
-    """The model's trainable weights (and the optimizer's state) as DTensor shards keyed by parameter name: what
-    DCP saves, and the structure it loads into in place."""
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
+def _options():
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    options = StateDictOptions(ignore_frozen_params=True)  # frozen weights never change: --model has them
-    state = {"model": get_model_state_dict(model, options=options)}
-    if optimizer is not None:  # an optimizer that has not stepped yet gets its states created (zeros) to load into
-        state["optimizer"] = get_optimizer_state_dict(model, optimizer, options=options)
-    return state
+    return StateDictOptions(ignore_frozen_params=True)  # frozen weights never change: --model has them
+
+
+def _weights(model) -> dict:
+    """The trainable weights as DTensor shards keyed by parameter name: what DCP saves and loads into in place."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    return get_model_state_dict(model, options=_options())
+
+
+def _optimizer_state(model, optimizer) -> dict:
+    """The optimizer's state, likewise; one that has not stepped yet gets its states created (zeros) to load into."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=_options())
 
 
 def save_training_state(model, optimizer, tp_size: int, checkpoint: str | Path) -> None:
@@ -49,7 +56,8 @@ def save_training_state(model, optimizer, tp_size: int, checkpoint: str | Path) 
     import torch.distributed.checkpoint as dcp
 
     checkpoint = Path(checkpoint)
-    dcp.save(_trainable_state(model, optimizer), checkpoint_id=str(checkpoint / STATE_DIR))
+    state = {"model": _weights(model), "optimizer": _optimizer_state(model, optimizer)}
+    dcp.save(state, checkpoint_id=str(checkpoint / STATE_DIR))
     if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
         (checkpoint / STATE_INFO).write_text(json.dumps({"tp_size": tp_size}) + "\n")
 
@@ -57,22 +65,21 @@ def save_training_state(model, optimizer, tp_size: int, checkpoint: str | Path) 
 def load_weights(model, checkpoint: str | Path) -> None:
     """Every rank: the trainable weights from checkpoint/tp_state, into the model's own sharding (collective)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
-    state = _trainable_state(model)
+    state = {"model": _weights(model)}
     dcp.load(state, checkpoint_id=str(Path(checkpoint) / STATE_DIR))
-    set_model_state_dict(model, state["model"], options=StateDictOptions(ignore_frozen_params=True))
+    set_model_state_dict(model, state["model"], options=_options())
 
 
 def load_optimizer(model, optimizer, checkpoint: str | Path) -> None:
     """Every rank: the optimizer state from checkpoint/tp_state (collective)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-    state = {"optimizer": _trainable_state(model, optimizer)["optimizer"]}
+    state = {"optimizer": _optimizer_state(model, optimizer)}
     dcp.load(state, checkpoint_id=str(Path(checkpoint) / STATE_DIR))
-    set_optimizer_state_dict(model, optimizer, state["optimizer"],
-                             options=StateDictOptions(ignore_frozen_params=True))
+    set_optimizer_state_dict(model, optimizer, state["optimizer"], options=_options())
 
 
 def saved_tp_size(checkpoint: str | Path) -> int | None:
@@ -107,12 +114,9 @@ def check_tensor_parallel(model_args, world_size: int, resume: str | None) -> No
     tp = model_args.tp_size
     if tp <= 1:
         return
-    from transformers import AutoConfig
+    from sft.model import load_config
 
-    from sft.model import resolve_model_path
-
-    config = AutoConfig.from_pretrained(resolve_model_path(model_args.model),
-                                        trust_remote_code=model_args.trust_remote_code)
+    config = load_config(model_args)
     if not getattr(config, "base_model_tp_plan", None):
         raise ConfigError(f"--tp_size {tp}: transformers has no tensor-parallel plan for {config.model_type} "
                           f"models ({model_args.model}). Use FSDP or ZeRO-3 (accelerate_configs/fsdp.yaml, "
