@@ -2,6 +2,10 @@
 
     python -m sft.chat output/demo                           # interactive; an empty line or Ctrl-D quits
     python -m sft.chat output/demo --prompt "What is the capital of Japan?"
+
+The saved tokenizer carries the chat template training used (sft/templates.py chat_template_for_saving), so the
+default `--template auto` renders prompts as training did. An answer cut at --max_new_tokens (no end-of-sequence
+token) is printed as it is, followed by a note on stderr.
 """
 
 from __future__ import annotations
@@ -26,7 +30,27 @@ def load(path: Path):
     return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
 
 
-def reply(model, tokenizer, template, messages: list[dict], max_new_tokens: int, temperature: float) -> str:
+def reply_frame(template, eos: str) -> tuple[str, str]:
+    """What the template writes around a reply after its generation prompt, which is no part of the answer: the
+    text before the reply (DeepSeek v1: " ") and the text between it and the EOS (deepseek-coder: "\\n" before
+    <|EOT|>). ("", "") where a reply is not rendered as prompt + reply."""
+    from sft.formats import DataError
+
+    probe = [{"role": "user", "content": "?"}]
+    try:
+        prompt = template.text(probe, add_generation_prompt=True)
+        full = template.text(probe + [{"role": "assistant", "content": "\0"}])
+    except DataError:  # a model template that rewrites earlier turns: leave the answer as it is
+        return "", ""
+    if not full.startswith(prompt) or "\0" not in full[len(prompt):]:
+        return "", ""
+    before, after = full[len(prompt):].split("\0", 1)
+    return before, after.split(eos, 1)[0] if eos and eos in after else ""
+
+
+def reply(model, tokenizer, template, messages: list[dict], max_new_tokens: int,
+          temperature: float) -> tuple[str, bool]:
+    """-> (answer, finished): finished when the model ended it with EOS, False when cut at max_new_tokens."""
     import torch
 
     text = template.text(messages, add_generation_prompt=True)
@@ -35,7 +59,13 @@ def reply(model, tokenizer, template, messages: list[dict], max_new_tokens: int,
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                              do_sample=temperature > 0, temperature=temperature or None,
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    return tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+    new = out[0, ids.shape[1]:].tolist()
+    finished = bool(new) and new[-1] == tokenizer.eos_token_id
+    answer = tokenizer.decode(new[:-1] if finished else new, skip_special_tokens=True)
+    # Only the template's own framing is removed, never the answer's whitespace (a cut answer keeps its end).
+    before, after = reply_frame(template, tokenizer.eos_token)
+    answer = answer.removeprefix(before)
+    return (answer.removesuffix(after) if finished else answer), finished
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -45,7 +75,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="a trained output directory (model or LoRA adapter)")
     parser.add_argument("--prompt", help="ask one question, print the answer and exit")
     parser.add_argument("--system", help="a system prompt")
-    parser.add_argument("--template", default="auto", choices=TEMPLATE_NAMES, help="as in training")
+    parser.add_argument("--template", default="auto", choices=TEMPLATE_NAMES,
+                        help="auto: the saved tokenizer's chat template, which training set to its own")
     parser.add_argument("--max_new_tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     args = parser.parse_args(argv)
@@ -63,9 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for question in questions:
             messages.append({"role": "user", "content": question})
-            answer = reply(model, tokenizer, template, messages, args.max_new_tokens, args.temperature)
+            answer, finished = reply(model, tokenizer, template, messages, args.max_new_tokens, args.temperature)
             messages.append({"role": "assistant", "content": answer})
             print(answer if args.prompt else f"model> {answer}", flush=True)
+            if not finished:  # else a cut answer would look finished
+                print(f"[cut at --max_new_tokens {args.max_new_tokens}]", file=sys.stderr, flush=True)
     except (EOFError, KeyboardInterrupt):
         print()
     return 0

@@ -15,7 +15,7 @@ import os
 import random
 import shutil
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
@@ -39,7 +39,8 @@ BATCH_SIZE = 2000
 class Conversations:
     train: list[dict]
     eval: list[dict]
-    stats: ReadStats
+    stats: ReadStats  # the training datasets' (with --eval_split, the held-out eval conversations are among them)
+    eval_stats: ReadStats = field(default_factory=ReadStats)  # --eval_dataset's, counted apart
 
 
 def read_options(args: DataArguments) -> ReadOptions:
@@ -49,9 +50,9 @@ def read_options(args: DataArguments) -> ReadOptions:
 
 def read_datasets(args: DataArguments, seed: int = 0) -> Conversations:
     """Read and validate every dataset; hold out the eval split. Raises DataError for bad data."""
-    options, stats = read_options(args), ReadStats()
+    options, stats, eval_stats = read_options(args), ReadStats(), ReadStats()
 
-    def read(specs: list[str]) -> list[dict]:
+    def read(specs: list[str], stats: ReadStats) -> list[dict]:
         conversations = []
         for spec in specs:
             part, part_stats = read_conversations(spec, args.dataset_format, options)
@@ -64,8 +65,8 @@ def read_datasets(args: DataArguments, seed: int = 0) -> Conversations:
             conversations += part
         return conversations
 
-    train = read(args.dataset)
-    evaluation = read(args.eval_dataset) if args.eval_dataset else []
+    train = read(args.dataset, stats)
+    evaluation = read(args.eval_dataset, eval_stats) if args.eval_dataset else []
     if not evaluation and args.eval_split > 0:
         random.Random(seed).shuffle(train)
         n_eval = max(1, int(len(train) * args.eval_split))
@@ -73,7 +74,7 @@ def read_datasets(args: DataArguments, seed: int = 0) -> Conversations:
         if not train:
             raise DataError(f"--eval_split {args.eval_split} leaves no training conversation out of "
                             f"{len(evaluation)}; give more data or a smaller split.")
-    return Conversations(train, evaluation, stats)
+    return Conversations(train, evaluation, stats, eval_stats)
 
 
 def cache_key(args: DataArguments, tokenizer, template_name: str, conversations: Conversations) -> str:
@@ -159,11 +160,17 @@ def prepare(args: DataArguments, tokenizer, conversations: Conversations, traini
             if not len(train):
                 raise DataError(f"no training example is left after tokenization ({train_counts}). Raise "
                                 f"--max_length (now {args.max_length}) or use --overlong truncate.")
-            parts = {"train": train}
+            parts, evaluation = {"train": train}, None
             if conversations.eval:
-                parts["eval"], _, _ = finish(tokenize(conversations.eval, args, tokenizer, template), args)
+                parts["eval"], eval_counts, eval_lengths = finish(
+                    tokenize(conversations.eval, args, tokenizer, template), args)
+                if not len(parts["eval"]):
+                    raise DataError(f"no eval example is left after tokenization ({eval_counts}). Raise "
+                                    f"--max_length (now {args.max_length}) or use --overlong truncate.")
+                evaluation = (conversations.eval_stats, eval_counts, eval_lengths)
             prepared = datasets.DatasetDict(parts)
-            summary = summarize(conversations.stats, train_counts, train_lengths, train, args, template.name)
+            summary = summarize(conversations.stats, train_counts, train_lengths, train, args, template.name,
+                                evaluation)
             save(prepared, summary, path)
     if args.show_masks:
         print(show_masks(conversations.train, args, tokenizer, template), flush=True)
@@ -190,9 +197,28 @@ class _nothing:
 
 
 def summarize(stats: ReadStats, counts: dict, lengths: np.ndarray, train, args: DataArguments,
-              template_name: str = "") -> str:
+              template_name: str = "", evaluation: tuple[ReadStats, dict, np.ndarray] | None = None) -> str:
+    """The training data's counts, then the eval data's apart (evaluation: its read stats, statuses, kept
+    lengths), so that neither hides in the other's numbers."""
     lines = [f"Data: {stats.read} records read, {stats.kept} conversations kept"
              + (f" (template {template_name})" if template_name else "")]
+    lines += _part_lines(stats, counts, lengths, args)
+    if args.packing and len(train):
+        efficiency = lengths.sum() / (len(train) * args.max_length)
+        lines.append(f"  packed into {len(train)} rows of {args.max_length}: packing efficiency {efficiency:.1%} "
+                     f"(real tokens / row capacity)")
+    if evaluation is not None:
+        eval_stats, eval_counts, eval_lengths = evaluation
+        lines.append(f"Eval data: {eval_stats.read} records read, {eval_stats.kept} conversations kept"
+                     if args.eval_dataset else f"Eval data: {sum(eval_counts.values())} of those conversations held "
+                                               f"out (--eval_split {args.eval_split})")
+        lines += _part_lines(eval_stats, eval_counts, eval_lengths, args)
+    return "\n".join(lines)
+
+
+def _part_lines(stats: ReadStats, counts: dict, lengths: np.ndarray, args: DataArguments) -> list[str]:
+    """One part's (train or eval) sources, skipped records, tokenization statuses other than ok, and tokens."""
+    lines = []
     if len(stats.sources) > 1:
         lines += [f"  {spec}: {read} records read, {used} conversations used" for spec, read, used in stats.sources]
     lines += [f"  skipped ({reason}): {n}" for reason, n in sorted(stats.skipped.items()) if n]
@@ -201,11 +227,7 @@ def summarize(stats: ReadStats, counts: dict, lengths: np.ndarray, train, args: 
         p = np.percentile(lengths, [50, 90, 99]).astype(int)
         lines.append(f"  tokens per conversation: p50 {p[0]}, p90 {p[1]}, p99 {p[2]}, max {lengths.max()} "
                      f"(--max_length {args.max_length}); {len(lengths)} conversations, {int(lengths.sum())} tokens")
-    if args.packing and len(train):
-        efficiency = lengths.sum() / (len(train) * args.max_length)
-        lines.append(f"  packed into {len(train)} rows of {args.max_length}: packing efficiency {efficiency:.1%} "
-                     f"(real tokens / row capacity)")
-    return "\n".join(lines)
+    return lines
 
 
 def show_masks(conversations: list[dict], args: DataArguments, tokenizer, template) -> str:
@@ -224,7 +246,8 @@ def show_masks(conversations: list[dict], args: DataArguments, tokenizer, templa
 def main(argv: list[str] | None = None) -> int:
     """`python -m sft.dataset <the training options>`: read, validate, tokenize and pack the data exactly as
     training would (and cache it), print the summary and --show_masks examples (3 unless given), load no model."""
-    from sft.config import ConfigError, parse_args
+    from sft.config import parse_args
+    from sft.errors import UserFacingError
 
     try:
         argv = list(sys.argv[1:] if argv is None else argv)
@@ -236,9 +259,9 @@ def main(argv: list[str] | None = None) -> int:
 
         tokenizer = load_tokenizer(model_args)
         _, _, summary = prepare(data_args, tokenizer, conversations)
-    except (ConfigError, DataError) as e:
+    except UserFacingError as e:  # bad options, data, a model that cannot be found
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return e.exit_code
     print(summary)
     return 0
 

@@ -3,9 +3,10 @@
 Packing puts several documents in one row of at most `max_length` tokens (best-fit decreasing). Documents are
 kept apart by `position_ids` that restart at 0 for each one, with no attention_mask: transformers then builds a
 block-diagonal causal mask (eager/sdpa/flex) or runs varlen kernels (flash attention), so no token attends
-across documents. That only holds when the forward pass creates no KV cache: the Trainer sets
-`use_cache=False`, and any forward of our own must too. Each document's first label is already -100
-(sft/tokenization.py), so no target crosses a document boundary either.
+across documents. That only holds when the forward pass creates no KV cache: every batch carries
+`use_cache=False` (the model's config keeps the base's value, which a saved model should have), and any forward of
+our own must pass it too. Each document's first label is already -100 (sft/tokenization.py), so no target crosses
+a document boundary either.
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ class Collator:
     pad_token_id: int
     pad_to_multiple_of: int | None = None
 
-    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor | bool]:
         import torch
 
         longest = max(len(r["input_ids"]) for r in rows)
@@ -123,4 +124,6 @@ class Collator:
                 batch["position_ids"][i] = position_ids_for(list(row["seq_lengths"]) + [longest - n])
             else:
                 batch["attention_mask"][i, :n] = 1
-        return batch
+        # A cache breaks the packed mask (and serves no purpose in training): off in every training and eval forward
+        # whatever config.use_cache says (the Trainer hands the batch to model(**batch) as it is).
+        return {**batch, "use_cache": False}

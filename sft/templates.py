@@ -7,12 +7,19 @@ ids and labels in one pass (sft/tokenization.py), with no search for where the a
 The trained part of an assistant turn is what the model must generate after the template's generation prompt,
 up to and including the end-of-turn token: for DeepSeek v1, whose generation prompt is `Assistant:` with no
 space, the space before the reply is part of the target.
+
+Each built-in also carries `chat_template`, Jinja that renders the same text as `text()`, and training stores it
+on the tokenizer it saves (chat_template_for_saving), so that `apply_chat_template` on a trained model (and
+`python -m sft.chat`) writes prompts byte for byte as training did. A user turn's optional `input` (Alpaca data)
+is rendered there as in training; a plain {"role", "content"} message simply has none.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+from sft.errors import DataError
 
 Segment = tuple[str, bool]  # (text, trained)
 Messages = list[dict[str, Any]]
@@ -28,6 +35,11 @@ V3_EOS = "<｜end▁of▁sentence｜>"  # written literally by the V3 and R1 tem
 TEMPLATE_NAMES = ("auto", "model", "deepseek", "deepseek_coder", "deepseek_v3", "r1_distill", "alpaca")
 
 
+# The Jinja of user_text: a user turn's content, and its `input` after a blank line when there is one.
+USER_JINJA = "message['content'] + ('\\n\\n' + message['input'] if message['input'] else '')"
+SYSTEMS_JINJA = "messages | selectattr('role', 'equalto', 'system') | map(attribute='content')"
+
+
 def user_text(message: dict) -> str:
     """A user turn's text; an Alpaca input, kept apart for the Alpaca template, joins its instruction."""
     extra = message.get("input") or ""
@@ -38,6 +50,9 @@ class Template:
     """Render a conversation as segments; `add_generation_prompt` ends it where the model should answer."""
 
     name = "base"
+    # Jinja rendering exactly `text()` (HF chat-template variables: messages, bos_token, eos_token,
+    # add_generation_prompt); None for the model's own template.
+    chat_template: str | None = None
 
     def __init__(self, bos: str, eos: str):
         self.bos, self.eos = bos or "", eos or ""
@@ -53,6 +68,12 @@ class DeepSeekV1(Template):
     """deepseek-llm chat (also V2 chat): `User: {u}\\n\\nAssistant: {a}<eos>`, system text first + `\\n\\n`."""
 
     name = "deepseek"
+    chat_template = (
+        "{{ bos_token }}{% for message in messages %}"
+        "{% if message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}"
+        "{% elif message['role'] == 'user' %}{{ 'User: ' + " + USER_JINJA + " + '\\n\\n' }}"
+        "{% elif message['role'] == 'assistant' %}{{ 'Assistant: ' + message['content'] + eos_token }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
 
     def render(self, messages, add_generation_prompt=False):
         out: list[Segment] = [(self.bos, False)]
@@ -72,6 +93,14 @@ class DeepSeekCoder(Template):
     """deepseek-coder instruct: default system prompt, `### Instruction:` / `### Response:`, `<|EOT|>`."""
 
     name = "deepseek_coder"
+    chat_template = (
+        "{{ bos_token }}{% if not (" + SYSTEMS_JINJA + " | list) %}{{ " + repr(CODER_SYSTEM) + " }}{% endif %}"
+        "{% for message in messages %}"
+        "{% if message['role'] == 'system' %}{{ message['content'] }}"
+        "{% elif message['role'] == 'user' %}{{ '### Instruction:\\n' + " + USER_JINJA + " + '\\n' }}"
+        "{% elif message['role'] == 'assistant' %}"
+        "{{ '### Response:\\n' + message['content'] + '\\n" + CODER_EOT + "\\n' }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '### Response:\\n' }}{% endif %}")
 
     def render(self, messages, add_generation_prompt=False):
         has_system = any(m["role"] == "system" for m in messages)
@@ -94,9 +123,18 @@ class DeepSeekV3(Template):
 
     name = "deepseek_v3"
     generation_prompt = "<｜Assistant｜>"
+    system_jinja = SYSTEMS_JINJA + " | join('\\n\\n')"  # system(), in Jinja
 
     def system(self, messages: Messages) -> str:
         return "\n\n".join(m["content"] for m in messages if m["role"] == "system")
+
+    @property
+    def chat_template(self) -> str:  # type: ignore[override]  (built from the two parts R1 changes)
+        return ("{{ bos_token }}{{ " + self.system_jinja + " }}{% for message in messages %}"
+                "{% if message['role'] == 'user' %}{{ '<｜User｜>' + " + USER_JINJA + " }}"
+                "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'] + '"
+                + V3_EOS + "' }}{% endif %}{% endfor %}"
+                "{% if add_generation_prompt %}{{ " + repr(self.generation_prompt) + " }}{% endif %}")
 
     def render(self, messages, add_generation_prompt=False):
         out: list[Segment] = [(self.bos + self.system(messages), False)]
@@ -117,6 +155,7 @@ class R1Distill(DeepSeekV3):
 
     name = "r1_distill"
     generation_prompt = "<｜Assistant｜><think>\n"
+    system_jinja = "(" + SYSTEMS_JINJA + " | list | last) or ''"
 
     def system(self, messages: Messages) -> str:
         systems = [m["content"] for m in messages if m["role"] == "system"]
@@ -127,6 +166,15 @@ class Alpaca(Template):
     """The Stanford Alpaca prompt; the target follows `### Response:` directly, as in its train.py."""
 
     name = "alpaca"
+    # `input` (kept apart by the Alpaca reader) becomes the `### Input:` section; plain messages get the no-input
+    # prompt. add_generation_prompt changes nothing: a user turn already ends with `### Response:`.
+    chat_template = (
+        "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
+        "{{ " + repr(ALPACA_HEAD) + ".format(', paired with an input that provides further context' "
+        "if message['input'] else '') + '### Instruction:\\n' + message['content'] + '\\n\\n' }}"
+        "{% if message['input'] %}{{ '### Input:\\n' + message['input'] + '\\n\\n' }}{% endif %}"
+        "{{ '### Response:' }}{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+        "{% endif %}{% endfor %}")
 
     def render(self, messages, add_generation_prompt=False):
         out: list[Segment] = [(self.bos, False)]
@@ -168,8 +216,6 @@ class ModelChatTemplate(Template):
             turn = self._apply(messages[: i + 1], add_generation_prompt=False)
             if not (full.startswith(prompt) and full.startswith(turn) and turn.startswith(prompt)
                     and len(prompt) >= done):
-                from sft.formats import DataError
-
                 raise DataError(
                     "the model's chat_template does not render conversations as growing prefixes (it rewrites "
                     "earlier turns), so the assistant tokens cannot be located; use --template with one of "
@@ -200,7 +246,7 @@ PROBES = (
 
 def matching_builtin(tokenizer) -> str | None:
     """The built-in template that renders the probes exactly as the tokenizer's chat_template does, if any."""
-    for name in ("deepseek", "deepseek_coder", "deepseek_v3", "r1_distill"):
+    for name in ("deepseek", "deepseek_coder", "deepseek_v3", "r1_distill", "alpaca"):
         template = BUILTIN[name](tokenizer.bos_token, tokenizer.eos_token)
         try:
             same = all(template.text(p) == tokenizer.apply_chat_template(p, tokenize=False) and
@@ -216,8 +262,6 @@ def matching_builtin(tokenizer) -> str | None:
 def get_template(name: str, tokenizer) -> Template:
     """`auto`: the model's own chat_template (through the built-in that renders it identically, when one does),
     else DeepSeek v1."""
-    from sft.formats import DataError
-
     if name == "auto":
         if getattr(tokenizer, "chat_template", None):
             name = matching_builtin(tokenizer) or "model"
@@ -231,3 +275,14 @@ def get_template(name: str, tokenizer) -> Template:
     if name not in BUILTIN:
         raise DataError(f"--template {name!r} is unknown; choose one of {', '.join(TEMPLATE_NAMES)}")
     return BUILTIN[name](tokenizer.bos_token, tokenizer.eos_token)
+
+
+def chat_template_for_saving(name: str, tokenizer) -> str | None:
+    """The Jinja to store on the tokenizer that training saves, so that the saved model renders prompts as it was
+    trained: the built-in's chat_template, or None when training used the model's own (`model`, or `auto` resolved
+    to it), which the tokenizer already carries. A built-in replaces the model's template even where `auto` chose
+    it because the two render alike: only ours is sure to match training everywhere (the R1 template, say, deletes
+    reasoning from earlier turns, which we train on).
+
+    Call it after the data is prepared: the data cache key includes the tokenizer's chat_template."""
+    return get_template(name, tokenizer).chat_template

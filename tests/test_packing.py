@@ -73,6 +73,7 @@ def test_collator_restarts_positions_per_document_and_pads_as_its_own_document()
     assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]
     assert batch["labels"].tolist() == [[IGNORE, 2, 3, IGNORE, 5], [IGNORE, 7, IGNORE, IGNORE, IGNORE]]
     assert "attention_mask" not in batch
+    assert batch["use_cache"] is False  # a cache would break the packed mask (test below)
     plain = Collator(pad_token_id=0)([{"input_ids": [1, 2, 3], "labels": [IGNORE, 2, 3]},
                                       {"input_ids": [4], "labels": [IGNORE]}])
     assert plain["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
@@ -115,7 +116,7 @@ def test_packed_loss_and_gradients_equal_per_document(tiny_models, model_type, a
     assert len(rows) >= 2 and any(len(r["seq_lengths"]) > 1 for r in rows)
     batch = Collator(pad_token_id=0)(rows)  # two or more packed rows, padded: a real training batch
 
-    packed = model(**batch, use_cache=False).loss
+    packed = model(**batch).loss  # as the Trainer calls it: the batch itself turns the cache off
     packed.backward()
     packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
@@ -136,16 +137,19 @@ def test_packed_loss_and_gradients_equal_per_document(tiny_models, model_type, a
     assert worst < 1e-5, f"largest gradient difference {worst:.2e}"
 
 
-def test_without_position_ids_documents_would_leak(tiny_models):
-    """The check above can fail: the same packed row with positions running on (no document boundaries) gives a
-    different loss."""
+def test_without_position_ids_or_with_a_cache_documents_would_leak(tiny_models):
+    """The check above can fail: the same packed row with positions running on (no document boundaries), or with
+    a KV cache (the model's default use_cache=True, which the Collator's batch overrides), gives a different loss."""
     import torch
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32)
+    assert model.config.use_cache  # the default the saved model keeps
     docs = documents(model.config.vocab_size)
     batch = Collator(pad_token_id=0)(pack_rows([d[0] for d in docs], [d[1] for d in docs], 40).to_pylist())
     with torch.no_grad():
-        separated = model(**batch, use_cache=False).loss
+        separated = model(**batch).loss
         leaking = model(input_ids=batch["input_ids"], labels=batch["labels"], use_cache=False).loss
+        cached = model(**{**batch, "use_cache": True}).loss
     assert abs(separated.item() - leaking.item()) > 1e-3
+    assert abs(separated.item() - cached.item()) > 1e-3

@@ -1,0 +1,70 @@
+"""A trained model carries the template it was trained with: the Jinja that training stores on the tokenizer it
+saves renders, after save_pretrained and a reload, exactly the text and the token ids that training used, for every
+built-in template, with the real DeepSeek tokenizer and the embedded tiny one; `--template auto` (what
+`python -m sft.chat` uses) finds that built-in again."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import DEEPSEEK_TOKENIZER, SHARED
+from sft.templates import BUILTIN, chat_template_for_saving, get_template
+from sft.tokenization import tokenize_one
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Capital of Japan?"}, {"role": "assistant", "content": "Tokyo."}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+     {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"},
+     {"role": "assistant", "content": " 6 \n"}],
+    [{"role": "system", "content": "First."}, {"role": "system", "content": "Second."},  # V3 joins, R1 keeps the last
+     {"role": "user", "content": "Traduis: chat", "input": "le chat noir"},  # an Alpaca record with its input
+     {"role": "assistant", "content": "the black cat 🐈‍⬛ 黑猫 <think>x</think>"}],
+    [{"role": "user", "content": ""}, {"role": "assistant", "content": ""}],
+    [{"role": "system", "content": ""}, {"role": "user", "content": "\n  spaces  \n"},
+     {"role": "assistant", "content": "\n\nok\n\n"}],
+]
+SOURCES = ["deepseek", "tiny"]
+
+
+def tokenizer_from(source: str):
+    from transformers import AutoTokenizer
+
+    from sft.tiny import ensure_tiny_model
+
+    if source == "deepseek" and not SHARED.is_dir():
+        pytest.skip("../shared (the real DeepSeek tokenizer) is absent in this checkout; CI has it")
+    return AutoTokenizer.from_pretrained(DEEPSEEK_TOKENIZER if source == "deepseek" else ensure_tiny_model())
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("name", list(BUILTIN))
+def test_saved_tokenizer_renders_and_tokenizes_as_training(tmp_path, source, name):
+    from transformers import AutoTokenizer
+
+    tokenizer = tokenizer_from(source)
+    template = get_template(name, tokenizer)  # as training renders (prepare() runs before the template is stored)
+    jinja = chat_template_for_saving(name, tokenizer)
+    assert jinja
+    tokenizer.chat_template = jinja
+    tokenizer.save_pretrained(tmp_path)
+    saved = AutoTokenizer.from_pretrained(tmp_path)
+    for messages in CONVERSATIONS:
+        assert saved.apply_chat_template(messages, tokenize=False) == template.text(messages)
+        trained = tokenize_one(messages, tokenizer=tokenizer, template=template, max_length=10**6)
+        assert saved.apply_chat_template(messages, tokenize=True)["input_ids"] == trained["input_ids"]
+        for n, message in enumerate(messages, 1):  # every prompt at which the model answers
+            if message["role"] == "user":
+                assert saved.apply_chat_template(messages[:n], tokenize=False, add_generation_prompt=True) == \
+                    template.text(messages[:n], add_generation_prompt=True)
+    # `--template auto` on the saved model (sft.chat's default) renders with the same built-in.
+    assert get_template("auto", saved).name == name
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_the_model_own_template_is_kept(source):
+    tokenizer = tokenizer_from(source)
+    assert chat_template_for_saving("model", tokenizer) is None
+    tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert chat_template_for_saving("auto", tokenizer) is None  # auto -> the model's own: nothing to store
+    tokenizer.chat_template = None
+    assert chat_template_for_saving("auto", tokenizer) == BUILTIN["deepseek"]("", "").chat_template  # none: v1
