@@ -1,0 +1,210 @@
+"""What a run prints: the first screen (RunOverview), the last one (closing_lines), and no third-party noise
+(torchao's kernel-load failures, torch's pytree deprecation, DeepSpeed's CPU-accelerator warning) on stderr."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import REPO, run_train, tiny_config
+
+NOISE = ("torchao", "_pytree", "register_constant", "Setting accelerator to CPU", "is_gradient_checkpointing",
+         "pin_memory", "Loading weights", "Writing model shards", "Tokenizing", "Saving the dataset")
+
+
+def tiny_model(lora: bool):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=128), dtype=torch.float32)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    return model
+
+
+def overview(tmp_path, lora: bool, **args) -> tuple[str, object]:
+    """Train one step in this process with RunOverview among the callbacks; -> (its text, the model)."""
+    import datasets
+    from transformers import Trainer, TrainingArguments
+
+    from sft.callbacks import RunOverview
+    from sft.packing import Collator
+
+    model = tiny_model(lora)
+    rows = datasets.Dataset.from_list([{"input_ids": list(range(1, n)), "labels": list(range(1, n))}
+                                       for n in (11, 21, 31, 41)])  # 10 + 20 + 30 + 40 tokens: 25 per row
+    callback = RunOverview(model, rows, "tiny-llama")
+    settings = dict(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=2,
+                    gradient_accumulation_steps=2, use_cpu=True, report_to=["tensorboard"], save_strategy="no",
+                    remove_unused_columns=False, disable_tqdm=True)
+    trainer = Trainer(model=model, args=TrainingArguments(**{**settings, **args}), train_dataset=rows,
+                      data_collator=Collator(0), callbacks=[callback])
+    trainer.train()
+    return callback.text, model
+
+
+def test_overview_of_a_full_fine_tune(tmp_path, monkeypatch):
+    monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
+    text, model = overview(tmp_path, lora=False)
+    total = sum(p.numel() for p in model.parameters())
+    from sft.console import count
+
+    assert text.splitlines()[0] == "Training on 1 process(es) (no parallelism) on CPU"
+    assert f"tiny-llama: LlamaForCausalLM, {count(total)} parameters" in text and "precision    float32 weights" in text
+    assert f"all {count(total)} parameters (full fine-tune)" in text
+    assert "4 rows per optimizer step = 2 per device x 2 accumulation steps" in text
+    assert "~100 real tokens per optimizer step (25 per row on average)" in text
+    assert "1 optimizer step (--max_steps)" in text
+    out = tmp_path / "out"
+    assert f"{out}  (the final model and tokenizer)" in text and "checkpoints  none (--save_strategy no)" in text
+    assert f"tensorboard --logdir {out / 'runs'}" in text
+    assert 8 <= len(text.splitlines()) <= 12, text
+
+
+def test_overview_counts_the_lora_adapter(tmp_path):
+    text, model = overview(tmp_path, lora=True, report_to=[], save_strategy="steps", save_steps=50,
+                           save_total_limit=2)
+    total = sum(p.numel() for p in model.parameters())
+    # q_proj (64 -> 64) and v_proj (64 -> 32, 2 KV heads of 16) in 2 layers, rank 4: A is r x in, B is out x r.
+    trainable = 2 * (4 * 64 + 64 * 4 + 4 * 64 + 32 * 4)
+    assert sum(p.numel() for p in model.parameters() if p.requires_grad) == trainable
+    from sft.console import count
+
+    assert f"LoRA r=4: {count(trainable)} trainable parameters ({100 * trainable / total:.2g}% of {count(total)})" \
+        in text
+    assert "LlamaForCausalLM" in text and "the final LoRA adapter and tokenizer" in text
+    assert "checkpoints  every 50 steps (the last 2 kept)" in text
+    assert "tensorboard" not in text  # not a logger of this run
+
+
+@pytest.mark.parametrize("kind, plugin, label", [
+    ("DEEPSPEED", {"deepspeed_plugin": SimpleNamespace(zero_stage=3, deepspeed_config={"zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "none"}}})},
+     "DeepSpeed ZeRO-3, optimizer offloaded to CPU"),
+    ("DEEPSPEED", {"deepspeed_plugin": SimpleNamespace(zero_stage=2, deepspeed_config={"zero_optimization": {
+        "stage": 2}})}, "DeepSpeed ZeRO-2"),
+    ("FSDP", {"fsdp_plugin": SimpleNamespace(fsdp_version=2, cpu_offload=None)}, "FSDP2"),
+    ("MULTI_GPU", {"backend": "nccl"}, "DDP, nccl backend"),
+])
+def test_strategy_is_read_from_accelerate_state(monkeypatch, kind, plugin, label):
+    from accelerate.utils import DistributedType
+
+    from sft.callbacks import describe_strategy
+
+    state = SimpleNamespace(distributed_type=DistributedType[kind], **plugin)
+    monkeypatch.setattr("accelerate.state.is_initialized", lambda: True)
+    monkeypatch.setattr("accelerate.state.AcceleratorState", lambda: state)
+    args = SimpleNamespace(world_size=2, ddp_backend=None, device=torch.device("cuda", 0))
+    assert describe_strategy(args) == (label, "2 GPUs")
+
+
+def test_closing_lines_full_and_lora(tmp_path):
+    from sft.console import closing_lines
+
+    out = tmp_path / "my run"
+    full = closing_lines(str(out), lora=False, tensorboard=str(out / "runs"))
+    assert f"Saved model and tokenizer: {out}" in full
+    assert f"python -m sft.chat '{out}' --prompt" in full
+    assert f"tensorboard --logdir '{out / 'runs'}'" in full and f"TensorBoard logs: {out / 'runs'}" in full
+    assert "sft.merge" not in full
+    lora = closing_lines(str(out), lora=True, tensorboard=None)
+    assert f"Saved LoRA adapter and tokenizer: {out}" in lora
+    assert f"python -m sft.merge '{out}' '{out}-merged'" in lora
+    assert "tensorboard" not in lora.lower()
+
+
+def test_filters_drop_only_the_known_messages(capsys):
+    """Each filter is narrow: the known message goes, another message of the same logger still shows."""
+    from sft.console import quiet_imports
+
+    quiet_imports()
+    handler = logging.StreamHandler(sys.stderr)
+    loggers = [logging.getLogger(name) for name in ("torchao", "torch.utils._pytree", "DeepSpeed")]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        class KernelPreference:  # stands for torchao's enum: only torchao's registrations are dropped
+            __module__ = "torchao.quantization.quantize_.common"
+
+        logging.getLogger("torchao").warning("Failed to load /venv/site-packages/torchao/_C_mxfp8.so: no such lib")
+        logging.getLogger("torchao").warning("some other torchao warning")
+        message = "%s is an Enum subclass and is now natively supported by torch.compile"
+        logging.getLogger("torch.utils._pytree").warning(message, KernelPreference)
+        logging.getLogger("torch.utils._pytree").warning(message, "<enum 'Mine'>")
+        logging.getLogger("DeepSpeed").warning("Setting accelerator to CPU. If you have GPU ...")
+        logging.getLogger("DeepSpeed").warning("another DeepSpeed warning")
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert "Failed to load" not in err and "some other torchao warning" in err
+    assert err.count("is an Enum subclass") == 1 and "<enum 'Mine'>" in err
+    if torch.version.cuda is None:  # CPU-only torch: no GPU could have been found
+        assert "Setting accelerator" not in err
+    assert "another DeepSpeed warning" in err
+    deprecation = "`is_gradient_checkpointing` is deprecated and will be removed in v6."
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        quiet_imports()  # its warning filters go first again (pytest resets them around each test)
+        warnings.warn_explicit(deprecation, FutureWarning, "modeling_utils.py", 1, module="transformers.modeling_utils")
+        warnings.warn_explicit(deprecation, FutureWarning, "elsewhere.py", 1, module="elsewhere")
+    assert [w.filename for w in caught] == ["elsewhere.py"]
+
+
+def stderr_of(code: str) -> str:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stderr
+
+
+@pytest.mark.slow
+def test_quiet_libraries_silences_importing_and_building_a_trainer(tmp_path):
+    """What every run does: import transformers' Trainer (torchao), build a Trainer (deepspeed through accelerate),
+    load and save a model, tokenize with datasets."""
+    code = f"""
+from sft.console import quiet_libraries
+quiet_libraries()
+import datasets, torch
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+from sft.tiny import ensure_tiny_model
+model = AutoModelForCausalLM.from_pretrained(ensure_tiny_model())
+rows = datasets.Dataset.from_list([{{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}}] * 4)
+rows = rows.map(lambda row: row, desc="Tokenizing")
+rows.save_to_disk({str(tmp_path / 'rows')!r})
+Trainer(model=model, args=TrainingArguments(output_dir={str(tmp_path / 'out')!r}, use_cpu=True, report_to=[]),
+        train_dataset=rows).save_model()
+"""
+    err = stderr_of(code)
+    assert not [line for line in err.splitlines() if any(word in line for word in NOISE)], err
+
+
+@pytest.mark.slow
+def test_help_prints_no_library_noise():
+    result = subprocess.run([sys.executable, str(REPO / "sft" / "train.py"), "--help"], cwd="/", capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0 and "--model" in result.stdout
+    assert not [line for line in result.stderr.splitlines() if any(word in line for word in NOISE)], result.stderr
+
+
+@pytest.mark.slow
+def test_a_run_shows_the_overview_and_the_next_commands_and_no_noise(tmp_path, tiny_llama):
+    out = tmp_path / "out"
+    result = run_train(["--model", str(tiny_llama), "--dataset", str(REPO / "data" / "alpaca_demo.json"),
+                        "--output_dir", str(out), "--max_steps", "1", "--max_length", "128", "--lora",
+                        "--dataset_cache_dir", str(tmp_path / "cache"), "--save_strategy", "no"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Training on 1 process(es) (no parallelism) on CPU" in result.stdout, result.stdout
+    assert "LoRA r=16:" in result.stdout and "1 optimizer step (--max_steps)" in result.stdout
+    assert f"python -m sft.merge {out} {out}-merged" in result.stdout, result.stdout
+    assert not [line for line in result.stderr.splitlines() if any(word in line for word in NOISE)], result.stderr
