@@ -31,9 +31,13 @@ import re
 import shlex
 import shutil
 import sys
+import time
 from pathlib import Path
 
-from sft.config import ConfigError, resume_requested
+from transformers import TrainerCallback
+
+from sft.config import resume_requested
+from sft.errors import ConfigError, NothingToDo
 
 MARKER = "checkpoint_complete.json"
 FINAL_MARKER = "training_complete.json"  # written after the final model was saved and verified
@@ -42,6 +46,8 @@ TRUE = ("true", "1", "yes", "last", "latest")
 # What a finished run leaves at the top of --output_dir (the model or adapter, written by save_model).
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
                "pytorch_model.bin", "adapter_model.bin", FINAL_MARKER)
+# Weights a final save writes (sharded or not); a new final save first removes any left by an interrupted one.
+WEIGHT_FILES = ("model*.safetensors", "*.safetensors.index.json", "adapter_model.*", "adapter_config.json")
 
 
 # ---- completeness -------------------------------------------------------------------------------------------
@@ -61,8 +67,9 @@ def _files(directory: Path) -> list[Path]:
 def mark_complete(directory: Path, marker: str = MARKER) -> None:
     """Flush every file of `directory` to disk, then write the marker listing them (the last write)."""
     directory = Path(directory)
+    # The final marker lists the top-level files of the run (not the lock or other dot-files, which come and go).
     files = _files(directory) if marker == MARKER else [p for p in directory.iterdir() if p.is_file()
-                                                         and p.name != marker]
+                                                         and p.name != marker and not p.name.startswith(".")]
     for path in files:
         _fsync(path)
     manifest = {"files": {str(p.relative_to(directory)): p.stat().st_size for p in files}}
@@ -124,7 +131,9 @@ def rotate(output_dir: str | Path, limit: int | None, keep: str | None = None) -
 
 def launch_command(argv: list[str] | None) -> list[str]:
     """The command line that started this run, as the user typed it (the launcher's, under accelerate/torchrun)."""
-    if "LOCAL_RANK" in os.environ or "ACCELERATE_DYNAMO_BACKEND" in os.environ:
+    from sft.interrupts import launched
+
+    if launched():
         try:  # under a launcher our parent is `accelerate launch ...` or `torchrun ...`: repeat its command
             raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
             words = [w.decode() for w in raw if w]
@@ -173,20 +182,64 @@ def holds_run(output_dir: str | Path) -> str | None:
     return " and ".join(parts)
 
 
-def clear_run(output_dir: str | Path) -> None:
-    """--overwrite_output_dir: remove the previous run's checkpoints and model files (logs are kept)."""
-    root = Path(output_dir)
-    for path in checkpoint_dirs(root):
-        remove_checkpoint(path)
-    for name in MODEL_FILES:
-        (root / name).unlink(missing_ok=True)
+def replace_run(output_dir: str | Path, disposable: bool) -> str | None:
+    """Make room for a new run, so that its files never mix with the old run's (an old adapter_config.json beside
+    a new full model loads as neither). The demo's own directory is disposable: emptied. Any other is moved aside
+    whole, next to it (a rename: no copy, nothing lost). -> what was done, in words, or None if it was empty."""
+    from sft.run_lock import LOCK_NAME
+
+    root = Path(output_dir).resolve()
+    entries = [p for p in root.iterdir() if p.name != LOCK_NAME] if root.is_dir() else []
+    if not entries:
+        return None
+    if disposable:
+        for path in checkpoint_dirs(root):
+            remove_checkpoint(path)  # marker first, as everywhere
+        for path in (p for p in entries if p.exists()):
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+        return f"Replaced the previous demo run in {root}."
+    aside = root.with_name(f"{root.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        aside.mkdir()
+        for path in entries:
+            os.rename(path, aside / path.name)
+    except OSError as e:
+        raise ConfigError(f"--overwrite_output_dir: cannot move the previous run in {root} aside to {aside} "
+                          f"({e.strerror}). Move or delete it yourself, or give another --output_dir.") from None
+    return f"Moved the previous run in {root} aside to {aside}; delete that when you no longer need it."
 
 
-def resolve_resume(training_args, argv: list[str] | None = None) -> str | None:
-    """-> the checkpoint to resume from, or None to start fresh. Raises ConfigError when a run would be lost.
+def trained_steps(checkpoint: Path) -> tuple[int, int] | None:
+    """(global_step, max_steps) recorded in a checkpoint's trainer_state.json, None when unreadable."""
+    try:
+        state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+        return int(state["global_step"]), int(state["max_steps"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
-    Only the saving process deletes anything (incomplete checkpoints, or the old run under --overwrite_output_dir);
-    every process reaches the same answer from the directory's contents.
+
+def longer_run_command(argv: list[str] | None, training_args, step: int) -> str:
+    """The command that resumes a finished run and trains it longer (twice as long)."""
+    if training_args.max_steps and training_args.max_steps > 0:
+        return command_with(argv, resume_from_checkpoint="true", max_steps=str(2 * max(step, 1)))
+    return command_with(argv, resume_from_checkpoint="true",
+                        num_train_epochs=f"{2 * training_args.num_train_epochs:g}")
+
+
+def complete_run_message(output_dir, step: int, argv: list[str] | None, training_args) -> str:
+    length = (f"--max_steps {training_args.max_steps}" if training_args.max_steps and training_args.max_steps > 0
+              else f"--num_train_epochs {training_args.num_train_epochs:g}")
+    return (f"the run in {output_dir} is complete: it reached step {step} ({length}); nothing was changed. To train "
+            f"longer, raise --max_steps or --num_train_epochs and resume, e.g. "
+            f"`{longer_run_command(argv, training_args, step)}`.")
+
+
+def resolve_resume(training_args, argv: list[str] | None = None, disposable: bool = False) -> str | None:
+    """-> the checkpoint to resume from, or None to start fresh. Raises ConfigError when a run would be lost, and
+    NothingToDo when the checkpoint already reached this run's --max_steps.
+
+    Runs in the main process only (which holds the output directory's lock); train.py shares the answer.
+    `disposable`: the demo's own output directory, which a new demo run replaces without being asked.
     """
     output_dir = Path(training_args.output_dir)
     value = resume_requested(training_args.resume_from_checkpoint)
@@ -203,14 +256,24 @@ def resolve_resume(training_args, argv: list[str] | None = None) -> str | None:
 
     if value is None:
         found = holds_run(output_dir)
-        if found and not overwrite:
-            resume = command_with(argv, resume_from_checkpoint="true") if newest_complete(output_dir) else None
+        if found and not (overwrite or disposable):
+            newest = newest_complete(output_dir)
+            steps = trained_steps(newest) if newest else None
+            finished = (output_dir / FINAL_MARKER).exists() and steps and steps[0] >= steps[1]
+            if finished:
+                hint = f"To train it longer: `{longer_run_command(argv, training_args, steps[0])}`. "
+            elif newest:
+                hint = f"To continue it: `{command_with(argv, resume_from_checkpoint='true')}`. "
+            else:
+                hint = ""
             fresh = command_with(argv, overwrite_output_dir="true")
-            hint = f"To continue it: `{resume}`. " if resume else ""
             raise ConfigError(f"--output_dir {output_dir} already holds a run ({found}); nothing was changed. "
-                              f"{hint}To start over, deleting it: `{fresh}`. Or give another --output_dir.")
-        if overwrite and cleaning:
-            clear_run(output_dir)
+                              f"{hint}To start over (the old run is moved aside): `{fresh}`. Or give another "
+                              f"--output_dir.")
+        if (overwrite or disposable) and cleaning:
+            done = replace_run(output_dir, disposable)
+            if done:
+                print(done, flush=True)
         drop_incomplete()
         return None
 
@@ -219,30 +282,56 @@ def resolve_resume(training_args, argv: list[str] | None = None) -> str | None:
         if checkpoint is None:
             if any((output_dir / name).exists() for name in MODEL_FILES):
                 raise ConfigError(f"--resume_from_checkpoint true: {output_dir} holds a saved model but no complete "
-                                  f"checkpoint to resume from. To start over: "
+                                  f"checkpoint to resume from. To start over (the old run is moved aside): "
                                   f"{command_with(argv, resume_from_checkpoint='false', overwrite_output_dir='true')}")
             drop_incomplete()
             if cleaning:
                 print(f"No complete checkpoint in {output_dir}: starting from the beginning.", flush=True)
             return None
-        drop_incomplete()
-        if cleaning:
-            print(f"Resuming from {checkpoint} (the newest complete checkpoint).", flush=True)
-        return str(checkpoint)
-
-    checkpoint = Path(value)
-    if not checkpoint.is_dir():
-        raise ConfigError(f"--resume_from_checkpoint {value}: no such directory. Give a checkpoint-N directory or "
-                          f"`true` for the newest complete one in --output_dir.")
-    if not is_complete(checkpoint):
-        newest = newest_complete(checkpoint.parent)
-        hint = (f" The newest complete one there is {newest}: {command_with(argv, resume_from_checkpoint=str(newest))}"
-                if newest else "")
-        raise ConfigError(f"--resume_from_checkpoint {value}: this checkpoint has no {MARKER} (or its files changed "
-                          f"since), so it was left half-written by an interrupted run.{hint}")
+    else:
+        checkpoint = Path(value)
+        if not checkpoint.is_dir():
+            raise ConfigError(f"--resume_from_checkpoint {value}: no such directory. Give a checkpoint-N directory "
+                              f"or `true` for the newest complete one in --output_dir.")
+        if not is_complete(checkpoint):
+            newest = newest_complete(checkpoint.parent)
+            hint = (f" The newest complete one there is {newest}: "
+                    f"{command_with(argv, resume_from_checkpoint=str(newest))}" if newest else "")
+            raise ConfigError(f"--resume_from_checkpoint {value}: this checkpoint has no {MARKER} (or its files "
+                              f"changed since), so it was left half-written by an interrupted run.{hint}")
+    steps = trained_steps(checkpoint)
+    finished = (output_dir / FINAL_MARKER).exists()
+    if finished and steps and training_args.max_steps and 0 < training_args.max_steps <= steps[0]:
+        raise NothingToDo(complete_run_message(output_dir, steps[0], argv, training_args))
     if checkpoint.resolve().parent == output_dir.resolve():
         drop_incomplete()
+    if cleaning:
+        print(f"Resuming from {checkpoint}" + (" (the newest complete checkpoint)." if value.lower() in TRUE
+                                               else "."), flush=True)
     return str(checkpoint)
+
+
+class ReachedEnd(Exception):
+    """Raised by CompleteRunCheck: the resumed checkpoint is already at this run's last step."""
+
+    def __init__(self, step: int):
+        super().__init__(step)
+        self.step = step
+
+
+class CompleteRunCheck(TrainerCallback):
+    """A resumed checkpoint that already reached this run's length (known exactly only once the Trainer has counted
+    the steps of --num_train_epochs) ends train() before its first step, the checkpoint's weights loaded: the
+    Trainer would train one step past the end. train.py then says there is nothing to do, or, when the final save
+    was interrupted, writes the final model from those weights."""
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if state.global_step and state.global_step >= state.max_steps:
+            raise ReachedEnd(state.global_step)
+
+
+def run_is_finished(output_dir: str | Path) -> bool:
+    return (Path(output_dir) / FINAL_MARKER).exists()
 
 
 # ---- during training ----------------------------------------------------------------------------------------
@@ -290,24 +379,13 @@ def save_final(trainer, output_dir: str, verifier=None) -> None:
     """Save the model (or adapter) and tokenizer, verify the files by reloading them, then mark the run done."""
     root = Path(output_dir)
     if trainer.args.should_save:
-        (root / FINAL_MARKER).unlink(missing_ok=True)
+        (root / FINAL_MARKER).unlink(missing_ok=True)  # first: until the new marker, the save counts as absent
+        for stale in (p for pattern in WEIGHT_FILES for p in root.glob(pattern)):  # an earlier, interrupted save's
+            stale.unlink()
+    _barrier()
     trainer.save_model(output_dir)
     _barrier()
     if verifier is not None and verifier.final:
         verifier.check(trainer.model, root)
     if trainer.args.should_save:
         mark_complete(root, FINAL_MARKER)
-
-
-def safety_callbacks(model, model_args, lora_args, training_args, argv: list[str] | None = None):
-    """-> (Trainer callbacks, save verifier): complete checkpoints, verified saves, NaN/inf guard, loss spikes."""
-    from sft.guards import guard_callbacks
-    from sft.model import resolve_model_path
-    from sft.verify import make_verifier
-
-    verifier = make_verifier(training_args.verify_saves, model, resolve_model_path(model_args.model), lora_args.lora,
-                             model_args.attn_implementation, model_args.trust_remote_code)
-    resume = command_with(argv, resume_from_checkpoint="true")
-    guards = guard_callbacks(training_args.nan_policy, training_args.loss_spike_factor,
-                             lambda: newest_complete(training_args.output_dir), resume)
-    return [checkpoint_callback(training_args, verifier), *guards], verifier

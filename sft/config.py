@@ -8,11 +8,13 @@ YAML holds the same names; options given on the command line win over the recipe
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from transformers import HfArgumentParser, TrainingArguments
+from transformers import TrainingArguments
 
+from sft.argv import COMMON_TRAINING, Parser, apply_aliases, help_requested, short_help, unknown_options_message
+from sft.errors import ConfigError
 from sft.lowbit import LOW_BIT_OPTIMIZERS
 
 REPO = Path(__file__).resolve().parent.parent
@@ -33,12 +35,11 @@ DEMO = {  # what `accelerate launch sft/train.py` with no arguments runs: about 
     "eval_strategy": "epoch",
     "save_strategy": "no",
     "seed": 0,
-    "overwrite_output_dir": True,  # the demo is disposable: running it again starts it again
 }
-
-
-class ConfigError(ValueError):
-    """A bad option or combination; the message says which and what to do. Shown without a traceback."""
+# A demo value steps back when the user gave any of these (an option typed or in a recipe always wins: the demo's
+# `save_strategy no` must not swallow a --save_steps 4).
+DEMO_YIELDS_TO = {"save_strategy": ("save_steps",), "eval_strategy": ("eval_steps",), "eval_split": ("eval_dataset",),
+                  "num_train_epochs": ("max_steps",), "logging_steps": ("logging_strategy",)}
 
 
 @dataclass
@@ -114,16 +115,21 @@ class SFTTrainingArguments(TrainingArguments):
 
     output_dir: str | None = field(default="output/run", metadata={"help": "Where checkpoints, logs and the model go."})
     report_to: None | str | list[str] = field(default="tensorboard", metadata={
-        "help": "Loggers: tensorboard, none, ..."})
+        "help": "Loggers: tensorboard, wandb, none, or several"})
     logging_steps: float = field(default=10, metadata={"help": "Log every N steps."})
+    log_level_replica: str = field(default="error", metadata={
+        "help": "Log level of the processes other than rank 0 (transformers' default: warning)."})
     # Our collator needs `seq_lengths`, which the model's forward does not take.
     remove_unused_columns: bool = field(default=False, metadata={"help": "Leave at False for sft."})
     include_num_input_tokens_seen: str = field(default="non_padding", metadata={
         "help": "Count real (non-padding) tokens, for the tokens/s and MFU logs."})
     # Nothing lost (sft/checkpoints.py, sft/verify.py, sft/guards.py).
+    resume_from_checkpoint: str | None = field(default=None, metadata={
+        "help": "Resume: `true` (the newest complete checkpoint in --output_dir) or a checkpoint-N directory."})
     overwrite_output_dir: bool = field(default=False, metadata={
-        "help": "Delete the checkpoints and model of a previous run in --output_dir and start over. Without it, "
-                "a run into a directory that holds a run stops and prints the command to resume it."})
+        "help": "Start over in an --output_dir that holds a run: the old run is moved aside to "
+                "<output_dir>.replaced-<time> (never mixed with the new one). Without it, such a run stops and "
+                "prints the command to resume it."})
     activation_checkpointing_skip_layers: int = field(default=0, metadata={
         "help": "With --activation_checkpointing: leave this many of the last decoder layers unchecked, which "
                 "spends spare GPU memory to skip their recomputation (each layer ~1/num_layers of it)."})
@@ -139,6 +145,14 @@ class SFTTrainingArguments(TrainingArguments):
 
 
 PARSER_TYPES = (ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments)
+HELP_GROUPS = [  # the one-screen --help: our options, then the TrainingArguments people use most
+    ("Model", ModelArguments, tuple(f.name for f in fields(ModelArguments))),
+    ("LoRA", LoraArguments, tuple(f.name for f in fields(LoraArguments))),
+    ("Data", DataArguments, tuple(f.name for f in fields(DataArguments))),
+    ("Nothing lost", SFTTrainingArguments, ("overwrite_output_dir", "verify_saves", "nan_policy", "loss_spike_factor")),
+    ("Training (transformers' TrainingArguments; --help all lists all)", SFTTrainingArguments,
+     COMMON_TRAINING + ("activation_checkpointing_skip_layers",)),
+]
 
 
 def recipe_to_argv(recipe: dict, path: str) -> list[str]:
@@ -183,7 +197,8 @@ def load_recipe(path: str) -> list[str]:
 
 
 def expand_argv(argv: list[str]) -> list[str]:
-    """Recipe first, then the command line (the last value of an option wins); the demo fills what is missing."""
+    """Recipe first, then the command line (the last value of an option wins); other trainers' names become ours;
+    the demo fills only what the user left out."""
     recipe: list[str] = []
     rest: list[str] = []
     it = iter(argv)
@@ -195,39 +210,43 @@ def expand_argv(argv: list[str]) -> list[str]:
             recipe += load_recipe(path)
         else:
             rest.append(arg)
-    argv = recipe + rest
-    given = {a.split("=", 1)[0][2:] for a in argv if a.startswith("--")}
+    argv = apply_aliases(recipe + rest)
+    given = {a.split("=", 1)[0][2:].replace("-", "_") for a in argv if a.startswith("--")}
     if "model" not in given and "dataset" not in given:
-        argv = recipe_to_argv({k: v for k, v in DEMO.items() if k not in given}, "demo") + argv
+        demo = {k: v for k, v in DEMO.items() if k not in given and not given.intersection(DEMO_YIELDS_TO.get(k, ()))}
+        argv = recipe_to_argv(demo, "demo") + argv
     return argv
+
+
+def is_demo_output(model_args: ModelArguments, training_args) -> bool:
+    """The demo's own output directory (the tiny model into ./output/demo): the one directory a run may replace
+    without being asked, since the demo is disposable."""
+    return (model_args.model == TINY_MODEL and
+            Path(training_args.output_dir).resolve() == Path(DEMO["output_dir"]).resolve())
 
 
 def parse_args(argv: list[str] | None = None):
     """-> (ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments), validated."""
-    argv = expand_argv(sys.argv[1:] if argv is None else list(argv))
-    parser = HfArgumentParser(PARSER_TYPES, allow_abbrev=False)  # a typo must not pass as an abbreviation
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = Parser(PARSER_TYPES, allow_abbrev=False)  # a typo must not pass as an abbreviation
+    wanted = help_requested(argv)
+    if wanted:
+        print(parser.format_help() if wanted == "all" else short_help(HELP_GROUPS))
+        raise SystemExit(0)
+    argv = expand_argv(argv)
     try:
         *parsed, unknown = parser.parse_args_into_dataclasses(
             args=argv, look_for_args_file=False, return_remaining_strings=True)
+    except ConfigError:
+        raise
     except ValueError as e:  # TrainingArguments.__post_init__ rejects some combinations itself
         raise ConfigError(training_arguments_message(str(e))) from None
     if unknown:
-        raise ConfigError(unknown_options_message(unknown, parser))
+        ours = [f.name for cls in PARSER_TYPES[:3] for f in fields(cls)] + list(SFTTrainingArguments.__annotations__)
+        raise ConfigError(unknown_options_message(unknown, parser, ours))
     model_args, data_args, lora_args, training_args = parsed
     validate(model_args, data_args, lora_args, training_args)
     return model_args, data_args, lora_args, training_args
-
-
-def unknown_options_message(unknown: list[str], parser: HfArgumentParser) -> str:
-    import difflib
-
-    known = [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
-    parts = []
-    for option in (u for u in unknown if u.startswith("--")):
-        close = difflib.get_close_matches(option.split("=")[0], known, n=1)
-        parts.append(f"{option}" + (f" (did you mean {close[0]}?)" if close else ""))
-    return (f"unknown option(s): {', '.join(parts) or ' '.join(unknown)}. "
-            f"`python sft/train.py --help` lists every option.")
 
 
 def resume_requested(value) -> str | None:

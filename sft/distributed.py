@@ -17,16 +17,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import NoReturn
 
-from sft.config import ConfigError
+from sft.errors import ConfigError, DistributedCheckError
 
 NCCL_VARS = ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE")
 # GeForce and TITAN cards have no (working) peer-to-peer; workstation and data-centre cards (RTX A6000, RTX 6000
 # Ada, L40S, A100, H100...) do. "RTX 40"/"RTX 50" also catches names without the GeForce brand.
 CONSUMER_GPU = re.compile(r"geforce|titan|\brtx\s*[45]0\d0", re.IGNORECASE)
-
-
-class DistributedCheckError(RuntimeError):
-    """The processes cannot communicate correctly; the message says what was seen and what to do."""
 
 
 @dataclass
@@ -68,6 +64,28 @@ def exit_process(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def on_main_process(decide):
+    """Run `decide()` in the main process only; every process returns its answer or raises its error (so that
+    no rank goes on alone, and only one process touches the output directory)."""
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    from sft.errors import UserFacingError
+
+    state = PartialState()
+    answer, error = None, None
+    if state.is_main_process:
+        try:
+            answer = decide()
+        except UserFacingError as e:
+            error = e
+    if state.num_processes > 1:
+        answer, error = broadcast_object_list([answer, error])
+    if error is not None:
+        raise error
+    return answer
 
 
 def is_consumer_gpu(name: str) -> bool:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sft.errors import DataError
+
 FORMATS = ("alpaca", "oasst", "messages")
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 # Values that real Alpaca-style data uses for "this record has no input", compared after lower-casing and
@@ -36,10 +38,6 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
                   "system": "system"}
 OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
-
-
-class DataError(ValueError):
-    """Bad input data; the message names where and what to do. Never shown with a traceback."""
 
 
 @dataclass

@@ -21,11 +21,9 @@ import torch
 from transformers import TrainerCallback
 from transformers.utils import logging
 
+from sft.errors import NonFiniteError
+
 logger = logging.get_logger("sft.guards")
-
-
-class NonFiniteError(RuntimeError):
-    """Training produced a NaN/inf loss or gradient."""
 
 
 def grads_finite(model) -> bool | None:
@@ -116,10 +114,3 @@ class LossSpikeLogger(TrainerCallback):
         self.mean = loss if self.mean is None else self.beta * self.mean + (1 - self.beta) * loss
         self.seen += 1
         logs["loss_spikes"] = self.spikes
-
-
-def guard_callbacks(policy: str, spike_factor: float, last_checkpoint, resume_command: str) -> list:
-    callbacks = [NonFiniteGuard(policy, last_checkpoint, resume_command)]
-    if spike_factor > 0:
-        callbacks.append(LossSpikeLogger(spike_factor))
-    return callbacks

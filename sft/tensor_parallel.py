@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import Trainer
 
-from sft.config import ConfigError
+from sft.errors import ConfigError
 
 STATE_DIR = "tp_state"
 STATE_INFO = "tp_state.json"

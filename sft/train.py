@@ -5,98 +5,187 @@
         --model deepseek-ai/deepseek-llm-7b-base --dataset data.jsonl --lora
     python sft/train.py --config recipe.yaml             # one process; a recipe holds the same options
 
-Reads top to bottom: parse and check everything (options, resume, data, tokenizer, machine) before any model
-loads; then model, Trainer, train, save (verified).
+Reads top to bottom: parse and check everything (options, output directory, model, data, tokenizer, machine)
+before any model loads; then model, Trainer, train, save (verified). Every failure a user can cause ends in one
+`error:` line from the main process (`--debug`: with its traceback); Ctrl-C says where the run stopped and how to
+resume it.
 """
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python sft/train.py` from a checkout: make the `sft` package importable
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
+from sft.console import closing_lines, quiet_imports, quiet_libraries, tensorboard_dir  # noqa: E402
+
+quiet_imports()  # before transformers: importing it loads torchao, a Trainer loads deepspeed (sft/console.py)
+
 from transformers import Trainer, set_seed
 from transformers.integrations import TensorBoardCallback
 
-from sft.callbacks import ThroughputCallback, flops_per_token, peak_flops
-from sft.checkpoints import resolve_resume, safety_callbacks, save_final
-from sft.config import ConfigError, parse_args
+from sft.callbacks import RunOverview, ThroughputCallback, flops_per_token, peak_flops
+from sft.checkpoints import (CompleteRunCheck, ReachedEnd, checkpoint_callback, command_with, complete_run_message,
+                             newest_complete, resolve_resume, run_is_finished, save_final)
+from sft.config import is_demo_output, parse_args
 from sft.dataset import prepare, read_datasets
-from sft.distributed import (DistributedCheckError, configure_nccl_env, consolidate_fsdp_saves,
-                             exit_process, fsdp_callbacks, fsdp_training_settings, preflight)
-from sft.formats import DataError
-from sft.guards import NonFiniteError
+from sft.distributed import (configure_nccl_env, consolidate_fsdp_saves, exit_process, fsdp_callbacks,
+                             fsdp_training_settings, is_first_process, on_main_process, preflight)
+from sft.errors import NothingToDo, UserFacingError
+from sft.guards import LossSpikeLogger, NonFiniteGuard
+from sft.interrupts import end_with_launcher, exit_code, ignore_further_interrupts, leave_now, signal_name, \
+    stop_on_sigterm
 from sft.lowbit import prepare_optimizer
-from sft.model import PartialCheckpointing, load_model, load_tokenizer
+from sft.model import PartialCheckpointing, check_lora_targets, load_model, load_tokenizer, resolve_model_path
 from sft.packing import Collator
+from sft.run_lock import RunLock
+from sft.templates import chat_template_for_saving
 from sft.tensor_parallel import TensorParallelTrainer, check_tensor_parallel
-from sft.verify import SaveMismatchError
+from sft.verify import make_verifier
+
+
+class Run:
+    """What the error and interrupt reports need to know of the run so far."""
+
+    def __init__(self, argv: list[str]):
+        self.argv = argv
+        self.output_dir: str | None = None
+        self.lock: RunLock | None = None
+        self.trainer = None
 
 
 def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
-    """Train; -> exit code (2: bad options or data, 1: training stopped). `callbacks`: extra Trainer callbacks."""
+    """Train; -> exit code (0: done, or nothing to do; 2: bad options, data or model; 1: training stopped;
+    130/143: Ctrl-C/SIGTERM). `callbacks`: extra Trainer callbacks."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv and not _debug_value_follows(argv)
+    argv = [a for a in argv if a != "--debug"] if debug else argv
+    run = Run(argv)
+    end_with_launcher()  # a worker never outlives its launcher
+    stop_on_sigterm()
     try:
-        configure_nccl_env()  # consumer GPUs: before TrainingArguments starts the process group
-        model_args, data_args, lora_args, training_args = parse_args(argv)
-        resume = resolve_resume(training_args, argv)  # a checkpoint, or None; never overwrites a run silently
-        check_tensor_parallel(model_args, training_args.world_size, resume)  # the model's heads; the checkpoint's TP
-        conversations = read_datasets(data_args, training_args.seed)  # bad data stops here, before any model
-        tokenizer = load_tokenizer(model_args)
-        train_data, eval_data, summary = prepare(data_args, tokenizer, conversations, training_args)
-        preflight(model_args, lora_args, training_args)  # all-reduce check; host RAM of offload plans
-    except (ConfigError, DataError, DistributedCheckError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return train(run, callbacks)
+    except UserFacingError as e:
+        if debug:
+            raise
+        if is_first_process():
+            print(str(e) if isinstance(e, NothingToDo) else f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except KeyboardInterrupt as interrupt:
+        ignore_further_interrupts()
+        if is_first_process():
+            print(f"\n{stopped_message(run, signal_name(interrupt))}", file=sys.stderr, flush=True)  # after tqdm's line
+        if run.lock:
+            run.lock.release()
+        leave_now(exit_code(interrupt))  # other ranks may sit in a collective that will never complete
+    finally:
+        if run.lock:
+            run.lock.release()
+
+
+def train(run: Run, extra_callbacks: list | None) -> int:
+    quiet_libraries()  # noisy progress bars off; ranks other than 0 log errors only
+    configure_nccl_env()  # consumer GPUs: before TrainingArguments starts the process group
+    model_args, data_args, lora_args, training_args = parse_args(run.argv)
+    run.output_dir = training_args.output_dir
+
+    def take_output_dir() -> str | None:  # main process: lock the directory, then decide resume / fresh start
+        run.lock = RunLock(training_args.output_dir, command_with(run.argv))
+        taken_over = run.lock.acquire()
+        if taken_over:
+            print(taken_over, flush=True)
+        return resolve_resume(training_args, run.argv, disposable=is_demo_output(model_args, training_args))
+
+    resume = on_main_process(take_output_dir)  # a checkpoint, or None; never overwrites or mixes runs
+    resolve_model_path(model_args.model)  # a missing directory or unreachable hub id: seconds, not a minute
+    check_tensor_parallel(model_args, training_args.world_size, resume)  # the model's heads; the checkpoint's TP
+    check_lora_targets(model_args, lora_args)  # user-named targets exist in the model (weightless copy)
+    conversations = read_datasets(data_args, training_args.seed)  # bad data stops here, before any model
+    tokenizer = load_tokenizer(model_args)
+    train_data, eval_data, summary = prepare(data_args, tokenizer, conversations, training_args)
+    # Saves carry the template trained with (set after prepare(), whose cache key reads the tokenizer's own).
+    tokenizer.chat_template = chat_template_for_saving(data_args.template, tokenizer) or tokenizer.chat_template
+    preflight(model_args, lora_args, training_args)  # all-reduce check; host RAM of offload plans
     main_process = training_args.process_index == 0
     if main_process:
         print(summary, flush=True)
-        print(f"Training on {training_args.world_size} process(es) "
-              f"({training_args.parallel_mode.value}, device {training_args.device})", flush=True)
+        print(f"Loading model: {model_args.model}", flush=True)
 
     fsdp_training_settings(training_args, lora_args.lora)  # activation checkpointing; sharded gradients
     prepare_optimizer(training_args.optim)  # torchao's low-bit AdamW under FSDP2: see sft/lowbit.py
     set_seed(training_args.seed)  # the LoRA init happens before the Trainer seeds: make it follow --seed too
     model = load_model(model_args, lora_args, training_args.activation_checkpointing)
-    safety, verifier = safety_callbacks(model, model_args, lora_args, training_args, argv)  # checkpoints, guards
+    # The Trainer copies args.use_cache onto the config it saves: keep the base's (the Collator turns the cache off
+    # in every training forward, where it would let packed documents attend to each other).
+    training_args.use_cache = model.config.use_cache
+    verifier = make_verifier(training_args.verify_saves, model, resolve_model_path(model_args.model), lora_args.lora,
+                             model_args.attn_implementation, model_args.trust_remote_code)
+    resume_command = command_with(run.argv, resume_from_checkpoint="true")
     skip = training_args.activation_checkpointing_skip_layers  # spare memory: fewer layers recomputed
-    partial_checkpointing = [PartialCheckpointing(skip)] if skip else []
+    callbacks = [
+        RunOverview(model, train_data, model_args.model),  # the first screen, at train begin (rank 0)
+        ThroughputCallback(flops_per_token(model, lora_args.lora), peak_flops()),  # real tok/s, MFU, memory
+        *(extra_callbacks or []),
+        checkpoint_callback(training_args, verifier),  # verified, complete-marked, rotated checkpoints
+        CompleteRunCheck(),  # a resumed run already at its last step trains no step past it
+        NonFiniteGuard(training_args.nan_policy, lambda: newest_complete(training_args.output_dir), resume_command),
+        *([LossSpikeLogger(training_args.loss_spike_factor)] if training_args.loss_spike_factor > 0 else []),
+        *([PartialCheckpointing(skip)] if skip else []),
+        *fsdp_callbacks(),  # FSDP only: the embedding's backward without an all-gather
+    ]
     trainer_class = TensorParallelTrainer if model_args.tp_size > 1 else Trainer  # TP: checkpoints that resume
-    trainer = trainer_class(
+    run.trainer = trainer = trainer_class(
         model=model,
         args=training_args,
         train_dataset=train_data,
         eval_dataset=eval_data,
         data_collator=Collator(tokenizer.pad_token_id, data_args.pad_to_multiple_of),
         processing_class=tokenizer,
-        callbacks=[ThroughputCallback(flops_per_token(model, lora_args.lora), peak_flops()), *(callbacks or []),
-                   *safety, *partial_checkpointing, *fsdp_callbacks()],
+        callbacks=callbacks,
     )
     if trainer.pop_callback(TensorBoardCallback):  # after ours, so that it logs what ours adds
         trainer.add_callback(TensorBoardCallback)
 
     try:
         trainer.train(resume_from_checkpoint=resume)
-        if eval_data is not None and training_args.eval_strategy == "no":
-            trainer.evaluate()
-        consolidate_fsdp_saves(trainer)  # FSDP: one consolidated safetensors model, not shards
-        save_final(trainer, training_args.output_dir, verifier)  # model or adapter + tokenizer, reloaded, checked
-    except (NonFiniteError, SaveMismatchError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
+    except ReachedEnd as end:
+        if run_is_finished(training_args.output_dir):
+            raise NothingToDo(complete_run_message(training_args.output_dir, end.step, run.argv,
+                                                   training_args)) from None
+        if main_process:
+            print(f"The checkpoint already reached the last step ({end.step}); its final save had not finished: "
+                  f"writing the final model from it.", flush=True)
+    if eval_data is not None and training_args.eval_strategy == "no":
+        trainer.evaluate()
+    consolidate_fsdp_saves(trainer)  # FSDP: one consolidated safetensors model, not shards
+    save_final(trainer, training_args.output_dir, verifier)  # model or adapter + tokenizer, reloaded, checked
 
     if main_process:
-        output = Path(training_args.output_dir).resolve()
-        what = "LoRA adapter" if lora_args.lora else "model"
-        print(f"\nSaved {what} and tokenizer: {output}")
-        print(f"TensorBoard logs: {tensorboard_dir(training_args)}  (view: tensorboard --logdir {output})")
+        print(closing_lines(training_args.output_dir, lora_args.lora,
+                            tensorboard_dir(training_args.output_dir, training_args.report_to)), flush=True)
     return 0
 
 
-def tensorboard_dir(training_args) -> str:
-    return os.environ.get("TENSORBOARD_LOGGING_DIR") or str(Path(training_args.output_dir).resolve() / "runs")
+def stopped_message(run: Run, what: str) -> str:
+    """Ctrl-C / SIGTERM: where the run stopped, what is safe on disk, and the exact command that resumes it."""
+    if run.trainer is None or run.output_dir is None:
+        where = f" Nothing was trained; {run.output_dir} holds no new checkpoint." if run.output_dir else ""
+        return f"stopped ({what}) before training started.{where}"
+    step = run.trainer.state.global_step
+    newest = newest_complete(run.output_dir)
+    if newest is None:
+        return (f"stopped ({what}) at step {step}; no checkpoint was complete yet, so a new run starts from the "
+                f"beginning: {command_with(run.argv, resume_from_checkpoint='true')}")
+    return (f"stopped ({what}) at step {step}; newest complete checkpoint: {newest}; resume with: "
+            f"{command_with(run.argv, resume_from_checkpoint='true')}")
+
+
+def _debug_value_follows(argv: list[str]) -> bool:
+    """transformers' own `--debug underflow_overflow` keeps its meaning; a bare `--debug` is ours."""
+    i = argv.index("--debug")
+    return i + 1 < len(argv) and not argv[i + 1].startswith("--")
 
 
 def run() -> None:

@@ -19,11 +19,9 @@ from pathlib import Path
 
 import torch
 
+from sft.errors import SaveMismatchError
+
 CHEAP_PARAMETERS = 1e9  # below this, reloading at every checkpoint costs seconds: `--verify_saves auto` does it
-
-
-class SaveMismatchError(RuntimeError):
-    """The saved model does not reproduce the in-memory model."""
 
 
 def fixed_batch(vocab_size: int) -> torch.Tensor:

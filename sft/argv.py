@@ -1,0 +1,172 @@
+"""The command line as users type it: option names from other trainers, one-line errors, a one-screen `--help`.
+
+Users arrive with LLaMA-Factory, Axolotl and TRL recipes in their heads (and in their YAML files). Their names map
+to ours through one table, with a one-line note; an unknown name gets a "did you mean" among the options people
+use; a bad value is one `error:` line, never argparse's usage block.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, fields
+
+from transformers import HfArgumentParser
+
+from sft.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Alias:
+    ours: str             # our option, without the dashes
+    where: str            # whose name it is
+    value: Callable[[str], list[str]] | None = None  # their value -> our option's values ([] drops the option)
+
+
+def _split_list(value: str) -> list[str]:
+    """LLaMA-Factory's `lora_target: q_proj,v_proj` (and `all`) -> our list of module names."""
+    names = [v.strip() for v in value.replace(",", " ").split() if v.strip()]
+    return ["all-linear"] if names == ["all"] else names
+
+
+def _method(value: str) -> list[str]:
+    """`finetuning_type: lora` / `adapter: lora` -> --lora true; full -> no option."""
+    if value.lower() == "lora":
+        return ["true"]
+    if value.lower() in ("full", "none", ""):
+        return []
+    raise ConfigError(f"fine-tuning method {value!r}: this toolkit trains `full` weights or a `lora` adapter "
+                      f"(--lora).")
+
+
+# LLaMA-Factory's template names for the DeepSeek families -> ours.
+TEMPLATE_NAMES = {"deepseekcoder": "deepseek_coder", "deepseek3": "deepseek_v3", "deepseekr1": "r1_distill",
+                  "deepseek_r1": "r1_distill", "deepseek_v2": "deepseek", "llama3": "model", "qwen": "model"}
+
+ALIASES: dict[str, Alias] = {
+    "model_name_or_path": Alias("model", "LLaMA-Factory/TRL"),
+    "base_model": Alias("model", "Axolotl"),
+    "dataset_name": Alias("dataset", "TRL"),
+    "cutoff_len": Alias("max_length", "LLaMA-Factory"),
+    "sequence_len": Alias("max_length", "Axolotl"),
+    "max_seq_length": Alias("max_length", "TRL < 0.20"),
+    "lora_rank": Alias("lora_r", "LLaMA-Factory"),
+    "lora_target": Alias("lora_target_modules", "LLaMA-Factory", _split_list),
+    "finetuning_type": Alias("lora", "LLaMA-Factory", _method),
+    "adapter": Alias("lora", "Axolotl", _method),
+    "micro_batch_size": Alias("per_device_train_batch_size", "Axolotl"),
+    "num_epochs": Alias("num_train_epochs", "Axolotl"),
+    "sample_packing": Alias("packing", "Axolotl"),
+    "train_on_inputs": Alias("train_on_prompt", "Axolotl"),
+    "val_set_size": Alias("eval_split", "Axolotl"),
+    "val_size": Alias("eval_split", "LLaMA-Factory"),
+    "lr_scheduler": Alias("lr_scheduler_type", "Axolotl"),
+    "warmup_ratio": Alias("warmup_steps", "transformers 4"),  # transformers 5: a warmup_steps < 1 is a ratio
+    "chat_template": Alias("template", "Axolotl", lambda v: [TEMPLATE_NAMES.get(v, v)]),
+}
+
+# The TrainingArguments shown by the one-screen help (`--help all` lists every one).
+COMMON_TRAINING = ("output_dir", "num_train_epochs", "max_steps", "per_device_train_batch_size",
+                   "gradient_accumulation_steps", "learning_rate", "lr_scheduler_type", "warmup_steps", "optim",
+                   "bf16", "fp16", "activation_checkpointing", "logging_steps", "eval_strategy", "save_steps",
+                   "save_total_limit", "resume_from_checkpoint", "seed", "report_to")
+
+
+def is_main_launch_process() -> bool:
+    return int(os.environ.get("RANK", "0")) == 0
+
+
+def apply_aliases(argv: list[str], template_names: tuple[str, ...] = ()) -> list[str]:
+    """Rewrite other trainers' option names (and values) to ours; one note per rewrite, from rank 0 only."""
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        name, eq, inline = word[2:].partition("=") if word.startswith("--") else ("", "", "")
+        alias = ALIASES.get(name.replace("-", "_"))
+        if alias is None:
+            if name == "template" and not eq and i + 1 < len(argv) and argv[i + 1] in TEMPLATE_NAMES:
+                out += [word, _note_template(argv[i + 1])]
+                i += 2
+                continue
+            out.append(word)
+            i += 1
+            continue
+        values = [inline] if eq else []
+        i += 1
+        while not eq and i < len(argv) and not argv[i].startswith("--"):
+            values.append(argv[i])
+            i += 1
+        if alias.value is not None:
+            values = [v for given in values for v in alias.value(given)] if values else alias.value("lora")
+            if not values:
+                _note(f"--{name} {' '.join(argv[i - 1:i])} is {alias.where}'s name: nothing to set here.")
+                continue
+        out += [f"--{alias.ours}", *values]
+        _note(f"--{name} is {alias.where}'s name for --{alias.ours}: using --{alias.ours} {' '.join(values)}".rstrip())
+    return out
+
+
+def _note_template(theirs: str) -> str:
+    ours = TEMPLATE_NAMES[theirs]
+    _note(f"--template {theirs} is LLaMA-Factory's name: using --template {ours}")
+    return ours
+
+
+def _note(text: str) -> None:
+    if is_main_launch_process():
+        print(f"note: {text}", file=sys.stderr, flush=True)
+
+
+class Parser(HfArgumentParser):
+    """HfArgumentParser whose errors are one ConfigError line instead of argparse's usage block and exit."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message}. `python sft/train.py --help` lists the options.")
+
+
+def known_options(parser: HfArgumentParser) -> list[str]:
+    return [o for action in parser._actions for o in action.option_strings if o.startswith("--")]
+
+
+def unknown_options_message(unknown: list[str], parser: HfArgumentParser, ours: list[str]) -> str:
+    """Each unknown option with the closest of OUR options and the common ones first (so that `--lora_rnk`
+    suggests --lora_r, not TrainingArguments' --local_rank), then of every option."""
+    everything = known_options(parser)
+    preferred = [f"--{n}" for n in (*ours, *COMMON_TRAINING)]
+    parts = []
+    for option in (u for u in unknown if u.startswith("--")):
+        name = option.split("=")[0]
+        close = (difflib.get_close_matches(name, preferred, n=1, cutoff=0.75)
+                 or difflib.get_close_matches(name, everything, n=1))
+        parts.append(name + (f" (did you mean {close[0]}?)" if close else ""))
+    return (f"unknown option(s): {', '.join(parts) or ' '.join(unknown)}. "
+            f"`python sft/train.py --help` lists the options (`--help all`: every one).")
+
+
+def help_requested(argv: list[str]) -> str | None:
+    """None, "short" or "all"."""
+    for i, word in enumerate(argv):
+        if word in ("-h", "--help"):
+            return "all" if argv[i + 1:i + 2] == ["all"] else "short"
+    return None
+
+
+def short_help(groups: list[tuple[str, type, tuple[str, ...]]]) -> str:
+    """One line per option: (title, dataclass, the fields to show, in order)."""
+    lines = ["usage: accelerate launch [--config_file accelerate_configs/<strategy>.yaml] sft/train.py [options]",
+             "  no options: the embedded demo; --config recipe.yaml: the options in a YAML file (the command line",
+             "  wins over it); --help all: every option"]
+    for title, cls, names in groups:
+        by_name = {f.name: f for f in fields(cls)}
+        lines.append(f"\n{title}:")
+        for name in names:
+            f = by_name[name]
+            first = " ".join(str(f.metadata.get("help", "")).split()).split(". ")[0].rstrip(".")
+            default = None if f.default is MISSING else f.default
+            shown = "" if default in (None, False, "", "no") or "default" in first.lower() else f" [{default}]"
+            line = f"  --{name:<28} {first}{shown}"
+            lines.append(line if len(line) <= 118 else line[:line.rfind(" ", 0, 115)] + " ...")
+    return "\n".join(lines)

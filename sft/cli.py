@@ -1,0 +1,102 @@
+"""`deepseek-sft`: one command for the toolkit, in the same flag style as training.
+
+    deepseek-sft train [launch options] [training options]   # = accelerate launch sft/train.py ..., see below
+    deepseek-sft data [training options]                      # = python -m sft.dataset: prepare, summarise, masks
+    deepseek-sft chat OUTPUT_DIR [--prompt TEXT]              # = python -m sft.chat
+    deepseek-sft merge ADAPTER_DIR OUTPUT_DIR [--dtype bfloat16]  # = python -m sft.merge
+
+`train` runs accelerate's own launcher in this process, so that the launch is exactly `accelerate launch`'s, but
+exits with the training's exit code and nothing more: `accelerate launch` itself follows every failed run (even
+one that printed a clean `error:` line) with its launcher's traceback, which nothing inside the training
+process can prevent.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+TRAIN_SCRIPT = str(Path(__file__).resolve().parent / "train.py")
+# accelerate launch's options that `deepseek-sft train` takes (value-taking: True); everything else is training's.
+LAUNCH_OPTIONS = {"--config_file": True, "--num_processes": True, "--num_machines": True, "--machine_rank": True,
+                  "--main_process_ip": True, "--main_process_port": True, "--gpu_ids": True, "--multi_gpu": False,
+                  "--cpu": False}
+LAUNCH_DEFAULTS = {"--num_processes": "1", "--num_machines": "1", "--mixed_precision": "no", "--dynamo_backend": "no"}
+USAGE = __doc__.split("\n\n")[1]
+
+
+def split_launch_options(argv: list[str]) -> tuple[list[str], list[str]]:
+    launch, rest = [], []
+    i = 0
+    while i < len(argv):
+        name = argv[i].split("=", 1)[0]
+        takes_value = LAUNCH_OPTIONS.get(name)
+        if takes_value is None:
+            rest.append(argv[i])
+        elif takes_value and "=" not in argv[i]:
+            launch += argv[i:i + 2]
+            i += 1
+        else:
+            launch.append(argv[i])
+        i += 1
+    return launch, rest
+
+
+def launch_training(argv: list[str]) -> int:
+    """accelerate launch sft/train.py, with the training's exit code."""
+    launch, rest = split_launch_options(argv)
+    if "-h" in rest or "--help" in rest:
+        print("launch options (accelerate launch's): " + " ".join(LAUNCH_OPTIONS) + "\n")
+        return subprocess.call([sys.executable, TRAIN_SCRIPT, *rest])
+    if not any(o.split("=")[0] == "--config_file" for o in launch):
+        # accelerate's defaults for a launch without a config, given explicitly (else it warns about each one)
+        given = {o.split("=")[0] for o in launch}
+        for option, value in LAUNCH_DEFAULTS.items():
+            launch += [] if option in given else [option, value]
+    from accelerate.commands.launch import launch_command, launch_command_parser
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the failure is reported by rank 0
+    args = launch_command_parser().parse_args([*launch, TRAIN_SCRIPT, *rest])
+    try:
+        launch_command(args)
+    except subprocess.CalledProcessError as e:
+        return e.returncode if e.returncode > 0 else 128 - e.returncode
+    except ChildFailedError as e:
+        codes = [f.exitcode for f in e.failures.values()]
+        return next((c for c in codes if c > 0), 128 - min(codes))
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command, rest = (argv[0], argv[1:]) if argv else ("", [])
+    if command == "train":
+        return launch_training(rest)
+    if command == "data":
+        from sft.dataset import main as data
+        return data(rest)
+    if command == "chat":
+        from sft.chat import main as chat
+        return chat(rest)
+    if command == "merge":
+        from sft.merge import main as merge
+        return merge(rest)
+    print(USAGE, file=sys.stderr if command not in ("-h", "--help") else sys.stdout)
+    if command in ("-h", "--help"):
+        return 0
+    print(f"error: {'a command is missing' if not command else f'unknown command {command!r}'}: use train, data, "
+          f"chat or merge.", file=sys.stderr)
+    return 2
+
+
+def run() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,58 @@
+"""Every failure a user can cause or meet, as one class each; `main` prints them as one `error:` line.
+
+This module imports nothing of ours or of the heavy libraries, so every layer (options, data, model, training)
+can raise these without pulling in another layer. `exit_code` is what the process exits with.
+"""
+
+from __future__ import annotations
+
+
+class UserFacingError(Exception):
+    """A failure with a message that says what happened and what to do: shown without a traceback."""
+
+    exit_code = 2
+
+
+class ConfigError(UserFacingError, ValueError):
+    """A bad option or combination, caught before anything is loaded."""
+
+
+class DataError(UserFacingError, ValueError):
+    """A record or file that cannot be read as training data; the message names the file and line."""
+
+
+class ModelNotFoundError(UserFacingError):
+    """`--model` (or `--tokenizer`) names nothing that can be loaded: a missing directory, an unknown or
+    unreachable hub id."""
+
+
+class RunLockedError(UserFacingError):
+    """Another run holds the output directory."""
+
+
+class DistributedCheckError(UserFacingError, RuntimeError):
+    """The processes cannot communicate correctly; the message says what was seen and what to do."""
+
+
+class NonFiniteError(UserFacingError, RuntimeError):
+    """Training produced a NaN/inf loss or gradient."""
+
+    exit_code = 1
+
+
+class SaveMismatchError(UserFacingError, RuntimeError):
+    """The saved model does not reproduce the in-memory model."""
+
+    exit_code = 1
+
+
+class Interrupted(UserFacingError):
+    """Ctrl-C (SIGINT) or SIGTERM, e.g. the launcher ended: training stops at the next safe point."""
+
+    exit_code = 130
+
+
+class NothingToDo(UserFacingError):
+    """The request is already done (a resumed run that reached its --max_steps): said without `error:`."""
+
+    exit_code = 0

@@ -1,0 +1,122 @@
+"""One run per output directory: `<output_dir>/.run.lock` names the process that holds it.
+
+Two runs writing checkpoints into one directory destroy each other's resume state, and a training process left
+behind by a killed launcher keeps writing. The main process creates the lock with O_EXCL before it changes
+anything in the directory and removes it when it ends. A lock whose process is gone (same host, and no live
+process with that pid and start time) is stale: it is taken over, with a message. A lock held by a live process,
+or by another host (which cannot be checked from here), stops the new run with what to do.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from sft.errors import RunLockedError
+
+LOCK_NAME = ".run.lock"
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time in clock ticks since boot (Linux), which tells a reused pid from the original."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # someone else's live process
+    now = _start_time(pid)
+    return start is None or now is None or now == start
+
+
+def _me() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid()),
+            "since": time.strftime("%Y-%m-%d %H:%M:%S")}
+
+
+class RunLock:
+    def __init__(self, output_dir: str | Path, command: str = ""):
+        self.path = Path(output_dir) / LOCK_NAME
+        self.command = command
+        self.held = False
+        self.created_dir = False
+
+    def acquire(self) -> str | None:
+        """Take the lock; -> a message when a stale lock was taken over. Raises RunLockedError if held."""
+        self.created_dir = not self.path.parent.exists()  # then removed again if the run leaves nothing in it
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        note = None
+        for _ in range(3):
+            if self._create():
+                self.held = True
+                atexit.register(self.release)
+                return note
+            holder = self._read()
+            if holder is None:  # being written right now, or unreadable: look again
+                time.sleep(0.2)
+                continue
+            same_host = holder.get("host") == socket.gethostname()
+            if not same_host or _alive(int(holder.get("pid", -1)), holder.get("start")):
+                raise RunLockedError(self._held_message(holder, same_host))
+            try:  # one taker wins the rename; a second one finds the lock gone and retries its own create
+                os.rename(self.path, self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}"))
+                os.unlink(self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}"))
+            except FileNotFoundError:
+                pass
+            note = (f"Took over the lock of a run that is no longer running (pid {holder.get('pid')} on "
+                    f"{holder.get('host')}, since {holder.get('since')}).")
+        raise RunLockedError(f"cannot take the lock {self.path}: it keeps changing or cannot be read. If no run "
+                             f"uses {self.path.parent}, delete {self.path} and try again.")
+
+    def _create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump({**_me(), "command": self.command}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        return True
+
+    def _read(self) -> dict | None:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def _held_message(self, holder: dict, same_host: bool) -> str:
+        who = f"pid {holder.get('pid')} on {holder.get('host')}, since {holder.get('since')}"
+        command = f": `{holder['command']}`" if holder.get("command") else ""
+        if same_host:
+            todo = "Wait for it to finish, stop it (kill " + str(holder.get("pid")) + "), or give another --output_dir."
+        else:
+            todo = (f"Wait for it, or give another --output_dir. If no run is active on {holder.get('host')}, "
+                    f"delete {self.path}.")
+        return f"--output_dir {self.path.parent} is in use by another run ({who}){command}. {todo}"
+
+    def release(self) -> None:
+        """Remove the lock if it is still ours (idempotent; also at exit)."""
+        if not self.held:
+            return
+        self.held = False
+        holder = self._read() or {}
+        if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+            self.path.unlink(missing_ok=True)
+            if self.created_dir:
+                try:
+                    self.path.parent.rmdir()  # only if empty: a run stopped before writing anything
+                except OSError:
+                    pass

@@ -1,0 +1,291 @@
+"""The paths around the happy one, as a new user walks them: what the user typed always wins, no run is lost or
+mixed with another, a finished run stays finished, one run per output directory, and every failure is one
+`error:` line (Ctrl-C: where it stopped and how to resume)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+from sft.checkpoints import FINAL_MARKER, checkpoint_dirs, is_complete, mark_complete, resolve_resume
+from sft.config import DEMO, is_demo_output, parse_args
+from sft.errors import ConfigError, ModelNotFoundError, NothingToDo, RunLockedError
+from sft.run_lock import LOCK_NAME, RunLock
+
+DATA = str(REPO / "data" / "alpaca_demo.json")
+
+
+def small_run(model: Path, output_dir: Path, cache: Path, *extra: str) -> list[str]:
+    return ["--model", str(model), "--dataset", DATA, "--max_length", "64", "--per_device_train_batch_size", "4",
+            "--max_steps", "4", "--save_steps", "2", "--logging_steps", "1", "--report_to", "none",
+            "--disable_tqdm", "true", "--dataset_cache_dir", str(cache), "--output_dir", str(output_dir), *extra]
+
+
+def old_lora_run(root: Path) -> Path:
+    """What a finished LoRA run leaves: a checkpoint, an adapter, the final marker."""
+    checkpoint = root / "checkpoint-2"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "adapter_model.safetensors").write_bytes(b"x" * 10)
+    (checkpoint / "trainer_state.json").write_text(json.dumps({"global_step": 2, "max_steps": 2}))
+    mark_complete(checkpoint)
+    (root / "adapter_config.json").write_text("{}")
+    (root / "adapter_model.safetensors").write_bytes(b"y")
+    mark_complete(root, FINAL_MARKER)
+    return root
+
+
+# ---- 1. what the user typed wins over the demo's defaults -----------------------------------------------------
+
+def test_demo_defaults_never_override_the_user(tmp_path):
+    *_, demo = parse_args([])
+    assert not demo.overwrite_output_dir and demo.save_strategy == "no"
+    *_, saving = parse_args(["--save_steps", "4"])
+    assert saving.save_strategy == "steps" and saving.save_steps == 4  # the demo's `save_strategy no` stepped back
+    *_, resuming = parse_args(["--output_dir", str(tmp_path), "--resume_from_checkpoint", "true"])
+    assert resuming.resume_from_checkpoint == "true" and not resuming.overwrite_output_dir
+    *_, stepped = parse_args(["--max_steps", "3"])
+    assert stepped.max_steps == 3
+
+
+def test_demo_replaces_only_its_own_directory(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model_args, _, _, training_args = parse_args([])
+    assert is_demo_output(model_args, training_args)
+    assert not is_demo_output(*parse_args(["--output_dir", "elsewhere"])[::3])
+    # a user's run given as --output_dir to the demo is refused, untouched
+    run = old_lora_run(tmp_path / "mine")
+    args = parse_args(["--output_dir", str(run), "--max_steps", "2"])
+    with pytest.raises(ConfigError, match="already holds a run"):
+        resolve_resume(args[3], [], disposable=is_demo_output(args[0], args[3]))
+    assert is_complete(run, FINAL_MARKER) and is_complete(run / "checkpoint-2")
+    # its own output/demo is replaced
+    demo = old_lora_run(tmp_path / DEMO["output_dir"])
+    assert resolve_resume(training_args, [], disposable=True) is None
+    assert [p.name for p in demo.iterdir()] == []
+
+
+# ---- 2. starting over never mixes two runs ----------------------------------------------------------------------
+
+def test_overwrite_moves_the_old_run_aside_whole(tmp_path, capsys):
+    run = old_lora_run(tmp_path / "out")
+    (run / LOCK_NAME).write_text("{}")  # the new run's own lock stays
+    args = parse_args(["--model", "m", "--dataset", DATA, "--output_dir", str(run), "--overwrite_output_dir",
+                       "true"])[3]
+    assert resolve_resume(args, []) is None
+    assert [p.name for p in run.iterdir()] == [LOCK_NAME]
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("out.replaced-")]
+    assert len(aside) == 1 and is_complete(aside[0], FINAL_MARKER) and (aside[0] / "adapter_config.json").exists()
+    assert str(aside[0]) in capsys.readouterr().out
+
+
+# ---- 3. a finished run stays finished ----------------------------------------------------------------------------
+
+def test_resuming_a_finished_run_changes_nothing_and_says_how_to_train_longer(tmp_path):
+    run = old_lora_run(tmp_path / "out")
+    args = parse_args(["--model", "m", "--dataset", DATA, "--output_dir", str(run), "--max_steps", "2",
+                       "--resume_from_checkpoint", "true"])[3]
+    with pytest.raises(NothingToDo) as done:
+        resolve_resume(args, ["--output_dir", str(run), "--max_steps", "2", "--resume_from_checkpoint", "true"])
+    assert "nothing was changed" in str(done.value) and "--max_steps 4" in str(done.value)
+    # the hint of a re-run into it says the same
+    fresh = parse_args(["--model", "m", "--dataset", DATA, "--output_dir", str(run), "--max_steps", "2"])[3]
+    with pytest.raises(ConfigError, match=r"To train it longer: .*--resume_from_checkpoint true --max_steps 4"):
+        resolve_resume(fresh, ["--output_dir", str(run), "--max_steps", "2"])
+
+
+@pytest.mark.slow
+def test_finished_runs_resume_to_nothing_and_an_unfinished_final_save_is_completed(tmp_path, tiny_llama):
+    from sft.train import main
+
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    assert main(small_run(tiny_llama, out, cache)) == 0
+    model = out / "model.safetensors"
+    before = model.stat().st_mtime_ns
+    assert main(small_run(tiny_llama, out, cache, "--resume_from_checkpoint", "true")) == 0
+    assert model.stat().st_mtime_ns == before and not (out / "checkpoint-5").exists()
+    # epochs: the length is known only once the Trainer counts the steps (the callback's path)
+    epochs = ["--max_steps", "-1", "--num_train_epochs", "1", "--max_samples", "16"]
+    out2 = tmp_path / "epochs"
+    assert main(small_run(tiny_llama, out2, cache, *epochs)) == 0
+    final = out2 / "model.safetensors"
+    before = final.stat().st_mtime_ns
+    assert main(small_run(tiny_llama, out2, cache, *epochs, "--resume_from_checkpoint", "true")) == 0
+    assert final.stat().st_mtime_ns == before and len(checkpoint_dirs(out2)) == 2
+    # a final save that was interrupted (no marker): resuming writes it from the last checkpoint, trains nothing
+    (out / FINAL_MARKER).unlink()
+    model.unlink()
+    assert main(small_run(tiny_llama, out, cache, "--resume_from_checkpoint", "true")) == 0
+    assert is_complete(out, FINAL_MARKER) and model.exists() and not (out / "checkpoint-5").exists()
+
+
+# ---- 4. one run per output directory ---------------------------------------------------------------------------
+
+def test_lock_refuses_a_second_run_and_takes_over_a_stale_one(tmp_path, capsys):
+    first = RunLock(tmp_path, "python sft/train.py --first")
+    assert first.acquire() is None
+    with pytest.raises(RunLockedError, match=rf"in use by another run \(pid {os.getpid()}.*--first"):
+        RunLock(tmp_path).acquire()
+    first.release()
+    assert not (tmp_path / LOCK_NAME).exists()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": dead.pid, "host": socket.gethostname(), "since": "x"}))
+    second = RunLock(tmp_path)
+    assert "no longer running" in second.acquire()
+    second.release()
+    (tmp_path / LOCK_NAME).write_text(json.dumps({"pid": 1, "host": "other-host", "since": "x"}))
+    with pytest.raises(RunLockedError, match=f"delete {tmp_path / LOCK_NAME}"):
+        RunLock(tmp_path).acquire()
+
+
+def wait_for(condition, timeout: float, every: float = 0.2) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if condition():
+            return True
+        time.sleep(every)
+    return False
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return not Path(f"/proc/{pid}/stat").read_text().split(")")[1].split()[0] == "Z"
+    except (ProcessLookupError, FileNotFoundError):
+        return False
+
+
+@pytest.mark.slow
+def test_killing_the_launcher_ends_the_worker_and_frees_the_directory(tmp_path, tiny_llama):
+    """kill -9 of `accelerate launch` only: its worker stops (and says so), the lock goes with it."""
+    out = tmp_path / "out"
+    args = small_run(tiny_llama, out, tmp_path / "cache", "--max_steps", "10000", "--save_steps", "5")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    launcher = subprocess.Popen([str(Path(sys.executable).with_name("accelerate")), "launch", "--num_processes", "1",
+                                 str(REPO / "sft" / "train.py"), *args], env=env, stdout=subprocess.DEVNULL,
+                                stderr=open(tmp_path / "stderr", "w"), start_new_session=True)
+    assert wait_for(lambda: (out / LOCK_NAME).exists() and any(checkpoint_dirs(out)), 180), \
+        (tmp_path / "stderr").read_text()[-2000:]
+    worker = json.loads((out / LOCK_NAME).read_text())["pid"]
+    # a second run into the same directory is refused while the first one trains
+    second = subprocess.run([sys.executable, str(REPO / "sft" / "train.py"), *args], env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert second.returncode == 2 and f"in use by another run (pid {worker}" in second.stderr
+    launcher.kill()
+    launcher.wait()
+    assert wait_for(lambda: not alive(worker), 60), "the worker outlived its launcher"
+    assert not (out / LOCK_NAME).exists()
+    assert "stopped (SIGTERM) at step" in (tmp_path / "stderr").read_text()
+
+
+# ---- 5. one error line, never a traceback ---------------------------------------------------------------------
+
+def test_missing_model_directory_and_unreachable_hub_fail_in_seconds(tmp_path, monkeypatch, capsys):
+    from sft.train import main
+
+    base = ["--dataset", DATA, "--output_dir", str(tmp_path / "out"), "--report_to", "none"]
+    assert main(["--model", str(tmp_path / "no-such-model"), *base]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["--model", str(tmp_path / "empty"), *base]) == 2
+    assert "holds no config.json" in capsys.readouterr().err
+    assert main(["--model", "deepseek-ai/not-cached-here", *base]) == 2  # the tests run with HF_HUB_OFFLINE=1
+    assert "HF_HUB_OFFLINE=1" in capsys.readouterr().err
+    from sft.model import resolve_model_path
+
+    resolve_model_path.cache_clear()
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "https://127.0.0.1:9")  # nothing listens there
+    started = time.monotonic()
+    with pytest.raises(ModelNotFoundError, match="cannot be reached"):
+        resolve_model_path("deepseek-ai/not-cached-here")
+    assert time.monotonic() - started < 10
+
+
+def test_lora_targets_that_match_nothing_list_the_names(tiny_llama):
+    from sft.model import check_lora_targets
+
+    model_args, _, lora_args, _ = parse_args(["--model", str(tiny_llama), "--dataset", DATA, "--lora",
+                                              "--lora_target_modules", "query", "value"])
+    with pytest.raises(ConfigError, match=r"no module of llama.*q_proj.*v_proj"):
+        check_lora_targets(model_args, lora_args)
+
+
+@pytest.mark.slow
+def test_ctrl_c_says_where_it_stopped_and_how_to_resume(tmp_path, tiny_llama):
+    out = tmp_path / "out"
+    args = small_run(tiny_llama, out, tmp_path / "cache", "--max_steps", "10000", "--save_steps", "3")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.Popen([sys.executable, str(REPO / "sft" / "train.py"), *args], env=env,
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "stderr", "w"))
+    assert wait_for(lambda: any(is_complete(p) for p in checkpoint_dirs(out)), 180)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 130
+    err = (tmp_path / "stderr").read_text()
+    assert "Traceback" not in err
+    line = next(x for x in err.splitlines() if "stopped (Ctrl-C) at step" in x)
+    assert "newest complete checkpoint: " in line and "--resume_from_checkpoint true" in line
+    assert not (out / LOCK_NAME).exists()
+
+
+# ---- 6. names users bring from other trainers; one-line errors; one-screen help ------------------------------
+
+def test_other_trainers_names_map_to_ours(tmp_path, capsys):
+    recipe = tmp_path / "llamafactory.yaml"
+    recipe.write_text(f"model_name_or_path: m\ndataset: {DATA}\nfinetuning_type: lora\nlora_rank: 8\n"
+                      "lora_target: q_proj,v_proj\ncutoff_len: 512\ntemplate: deepseekcoder\n")
+    model_args, data_args, lora_args, _ = parse_args(["--config", str(recipe)])
+    assert model_args.model == "m" and lora_args.lora and lora_args.lora_r == 8
+    assert lora_args.lora_target_modules == ["q_proj", "v_proj"] and data_args.max_length == 512
+    assert data_args.template == "deepseek_coder"
+    notes = capsys.readouterr().err
+    assert "note: --cutoff_len is LLaMA-Factory's name for --max_length" in notes
+    _, data_args, _, training_args = parse_args(["--model", "m", "--dataset", DATA, "--sequence_len", "256",
+                                                 "--micro_batch_size", "2", "--num_epochs", "2"])
+    assert (data_args.max_length, training_args.per_device_train_batch_size) == (256, 2)
+    assert training_args.num_train_epochs == 2
+
+
+def test_bad_values_and_unknown_names_are_one_line():
+    with pytest.raises(ConfigError) as bad:
+        parse_args(["--max_steps", "ten"])
+    assert "invalid int value: 'ten'" in str(bad.value) and "\n" not in str(bad.value)
+    with pytest.raises(ConfigError, match=r"--lora_rnk \(did you mean --lora_r\?\)"):
+        parse_args(["--lora_rnk", "8"])
+
+
+def test_help_is_one_screen_and_help_all_lists_everything():
+    def help_text(*flags):
+        result = subprocess.run([sys.executable, str(REPO / "sft" / "train.py"), *flags], capture_output=True,
+                                text=True, timeout=120)
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    short = help_text("--help")
+    assert len(short.splitlines()) <= 70 and max(map(len, short.splitlines())) <= 120
+    for option in ("--model", "--lora_r", "--dataset", "--max_length", "--learning_rate", "--output_dir",
+                   "--resume_from_checkpoint"):
+        assert f"  {option} " in short
+    assert "`true`" in next(line for line in short.splitlines() if "--resume_from_checkpoint" in line)
+    assert len(help_text("--help", "all").splitlines()) > 300
+
+
+@pytest.mark.slow
+def test_deepseek_sft_train_exits_with_our_code_and_nothing_more(tmp_path):
+    """`accelerate launch` adds its launcher's traceback after our error line; `deepseek-sft train` does not."""
+    result = subprocess.run([str(Path(sys.executable).with_name("deepseek-sft")), "train", "--num_processes", "1",
+                             "--model", str(tmp_path / "missing"), "--dataset", DATA], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == [f"error: --model {tmp_path / 'missing'}: no such directory ({tmp_path / 'missing'}). Give a "
+                     f"local model directory or a hub id such as deepseek-ai/deepseek-llm-7b-base."], result.stderr
