@@ -16,6 +16,7 @@ from dataclasses import MISSING, dataclass, fields
 from transformers import HfArgumentParser
 
 from sft.errors import ConfigError
+from sft.machine import launch
 
 
 @dataclass(frozen=True)
@@ -74,10 +75,6 @@ COMMON_TRAINING = ("output_dir", "num_train_epochs", "max_steps", "per_device_tr
                    "save_total_limit", "resume_from_checkpoint", "seed", "report_to")
 
 
-def is_main_launch_process() -> bool:
-    return int(os.environ.get("RANK", "0")) == 0
-
-
 def apply_aliases(argv: list[str], template_names: tuple[str, ...] = ()) -> list[str]:
     """Rewrite other trainers' option names (and values) to ours; one note per rewrite, from rank 0 only."""
     out: list[str] = []
@@ -116,7 +113,7 @@ def _note_template(theirs: str) -> str:
 
 
 def _note(text: str) -> None:
-    if is_main_launch_process():
+    if launch().first:
         print(f"note: {text}", file=sys.stderr, flush=True)
 
 

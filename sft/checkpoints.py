@@ -131,9 +131,9 @@ def rotate(output_dir: str | Path, limit: int | None, keep: str | None = None) -
 
 def launch_command(argv: list[str] | None) -> list[str]:
     """The command line that started this run, as the user typed it (the launcher's, under accelerate/torchrun)."""
-    from sft.interrupts import launched
+    from sft.machine import launch
 
-    if launched():
+    if launch().launched:
         try:  # under a launcher our parent is `accelerate launch ...` or `torchrun ...`: repeat its command
             raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
             words = [w.decode() for w in raw if w]

@@ -15,7 +15,6 @@ from transformers import TrainingArguments
 
 from sft.argv import COMMON_TRAINING, Parser, apply_aliases, help_requested, short_help, unknown_options_message
 from sft.errors import ConfigError
-from sft.lowbit import LOW_BIT_OPTIMIZERS
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL = "tiny-deepseek"  # the embedded default, built from its config by sft/tiny.py
@@ -69,7 +68,12 @@ class LoraArguments:
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (scaling = alpha / r)."})
     lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input."})
     lora_target_modules: list[str] | None = field(default=None, metadata={
-        "help": "Module names to adapt; default: every attention and MLP projection of the model's family."})
+        "help": "Module names to adapt; default: every attention and MLP projection of the model's family (on "
+                "DeepSeek MoE models gate_proj/up_proj/down_proj mean the dense layers' MLP and shared experts)."})
+    lora_experts: bool = field(default=False, metadata={
+        "help": "DeepSeek-V2/V3 (MoE): also adapt the routed experts (LoRA on the fused expert weights). Without "
+                "it a MoE LoRA adapts the MLA projections, the dense layers' MLP and the shared experts; the "
+                "router is never adapted."})
 
 
 @dataclass
@@ -255,8 +259,8 @@ def resume_requested(value) -> str | None:
 
 
 def validate(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraArguments,
-             training_args: SFTTrainingArguments) -> None:
-    """Combinations that cannot work, caught before anything is loaded."""
+             training_args: SFTTrainingArguments, machine=None) -> None:
+    """Combinations that cannot work, caught before anything is loaded (`machine`: see validate_setup)."""
     from sft.formats import FORMATS
     from sft.templates import TEMPLATE_NAMES
 
@@ -288,7 +292,7 @@ def validate(model_args: ModelArguments, data_args: DataArguments, lora_args: Lo
     flex = model_args.attn_implementation == "flex_attention"
     if data_args.pad_to_multiple_of is None and data_args.packing and flex:
         data_args.pad_to_multiple_of = data_args.max_length  # every new shape would compile flex's kernels again
-    validate_setup(model_args, data_args, lora_args, training_args)
+    validate_setup(model_args, data_args, lora_args, training_args, machine)
 
 
 # ---- combinations that need the hardware, the launcher or the DeepSpeed config (sft/config.py's last checks) --
@@ -300,161 +304,13 @@ def training_arguments_message(message: str) -> str:
     return f"invalid training options: {message}"
 
 
-def _deepspeed_config(training_args) -> dict:
-    hf_config = getattr(training_args, "hf_deepspeed_config", None)
-    return hf_config.config if hf_config is not None else {}
-
-
-def _env_true(name: str) -> bool:
-    import os
-
-    return os.environ.get(name, "false").lower() in ("1", "true", "yes")
-
-
-
-
-def low_precision_full_fine_tune(model_args: ModelArguments, lora_args: LoraArguments, training_args) -> None:
-    """Full fine-tuning keeps fp32 master weights (--dtype auto) OR trains bf16 weights with an optimizer that
-    rounds its update stochastically (torchao's 8/4-bit AdamW with bf16_stochastic_round=True): plain bf16
-    AdamW loses every update smaller than bf16's spacing. The bf16 plan is how a 7B full fine-tune fits 24 GB
-    cards without offload (FSDP: ~6 bytes per parameter over the GPUs; bench/RESULTS.md)."""
-    import importlib.util
-
-    if lora_args.lora or model_args.dtype in ("auto", "float32"):
-        return
-    recipe = ("--dtype bfloat16 --optim adamw_torch_8bit --optim_args bf16_stochastic_round=True (torchao)")
-    if model_args.dtype == "float16":
-        raise ConfigError("--dtype float16 without --lora: full fine-tuning needs fp32 master weights (--dtype "
-                          f"auto with --fp16) or bf16 weights with stochastic rounding: {recipe}.")
-    optim = getattr(training_args.optim, "value", training_args.optim)
-    rounds = "bf16_stochastic_round=true" in (training_args.optim_args or "").replace(" ", "").lower()
-    if optim not in LOW_BIT_OPTIMIZERS or not rounds:  # torchao, with bf16_stochastic_round
-        raise ConfigError(f"--dtype bfloat16 without --lora with --optim {optim} "
-                          f"{('--optim_args ' + training_args.optim_args) if training_args.optim_args else ''}: "
-                          f"plain bf16 AdamW silently drops small updates. Use {recipe}, or --dtype auto "
-                          f"(fp32 master weights).")
-    if importlib.util.find_spec("torchao") is None:
-        raise ConfigError(f"--optim {optim} needs torchao: pip install torchao.")
-    if training_args.bf16 and (training_args.fsdp or _env_true("ACCELERATE_USE_FSDP")):
-        raise ConfigError("--bf16 with --dtype bfloat16 under FSDP: accelerate would upcast the weights to fp32 "
-                          "master weights (twice the memory). The weights are already bf16: drop --bf16.")
-
-
 def validate_setup(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraArguments,
-                   training_args: SFTTrainingArguments) -> None:
-    """Checks against this machine, the launcher's settings (accelerate exports them as ACCELERATE_* variables)
-    and the DeepSpeed JSON; each says what to do instead."""
-    import importlib.util
-    import os
+                   training_args: SFTTrainingArguments, machine=None) -> None:
+    """Checks against the machine, the launcher's settings and the DeepSpeed JSON (sft/checks.py, one named check
+    per rule); `machine`: this one unless given (tests describe one as data)."""
+    from sft.checks import Options, apply_setup_defaults, run_checks
+    from sft.machine import machine as this_machine
 
-    import torch
-
-    cuda = torch.cuda.is_available()
-    gpus = torch.cuda.device_count() if cuda else 0
-    ds = _deepspeed_config(training_args)
-    zero = ds.get("zero_optimization", {}) if isinstance(ds.get("zero_optimization"), dict) else {}
-    zero_stage = zero.get("stage", os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"))
-    offload = [k for k in ("offload_optimizer", "offload_param")
-               if str((zero.get(k) or {}).get("device", "none")).lower() in ("cpu", "nvme")]
-    offload += [k for k in ("OPTIMIZER", "PARAM")
-                if os.environ.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{k}_DEVICE", "none") in ("cpu", "nvme")]
-
-    # Our own options.
-    if training_args.verify_saves not in ("auto", "all", "final", "no"):
-        raise ConfigError(f"--verify_saves {training_args.verify_saves!r}: use auto, all, final or no.")
-    if training_args.nan_policy not in ("stop", "skip"):
-        raise ConfigError(f"--nan_policy {training_args.nan_policy!r}: use stop or skip.")
-    if training_args.loss_spike_factor < 0 or 0 < training_args.loss_spike_factor <= 1:
-        raise ConfigError(f"--loss_spike_factor {training_args.loss_spike_factor}: give a factor above 1, or 0 "
-                          f"to turn spike warnings off.")
-
-    skip = training_args.activation_checkpointing_skip_layers
-    if skip < 0:
-        raise ConfigError(f"--activation_checkpointing_skip_layers {skip}: give a number of layers (0 or more).")
-    if skip and not training_args.activation_checkpointing:
-        raise ConfigError(f"--activation_checkpointing_skip_layers {skip} needs --activation_checkpointing true "
-                          f"(it leaves some layers out of the checkpointing).")
-    if skip and (training_args.fsdp or _env_true("ACCELERATE_USE_FSDP")) and not lora_args.lora:
-        raise ConfigError("--activation_checkpointing_skip_layers: a full fine-tune under FSDP uses FSDP's own "
-                          "activation checkpointing of every layer; drop the option.")
-
-    # Precision. (--bf16 without hardware support is refused while parsing: see training_arguments_message.)
-    if training_args.fp16 and not cuda:
-        raise ConfigError("--fp16 needs a GPU (fp16 autocast with a loss scaler); on this machine drop --fp16 "
-                          "and train in fp32.")
-    if model_args.dtype == "bfloat16" and cuda and not torch.cuda.is_bf16_supported():
-        raise ConfigError("--dtype bfloat16: this GPU has no bf16; use --dtype float16 with --lora, or float32.")
-    low_precision_full_fine_tune(model_args, lora_args, training_args)
-
-    # Quantized base weights (QLoRA), if an option for them exists: ZeRO-3 cannot shard 4/8-bit weights.
-    quantized = [k for k in ("load_in_4bit", "load_in_8bit", "qlora") if getattr(model_args, k, False)]
-    if quantized and str(zero_stage) == "3":
-        raise ConfigError(f"--{quantized[0]} with DeepSpeed ZeRO-3: quantized base weights cannot be partitioned. "
-                          f"Use DDP (accelerate_configs/ddp.yaml) or ZeRO-2 (accelerate_configs/zero2.yaml).")
-
-    # Sharding and offload exist to save GPU memory; without GPUs they are either silently ignored or pointless.
-    if not cuda:
-        if training_args.fsdp or _env_true("ACCELERATE_USE_FSDP"):
-            raise ConfigError("FSDP needs GPUs: on a machine without them accelerate silently runs plain DDP "
-                              "instead. Drop --fsdp / the FSDP accelerate config, or run on GPUs.")
-        if offload:
-            raise ConfigError(f"DeepSpeed {' and '.join(sorted(set(o.lower() for o in offload)))} offload moves "
-                              f"GPU state to host memory, and this machine has no GPU. Remove the offload "
-                              f"section (ZeRO itself runs on CPU), or run on GPUs.")
-
-    # Attention kernels.
-    attn = model_args.attn_implementation
-    if attn.startswith("flash_attention"):
-        package = "flash_attn_interface" if attn == "flash_attention_3" else "flash_attn"
-        if not cuda or importlib.util.find_spec(package) is None:
-            raise ConfigError(f"--attn_implementation {attn} needs a GPU and the `{package}` package "
-                              f"({'no GPU here' if not cuda else 'not installed'}). Use sdpa (it also separates "
-                              f"packed documents).")
-    if attn == "flex_attention" and not cuda:
-        raise ConfigError("--attn_implementation flex_attention cannot train on CPU (no backward there); use sdpa.")
-
-    # Processes and GPUs.
-    local_processes = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    if cuda and local_processes > gpus:
-        raise ConfigError(f"{local_processes} processes on this machine but {gpus} GPU(s): launch with "
-                          f"`accelerate launch --num_processes {gpus}` (or `torchrun --nproc_per_node {gpus}`).")
-
-    # Tensor parallel: accelerate refuses it on CPU; transformers' Trainer (5.x) refuses checkpoints with optimizer
-    # state for a model sharded at load time, so `save_only_model` is set and sft/tensor_parallel.py adds the rest.
-    if model_args.tp_size > 1:
-        if not cuda:
-            raise ConfigError(f"--tp_size {model_args.tp_size} needs GPUs: accelerate refuses tensor parallelism on "
-                              f"CPU. Drop --tp_size (DDP over gloo trains on CPU), or run on GPUs.")
-        if lora_args.lora:  # peft's LoRA layers wrap the sharded linears and fail at the first step (seen on CPU)
-            raise ConfigError(f"--lora with --tp_size {model_args.tp_size}: peft's LoRA layers do not handle "
-                              f"transformers' tensor-parallel shards. LoRA of a 7B model fits one 24 GB card: "
-                              f"use accelerate_configs/ddp.yaml (a replica per GPU) without --tp_size.")
-        if training_args.use_liger_kernel:  # seen on GPUs: its loss multiplies activations by the sharded lm_head
-            raise ConfigError(f"--use_liger_kernel with --tp_size {model_args.tp_size}: Liger's fused loss cannot "
-                              f"take the tensor-parallel lm_head (\"mixed torch.Tensor and DTensor\" at the first "
-                              f"step). Drop one of them.")
-        if getattr(training_args.save_strategy, "value", training_args.save_strategy) != "no":
-            training_args.save_only_model = True
-
-    # The launcher's accelerate config, the DeepSpeed JSON and the Trainer's flags must agree.
-    mismatches = getattr(getattr(training_args, "hf_deepspeed_config", None), "mismatches", None) or []
-    if mismatches:
-        found = "; ".join(m.lstrip("- ") for m in mismatches)
-        raise ConfigError(f"the DeepSpeed config {training_args.deepspeed} disagrees with the Trainer's options "
-                          f"({found}). Set those DeepSpeed values to \"auto\" (filled from the Trainer's options) "
-                          f"or give matching flags.")
-    launcher_precision = os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
-    ours = "bf16" if training_args.bf16 else "fp16" if training_args.fp16 else None
-    if ours and launcher_precision not in ("no", ours):
-        raise ConfigError(f"the accelerate config says mixed_precision: {launcher_precision} but the command line "
-                          f"says --{ours}: make them agree (or drop one; the other is then used).")
-    launcher_accumulation = os.environ.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
-    if launcher_accumulation and int(launcher_accumulation) != training_args.gradient_accumulation_steps:
-        raise ConfigError(f"the accelerate config says gradient_accumulation_steps: {launcher_accumulation} but the "
-                          f"Trainer uses --gradient_accumulation_steps {training_args.gradient_accumulation_steps}: "
-                          f"give the same value to both.")
-    launcher_ds = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
-    if (launcher_ds and training_args.deepspeed and isinstance(training_args.deepspeed, str)
-            and os.path.realpath(launcher_ds) != os.path.realpath(training_args.deepspeed)):
-        raise ConfigError(f"two DeepSpeed configs: the accelerate config names {launcher_ds}, --deepspeed names "
-                          f"{training_args.deepspeed}. Keep one.")
+    options, m = Options.of(model_args, data_args, lora_args, training_args), machine or this_machine()
+    run_checks(options, m)
+    apply_setup_defaults(options, m)

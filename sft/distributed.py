@@ -33,7 +33,9 @@ class NcclDecision:
 
 def is_first_process() -> bool:
     """Rank 0 of the launch, from the launcher's environment: usable before the process group exists."""
-    return int(os.environ.get("RANK", "0")) == 0
+    from sft.machine import launch
+
+    return launch().first
 
 
 def end_process_group() -> bool:

@@ -19,6 +19,8 @@ import sys
 import threading
 import time
 
+from sft.machine import launch
+
 PR_SET_PDEATHSIG = 1
 SIGTERM_MARK = "SIGTERM"  # the KeyboardInterrupt argument that tells SIGTERM from Ctrl-C
 
@@ -33,15 +35,9 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
-def launched() -> bool:
-    """Started by a launcher, not directly by the user's shell: torchrun (and accelerate's multi-process launches)
-    set LOCAL_RANK; accelerate's one-process launch sets only its ACCELERATE_* variables."""
-    return "LOCAL_RANK" in os.environ or "ACCELERATE_DYNAMO_BACKEND" in os.environ
-
-
 def end_with_launcher() -> None:
     """Under a launcher: receive SIGTERM when the launcher process exits, however it died."""
-    if not launched():
+    if not launch().launched:
         return
     parent = os.getppid()
     try:

@@ -1,15 +1,16 @@
 """Config validation before any model loads: each bad combination is one line (exit code 2) that says what to
-do instead. GPU-dependent checks run against a faked torch.cuda, since this box has no GPU."""
+do instead. Checks that depend on the machine or the launch run against a machine described as data
+(sft/machine.py), since this box has no GPU."""
 
 from __future__ import annotations
 
 import json
 
 import pytest
-import torch
 
 from conftest import REPO
 from sft.config import ConfigError, parse_args, validate, validate_setup
+from sft.machine import Launch, Machine
 
 DATA = str(REPO / "data" / "alpaca_demo.json")
 
@@ -24,14 +25,16 @@ def refused(*extra: str) -> str:
     return str(e.value)
 
 
-@pytest.fixture
-def gpus(monkeypatch):
-    """Pretend this machine has `n` GPUs (bf16 capable unless said otherwise)."""
-    def fake(n: int, bf16: bool = True):
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: n > 0)
-        monkeypatch.setattr(torch.cuda, "device_count", lambda: n)
-        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: bf16)
-    return fake
+def box(gpus: int = 0, bf16: bool = True, **launch) -> Machine:
+    """A machine with `gpus` 24 GB cards (bf16 capable unless said otherwise), launched as `launch` says."""
+    return Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * gpus, gpu_memory_gib=(23.5,) * gpus,
+                   bf16=bf16 and gpus > 0, host_ram_gib=64, host_ram_available_gib=60, launch=Launch(**launch))
+
+
+def refused_on(machine: Machine, *extra: str) -> str:
+    with pytest.raises(ConfigError) as e:
+        validate_setup(*parse(*extra), machine=machine)
+    return str(e.value)
 
 
 def test_precision_the_hardware_lacks():
@@ -39,20 +42,16 @@ def test_precision_the_hardware_lacks():
     assert "drop --fp16" in refused("--fp16", "true")
 
 
-def test_bf16_weights_on_a_gpu_without_bf16(gpus):
-    args = parse("--lora", "--dtype", "bfloat16")
-    gpus(1, bf16=False)
-    with pytest.raises(ConfigError, match="no bf16"):
-        validate_setup(*args[:3], args[3])
+def test_bf16_weights_on_a_gpu_without_bf16():
+    assert "no bf16" in refused_on(box(1, bf16=False), "--lora", "--dtype", "bfloat16")
+    validate_setup(*parse("--lora", "--dtype", "bfloat16"), machine=box(1))
 
 
-def test_fsdp_and_offload_on_cpu(monkeypatch):
+def test_fsdp_and_offload_on_cpu():
     assert "FSDP needs GPUs" in refused("--fsdp", "full_shard")
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    assert "FSDP needs GPUs" in refused()
-    monkeypatch.delenv("ACCELERATE_USE_FSDP")
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE", "cpu")
-    assert "offload" in refused()
+    assert "FSDP needs GPUs" in refused_on(box(0, fsdp=True))
+    assert "offload" in refused_on(box(0, offload=("optimizer",)))
+    validate_setup(*parse(), machine=box(2, fsdp=True, offload=("optimizer",)))
 
 
 def test_deepspeed_offload_json_on_cpu():
@@ -66,14 +65,10 @@ def test_attention_that_cannot_train_here():
     assert "separates packed documents" in refused("--attn_implementation", "paged|sdpa", "--packing", "true")
 
 
-def test_more_processes_than_gpus(gpus, monkeypatch):
-    args = parse()
-    gpus(2)
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    with pytest.raises(ConfigError, match="3 processes on this machine but 2 GPU.*--num_processes 2"):
-        validate_setup(*args[:3], args[3])
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    validate_setup(*args[:3], args[3])
+def test_more_processes_than_gpus():
+    message = refused_on(box(2, local_world_size=3, world_size=3))
+    assert "3 processes on this machine but 2 GPU" in message and "--num_processes 2" in message
+    validate_setup(*parse(), machine=box(2, local_world_size=2, world_size=2))
 
 
 def test_deepspeed_json_fixed_values_must_match_the_trainer(tmp_path):
@@ -86,34 +81,28 @@ def test_deepspeed_json_fixed_values_must_match_the_trainer(tmp_path):
     parse("--deepspeed", str(config), "--per_device_train_batch_size", "8")  # agreeing values pass
 
 
-def test_launcher_settings_must_match_the_trainer(gpus, monkeypatch, tmp_path):
-    monkeypatch.setenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS", "4")
-    assert "gradient_accumulation_steps: 4" in refused("--gradient_accumulation_steps", "2")
-    parse("--gradient_accumulation_steps", "4")
-    monkeypatch.delenv("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+def test_launcher_settings_must_match_the_trainer(tmp_path):
+    accumulating = box(1, gradient_accumulation_steps=4)
+    assert "gradient_accumulation_steps: 4" in refused_on(accumulating, "--gradient_accumulation_steps", "2")
+    validate_setup(*parse("--gradient_accumulation_steps", "4"), machine=accumulating)
 
     a, b = tmp_path / "a.json", tmp_path / "b.json"
     for path in (a, b):
         path.write_text(json.dumps({"train_micro_batch_size_per_gpu": "auto", "zero_optimization": {"stage": 2}}))
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(a))
-    assert "two DeepSpeed configs" in refused("--deepspeed", str(b))
-    monkeypatch.delenv("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+    assert "two DeepSpeed configs" in refused_on(box(0, deepspeed_config_file=str(a)), "--deepspeed", str(b))
 
     args = parse()
     args[3].bf16 = True  # as parsed on a bf16 GPU
-    gpus(1)
-    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
     with pytest.raises(ConfigError, match="mixed_precision: fp16 but the command line says --bf16"):
-        validate_setup(*args[:3], args[3])
+        validate_setup(*args, machine=box(1, mixed_precision="fp16"))
 
 
-def test_quantized_base_with_zero3(monkeypatch):
+def test_quantized_base_with_zero3():
     """No QLoRA option exists yet; the check fires for any of the usual names as soon as one is added."""
     model_args, data_args, lora_args, training_args = parse("--lora")
     model_args.load_in_4bit = True
-    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
     with pytest.raises(ConfigError, match="ZeRO-3.*ZeRO-2"):
-        validate_setup(model_args, data_args, lora_args, training_args)
+        validate_setup(model_args, data_args, lora_args, training_args, machine=box(2, zero_stage="3"))
 
 
 def test_our_options():
@@ -131,15 +120,13 @@ def test_train_prints_one_line_and_exits_2(capsys, tmp_path):
     assert err.startswith("error: --fp16") and "\n" not in err and "Traceback" not in err
 
 
-def test_flex_attention_pads_packed_rows_to_one_shape(gpus):
+def test_flex_attention_pads_packed_rows_to_one_shape():
     """flex_attention compiles its kernels per shape: packed rows are padded to --max_length unless told."""
     model_args, data_args, lora_args, training_args = parse("--packing", "true", "--max_length", "512")
     assert data_args.pad_to_multiple_of is None  # sdpa: the batch's longest row
-    gpus(1)
     model_args.attn_implementation = "flex_attention"
-    validate(model_args, data_args, lora_args, training_args)
+    validate(model_args, data_args, lora_args, training_args, machine=box(1))
     assert data_args.pad_to_multiple_of == 512
-    gpus(0)
     assert parse("--pad_to_multiple_of", "64")[1].pad_to_multiple_of == 64
     assert "positive" in refused("--pad_to_multiple_of", "0")
 
@@ -148,17 +135,13 @@ def test_tensor_parallel_needs_gpus():
     assert "needs GPUs" in refused("--tp_size", "2")  # accelerate's ParallelismConfig refuses MULTI_CPU
 
 
-def test_tensor_parallel_checkpoints_skip_the_trainers_optimizer_saving(gpus):
+def test_tensor_parallel_checkpoints_skip_the_trainers_optimizer_saving():
     """transformers' Trainer refuses checkpoints with its own optimizer state for a model sharded at load time
     (seen on GPUs): a TP run sets save_only_model, and sft/tensor_parallel.py saves the optimizer state itself."""
     def tp_validated(*extra: str):
         model_args, data_args, lora_args, training_args = parse(*extra)  # parsed without GPUs, then "on 2 GPUs"
-        gpus(2)
         model_args.tp_size = 2
-        try:
-            validate(model_args, data_args, lora_args, training_args)
-        finally:
-            gpus(0)
+        validate(model_args, data_args, lora_args, training_args, machine=box(2))
         return training_args
 
     assert tp_validated("--save_strategy", "steps").save_only_model
@@ -169,3 +152,16 @@ def test_tensor_parallel_checkpoints_skip_the_trainers_optimizer_saving(gpus):
         tp_validated("--use_liger_kernel", "true")  # seen on 2 H200s: mixed torch.Tensor and DTensor
     with pytest.raises(ConfigError, match="--lora with --tp_size 2.*ddp.yaml"):
         tp_validated("--lora")  # peft on the TP shards: a shape error at the first step (seen on CPU over gloo)
+
+
+def test_every_check_is_named_and_takes_the_machine_as_data():
+    """One function per rule, in one list; each refuses on a machine described as data, none reads torch."""
+    from sft.checks import CHECKS
+
+    assert len({c.__name__ for c in CHECKS}) == len(CHECKS) >= 10
+    laptop, box3 = box(0), box(3, world_size=3, local_world_size=3)
+    args = parse()
+    args[0].attn_implementation = "flex_attention"
+    with pytest.raises(ConfigError, match="flex_attention cannot train on CPU"):
+        validate_setup(*args, machine=laptop)
+    validate_setup(*args, machine=box3)

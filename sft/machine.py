@@ -1,0 +1,95 @@
+"""The machine and the launch, read once: GPUs, bf16, host RAM, processes and what the launcher set up.
+
+Checks (sft/checks.py) and plans take a `Machine` as plain data, so a test describes a 3 x 24 GB box, or a CPU
+laptop, without patching torch or the environment. `launch()` reads only the environment (cheap, usable before
+torch is imported); `machine()` adds what torch and psutil say.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+
+GIB = 2**30
+
+
+def _true(value: str | None) -> bool:
+    return (value or "false").lower() in ("1", "true", "yes")
+
+
+@dataclass(frozen=True)
+class Launch:
+    """The processes and what the launcher set up: torchrun sets the ranks, accelerate exports its config file's
+    settings as ACCELERATE_* variables (and sets ACCELERATE_DYNAMO_BACKEND even for one process)."""
+
+    world_size: int = 1
+    local_world_size: int = 1
+    rank: int = 0
+    launched: bool = False                        # by accelerate launch / torchrun, not the user's shell
+    fsdp: bool = False                            # ACCELERATE_USE_FSDP
+    zero_stage: str | None = None                 # ACCELERATE_DEEPSPEED_ZERO_STAGE
+    offload: tuple[str, ...] = ()                 # "optimizer"/"param" offloaded to cpu/nvme by the accelerate config
+    deepspeed_config_file: str | None = None      # ACCELERATE_DEEPSPEED_CONFIG_FILE
+    mixed_precision: str = "no"                   # ACCELERATE_MIXED_PRECISION
+    gradient_accumulation_steps: int | None = None
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+
+@dataclass(frozen=True)
+class Machine:
+    gpu_names: tuple[str, ...] = ()
+    gpu_memory_gib: tuple[float, ...] = ()
+    bf16: bool = False                            # every visible GPU computes in bf16 (Ampere or newer)
+    host_ram_gib: float = 0.0                     # SFT_HOST_RAM_GIB when set (VMs whose RAM grows on demand)
+    host_ram_available_gib: float = 0.0
+    launch: Launch = field(default_factory=Launch)
+
+    @property
+    def gpus(self) -> int:
+        return len(self.gpu_names)
+
+    @property
+    def cuda(self) -> bool:
+        return self.gpus > 0
+
+
+def read_launch(env: os._Environ | dict = os.environ) -> Launch:
+    world = int(env.get("WORLD_SIZE", "1"))
+    offload = tuple(k.lower() for k in ("OPTIMIZER", "PARAM")
+                    if env.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{k}_DEVICE", "none") in ("cpu", "nvme"))
+    accumulation = env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
+    return Launch(world_size=world, local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
+                  rank=int(env.get("RANK", "0")),
+                  launched="LOCAL_RANK" in env or "ACCELERATE_DYNAMO_BACKEND" in env,
+                  fsdp=_true(env.get("ACCELERATE_USE_FSDP")), zero_stage=env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"),
+                  offload=offload, deepspeed_config_file=env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"),
+                  mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", "no"),
+                  gradient_accumulation_steps=int(accumulation) if accumulation else None)
+
+
+@functools.lru_cache(maxsize=1)
+def launch() -> Launch:
+    """This process's launch facts (environment only)."""
+    return read_launch()
+
+
+@functools.lru_cache(maxsize=1)
+def machine() -> Machine:
+    """This machine, read once per process (CUDA is initialised here if it is not already)."""
+    import psutil
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    properties = [torch.cuda.get_device_properties(i) for i in range(count)]
+    memory = psutil.virtual_memory()
+    total, available = memory.total / GIB, memory.available / GIB
+    if os.environ.get("SFT_HOST_RAM_GIB"):
+        total = available = float(os.environ["SFT_HOST_RAM_GIB"])
+    return Machine(gpu_names=tuple(p.name for p in properties),
+                   gpu_memory_gib=tuple(p.total_memory / GIB for p in properties),
+                   bf16=bool(count) and torch.cuda.is_bf16_supported(), host_ram_gib=total,
+                   host_ram_available_gib=available, launch=launch())
