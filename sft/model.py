@@ -7,22 +7,79 @@ weights stay fp32 (peft's default).
 
 from __future__ import annotations
 
+import functools
 import os
 import types
+from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
 
 from sft.config import TINY_MODEL, LoraArguments, ModelArguments
-from sft.families import family_of
+from sft.errors import ConfigError, ModelNotFoundError
+from sft.families import MLP_PROJECTIONS, family_of
 
 
-def resolve_model_path(name: str) -> str:
+@functools.lru_cache(maxsize=None)
+def resolve_model_path(name: str, option: str = "--model") -> str:
+    """A loadable model: the embedded tiny one (built once), a local directory with a config.json, or a hub id
+    that is in the local cache or reachable now. Anything else is a ModelNotFoundError naming what was looked
+    for and where, within seconds (transformers would retry the hub for a minute, then print a traceback)."""
     if name == TINY_MODEL:
         from sft.tiny import ensure_tiny_model
 
         return str(ensure_tiny_model())
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{option} {name}: the directory {path.resolve()} holds no config.json, so it "
+                                     f"is not a saved model (save_pretrained writes one). Give the model's directory "
+                                     f"or a hub id.")
+        return str(path)
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1 or not name.strip("/"):
+        raise ModelNotFoundError(f"{option} {name}: no such directory ({path.resolve()}). Give a local model "
+                                 f"directory or a hub id such as deepseek-ai/deepseek-llm-7b-base.")
+    check_hub_model(name, option)
     return name
+
+
+def check_hub_model(repo_id: str, option: str) -> None:
+    """The hub id is in the local cache, or the hub answers for it now (a 3-second connection test first)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return  # cached: transformers loads it (and checks for updates if online)
+    cache = constants.HF_HUB_CACHE
+    if constants.HF_HUB_OFFLINE:
+        raise ModelNotFoundError(f"{option} {repo_id}: not in the local Hugging Face cache ({cache}), and "
+                                 f"HF_HUB_OFFLINE=1 forbids downloading it. Download it once where there is network "
+                                 f"(`hf download {repo_id}`), or give a local directory.")
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    if not any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        try:
+            socket.create_connection((host, 443), timeout=3).close()
+        except OSError as e:
+            raise ModelNotFoundError(
+                f"{option} {repo_id}: not in the local Hugging Face cache ({cache}) and {host} cannot be reached "
+                f"({e.strerror or e}). Connect to the network, or work offline: give a local directory, or set "
+                f"HF_HUB_OFFLINE=1 to use only the cache.") from None
+    from huggingface_hub import model_info
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        model_info(repo_id, timeout=15)
+    except GatedRepoError:
+        raise ModelNotFoundError(f"{option} {repo_id}: the model is gated; accept its licence on {host} and log in "
+                                 f"(`hf auth login`).") from None
+    except RepositoryNotFoundError:
+        raise ModelNotFoundError(f"{option} {repo_id}: no such model on {host} (or it is private: `hf auth login`). "
+                                 f"Check the name, or give a local directory.") from None
+    except (HfHubHTTPError, OSError) as e:
+        raise ModelNotFoundError(f"{option} {repo_id}: the hub did not answer ({e}). Retry, or set "
+                                 f"HF_HUB_OFFLINE=1 to use only the local cache.") from None
 
 
 def load_config(model_args: ModelArguments):
@@ -32,7 +89,8 @@ def load_config(model_args: ModelArguments):
 
 
 def load_tokenizer(model_args: ModelArguments):
-    source = resolve_model_path(model_args.tokenizer or model_args.model)
+    source = resolve_model_path(*((model_args.tokenizer, "--tokenizer") if model_args.tokenizer else
+                                  (model_args.model, "--model")))
     tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_args.trust_remote_code)
     if tokenizer.pad_token is None:
         # Padding is masked out of attention and labels, so any id works; EOS is the usual choice.
@@ -59,7 +117,7 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
         **tensor_parallel(model_args),
     )
     report_zero3_partitioning(model)
-    model.config.use_cache = False  # a KV cache would let packed documents attend to each other
+    # config.use_cache stays the base's (a saved model must cache in generate): every batch turns it off (Collator)
     if lora_args.lora:
         model = attach_lora(model, lora_args, gradient_checkpointing)
     return model
@@ -85,11 +143,29 @@ def report_zero3_partitioning(model) -> None:
 
 def lora_targets(model, lora_args: LoraArguments) -> tuple[list[str] | str, list[str]]:
     """(target_modules, target_parameters): the user's, else the family's (sft/families.py), else peft's
-    "all-linear" (every linear layer but the LM head)."""
-    if lora_args.lora_target_modules:
-        return lora_args.lora_target_modules, []
+    "all-linear" (every linear layer but the LM head); --lora_experts adds a MoE family's routed experts.
+
+    On the DeepSeek MoE families peft would turn a module target named gate_proj/up_proj/down_proj, and
+    "all-linear", into LoRA on the routed experts alone (sft/families.py says why and what it costs). So there a
+    user's MLP names become the weights of those layers (`gate_proj` -> `gate_proj.weight`, target_parameters),
+    and "all-linear" the family's default plus the routed experts: still never the router."""
     family = family_of(model.config.model_type)
-    return (family.lora_modules, family.lora_parameters) if family else ("all-linear", [])
+    experts = family.expert_parameters if family else []  # only the MoE families have routed experts
+    if getattr(lora_args, "lora_experts", False) and not experts:  # TODO(lead): the LoraArguments field
+        raise ConfigError(f"--lora_experts: {model.config.model_type} models have no routed experts; only the "
+                          f"DeepSeek MoE families (deepseek_v2, deepseek_v3) have.")
+    extra = experts if getattr(lora_args, "lora_experts", False) else []
+    names = lora_args.lora_target_modules or []
+    if [n.lower() for n in names] == ["all-linear"]:
+        if not experts:
+            return "all-linear", []  # peft knows the shorthand only as a string, not as a list's one entry
+        names, extra = [], experts  # every linear layer: the MoE default and the routed experts
+    if not names:
+        return (family.lora_modules, family.lora_parameters + extra) if family else ("all-linear", [])
+    if not experts:
+        return names, []
+    mlp = [n for n in names if n.rsplit(".", 1)[-1] in MLP_PROJECTIONS]
+    return [n for n in names if n not in mlp], [f"{n}.weight" for n in mlp] + extra
 
 
 def attach_lora(model, lora_args: LoraArguments, gradient_checkpointing: bool):
@@ -98,16 +174,41 @@ def attach_lora(model, lora_args: LoraArguments, gradient_checkpointing: bool):
     modules, parameters = lora_targets(model, lora_args)
     dropout = lora_args.lora_dropout
     if parameters and dropout:
-        print(f"LoRA: lora_dropout {dropout} -> 0: peft's LoRA on fused expert weights cannot apply dropout.")
+        print(f"LoRA: lora_dropout {dropout} -> 0: peft cannot apply dropout to LoRA on weights targeted as "
+              f"parameters (the DeepSeek MoE MLP: sft/families.py), and an adapter has one dropout.")
         dropout = 0.0
     config = LoraConfig(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha, lora_dropout=dropout,
                         target_modules=modules, target_parameters=parameters or None, task_type="CAUSAL_LM")
     if gradient_checkpointing:
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
-    model = get_peft_model(model, config)
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+        if "not found" not in str(e) or not lora_args.lora_target_modules:
+            raise
+        raise ConfigError(f"--lora_target_modules {' '.join(lora_args.lora_target_modules)}: no module of "
+                          f"{model.config.model_type} has that name. Its linear layers are named: "
+                          f"{', '.join(linear_names(model))} (or give all-linear).") from None
     if os.environ.get("SFT_PEFT_INPUT_CAST") != "1":  # "1": peft's own casts (bench/lora_variants.sh compares)
         skip_input_casts_under_autocast(model)
     return model
+
+
+def linear_names(model) -> list[str]:
+    """The distinct last names of the model's linear layers: what --lora_target_modules can name."""
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+
+
+def check_lora_targets(model_args: ModelArguments, lora_args: LoraArguments) -> None:
+    """User-given LoRA targets (and --lora_experts) must fit this model: checked on a weightless (meta) copy built
+    from the config, before anything loads."""
+    if not (lora_args.lora and (lora_args.lora_target_modules or lora_args.lora_experts)):
+        return
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = load_config(model_args)
+    with torch.device("meta"):
+        attach_lora(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config), lora_args, False)
 
 
 def _cast_unless_autocast(self, x, dtype: torch.dtype):
