@@ -134,10 +134,11 @@ def tensor_parallel(model_args: ModelArguments) -> dict:
 
 
 def report_zero3_partitioning(model) -> None:
-    from sft.distributed import is_first_process, zero3_partition_report
+    from sft.machine import launch
+    from sft.zero3 import zero3_partition_report
 
     report = zero3_partition_report(model)
-    if report and is_first_process():
+    if report and launch().first:
         print(report, flush=True)
 
 

@@ -31,9 +31,9 @@ from sft.checkpoints import (CompleteRunCheck, ReachedEnd, checkpoint_callback, 
                              newest_complete, resolve_resume, run_is_finished, save_final)
 from sft.config import is_demo_output, parse_args
 from sft.dataset import prepare, read_datasets
-from sft.distributed import (configure_nccl_env, consolidate_fsdp_saves, exit_process, fsdp_callbacks,
-                             fsdp_training_settings, is_first_process, on_main_process, preflight)
+from sft.distributed import configure_nccl_env, exit_process, is_first_process, on_main_process, preflight
 from sft.errors import NothingToDo, UserFacingError
+from sft.fsdp import consolidate_fsdp_saves, fsdp_callbacks, fsdp_training_settings
 from sft.guards import LossSpikeLogger, NonFiniteGuard
 from sft.interrupts import end_with_launcher, exit_code, ignore_further_interrupts, leave_now, signal_name, \
     stop_on_sigterm

@@ -95,7 +95,7 @@ class SaveVerifier:
     def reload(self, path: Path, dtype: torch.dtype, device: torch.device):
         from transformers import AutoModelForCausalLM
 
-        from sft.distributed import zero3_init_disabled
+        from sft.zero3 import zero3_init_disabled
 
         source = self.base_model if self.lora else str(path)
         with zero3_init_disabled():  # one process loads a whole copy: no zero.Init (the other ranks would not join)

@@ -383,7 +383,7 @@ FSDP_LORA_WORKER = textwrap.dedent("""
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    from sft.distributed import remove_checkpoint_wrappers
+    from sft.fsdp import remove_checkpoint_wrappers
 
     dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=int(sys.argv[2]), world_size=2)
     torch.manual_seed(0)
@@ -445,7 +445,7 @@ def test_fsdp_training_settings(monkeypatch, capsys):
     gradients sharded (sync_each_batch) unless the user chose otherwise. Without FSDP nothing changes."""
     from transformers.trainer_pt_utils import AcceleratorConfig
 
-    from sft.distributed import fsdp_training_settings
+    from sft.fsdp import fsdp_training_settings
 
     def args(**kw):
         return SimpleNamespace(activation_checkpointing=True, gradient_checkpointing=True, process_index=0,
@@ -478,7 +478,7 @@ def test_zero3_init_can_be_switched_off_for_a_one_process_reload():
     from transformers.integrations import is_deepspeed_zero3_enabled
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
-    from sft.distributed import zero3_init_disabled
+    from sft.zero3 import zero3_init_disabled
 
     config = HfDeepSpeedConfig(json.loads((DS_CONFIGS / "zero3.json").read_text()))  # sets the global
     try:

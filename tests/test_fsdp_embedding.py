@@ -1,4 +1,4 @@
-"""sft/distributed.py: FSDP2 runs the input embedding's backward without all-gathering its weight, on two gloo
+"""sft/fsdp.py: FSDP2 runs the input embedding's backward without all-gathering its weight, on two gloo
 ranks with raw fully_shard in the units accelerate 1.15 builds (accelerate's FSDP becomes DDP on CPU)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ WORKER = textwrap.dedent("""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    from sft.distributed import skip_embedding_unshard_in_backward
+    from sft.fsdp import skip_embedding_unshard_in_backward
 
     dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=int(sys.argv[2]), world_size=2)
     gathers = [0]
@@ -85,7 +85,7 @@ def test_embedding_backward_without_all_gather_trains_the_same(tmp_path):
 
 
 def test_no_fsdp_callbacks_without_fsdp(monkeypatch):
-    from sft.distributed import fsdp_callbacks
+    from sft.fsdp import fsdp_callbacks
 
     monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     assert fsdp_callbacks() == []

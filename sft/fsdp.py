@@ -1,0 +1,116 @@
+"""FSDP (through accelerate's FSDP2 plugin): the settings it needs before the Trainer exists, the embedding's
+backward without an all-gather, and one consolidated safetensors model at the end."""
+
+from __future__ import annotations
+
+import os
+
+
+def fsdp_launched() -> bool:
+    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes")
+
+
+def fsdp_training_settings(training_args, lora: bool = False) -> None:
+    """Trainer settings that FSDP needs, applied before the Trainer (and its FSDP plugin) is created.
+
+    - Full fine-tuning: `--activation_checkpointing` becomes FSDP's own (FSDP_ACTIVATION_CHECKPOINTING, read by
+      the plugin), as transformers recommends (the Trainer refuses both at once; issue 30404).
+    - LoRA keeps the Trainer's (transformers' per-layer checkpointing, non-reentrant): FSDP's wraps every layer
+      in a CheckpointWrapper, and peft then finds no adapter weights in the state dict (see
+      remove_checkpoint_wrappers), so every CHECKPOINT's adapter was empty and resuming silently restarted from
+      the untrained adapter (seen on 2 x H200). Under FSDP2 each layer is already gathered when its backward
+      recomputes it, so this costs no extra all-gather.
+    - With gradient accumulation, gradients are reduce-scattered after every micro-batch (accelerate's
+      `sync_each_batch`): FSDP2's no-sync mode keeps UNSHARDED gradients between micro-batches on every rank
+      (12.9 GiB in bf16 for 7B), which a 24 GB card cannot hold. An explicit
+      `--accelerator_config '{"gradient_accumulation_kwargs": {"sync_each_batch": false}}'` is kept.
+    """
+    if not fsdp_launched():
+        return
+    notes = []
+    if training_args.activation_checkpointing and not lora:
+        os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = "true"
+        training_args.activation_checkpointing = training_args.gradient_checkpointing = False
+        notes.append("--activation_checkpointing applied as FSDP's activation checkpointing")
+    elif training_args.activation_checkpointing:
+        notes.append("--activation_checkpointing applied as transformers' own (LoRA: FSDP's wrappers would hide "
+                     "the adapter from checkpoint saves)")
+    if training_args.gradient_accumulation_steps > 1:
+        config = training_args.accelerator_config
+        kwargs = dict(config.gradient_accumulation_kwargs or {})
+        if "sync_each_batch" not in kwargs:
+            config.gradient_accumulation_kwargs = {**kwargs, "sync_each_batch": True}
+            notes.append("gradients reduce-scattered after every micro-batch (sync_each_batch: sharded, not "
+                         "full, gradients between micro-batches)")
+    if notes and training_args.process_index == 0:
+        print("FSDP: " + "; ".join(notes), flush=True)
+
+
+def fsdp_callbacks() -> list:
+    """Trainer callbacks of FSDP runs (none otherwise): the embedding's backward without an all-gather."""
+    if not fsdp_launched():
+        return []
+    from transformers import TrainerCallback
+
+    class EmbeddingBackwardWithoutAllGather(TrainerCallback):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            if skip_embedding_unshard_in_backward(model) and args.process_index == 0:
+                print("FSDP: the input embedding's backward runs without gathering its weight", flush=True)
+
+    return [EmbeddingBackwardWithoutAllGather()]
+
+
+def skip_embedding_unshard_in_backward(model) -> bool:
+    """Tell FSDP2 not to all-gather the input embedding again for backward; -> whether it was set.
+
+    accelerate 1.15 shards the input embedding as its own unit (fsdp2_prepare_model), which FSDP2 gathers in
+    forward and, like every unit, again in backward, although an embedding's backward needs only the token ids
+    and the incoming gradient, not the weight. For deepseek-llm-7b that is a 0.78 GiB all-gather per step, and
+    0.78 GiB held (prefetched) during the first decoder layer's backward, near the peak. torch's
+    FSDPModule.set_unshard_in_backward(False) exists for exactly this. Only when the unit holds nothing but
+    nn.Embedding weights, alone (with tied input/output embeddings accelerate puts the embedding in one unit with
+    lm_head, whose weight backward does need)."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+
+    get = getattr(model, "get_input_embeddings", None)
+    embed = get() if get is not None else None
+    if not isinstance(embed, FSDPModule) or not hasattr(embed, "set_unshard_in_backward"):
+        return False
+    output = getattr(model, "get_output_embeddings", lambda: None)()
+    if output is not None and any(p is q for p in embed.parameters() for q in output.parameters()):
+        return False  # tied weights
+    state = embed._get_fsdp_state()
+    sharing = [m for m in model.modules() if isinstance(m, FSDPModule) and m._get_fsdp_state() is state]
+    owners = [m for m in embed.modules() if any(True for _ in m.parameters(recurse=False))]
+    if len(sharing) != 1 or not owners or not all(isinstance(m, torch.nn.Embedding) for m in owners):
+        return False
+    embed.set_unshard_in_backward(False)
+    return True
+
+
+def consolidate_fsdp_saves(trainer) -> None:
+    """Checkpoints stay sharded (fast, no full copy on one rank, resumable); the final model is gathered into
+    one consolidated safetensors model (or adapter) that plain transformers/peft loads. Under a sharded
+    state-dict type, Trainer.save_model would write nothing at all. Call after training and evaluation."""
+    if getattr(trainer, "is_fsdp_enabled", False):
+        trainer.accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")
+        remove_checkpoint_wrappers(trainer.model)  # else a LoRA adapter is saved empty (see below)
+
+
+def remove_checkpoint_wrappers(model) -> int:
+    """Put each activation-checkpointed block back in its parent's place once training is over; -> how many.
+
+    FSDP's activation checkpointing wraps every decoder layer in a CheckpointWrapper, which adds
+    `_checkpoint_wrapped_module.` to module names. The state dict leaves it out, but peft finds a LoRA
+    adapter's keys from the module names (it strips only FSDP1's prefix), matches nothing, and writes an
+    EMPTY adapter: the trl #4416 failure, here under FSDP. Seen on 2 x H200, reproduced on CPU."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    removed = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, CheckpointWrapper):
+                setattr(module, name, child._checkpoint_wrapped_module)
+                removed += 1
+    return removed
