@@ -75,41 +75,36 @@ COMMON_TRAINING = ("output_dir", "num_train_epochs", "max_steps", "per_device_tr
                    "save_total_limit", "resume_from_checkpoint", "seed", "report_to")
 
 
-def apply_aliases(argv: list[str], template_names: tuple[str, ...] = ()) -> list[str]:
+def apply_aliases(argv: list[str]) -> list[str]:
     """Rewrite other trainers' option names (and values) to ours; one note per rewrite, from rank 0 only."""
     out: list[str] = []
     i = 0
     while i < len(argv):
         word = argv[i]
         name, eq, inline = word[2:].partition("=") if word.startswith("--") else ("", "", "")
+        given = [inline] if eq else []
+        end = i + 1
+        while not eq and end < len(argv) and not argv[end].startswith("--"):
+            given.append(argv[end])
+            end += 1
         alias = ALIASES.get(name.replace("-", "_"))
         if alias is None:
-            if name == "template" and not eq and i + 1 < len(argv) and argv[i + 1] in TEMPLATE_NAMES:
-                out += [word, _note_template(argv[i + 1])]
-                i += 2
-                continue
-            out.append(word)
-            i += 1
+            if name == "template" and len(given) == 1 and given[0] in TEMPLATE_NAMES:
+                word, ours = "--template", TEMPLATE_NAMES[given[0]]
+                _note(f"--template {given[0]} is LLaMA-Factory's name: using --template {ours}")
+                out += [word, ours]
+            else:
+                out += argv[i:end]
+            i = end
             continue
-        values = [inline] if eq else []
-        i += 1
-        while not eq and i < len(argv) and not argv[i].startswith("--"):
-            values.append(argv[i])
-            i += 1
-        if alias.value is not None:
-            values = [v for given in values for v in alias.value(given)] if values else alias.value("lora")
-            if not values:
-                _note(f"--{name} {' '.join(argv[i - 1:i])} is {alias.where}'s name: nothing to set here.")
-                continue
+        values = [v for value in given for v in alias.value(value)] if alias.value else given
+        i = end
+        if alias.value and not values:  # e.g. finetuning_type: full, our default
+            _note(f"--{name} {' '.join(given)} ({alias.where}) is this toolkit's default: nothing to set.")
+            continue
         out += [f"--{alias.ours}", *values]
         _note(f"--{name} is {alias.where}'s name for --{alias.ours}: using --{alias.ours} {' '.join(values)}".rstrip())
     return out
-
-
-def _note_template(theirs: str) -> str:
-    ours = TEMPLATE_NAMES[theirs]
-    _note(f"--template {theirs} is LLaMA-Factory's name: using --template {ours}")
-    return ours
 
 
 def _note(text: str) -> None:
