@@ -41,6 +41,7 @@ from sft.lowbit import prepare_optimizer
 from sft.model import PartialCheckpointing, check_lora_targets, load_model, load_tokenizer, resolve_model_path
 from sft.packing import Collator
 from sft.run_lock import RunLock
+from sft.telemetry import EvalPerplexity, GpuTelemetry, RunRecord, run_summary
 from sft.templates import chat_template_for_saving
 from sft.tensor_parallel import TensorParallelTrainer, check_tensor_parallel
 from sft.verify import make_verifier
@@ -134,6 +135,9 @@ def train(run: Run, extra_callbacks: list | None) -> int:
         *([LossSpikeLogger(training_args.loss_spike_factor)] if training_args.loss_spike_factor > 0 else []),
         *([PartialCheckpointing(skip)] if skip else []),
         *fsdp_callbacks(),  # FSDP only: the embedding's backward without an all-gather
+        GpuTelemetry(),  # per-GPU util, memory (nvidia-smi's count), temperature, power: NVML on a thread, rank 0
+        EvalPerplexity(),  # eval_perplexity = exp(eval_loss)
+        RunRecord(),  # last: trainer_log.jsonl as it goes; loss.png and all_results.json at the end (rank 0)
     ]
     trainer_class = TensorParallelTrainer if model_args.tp_size > 1 else Trainer  # TP: checkpoints that resume
     run.trainer = trainer = trainer_class(
@@ -163,6 +167,9 @@ def train(run: Run, extra_callbacks: list | None) -> int:
     save_final(trainer, training_args.output_dir, verifier)  # model or adapter + tokenizer, reloaded, checked
 
     if main_process:
+        summary = run_summary(training_args.output_dir)  # from all_results.json, after the final evaluation
+        if summary:
+            print(summary, flush=True)
         print(closing_lines(training_args.output_dir, lora_args.lora,
                             tensorboard_dir(training_args.output_dir, training_args.report_to)), flush=True)
     return 0
