@@ -4,6 +4,7 @@
     deepseek-sft data [training options]                      # = python -m sft.dataset: prepare, summarise, masks
     deepseek-sft chat OUTPUT_DIR [--prompt TEXT]              # = python -m sft.chat
     deepseek-sft merge ADAPTER_DIR OUTPUT_DIR [--dtype bfloat16]  # = python -m sft.merge
+    deepseek-sft plan --model M [--gpus 3 --gpu_mem 24 --lora]  # = python -m sft.plan: which strategy fits
 
 `train` runs accelerate's own launcher in this process, so that the launch is exactly `accelerate launch`'s, but
 exits with the training's exit code and nothing more: `accelerate launch` itself follows every failed run (even
@@ -86,11 +87,14 @@ def main(argv: list[str] | None = None) -> int:
     if command == "merge":
         from sft.merge import main as merge
         return merge(rest)
+    if command == "plan":
+        from sft.plan import main as plan
+        return plan(rest)
     print(USAGE, file=sys.stderr if command not in ("-h", "--help") else sys.stdout)
     if command in ("-h", "--help"):
         return 0
     print(f"error: {'a command is missing' if not command else f'unknown command {command!r}'}: use train, data, "
-          f"chat or merge.", file=sys.stderr)
+          f"chat, merge or plan.", file=sys.stderr)
     return 2
 
 

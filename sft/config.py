@@ -134,6 +134,9 @@ class SFTTrainingArguments(TrainingArguments):
         "help": "Start over in an --output_dir that holds a run: the old run is moved aside to "
                 "<output_dir>.replaced-<time> (never mixed with the new one). Without it, such a run stops and "
                 "prints the command to resume it."})
+    plan: str = field(default="no", metadata={
+        "help": "auto: set the strategy options the planner predicts fastest on this machine (python -m sft.plan); "
+                "options you give win."})
     activation_checkpointing_skip_layers: int = field(default=0, metadata={
         "help": "With --activation_checkpointing: leave this many of the last decoder layers unchecked, which "
                 "spends spare GPU memory to skip their recomputation (each layer ~1/num_layers of it)."})
@@ -200,9 +203,9 @@ def load_recipe(path: str) -> list[str]:
     return recipe_to_argv(recipe, path)
 
 
-def expand_argv(argv: list[str]) -> list[str]:
+def expand_argv(argv: list[str]) -> tuple[list[str], set[str]]:
     """Recipe first, then the command line (the last value of an option wins); other trainers' names become ours;
-    the demo fills only what the user left out."""
+    the demo fills only what the user left out. -> (argv, the option names the user gave)."""
     recipe: list[str] = []
     rest: list[str] = []
     it = iter(argv)
@@ -219,7 +222,7 @@ def expand_argv(argv: list[str]) -> list[str]:
     if "model" not in given and "dataset" not in given:
         demo = {k: v for k, v in DEMO.items() if k not in given and not given.intersection(DEMO_YIELDS_TO.get(k, ()))}
         argv = recipe_to_argv(demo, "demo") + argv
-    return argv
+    return argv, given
 
 
 def is_demo_output(model_args: ModelArguments, training_args) -> bool:
@@ -237,7 +240,7 @@ def parse_args(argv: list[str] | None = None):
     if wanted:
         print(parser.format_help() if wanted == "all" else short_help(HELP_GROUPS))
         raise SystemExit(0)
-    argv = expand_argv(argv)
+    argv, given = expand_argv(argv)
     try:
         *parsed, unknown = parser.parse_args_into_dataclasses(
             args=argv, look_for_args_file=False, return_remaining_strings=True)
@@ -249,6 +252,12 @@ def parse_args(argv: list[str] | None = None):
         ours = [f.name for cls in PARSER_TYPES[:3] for f in fields(cls)] + list(SFTTrainingArguments.__annotations__)
         raise ConfigError(unknown_options_message(unknown, parser, ours))
     model_args, data_args, lora_args, training_args = parsed
+    if training_args.plan not in ("no", "auto"):
+        raise ConfigError(f"--plan {training_args.plan!r}: use auto (or no).")
+    if training_args.plan == "auto":  # before validate: the options it sets are checked like the user's
+        from sft.plan import fill_options
+
+        training_args.planned = fill_options(model_args, lora_args, data_args, training_args, given=given)
     validate(model_args, data_args, lora_args, training_args)
     return model_args, data_args, lora_args, training_args
 

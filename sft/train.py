@@ -23,6 +23,7 @@ from sft.console import closing_lines, quiet_imports, quiet_libraries, tensorboa
 
 quiet_imports()  # before transformers: importing it loads torchao, a Trainer loads deepspeed (sft/console.py)
 
+import torch
 from transformers import Trainer, set_seed
 from transformers.integrations import TensorBoardCallback
 
@@ -40,6 +41,7 @@ from sft.interrupts import end_with_launcher, exit_code, ignore_further_interrup
 from sft.lowbit import prepare_optimizer
 from sft.model import PartialCheckpointing, check_lora_targets, load_model, load_tokenizer, resolve_model_path
 from sft.packing import Collator
+from sft.plan import prediction_line
 from sft.run_lock import RunLock
 from sft.telemetry import EvalPerplexity, GpuTelemetry, RunRecord, run_summary
 from sft.templates import chat_template_for_saving
@@ -110,8 +112,13 @@ def train(run: Run, extra_callbacks: list | None) -> int:
     tokenizer.chat_template = chat_template_for_saving(data_args.template, tokenizer) or tokenizer.chat_template
     preflight(model_args, lora_args, training_args)  # all-reduce check; host RAM of offload plans
     main_process = training_args.process_index == 0
+    planned = getattr(training_args, "planned", None)  # --plan auto: (options set, the predicted plan)
+    planned = planned if planned and planned[1] else None
     if main_process:
         print(summary, flush=True)
+        if planned:
+            print(f"Plan (--plan auto) set: {' '.join(f'--{k} {v}' for k, v in planned[0].items()) or 'nothing'}\n"
+                  f"{prediction_line(planned[1])}", flush=True)
         print(f"Loading model: {model_args.model}", flush=True)
 
     fsdp_training_settings(training_args, lora_args.lora)  # activation checkpointing; sharded gradients
@@ -167,6 +174,9 @@ def train(run: Run, extra_callbacks: list | None) -> int:
     save_final(trainer, training_args.output_dir, verifier)  # model or adapter + tokenizer, reloaded, checked
 
     if main_process:
+        if planned and torch.cuda.is_available():
+            print(f"Memory: predicted {planned[1].prediction.reserved_gib:.1f} GiB reserved per GPU, measured "
+                  f"{torch.cuda.max_memory_reserved() / 2**30:.1f} GiB", flush=True)
         summary = run_summary(training_args.output_dir)  # from all_results.json, after the final evaluation
         if summary:
             print(summary, flush=True)

@@ -1,0 +1,139 @@
+"""The planner (sft/plan.py) and the strategy table (sft/strategies.py): plans for a described 3 x 24 GB box,
+a local config.json, predicted against every measured bench row, and the command line."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+
+from sft import plan
+from sft.strategies import STRATEGIES, Setup
+
+BOX = plan.Machine(gpus=3, gpu_mem_gib=24)
+
+
+def test_strategy_table_entries_point_at_real_files():
+    assert set(STRATEGIES) == {"single_gpu", "ddp", "zero2", "fsdp", "zero3", "zero3_offload", "tp"}
+    for s in STRATEGIES.values():
+        assert s.accelerate_path.is_file(), s.name
+        assert s.deepspeed_path is None or s.deepspeed_path.is_file(), s.name
+        assert s.checks and all(callable(c) for c in s.checks)
+    assert not STRATEGIES["tp"].recommended
+
+
+def test_state_bytes_full_fine_tune_fp32_masters():
+    n = 1_000_000
+    fsdp = STRATEGIES["fsdp"].state_bytes(n, n, Setup("full", "fp32_master"), world=2)
+    assert fsdp.gpu == pytest.approx(16 * n / 2)  # fp32 weights + gradients + Adam, sharded
+    offload = STRATEGIES["zero3_offload"].state_bytes(n, n, Setup("full", "fp32_master"), world=2)
+    assert offload.gpu == 0 and offload.host > 0
+
+
+def test_7b_lora_on_three_24gb_cards_ddp_with_checkpointing():
+    shape = plan.resolve_shape("deepseek-ai/deepseek-llm-7b-base")
+    plans = plan.enumerate_plans(shape, BOX, "lora", 2048)
+    ddp_ckpt = {p.w.micro_batch: p for p in plans if p.w.strategy == "ddp" and p.w.checkpointing}
+    assert all(ddp_ckpt[mb].fits for mb in (2, 4))
+    best = plan.best_plan(plans)
+    assert best.w.strategy == "ddp" and best.w.checkpointing and best.w.micro_batch in (2, 4)
+    cmd = plan.command(best, "deepseek-ai/deepseek-llm-7b-base", BOX)
+    assert cmd.startswith("accelerate launch --config_file accelerate_configs/ddp.yaml sft/train.py")
+    assert "--lora" in cmd and "--activation_checkpointing" in cmd
+
+
+def test_7b_full_fp32_masters_fits_only_with_offload():
+    shape = plan.resolve_shape("deepseek-llm-7b")
+    plans = [p for p in plan.enumerate_plans(shape, BOX, "full", 2048) if p.w.setup.precision == "fp32_master"]
+    fitting = {p.w.strategy for p in plans if p.fits}
+    assert fitting == {"zero3_offload"}
+    why = next(p for p in plans if p.w.strategy == "fsdp").why_not
+    assert "GiB per card" in why
+    small_host = plan.enumerate_plans(shape, plan.Machine(3, 24, host_ram_gib=64), "full", 2048)
+    assert not any(p.fits for p in small_host if p.w.strategy == "zero3_offload")
+
+
+def test_local_config_dir(tiny_llama):
+    shape = plan.resolve_shape(str(tiny_llama))
+    assert shape.layers == 2 and shape.hidden == 64 and shape.checked == "config.json"
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_llama))
+    assert shape.params() == sum(p.numel() for p in model.parameters())
+    best = plan.best_plan(plan.enumerate_plans(shape, BOX, "full", 256))
+    assert best is not None and best.fits
+
+
+def test_builtin_shapes_match_a_meta_model():
+    """The built-in parameter counts agree with transformers' own models of those shapes (meta device)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    for name in ("deepseek-coder-1.3b", "deepseek-v2-lite"):
+        s = plan.SHAPES[name]
+        kw = dict(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
+                  num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
+                  tie_word_embeddings=s.tied)
+        if s.moe:
+            kw.update(kv_lora_rank=s.kv_lora_rank, q_lora_rank=s.q_lora_rank, qk_nope_head_dim=s.qk_nope,
+                      qk_rope_head_dim=s.qk_rope, v_head_dim=s.v_head, n_routed_experts=s.routed_experts,
+                      n_shared_experts=s.shared_experts, num_experts_per_tok=s.experts_per_token,
+                      moe_intermediate_size=s.moe_intermediate, first_k_dense_replace=s.first_dense)
+        config = AutoConfig.for_model(s.model_type, **kw)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        assert s.params() == pytest.approx(sum(p.numel() for p in model.parameters()), rel=1e-3), name
+
+
+def test_every_measured_row_within_10_percent():
+    """Predicted against measured peak GPU memory for every bench row (so the table cannot rot)."""
+    results = plan.check_rows()
+    assert len(results) >= 30
+    for x in results:
+        assert abs(x["err_reserved"]) <= 0.10, (x["name"], x["run_id"], x["pred_reserved"], x["reserved"])
+        if x["err_smi"] is not None:
+            assert abs(x["err_smi"]) <= 0.10, (x["name"], x["run_id"], x["pred_smi"], x["smi"])
+
+
+def test_fill_options_leaves_given_options_alone(tiny_llama):
+    from sft.machine import Launch, Machine
+
+    m = Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * 3, gpu_memory_gib=(23.99,) * 3, bf16=True,
+                host_ram_gib=128, launch=Launch(world_size=3, local_world_size=3, launched=True))
+    model = SimpleNamespace(model="deepseek-llm-7b", dtype="auto", attn_implementation="sdpa")
+    lora = SimpleNamespace(lora=True, lora_r=16, lora_dropout=0.05)
+    data = SimpleNamespace(max_length=2048)
+    training = SimpleNamespace(per_device_train_batch_size=1, activation_checkpointing=False,
+                               use_liger_kernel=False)
+    done, chosen = plan.fill_options(model, lora, data, training, m, given={"attn_implementation"})
+    assert chosen.w.strategy == "ddp"
+    assert "attn_implementation" not in done and model.attn_implementation == "sdpa"
+    assert training.activation_checkpointing is True and done["per_device_train_batch_size"] in (2, 4)
+    assert lora.lora_dropout == 0.0
+
+
+def test_cli_help_is_one_screen_and_bad_options_one_line():
+    run = lambda *a: subprocess.run([sys.executable, "-m", "sft.plan", *a], capture_output=True, text=True)  # noqa
+    out = run("--help")
+    assert out.returncode == 0 and len(out.stdout.splitlines()) <= 40
+    for bad in (["--bogus"], ["--model", "deepseek-llm-7b", "--gpus", "0"], ["--model", "no-such-model"],
+                ["--model", "deepseek-llm-7b", "--lora", "--qlora"]):
+        out = run(*bad)
+        assert out.returncode == 2 and out.stderr.startswith("error:") and len(out.stderr.splitlines()) == 1, bad
+    out = run("--model", "deepseek-llm-7b", "--lora")
+    assert out.returncode == 0 and "Recommended: accelerate launch" in out.stdout
+
+
+def test_plan_auto_through_the_command_line():
+    """`--plan auto` is parsed, fills only what the user left out, and on a machine without GPUs sets nothing."""
+    from sft.config import parse_args
+
+    data = str(plan.REPO / "data" / "alpaca_demo.json")
+    *_, training = parse_args(["--model", "m", "--dataset", data, "--plan", "auto"])
+    assert training.planned == ({}, None)  # this CPU machine: nothing to plan
+    with pytest.raises(Exception, match="--plan 'sometimes'"):
+        parse_args(["--model", "m", "--dataset", data, "--plan", "sometimes"])
