@@ -232,8 +232,10 @@ def is_demo_output(model_args: ModelArguments, training_args) -> bool:
             Path(training_args.output_dir).resolve() == Path(DEMO["output_dir"]).resolve())
 
 
-def parse_args(argv: list[str] | None = None):
-    """-> (ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments), validated."""
+def parse_args(argv: list[str] | None = None, data_only: bool = False):
+    """-> (ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments), validated. `data_only`: for tools
+    that prepare data and load no model (sft.dataset): precision and the machine are not checked, so a GPU recipe's
+    data can be audited on a laptop (precision does not enter the data)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = Parser(PARSER_TYPES, allow_abbrev=False)  # a typo must not pass as an abbreviation
     wanted = help_requested(argv)
@@ -241,6 +243,8 @@ def parse_args(argv: list[str] | None = None):
         print(parser.format_help() if wanted == "all" else short_help(HELP_GROUPS))
         raise SystemExit(0)
     argv, given = expand_argv(argv)
+    if data_only:
+        argv += ["--bf16", "false", "--fp16", "false"]  # the last value wins; TrainingArguments checks the hardware
     try:
         *parsed, unknown = parser.parse_args_into_dataclasses(
             args=argv, look_for_args_file=False, return_remaining_strings=True)
@@ -258,7 +262,7 @@ def parse_args(argv: list[str] | None = None):
         from sft.plan import fill_options
 
         training_args.planned = fill_options(model_args, lora_args, data_args, training_args, given=given)
-    validate(model_args, data_args, lora_args, training_args)
+    validate(model_args, data_args, lora_args, training_args, check_machine=not data_only)
     return model_args, data_args, lora_args, training_args
 
 
@@ -268,7 +272,7 @@ def resume_requested(value) -> str | None:
 
 
 def validate(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraArguments,
-             training_args: SFTTrainingArguments, machine=None) -> None:
+             training_args: SFTTrainingArguments, machine=None, check_machine: bool = True) -> None:
     """Combinations that cannot work, caught before anything is loaded (`machine`: see validate_setup)."""
     from sft.formats import FORMATS
     from sft.templates import TEMPLATE_NAMES
@@ -301,7 +305,8 @@ def validate(model_args: ModelArguments, data_args: DataArguments, lora_args: Lo
     flex = model_args.attn_implementation == "flex_attention"
     if data_args.pad_to_multiple_of is None and data_args.packing and flex:
         data_args.pad_to_multiple_of = data_args.max_length  # every new shape would compile flex's kernels again
-    validate_setup(model_args, data_args, lora_args, training_args, machine)
+    if check_machine:
+        validate_setup(model_args, data_args, lora_args, training_args, machine)
 
 
 # ---- combinations that need the hardware, the launcher or the DeepSpeed config (sft/config.py's last checks) --

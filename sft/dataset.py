@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = list(sys.argv[1:] if argv is None else argv)
         if not any(a.split("=")[0] == "--show_masks" for a in argv):
             argv += ["--show_masks", "3"]
-        model_args, data_args, _, training_args = parse_args(argv)
+        model_args, data_args, _, training_args = parse_args(argv, data_only=True)
         conversations = read_datasets(data_args, training_args.seed)
         from sft.model import load_tokenizer
 

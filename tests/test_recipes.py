@@ -48,3 +48,14 @@ def test_recipe_parses_and_fits_its_box(recipe: Path):
             target = model_args if hasattr(model_args, key) else training_args
             setattr(target, key, value)
     validate_setup(*args, machine=box(command.group(1)))
+
+
+@pytest.mark.parametrize("recipe", RECIPES[:1], ids=lambda p: p.stem)
+def test_a_gpu_recipes_data_can_be_audited_on_a_laptop(recipe: Path, tmp_path, tiny_llama, capsys):
+    """`python -m sft.dataset --config <recipe>` prepares its data without a GPU (precision does not enter it)."""
+    from sft.dataset import main
+
+    code = main(["--config", str(recipe), "--model", str(tiny_llama), "--dataset", str(REPO / "data" / "alpaca_demo.json"),
+                 "--max_length", "256", "--dataset_cache_dir", str(tmp_path), "--show_masks", "1"])
+    assert code == 0, capsys.readouterr().err
+    assert "trained tokens between [[ and ]]" in capsys.readouterr().out
