@@ -3,6 +3,7 @@ receives, and the run's first screen (RunOverview)."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -34,7 +35,11 @@ def flops_per_token(model, lora: bool) -> float:
 
 
 def full_numel(p) -> int:
-    """Elements of the whole parameter, also when ZeRO-3 has partitioned it (its local numel is then 0)."""
+    """Elements of the whole parameter, also when ZeRO-3 has partitioned it (its local numel is then 0) or
+    bitsandbytes packed it into 4 bits (its storage holds 2 or 4 values per element)."""
+    quant_state = getattr(p, "quant_state", None)
+    if quant_state is not None:
+        return math.prod(quant_state.shape)
     return getattr(p, "ds_numel", None) or p.numel()
 
 

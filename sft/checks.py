@@ -105,9 +105,52 @@ def full_fine_tune_keeps_small_updates(o: Options, m: Machine) -> None:
                           "master weights (twice the memory). The weights are already bf16: drop --bf16.")
 
 
+def qlora(o: Options) -> bool:
+    return o.lora.qlora
+
+
+def qlora_implies_lora(o: Options) -> None:
+    """--qlora trains a LoRA adapter on the 4-bit base: it sets --lora (a full fine-tune of 4-bit weights is not
+    possible; they are frozen). Applied before the checks, which read --lora."""
+    if qlora(o):
+        o.lora.lora = True
+
+
+def qlora_needs(o: Options, m: Machine) -> None:
+    """--qlora: bitsandbytes' 4-bit kernels on a CUDA GPU, under DDP or FSDP (one GPU: no launcher needed)."""
+    if not qlora(o):
+        return
+    if not m.cuda:
+        raise ConfigError("--qlora needs a CUDA GPU (bitsandbytes' 4-bit kernels) and this machine has none. Use "
+                          "--lora here (the same adapter on the unquantized base).")
+    if not installed("bitsandbytes"):
+        raise ConfigError('--qlora needs the bitsandbytes package, which is not installed: pip install -e ".[qlora]"')
+    if o.model.tp_size > 1:
+        raise ConfigError(f"--qlora with --tp_size {o.model.tp_size}: 4-bit weights cannot be split by tensor "
+                          f"parallelism. Drop --tp_size: a 4-bit 7B base fits each 24 GB card "
+                          f"(accelerate_configs/ddp.yaml), or shard it with accelerate_configs/fsdp.yaml.")
+    stage = o.zero_stage(m)
+    if stage is not None and stage != "3":  # ZeRO-3: quantized_base_not_under_zero3
+        raise ConfigError(f"--qlora with DeepSpeed ZeRO-{stage}: not supported (DeepSpeed's engine is not set up "
+                          f"for 4-bit weights), and it would save nothing over DDP: ZeRO-{stage} shards the "
+                          f"optimizer state, which under LoRA is the adapter's few MB. Use "
+                          f"accelerate_configs/ddp.yaml, or accelerate_configs/fsdp.yaml to shard the 4-bit base.")
+
+
+def installed(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
 def quantized_base_not_under_zero3(o: Options, m: Machine) -> None:
-    quantized = [k for k in ("load_in_4bit", "load_in_8bit", "qlora") if getattr(o.model, k, False)]
-    if quantized and o.zero_stage(m) == "3":
+    if o.zero_stage(m) != "3":
+        return
+    if qlora(o):
+        raise ConfigError("--qlora with DeepSpeed ZeRO-3: our ZeRO-3 path partitions the weights as the model is "
+                          "created, and 4-bit weights cannot be partitioned that way. Use DDP "
+                          "(accelerate_configs/ddp.yaml: a 4-bit 7B base fits each 24 GB card) or FSDP "
+                          "(accelerate_configs/fsdp.yaml: shards the 4-bit weights, stored as bf16).")
+    quantized = [k for k in ("load_in_4bit", "load_in_8bit") if getattr(o.model, k, False)]
+    if quantized:
         raise ConfigError(f"--{quantized[0]} with DeepSpeed ZeRO-3: quantized base weights cannot be partitioned. "
                           f"Use DDP (accelerate_configs/ddp.yaml) or ZeRO-2 (accelerate_configs/zero2.yaml).")
 
@@ -191,12 +234,13 @@ def launcher_agrees(o: Options, m: Machine) -> None:
 
 CHECKS: list[Callable[[Options, Machine], None]] = [
     our_option_values, partial_checkpointing, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
-    quantized_base_not_under_zero3, sharding_needs_gpus, attention_kernel_available, processes_fit_gpus,
+    quantized_base_not_under_zero3, qlora_needs, sharding_needs_gpus, attention_kernel_available, processes_fit_gpus,
     tensor_parallel_combinations, deepspeed_json_agrees, launcher_agrees,
 ]
 
 
 def run_checks(o: Options, m: Machine) -> None:
+    qlora_implies_lora(o)  # options that imply others first: the checks read the result
     for check in CHECKS:
         check(o, m)
 

@@ -70,6 +70,11 @@ class LoraArguments:
     lora_target_modules: list[str] | None = field(default=None, metadata={
         "help": "Module names to adapt; default: every attention and MLP projection of the model's family (on "
                 "DeepSeek MoE models gate_proj/up_proj/down_proj mean the dense layers' MLP and shared experts)."})
+    qlora: bool = field(default=False, metadata={
+        "help": "QLoRA: train the LoRA adapter on the base quantized to 4 bits as it loads (bitsandbytes NF4, "
+                "double quantization, bf16 compute; implies --lora). Needs a CUDA GPU and "
+                "`pip install -e \".[qlora]\"`; runs under DDP or FSDP, not DeepSpeed. The adapter loads on the "
+                "unquantized base too (sft.merge merges it there)."})
     lora_experts: bool = field(default=False, metadata={
         "help": "DeepSeek-V2/V3 (MoE): also adapt the routed experts (LoRA on the fused expert weights). Without "
                 "it a MoE LoRA adapts the MLA projections, the dense layers' MLP and the shared experts; the "

@@ -100,6 +100,8 @@ def load_tokenizer(model_args: ModelArguments):
 
 
 def weights_dtype(model_args: ModelArguments, lora: bool) -> torch.dtype:
+    """The dtype of the weights as loaded; under --qlora, of the weights that stay unquantized (embeddings, norms,
+    lm_head) and of the 4-bit weights' storage under FSDP."""
     if model_args.dtype != "auto":
         return getattr(torch, model_args.dtype)
     if lora and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
@@ -108,19 +110,92 @@ def weights_dtype(model_args: ModelArguments, lora: bool) -> torch.dtype:
 
 
 def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_checkpointing: bool = False):
+    qlora = qlora_requested(lora_args)
     model = AutoModelForCausalLM.from_pretrained(
         resolve_model_path(model_args.model),
-        dtype=weights_dtype(model_args, lora_args.lora),
+        dtype=weights_dtype(model_args, lora_args.lora or qlora),
         attn_implementation=model_args.attn_implementation,
         trust_remote_code=model_args.trust_remote_code,
         use_safetensors=True,  # never unpickle weights: a .bin checkpoint can run code when loaded
         **tensor_parallel(model_args),
+        **quantization(model_args, lora_args),
     )
     report_zero3_partitioning(model)
+    if qlora:
+        report_quantization(model)
     # config.use_cache stays the base's (a saved model must cache in generate): every batch turns it off (Collator)
-    if lora_args.lora:
+    if lora_args.lora or qlora:
         model = attach_lora(model, lora_args, gradient_checkpointing)
     return model
+
+
+# ---- QLoRA: a LoRA adapter on a base quantized to 4 bits as it loads (bitsandbytes NF4) ----------------------
+
+def qlora_requested(lora_args: LoraArguments) -> bool:
+    return lora_args.qlora
+
+
+def qlora_compute_dtype(cuda: bool, bf16: bool, weights: torch.dtype) -> torch.dtype:
+    """The dtype bitsandbytes dequantizes the 4-bit weights to for each matmul: bf16 where the GPU has it, else
+    fp16; without a GPU (tests only: --qlora needs one) the weights' own dtype."""
+    if not cuda:
+        return weights
+    return torch.bfloat16 if bf16 else torch.float16
+
+
+def qlora_quantization_kwargs(weights: torch.dtype, compute: torch.dtype, fsdp: bool) -> dict:
+    """transformers' BitsAndBytesConfig arguments for --qlora (plain data: tested without bitsandbytes).
+
+    NF4 with double quantization (the quantization constants quantized again: ~0.4 bit per weight less) and
+    `compute` as the matmul dtype. Under FSDP the packed 4-bit values are stored in tensors of the weights' dtype
+    (bf16) instead of uint8, as in Answer.AI's FSDP+QLoRA: FSDP shards and all-gathers floating-point tensors of
+    one dtype per unit, and accelerate leaves uint8 Params4bit out of the sharding (every GPU would hold the
+    whole 4-bit base). The stored bits are the same either way; an adapter trained on one loads on the other."""
+    kwargs = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+              "bnb_4bit_compute_dtype": compute}
+    if fsdp:
+        kwargs["bnb_4bit_quant_storage"] = weights
+    return kwargs
+
+
+def quantization(model_args: ModelArguments, lora_args: LoraArguments) -> dict:
+    """from_pretrained's arguments under --qlora: the 4-bit config, and each process's own GPU as the device
+    (under DDP and FSDP alike every process loads and quantizes the whole base on its GPU; FSDP then shards it).
+
+    peft's prepare_model_for_kbit_training is not called. Of what it does, peft's get_peft_model already freezes
+    the base, and attach_lora already makes the embeddings' output require grad under activation checkpointing.
+    The rest is casting every unquantized weight (embeddings, lm_head, norms) to fp32: for deepseek-llm-7b's
+    0.84B embedding and lm_head values that is +1.6 GiB held, and under bf16 autocast the lm_head matmul would
+    cast its fp32 weight back to a bf16 copy (0.78 GiB) in every forward, for nothing: those weights are frozen
+    (no update to lose), the RMSNorms already compute in fp32, and the adapter stays fp32. Where the GPU has no
+    bf16, --dtype auto loads those weights in fp32 anyway (weights_dtype), as that cast would."""
+    if not qlora_requested(lora_args):
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    from sft.fsdp import fsdp_launched
+
+    cuda = torch.cuda.is_available()
+    weights = weights_dtype(model_args, True)
+    compute = qlora_compute_dtype(cuda, cuda and torch.cuda.is_bf16_supported(), weights)
+    config = BitsAndBytesConfig(**qlora_quantization_kwargs(weights, compute, fsdp_launched()))
+    device = int(os.environ.get("LOCAL_RANK", "0")) if cuda else "cpu"
+    return {"quantization_config": config, "device_map": {"": device}}
+
+
+def report_quantization(model) -> None:
+    from sft.machine import launch
+
+    config = getattr(getattr(model, "hf_quantizer", None), "quantization_config", None)
+    if config is None or not launch().first:
+        return
+    name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
+    size = model.get_memory_footprint()
+    footprint = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+    print(f"QLoRA: base weights quantized to 4-bit {config.bnb_4bit_quant_type.upper()}"
+          f"{' with double quantization' if config.bnb_4bit_use_double_quant else ''}, computed in "
+          f"{name(config.bnb_4bit_compute_dtype)}, stored as {name(config.bnb_4bit_quant_storage)}; the base "
+          f"holds {footprint}", flush=True)
 
 
 def tensor_parallel(model_args: ModelArguments) -> dict:
@@ -152,10 +227,10 @@ def lora_targets(model, lora_args: LoraArguments) -> tuple[list[str] | str, list
     and "all-linear" the family's default plus the routed experts: still never the router."""
     family = family_of(model.config.model_type)
     experts = family.expert_parameters if family else []  # only the MoE families have routed experts
-    if getattr(lora_args, "lora_experts", False) and not experts:  # TODO(lead): the LoraArguments field
+    if lora_args.lora_experts and not experts:
         raise ConfigError(f"--lora_experts: {model.config.model_type} models have no routed experts; only the "
                           f"DeepSeek MoE families (deepseek_v2, deepseek_v3) have.")
-    extra = experts if getattr(lora_args, "lora_experts", False) else []
+    extra = experts if lora_args.lora_experts else []
     names = lora_args.lora_target_modules or []
     if [n.lower() for n in names] == ["all-linear"]:
         if not experts:

@@ -10,6 +10,10 @@ of at the user's first inference.
   when it has room (exact), else on CPU (other kernels: a looser tolerance, still far below what a wrong or
   missing tensor does). Every process computes the in-memory logits, since sharded models (ZeRO-3, FSDP) need
   all ranks for a forward.
+- QLoRA (a LoRA adapter on a 4-bit base): the same, with the base reloaded quantized as in training (the same
+  bits: NF4 quantization of the same weights is deterministic), on the model's GPU. On the unquantized base the
+  adapter gives other logits, by the quantization error (tests/test_qlora.py): what users load to merge
+  (sft.merge) is that, by design, not the 4-bit model trained.
 """
 
 from __future__ import annotations
@@ -85,6 +89,7 @@ class SaveVerifier:
     checkpoints: bool = True  # verify every checkpoint, not only the final save
     final: bool = True
     lora_in_place: bool = True  # False: reload base + adapter from disk even when the in-place check could run
+    quantization: dict | None = None  # QLoRA: the base's BitsAndBytesConfig (as a dict), to reload it the same way
 
     def verifiable(self, path: str | Path) -> bool:
         """Whether `path` holds consolidated weights. Sharded checkpoints (FSDP's SHARDED_STATE_DICT, ZeRO-3
@@ -98,11 +103,16 @@ class SaveVerifier:
         from sft.zero3 import zero3_init_disabled
 
         source = self.base_model if self.lora else str(path)
+        quantized = {}
+        if self.lora and self.quantization:
+            from transformers import BitsAndBytesConfig
+
+            quantized = {"quantization_config": BitsAndBytesConfig.from_dict(dict(self.quantization))}
         with zero3_init_disabled():  # one process loads a whole copy: no zero.Init (the other ranks would not join)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
                                                          attn_implementation=self.attn_implementation,
                                                          trust_remote_code=self.trust_remote_code,
-                                                         use_safetensors=True, device_map={"": device})
+                                                         use_safetensors=True, device_map={"": device}, **quantized)
         if self.lora:
             from peft import PeftModel
 
@@ -132,6 +142,8 @@ class SaveVerifier:
                            expected: torch.Tensor) -> str | None:
         dtype = next(p.dtype for p in base.parameters() if not p.requires_grad or not self.lora)
         device = reload_device(model)
+        if self.lora and self.quantization and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())  # 4-bit kernels; a 4-bit base is small
         if not self.lora and not any(path.glob("model*.safetensors")):
             return ("no weights were written (DeepSpeed ZeRO-3 writes them only with "
                     "\"stage3_gather_16bit_weights_on_model_save\": true in its config)")
@@ -195,4 +207,14 @@ def make_verifier(mode: str, model, model_path: str, lora: bool, attn_implementa
     n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 holds shards
     cheap = (lora and not is_sharded(model)) or n < CHEAP_PARAMETERS
     every_checkpoint = mode == "all" or (mode == "auto" and cheap)
-    return SaveVerifier(model_path, lora, attn_implementation, trust_remote_code, checkpoints=every_checkpoint)
+    return SaveVerifier(model_path, lora, attn_implementation, trust_remote_code, checkpoints=every_checkpoint,
+                        quantization=quantization_of(model))
+
+
+def quantization_of(model) -> dict | None:
+    """The BitsAndBytesConfig (as a dict) of a base loaded in 4 bits (--qlora), else None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(getattr(base, "hf_quantizer", None), "quantization_config", None)
+    if config is None or not getattr(base, "is_loaded_in_4bit", False):
+        return None
+    return config.to_dict()

@@ -98,7 +98,7 @@ def test_launcher_settings_must_match_the_trainer(tmp_path):
 
 
 def test_quantized_base_with_zero3():
-    """No QLoRA option exists yet; the check fires for any of the usual names as soon as one is added."""
+    """ZeRO-3 partitions weights as they are created: 4-bit weights cannot be (--qlora says so in its own words)."""
     model_args, data_args, lora_args, training_args = parse("--lora")
     model_args.load_in_4bit = True
     with pytest.raises(ConfigError, match="ZeRO-3.*ZeRO-2"):
