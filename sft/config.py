@@ -90,7 +90,8 @@ class DataArguments:
         "help": "alpaca, oasst or messages; detected from each file's first record when omitted."})
     template: str = field(default="auto", metadata={
         "help": "Chat template: auto (the model's own if it has one, else deepseek), model, deepseek, "
-                "deepseek_coder, deepseek_v3, r1_distill, alpaca."})
+                "deepseek_coder, deepseek_v3, r1_distill (<think> text trained), r1_distill_no_reasoning (answers "
+                "only: for data without reasoning), alpaca."})
     eval_dataset: list[str] | None = field(default=None, metadata={"help": "Evaluation data (files or hub names)."})
     eval_split: float = field(default=0.0, metadata={
         "help": "Fraction of the training conversations held out for evaluation when --eval_dataset is not given."})
@@ -139,6 +140,11 @@ class SFTTrainingArguments(TrainingArguments):
         "help": "Start over in an --output_dir that holds a run: the old run is moved aside to "
                 "<output_dir>.replaced-<time> (never mixed with the new one). Without it, such a run stops and "
                 "prints the command to resume it."})
+    router_aux_loss_coef: float | None = field(default=None, metadata={
+        "help": "DeepSeek-V2/V3 (MoE): weight of the routers' load-balancing loss added to the training loss "
+                "(DeepSeek's per-sequence expert balance loss, summed over the MoE layers; sft/moe.py). Default: "
+                "the model config's aux_loss_alpha (0.001 on DeepSeek's configs), else 0.001; 0 turns it off "
+                "(the expert load is still logged as moe/*)."})
     plan: str = field(default="no", metadata={
         "help": "auto: set the strategy options the planner predicts fastest on this machine (python -m sft.plan); "
                 "options you give win."})

@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Traine
 from sft.config import TINY_MODEL, LoraArguments, ModelArguments
 from sft.errors import ConfigError, ModelNotFoundError
 from sft.families import MLP_PROJECTIONS, family_of
+from sft.moe import mark_moe_leaves
 
 
 @functools.lru_cache(maxsize=None)
@@ -121,6 +122,7 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
         **quantization(model_args, lora_args),
     )
     report_zero3_partitioning(model)
+    mark_moe_leaves(model)  # ZeRO-3: each MoE block one leaf (before the Trainer builds the engine)
     if qlora:
         report_quantization(model)
     # config.use_cache stays the base's (a saved model must cache in generate): every batch turns it off (Collator)

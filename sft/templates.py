@@ -32,7 +32,8 @@ ALPACA_HEAD = ("Below is an instruction that describes a task{}. Write a respons
                "the request.\n\n")
 CODER_EOT = "<|EOT|>"
 V3_EOS = "<｜end▁of▁sentence｜>"  # written literally by the V3 and R1 templates, whatever the tokenizer's eos_token
-TEMPLATE_NAMES = ("auto", "model", "deepseek", "deepseek_coder", "deepseek_v3", "r1_distill", "alpaca")
+TEMPLATE_NAMES = ("auto", "model", "deepseek", "deepseek_coder", "deepseek_v3", "r1_distill", "r1_distill_no_reasoning",
+                  "alpaca")
 
 
 # The Jinja of user_text: a user turn's content, and its `input` after a blank line when there is one.
@@ -162,6 +163,33 @@ class R1Distill(DeepSeekV3):
         return systems[-1] if systems else ""
 
 
+def strip_reasoning(content: str) -> str:
+    """An assistant reply without its `<think>...</think>` block, as DeepSeek-R1's own chat template writes earlier
+    turns (the text after the last `</think>`), leading whitespace removed."""
+    return content.split("</think>")[-1].lstrip() if "</think>" in content else content
+
+
+class R1DistillWithoutReasoning(R1Distill):
+    """R1-Distill for data trained without reasoning: every assistant turn's target is its answer alone
+    (strip_reasoning), and the generation prompt is `<｜Assistant｜>` without `<think>\\n`, so the saved chat
+    template prompts the trained model where its training targets began."""
+
+    name = "r1_distill_no_reasoning"  # its own name: sft/dataset.py's cache key holds the template's name
+    generation_prompt = "<｜Assistant｜>"
+
+    @property
+    def chat_template(self) -> str:  # type: ignore[override]
+        return super().chat_template.replace(
+            "'<｜Assistant｜>' + message['content']",
+            "'<｜Assistant｜>' + (message['content'].split('</think>')[-1].lstrip() if '</think>' in "
+            "message['content'] else message['content'])")
+
+    def render(self, messages, add_generation_prompt=False):
+        stripped = [{**m, "content": strip_reasoning(m["content"])} if m["role"] == "assistant" else m
+                    for m in messages]
+        return super().render(stripped, add_generation_prompt)
+
+
 class Alpaca(Template):
     """The Stanford Alpaca prompt; the target follows `### Response:` directly, as in its train.py."""
 
@@ -230,7 +258,7 @@ class ModelChatTemplate(Template):
 
 
 BUILTIN: dict[str, Callable[[str, str], Template]] = {
-    t.name: t for t in (DeepSeekV1, DeepSeekCoder, DeepSeekV3, R1Distill, Alpaca)
+    t.name: t for t in (DeepSeekV1, DeepSeekCoder, DeepSeekV3, R1Distill, R1DistillWithoutReasoning, Alpaca)
 }
 
 
@@ -245,8 +273,14 @@ PROBES = (
 
 
 def matching_builtin(tokenizer) -> str | None:
-    """The built-in template that renders the probes exactly as the tokenizer's chat_template does, if any."""
-    for name in ("deepseek", "deepseek_coder", "deepseek_v3", "r1_distill", "alpaca"):
+    """The built-in template whose Jinja the tokenizer carries (a model we saved), else the one that renders the
+    probes exactly as the tokenizer's chat_template does, if any."""
+    names = ("deepseek", "deepseek_coder", "deepseek_v3", "r1_distill", "r1_distill_no_reasoning", "alpaca")
+    saved = next((n for n in names if BUILTIN[n](tokenizer.bos_token, tokenizer.eos_token).chat_template
+                  == tokenizer.chat_template), None)
+    if saved:
+        return saved
+    for name in names:
         template = BUILTIN[name](tokenizer.bos_token, tokenizer.eos_token)
         try:
             same = all(template.text(p) == tokenizer.apply_chat_template(p, tokenize=False) and

@@ -39,7 +39,10 @@ from sft.guards import LossSpikeLogger, NonFiniteGuard
 from sft.interrupts import end_with_launcher, exit_code, ignore_further_interrupts, leave_now, signal_name, \
     stop_on_sigterm
 from sft.lowbit import prepare_optimizer
-from sft.model import PartialCheckpointing, check_lora_targets, load_model, load_tokenizer, resolve_model_path
+from sft.families import check_family
+from sft.model import (PartialCheckpointing, check_lora_targets, load_config, load_model, load_tokenizer,
+                       resolve_model_path)
+from sft.moe import MoeLoadLogger, add_aux_loss, install_moe
 from sft.packing import Collator
 from sft.plan import prediction_line
 from sft.run_lock import RunLock
@@ -107,6 +110,10 @@ def train(run: Run, extra_callbacks: list | None) -> int:
     check_lora_targets(model_args, lora_args)  # user-named targets exist in the model (weightless copy)
     conversations = read_datasets(data_args, training_args.seed)  # bad data stops here, before any model
     tokenizer = load_tokenizer(model_args)
+    if is_first_process():  # a template, EOS or RoPE scaling that this DeepSeek family does not use
+        for warning in check_family(load_config(model_args), tokenizer, data_args.template,
+                                    model_args.trust_remote_code):
+            print(f"warning: {warning}", flush=True)
     train_data, eval_data, summary = prepare(data_args, tokenizer, conversations, training_args)
     # Saves carry the template trained with (set after prepare(), whose cache key reads the tokenizer's own).
     tokenizer.chat_template = chat_template_for_saving(data_args.template, tokenizer) or tokenizer.chat_template
@@ -128,6 +135,7 @@ def train(run: Run, extra_callbacks: list | None) -> int:
     # The Trainer copies args.use_cache onto the config it saves: keep the base's (the Collator turns the cache off
     # in every training forward, where it would let packed documents attend to each other).
     training_args.use_cache = model.config.use_cache
+    balance = install_moe(model, training_args.router_aux_loss_coef, pad_token_id=tokenizer.pad_token_id)  # MoE only
     verifier = make_verifier(training_args.verify_saves, model, resolve_model_path(model_args.model), lora_args.lora,
                              model_args.attn_implementation, model_args.trust_remote_code)
     resume_command = command_with(run.argv, resume_from_checkpoint="true")
@@ -141,6 +149,7 @@ def train(run: Run, extra_callbacks: list | None) -> int:
         NonFiniteGuard(training_args.nan_policy, lambda: newest_complete(training_args.output_dir), resume_command),
         *([LossSpikeLogger(training_args.loss_spike_factor)] if training_args.loss_spike_factor > 0 else []),
         *([PartialCheckpointing(skip)] if skip else []),
+        *([MoeLoadLogger(balance)] if balance else []),  # MoE: aux loss, tokens per expert, imbalance
         *fsdp_callbacks(),  # FSDP only: the embedding's backward without an all-gather
         GpuTelemetry(),  # per-GPU util, memory (nvidia-smi's count), temperature, power: NVML on a thread, rank 0
         EvalPerplexity(),  # eval_perplexity = exp(eval_loss)
@@ -156,6 +165,8 @@ def train(run: Run, extra_callbacks: list | None) -> int:
         processing_class=tokenizer,
         callbacks=callbacks,
     )
+    if balance:
+        add_aux_loss(trainer, balance)  # the routers' load-balancing loss joins the training loss
     if trainer.pop_callback(TensorBoardCallback):  # after ours, so that it logs what ours adds
         trainer.add_callback(TensorBoardCallback)
 

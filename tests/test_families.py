@@ -52,3 +52,166 @@ def test_lora_targets_survive_save_and_reload(tmp_path, model_type):
     assert saved.keys() == loaded.keys()
     for name in saved:
         torch.testing.assert_close(saved[name], loaded[name], rtol=0, atol=0)
+
+
+# ---- presets per released model: identify, check_family, strategy, R1 without reasoning --------------------------
+
+from conftest import DEEPSEEK_TOKENIZER, needs_shared, tiny_config  # noqa: E402
+from sft.families import (VARIANTS, R1DistillWithoutReasoning, check_family, family_template, identify,  # noqa: E402
+                          parameter_count, strategy, strip_reasoning)
+
+
+def tiny_tokenizer():
+    from transformers import AutoTokenizer
+
+    from sft.tiny import ensure_tiny_model
+
+    return AutoTokenizer.from_pretrained(ensure_tiny_model())
+
+
+@pytest.mark.parametrize("model_type,vocab,name,template", [
+    ("llama", 102400, "deepseek-llm", "deepseek"),
+    ("llama", 32256, "deepseek-coder", "deepseek_coder"),
+    ("llama", 128256, "R1-Distill-Llama", "r1_distill"),
+    ("qwen2", 151936, "R1-Distill-Qwen", "r1_distill"),
+    ("qwen2", 152064, "R1-Distill-Qwen", "r1_distill"),
+    ("deepseek_v2", 102400, "DeepSeek-V2", "deepseek"),
+    ("deepseek_v3", 129280, "DeepSeek-V3", "deepseek_v3"),
+])
+def test_each_family_is_told_apart_by_its_config(model_type, vocab, name, template):
+    config = tiny_config(model_type, vocab_size=vocab)
+    variant = identify(config)
+    assert variant.name == name and variant.template == template == family_template(config)
+    assert FAMILIES[model_type].lora_modules  # the LoRA targets come from the same table
+
+
+def test_every_covered_model_is_in_the_table():
+    models = {m.split("/")[1] for v in VARIANTS for m in v.models}
+    for wanted in ("deepseek-llm-7b-base", "deepseek-llm-67b-chat", "deepseek-coder-6.7b-instruct",
+                   "deepseek-coder-33b-instruct", "DeepSeek-R1-Distill-Qwen-1.5B", "DeepSeek-R1-Distill-Qwen-7B",
+                   "DeepSeek-R1-Distill-Qwen-14B", "DeepSeek-R1-Distill-Qwen-32B", "DeepSeek-R1-Distill-Llama-8B",
+                   "DeepSeek-R1-Distill-Llama-70B", "DeepSeek-V2", "DeepSeek-V2-Lite", "DeepSeek-V3"):
+        assert wanted in models
+
+
+@needs_shared
+def test_the_real_coder_tokenizer_and_config():
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = AutoConfig.from_pretrained(DEEPSEEK_TOKENIZER)
+    tokenizer = AutoTokenizer.from_pretrained(DEEPSEEK_TOKENIZER)
+    assert identify(config, tokenizer).name == "deepseek-coder"
+    # Detected by the tokenizer alone too (its <|EOT|> and FIM tokens), whatever the vocabulary size says.
+    assert identify(tiny_config("llama", vocab_size=len(tokenizer)), tokenizer).name == "deepseek-coder"
+    assert check_family(config, tokenizer, "auto") == []  # auto resolves to deepseek_coder: all as expected
+    assert check_family(config, tokenizer, "deepseek_coder") == []
+    wrong = check_family(config, tokenizer, "deepseek_v3")
+    assert any("--template deepseek_v3 on deepseek-coder" in w and "use --template deepseek_coder" in w
+               for w in wrong)
+    assert any("generate() will not stop" in w for w in wrong)  # V3's EOS is not this model's eos (<|EOT|>)
+    # Without its linear RoPE scaling x4 (a config edited, or converted without it):
+    config.rope_parameters = {"rope_type": "default", "rope_theta": 100000.0}
+    assert any("RoPE scaling" in w and "linear" in w for w in check_family(config, tokenizer, "deepseek_coder"))
+    # The base model's eos (<｜end▁of▁sentence｜>, id 32014) with the instruct template, which ends with <|EOT|>:
+    base = AutoConfig.from_pretrained(DEEPSEEK_TOKENIZER, eos_token_id=32014)
+    assert any("<|EOT|> (id 32021)" in w and "will not stop" in w for w in check_family(base, tokenizer, "auto"))
+
+
+def test_wrong_template_warns_with_the_familys_own():
+    tokenizer = tiny_tokenizer()  # deepseek-llm's special tokens and chat template (the embedded tiny model)
+    config = tiny_config("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    assert identify(config, tokenizer).name == "deepseek-llm"
+    assert check_family(config, tokenizer, "auto") == []
+    assert check_family(config, tokenizer, "deepseek") == []
+    warnings = check_family(config, tokenizer, "deepseek_v3")
+    assert len(warnings) == 1 and warnings[0].startswith("--template deepseek_v3 on deepseek-llm") and \
+        "use --template deepseek," in warnings[0]
+    # V2 chat models use deepseek (V2.5 and 0628 deepseek_v3): both are fine there; deepseek_coder is not.
+    v2 = tiny_config("deepseek_v2", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    assert check_family(v2, tokenizer, "deepseek_v3") == [] and check_family(v2, tokenizer, "deepseek") == []
+    assert "use --template deepseek," in check_family(v2, tokenizer, "deepseek_coder")[0]
+    qwen = tiny_config("qwen2", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    assert "use --template r1_distill" in check_family(qwen, tokenizer, "deepseek")[0]
+
+
+def test_other_warnings():
+    tokenizer = tiny_tokenizer()
+    config = tiny_config("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    assert any("not needed" in w for w in check_family(config, tokenizer, "auto", trust_remote_code=True))
+    small = tiny_config("llama", vocab_size=len(tokenizer) - 10, eos_token_id=tokenizer.eos_token_id)
+    assert any("embedding only" in w for w in check_family(small, tokenizer, "auto"))
+    assert check_family(_config("mistral"), tokenizer, "auto")[0].startswith("model_type 'mistral' is none")
+    # A Llama 3 tokenizer (not DeepSeek's BOS) on a 128256 vocabulary: not R1-Distill-Llama.
+    llama3 = types_namespace(bos_token="<|begin_of_text|>", vocab=["<|begin_of_text|>"])
+    assert identify(tiny_config("llama", vocab_size=128256), llama3) is None
+
+
+def _config(model_type):
+    from transformers import AutoConfig
+
+    return AutoConfig.for_model(model_type)
+
+
+def types_namespace(bos_token, vocab):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(bos_token=bos_token, get_vocab=lambda: dict.fromkeys(vocab, 0))
+
+
+@pytest.mark.parametrize("billions,lora,config", [
+    (1.8, True, "ddp.yaml"), (6.9, True, "ddp.yaml"), (8.0, True, "ddp.yaml"), (14.8, True, "zero3.yaml"),
+    (15.7, True, "zero3.yaml"), (32.8, True, "zero3_offload.yaml"), (70.6, True, "zero3_offload.yaml"),
+    (236.0, True, None), (671.0, True, None),
+    (6.9, False, "fsdp.yaml"), (8.0, False, "fsdp.yaml"), (14.8, False, "zero3_offload.yaml"), (33.3, False, None),
+])
+def test_strategy_on_three_24gb_cards(billions, lora, config):
+    chosen = strategy(billions * 1e9, lora)
+    assert (chosen.config and chosen.config.split("/")[-1]) == config, chosen.why
+    if chosen.config:
+        assert (REPO / chosen.config).is_file()
+
+
+def test_parameter_count_from_a_config_reads_no_weights():
+    from transformers import AutoConfig
+
+    assert round(parameter_count(AutoConfig.for_model("deepseek_v3")) / 1e9) == 671  # a meta copy: instant
+
+
+def test_r1_without_reasoning_renders_answers_only_and_saves_matching_jinja():
+    from sft.templates import R1Distill
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"},
+                {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6"}]
+    assert strip_reasoning("<think>\nx\n</think>\n\nanswer") == "answer" and strip_reasoning("plain") == "plain"
+    bos, eos = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+    keep, drop = R1Distill(bos, eos), R1DistillWithoutReasoning(bos, eos)
+    assert "<think>" in "".join(t for t, trained in keep.render(messages) if trained)
+    trained = [t for t, is_trained in drop.render(messages) if is_trained]
+    assert trained == ["4" + eos, "6" + eos]
+    assert drop.text(messages[:2], add_generation_prompt=True).endswith("<｜Assistant｜>")
+    assert keep.text(messages[:2], add_generation_prompt=True).endswith("<｜Assistant｜><think>\n")
+    tokenizer = tiny_tokenizer()
+    tokenizer.chat_template = drop.chat_template  # what training would save: renders exactly as training did
+    for prefix, prompt in ((messages, False), (messages[:4], True)):
+        assert tokenizer.apply_chat_template(prefix, tokenize=False, add_generation_prompt=prompt) == \
+            R1DistillWithoutReasoning(tokenizer.bos_token, tokenizer.eos_token).text(prefix, prompt)
+
+
+def test_remote_code_only_with_the_flag(tmp_path):
+    """A hub config that points at remote code (auto_map) still loads transformers' own class without the flag."""
+    import json
+
+    from transformers import AutoConfig
+
+    config = tiny_config("deepseek_v2")
+    config.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["auto_map"] = {"AutoConfig": "configuration_deepseek.DeepseekV2Config",
+                        "AutoModelForCausalLM": "modeling_deepseek.DeepseekV2ForCausalLM"}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    loaded = AutoConfig.from_pretrained(tmp_path, trust_remote_code=False)
+    assert type(loaded).__module__.startswith("transformers.models.deepseek_v2")
+
+
+REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
