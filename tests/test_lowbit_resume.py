@@ -116,7 +116,8 @@ RESUME_WORKER = textwrap.dedent("""
     dist.all_gather_object(gathered, found)
     if rank == 0 and phase == "resume":
         print(json.dumps(gathered))
-    dist.destroy_process_group()
+    from sft.distributed import exit_process
+    exit_process(0)  # gloo's threads can abort the interpreter's teardown of a finished run
 """)
 
 
