@@ -46,6 +46,8 @@ if trainer.args.process_index == 0:
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     with open(output_dir + "/losses.json", "w") as f:
         json.dump(losses, f)
+from sft.distributed import exit_process
+exit_process(0)  # gloo's threads can abort the interpreter's teardown of a finished run (seen under load)
 """
 
 
