@@ -8,7 +8,8 @@ afterwards. One command; PASS/FAIL lines, one bench/results.jsonl row per traini
 Steps: build a random-init model of the shape (Llama architecture, bf16) and save it with save_pretrained, with
 the real DeepSeek-Coder tokenizer; train it twice with the same data and options (packing, --max_length, micro
 batch, --max_steps, activation checkpointing, --bf16), `--lora` then `--qlora`, each process's allocator capped
-at --mem_cap_gib (24 GB cards); with 2 GPUs visible also `--qlora` under accelerate_configs/fsdp.yaml on both.
+at --mem_cap_gib (24 GB cards); with 2 GPUs visible also `--qlora` under accelerate_configs/fsdp.yaml and
+ddp.yaml on both; with one, `--fsdp one` runs the FSDP wrapping of the 4-bit base (quantized storage) in one process.
 Numbers per run, as bench/train_throughput.py measures them (its callback, monitor and row): real tok/s over
 the steps after --warmup, loss first/last (must fall), peak reserved/allocated memory, nvidia-smi's peak. Then
 the QLoRA adapter: saved and verified by the run (training_complete.json), reloaded with plain peft onto the
@@ -165,7 +166,7 @@ def run(args, name: str, model: Path, qlora: bool, strategy: str = "single", gpu
     out.mkdir(parents=True)
     spec = {"warmup": args.warmup, "steps": args.steps - args.warmup, "profile_steps": 0, "out": str(out),
             "mem_cap_gib": args.mem_cap_gib}
-    config = {"single": "single_gpu.yaml", "fsdp": "fsdp.yaml"}[strategy]
+    config = {"single": "single_gpu.yaml", "fsdp": "fsdp.yaml", "ddp": "ddp.yaml"}[strategy]
     training = train_args(args, model, out / "output", qlora)
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                str(REPO / "accelerate_configs" / config), "--num_processes", str(gpus),
@@ -360,7 +361,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro_batch", type=int, default=2)
     p.add_argument("--learning_rate", type=float, default=1e-3)
     p.add_argument("--mem_cap_gib", type=float, default=24.0, help="per-process allocator cap; 0: none")
-    p.add_argument("--fsdp", choices=["auto", "no"], default="auto", help="auto: the FSDP run when 2 GPUs are seen")
+    p.add_argument("--fsdp", choices=["auto", "one", "no"], default="auto",
+                   help="auto: the FSDP run (and a DDP run) when 2 GPUs are seen; one: FSDP on one GPU, one process "
+                        "(the quantized-storage wrapping path, without sharding), when only one GPU is there")
     p.add_argument("--data", type=Path, default=first_existing(BENCHDATA / "alpaca_sample.json",
                                                                SHARED / "datasets" / "alpaca_sample.json"))
     p.add_argument("--tokenizer", type=Path, default=first_existing(
@@ -371,6 +374,8 @@ def main(argv: list[str] | None = None) -> int:
                                                 "else bench/results.jsonl; the CPU smoke: the workdir)")
     p.add_argument("--timeout", type=float, default=None, help="seconds per training run")
     p.add_argument("--notes", default="")
+    p.add_argument("--skip_single", action="store_true", help="only the FSDP/DDP runs (their one-process LoRA and "
+                   "QLoRA rows measured already)")
     p.add_argument("--cpu_smoke", action="store_true", help="the plumbing on a CPU: tiny shape, --lora only, "
                                                             "9 steps of 256 tokens, no cap (no bitsandbytes run)")
     p.add_argument("--prepare", action="store_true", help="here, before a GPU call: .benchdata, .whl-qlora")
@@ -400,17 +405,20 @@ def main(argv: list[str] | None = None) -> int:
     log(f"model ready: {model}")
 
     rows = []
-    runs = [("lora-1", False)] if args.cpu_smoke else [("lora-1", False), ("qlora-1", True)]
+    runs = [("lora-1", False)] if args.cpu_smoke else [] if args.skip_single else [("lora-1", False), ("qlora-1", True)]
     for name, qlora in runs:
         row = run(args, f"{args.shape}-{name}", model, qlora)
         if row:
             rows.append(row)
-    if gpus >= 2 and args.fsdp == "auto":
-        row = run(args, f"{args.shape}-qlora-fsdp-2", model, True, strategy="fsdp", gpus=2)
+    sharded = [("qlora-fsdp-2", "fsdp", 2), ("qlora-ddp-2", "ddp", 2)] if gpus >= 2 and args.fsdp == "auto" else \
+        [("qlora-fsdp-1", "fsdp", 1)] if args.fsdp == "one" and not args.cpu_smoke else []
+    for name, strategy, processes in sharded:
+        row = run(args, f"{args.shape}-{name}", model, True, strategy=strategy, gpus=processes)
         if row:
             rows.append(row)
-    elif not args.cpu_smoke:
-        log(f"FSDP+QLoRA skipped: {gpus} GPU visible (it needs 2)" if gpus < 2 else "FSDP+QLoRA skipped (--fsdp no)")
+    if not sharded and not args.cpu_smoke:
+        log(f"FSDP+QLoRA and DDP+QLoRA skipped: {gpus} GPU visible (they need 2; --fsdp one runs FSDP on one)"
+            if gpus < 2 else "FSDP+QLoRA skipped (--fsdp no)")
 
     # The adapter afterwards. A CPU smoke checks its LoRA adapter the same way, on a 4-bit base too when
     # bitsandbytes (its CPU backend) is importable.
