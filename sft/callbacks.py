@@ -114,6 +114,16 @@ class ThroughputCallback(TrainerCallback):
             logs["peak_memory_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
 
 
+def offloads_parameters(policy) -> bool:
+    """accelerate's FSDP plugin holds FSDP2's `OffloadPolicy()` (truthy: an object) when nothing is offloaded, and
+    `CPUOffloadPolicy` when parameters are; FSDP1's `CPUOffload(offload_params=...)` says it in a field."""
+    if policy is None or isinstance(policy, bool):
+        return bool(policy)
+    if hasattr(policy, "offload_params"):
+        return bool(policy.offload_params)
+    return type(policy).__name__ == "CPUOffloadPolicy"
+
+
 def describe_strategy(args, tp_size: int = 1) -> tuple[str, str]:
     """(strategy, devices) of the running Trainer, e.g. ("DeepSpeed ZeRO-3, optimizer offloaded to CPU", "2 GPUs").
     Read from accelerate's state, which the Trainer's Accelerator has set up by train begin: it is what runs (a
@@ -133,7 +143,7 @@ def describe_strategy(args, tp_size: int = 1) -> tuple[str, str]:
     elif kind == DistributedType.FSDP:
         plugin = state.fsdp_plugin
         strategy = f"FSDP{getattr(plugin, 'fsdp_version', 1)}"
-        strategy += ", parameters offloaded to CPU" if getattr(plugin, "cpu_offload", None) else ""
+        strategy += ", parameters offloaded to CPU" if offloads_parameters(getattr(plugin, "cpu_offload", None)) else ""
     elif tp_size > 1:
         dp = args.world_size // tp_size
         strategy = f"tensor parallel over {tp_size}" + (f" x {dp} data-parallel" if dp > 1 else "")

@@ -18,6 +18,7 @@ of at the user's first inference.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,14 +41,33 @@ def logits_of(model, input_ids: torch.Tensor) -> torch.Tensor:
     model.eval()  # no dropout
     torch.backends.cuda.matmul.allow_tf32 = False  # --tf32 would make two identical models disagree by ~1e-3
     try:
-        # accelerate's mixed precision wraps forward in autocast; the reloaded model runs without it, as a user's
-        # would, so the trained model is compared through its own forward (else bf16 autocast vs fp32: ~2e-3).
-        forward = getattr(model, "_original_forward", model.forward)
         # use_cache=False: a cache would change the attention mask path (see sft/packing.py)
-        return forward(input_ids=input_ids.to(device), use_cache=False).logits.float().cpu()
+        with own_forward(model):
+            return model(input_ids=input_ids.to(device), use_cache=False).logits.float().cpu()
     finally:
         model.train(was_training)
         torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+@contextmanager
+def own_forward(model):
+    """The model's forward without accelerate's autocast wrapper, still called through `model(...)`.
+
+    accelerate's mixed precision replaces `model.forward` with an autocast wrapper and keeps the original as
+    `_original_forward`; the reloaded model runs without autocast, as a user's would, so the trained one must
+    too (bf16 autocast against fp32: ~2e-3). Calling `_original_forward` directly would skip the module's hooks,
+    and FSDP2 gathers the root's own parameters (final norm, lm_head) in a forward pre-hook: under FSDP the
+    direct call met sharded weights ("mixed torch.Tensor and DTensor", seen with FSDP + QLoRA on an H200)."""
+    original = getattr(model, "_original_forward", None)
+    if original is None or "forward" not in vars(model):
+        yield
+        return
+    wrapped = model.forward
+    model.forward = original
+    try:
+        yield
+    finally:
+        model.forward = wrapped
 
 
 def is_sharded(model) -> bool:

@@ -32,3 +32,14 @@ def test_tensor_parallel_ranks_share_a_batch_so_it_is_counted_once():
     tp = logged(SimpleNamespace(tp_size=2), tokens_counted=20_000, busy_s=2.0, world_size=2)
     assert tp["real_tokens_per_second"] == plain["real_tokens_per_second"] / 2
     assert tp["mfu"] == pytest.approx(plain["mfu"] / 2, abs=1e-4)
+
+
+def test_fsdp2_without_offload_is_not_described_as_offloading():
+    """accelerate's FSDP plugin holds FSDP2's `OffloadPolicy()` (a truthy object) when nothing is offloaded: the
+    first screen said "parameters offloaded to CPU" for every FSDP2 run (seen on an H200)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    from sft.callbacks import offloads_parameters
+
+    assert not offloads_parameters(OffloadPolicy()) and not offloads_parameters(None)
+    assert offloads_parameters(CPUOffloadPolicy()) and offloads_parameters(True)

@@ -119,6 +119,27 @@ def test_full_model_under_mixed_precision_autocast_is_compared_without_it(tmp_pa
         SaveVerifier(str(tiny_llama), lora=False).check(model, tmp_path / "saved")
 
 
+def test_autocast_free_forward_still_runs_the_models_hooks(tiny_llama):
+    """FSDP2 gathers the root module's own parameters (final norm, lm_head) in a forward pre-hook: the verifier's
+    forward without accelerate's autocast must still go through `model(...)`. Calling `_original_forward`
+    directly skipped the hook (FSDP + QLoRA on an H200: "mixed torch.Tensor and DTensor" at the final save)."""
+    import types
+
+    from transformers import AutoModelForCausalLM
+
+    from sft.verify import fixed_batch, logits_of
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama)
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append("hook"))
+    original = model.forward
+    model._original_forward = original
+    model.forward = types.MethodType(lambda self, *a, **k: calls.append("autocast") or original(*a, **k), model)
+    logits_of(model, fixed_batch(model.config.vocab_size))
+    assert calls == ["hook"]  # through __call__ (hooks), without the autocast wrapper
+    assert model.forward.__func__ is not original.__func__  # the wrapper is put back
+
+
 @pytest.mark.slow
 def test_lora_run_verifies_checkpoints_and_final_adapter(tmp_path, tiny_llama):
     from sft.train import main
