@@ -15,6 +15,9 @@ from transformers import TrainingArguments
 
 from sft.argv import COMMON_TRAINING, Parser, apply_aliases, help_requested, short_help, unknown_options_message
 from sft.errors import ConfigError
+from sft.lowbit import SR_ADAMW
+
+OUR_OPTIMIZERS = (SR_ADAMW,)  # --optim values beyond transformers' own
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL = "tiny-deepseek"  # the embedded default, built from its config by sft/tiny.py
@@ -50,6 +53,11 @@ class ModelArguments:
     dtype: str = field(default="auto", metadata={
         "help": "Weights dtype: auto (fp32 master weights for full fine-tuning, bf16 base weights under LoRA "
                 "where the hardware has bf16), bfloat16, float16 or float32."})
+    fp8: bool = field(default=False, metadata={
+        "help": "With --lora: the frozen base's linear layers compute in FP8 (e4m3, rowwise scales; forward and "
+                "input gradient), the adapter stays bf16. Needs compute capability 8.9+ (RTX 4090, H100, H200), "
+                "one process per GPU or DDP (not FSDP or DeepSpeed). Off by default: bench/fp8_check.py compares "
+                "its loss with bf16's."})
     attn_implementation: str = field(default="sdpa", metadata={
         "help": "Attention kernel: sdpa, eager, flex_attention, flash_attention_2 (needs flash-attn)."})
     trust_remote_code: bool = field(default=False, metadata={
@@ -160,6 +168,22 @@ class SFTTrainingArguments(TrainingArguments):
     loss_spike_factor: float = field(default=2.0, metadata={
         "help": "Warn (and count in the `loss_spikes` log) when a logged loss exceeds this many times the "
                 "running mean; 0 turns it off."})
+
+    # A plain string (transformers' own field offers its OptimizerNames as the only choices): ours are added.
+    optim: str = field(default=next(f.default for f in fields(TrainingArguments) if f.name == "optim"), metadata={
+        "help": f"The optimizer: transformers' (adamw_torch_fused, adamw_torch_8bit, ...) or {SR_ADAMW} (bf16 "
+                f"weights and states, updated in fp32 and rounded stochastically: full fine-tuning without fp32 "
+                f"master weights, at plain bf16 AdamW's memory traffic; sft/sr_adamw.py)."})
+
+    def __post_init__(self):
+        # transformers accepts only its own --optim names (OptimizerNames); ours pass through as plain strings
+        # (sft/sr_adamw.py registers the Trainer's handler for them).
+        ours = self.optim if self.optim in OUR_OPTIMIZERS else None
+        if ours:
+            self.optim = "adamw_torch"
+        super().__post_init__()
+        if ours:
+            self.optim = ours
 
 
 PARSER_TYPES = (ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments)
@@ -304,6 +328,19 @@ def validate(model_args: ModelArguments, data_args: DataArguments, lora_args: Lo
         raise ConfigError(f"--max_length {data_args.max_length} is too short; give at least 8 tokens.")
     if model_args.dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise ConfigError(f"--dtype {model_args.dtype!r}: use auto, bfloat16, float16 or float32.")
+    if model_args.fp8 and not (lora_args.lora or lora_args.qlora):
+        raise ConfigError("--fp8 computes the frozen base of a LoRA run in FP8: add --lora (a full fine-tune "
+                          "trains every weight, and FP8 training of those is not supported yet).")
+    if model_args.fp8 and lora_args.qlora:
+        raise ConfigError("--fp8 with --qlora: the base is already 4-bit (bitsandbytes computes it in bf16); use "
+                          "one of them.")
+    if training_args.optim == SR_ADAMW:  # its --optim_args, now rather than when the Trainer builds it
+        from sft.sr_adamw import optimizer_kwargs
+
+        pairs = [kv.split("=", 1) for kv in (training_args.optim_args or "").replace(" ", "").split(",") if kv]
+        if any(len(pair) != 2 for pair in pairs):
+            raise ConfigError(f"--optim_args {training_args.optim_args!r}: give key=value pairs, comma-separated.")
+        optimizer_kwargs(dict(pairs), training_args.seed)
     if lora_args.lora and lora_args.lora_r <= 0:
         raise ConfigError(f"--lora_r {lora_args.lora_r}: the rank must be positive.")
     if data_args.packing and model_args.attn_implementation not in ("sdpa", "eager", "flex_attention",

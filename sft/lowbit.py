@@ -56,18 +56,33 @@ import hashlib
 import math
 
 LOW_BIT_OPTIMIZERS = ("adamw_torch_8bit", "adamw_torch_4bit")
+SR_ADAMW = "adamw_bf16_sr"  # sft/sr_adamw.py: bf16 AdamW with stochastic rounding
 # Values per compiled update call: 2**25 bounds its temporaries to ~0.25 GiB (8-bit) / ~0.85 GiB (4-bit); on 7B
 # over 2 GPUs it splits only the embedding and lm_head shards (7 calls each), so the per-call overhead is small.
 CHUNK_NUMEL = 2**25
 
 
 def prepare_optimizer(optim: str) -> None:
-    """Called before the Trainer builds its optimizer: patch torchao when `--optim` is one of its low-bit AdamWs."""
+    """Called before the Trainer builds its optimizer: patch torchao when `--optim` is one of its low-bit AdamWs;
+    register ours (`--optim adamw_bf16_sr`, sft/sr_adamw.py) with the Trainer."""
+    if optim == SR_ADAMW:
+        from sft.sr_adamw import register_with_trainer
+
+        register_with_trainer()
     if optim in LOW_BIT_OPTIMIZERS:
         patch_torchao_state_dtype()
         patch_dtensor_cache_key()
         patch_torchao_chunked_update()
         patch_torchao_block_size()
+
+
+def rounds_stochastically(optim: str, optim_args: str | None) -> bool:
+    """Whether `--optim` (with `--optim_args`) writes bf16 weights back with stochastic rounding, so that a full
+    fine-tune of bf16 weights keeps its small updates: ours always, torchao's low-bit AdamWs with
+    bf16_stochastic_round=True. (For sft/checks.py's full_fine_tune_keeps_small_updates.)"""
+    if optim == SR_ADAMW:
+        return True
+    return optim in LOW_BIT_OPTIMIZERS and "bf16_stochastic_round=true" in (optim_args or "").replace(" ", "").lower()
 
 
 def patch_torchao_state_dtype() -> list[str]:

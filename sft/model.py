@@ -110,9 +110,11 @@ def weights_dtype(model_args: ModelArguments, lora: bool) -> torch.dtype:
     return torch.float32
 
 
-def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_checkpointing: bool = False):
+def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_checkpointing: bool = False,
+               model_factory=None):
+    """`model_factory`: called as from_pretrained would be, e.g. random weights from the config (bench/)."""
     qlora = qlora_requested(lora_args)
-    model = AutoModelForCausalLM.from_pretrained(
+    model = (model_factory or AutoModelForCausalLM.from_pretrained)(
         resolve_model_path(model_args.model),
         dtype=weights_dtype(model_args, lora_args.lora or qlora),
         attn_implementation=model_args.attn_implementation,
@@ -128,6 +130,10 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
     # config.use_cache stays the base's (a saved model must cache in generate): every batch turns it off (Collator)
     if lora_args.lora or qlora:
         model = attach_lora(model, lora_args, gradient_checkpointing)
+        if model_args.fp8:  # the frozen base's linear layers in FP8 (sft/fp8.py)
+            from sft.fp8 import apply_fp8_base
+
+            apply_fp8_base(model)
     return model
 
 
@@ -267,7 +273,7 @@ def attach_lora(model, lora_args: LoraArguments, gradient_checkpointing: bool):
         raise ConfigError(f"--lora_target_modules {' '.join(lora_args.lora_target_modules)}: no module of "
                           f"{model.config.model_type} has that name. Its linear layers are named: "
                           f"{', '.join(linear_names(model))} (or give all-linear).") from None
-    if os.environ.get("SFT_PEFT_INPUT_CAST") != "1":  # "1": peft's own casts (bench/lora_variants.sh compares)
+    if os.environ.get("SFT_PEFT_INPUT_CAST") != "1":  # "1": peft's own casts (bench/throughput.py's -peftcast rows)
         skip_input_casts_under_autocast(model)
     return model
 

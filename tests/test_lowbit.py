@@ -65,6 +65,18 @@ FSDP_4BIT_WORKER = textwrap.dedent("""
 """)
 
 
+def two_gloo_ranks(worker: str, tmp_path: Path, **env: str) -> dict:
+    """Run `worker` (Python source; argv: a rendezvous file, the rank) as ranks 0 and 1 of a gloo group; -> the
+    JSON line rank 0 printed. Both must exit 0."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), **env}
+    workers = [subprocess.Popen([sys.executable, "-c", worker, str(tmp_path / "rendezvous"), str(rank)],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+               for rank in (0, 1)]
+    outputs = [w.communicate(timeout=300)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], [out[-3000:] for out in outputs]
+    return json.loads(next(line for line in outputs[0].splitlines() if line.startswith("{")))
+
+
 @pytest.mark.slow
 def test_4bit_adamw_under_fsdp2_after_an_8bit_run_matches_torchaos_own_update(tmp_path):
     """The 4-bit crash under FSDP2 ("wrong number of dimensions", seen on 2 x H200) is a false hit in torch's
@@ -74,13 +86,7 @@ def test_4bit_adamw_under_fsdp2_after_an_8bit_run_matches_torchaos_own_update(tm
     torchao's own non-FSDP update exactly (rounding to nearest: shards and chunks of whole 128-value blocks
     quantize identically), and with stochastic rounding each weight is within 1 bf16 ulp of it (the random bits
     differ). 45-100 s on 2 cores (torch.compile of 10 graphs)."""
-    env = {**os.environ, "PYTHONPATH": str(REPO), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
-    workers = [subprocess.Popen([sys.executable, "-c", FSDP_4BIT_WORKER, str(tmp_path / "rendezvous"), str(rank)],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for rank in (0, 1)]
-    outputs = [w.communicate(timeout=300)[0] for w in workers]
-    assert [w.returncode for w in workers] == [0, 0], [out[-3000:] for out in outputs]
-    found = json.loads(next(line for line in outputs[0].splitlines() if line.startswith("{")))
+    found = two_gloo_ranks(FSDP_4BIT_WORKER, tmp_path, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
     assert found["nearest_equal"] == [True, True] and found["stochastic_max_ulps"] <= 1.0 and found["moved"] > 0.9, found
 
 

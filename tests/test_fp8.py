@@ -1,0 +1,138 @@
+"""sft/fp8.py: `--fp8` under LoRA, the frozen base's linear layers in FP8. torch 2.13's CPU build runs
+`torch._scaled_mm` on float8 with rowwise scales, so the real autograd function runs here; the GPU's kernels and
+speed are bench/fp8_check.py's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from sft.fp8 import E4M3, E4M3_MAX, Fp8Linear, quantize_rows, use_fp8_base
+
+
+def test_quantize_rows_error_bound_zero_rows_and_extremes():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 256, generator=generator) * torch.logspace(-4, 4, 64).unsqueeze(1)
+    x[3] = 0.0
+    q, scale = quantize_rows(x)
+    assert q.dtype == E4M3 and scale.shape == (64, 1)
+    back = q.float() * scale
+    # e4m3 keeps 3 bits of mantissa: half a spacing is 2**-4 of the value; below 2**-6 (subnormals) the spacing
+    # is fixed at 2**-9 of the scale
+    bound = torch.maximum(x.abs() * 2**-4, scale * 2**-10) * (1 + 1e-6)
+    assert bool(((back - x).abs() <= bound).all())
+    assert bool((back[3] == 0).all()) and bool(torch.isfinite(scale).all())
+    rows = torch.arange(64) != 3
+    assert bool((q.float().abs().amax(dim=1)[rows] == E4M3_MAX).all())  # each row's largest value uses the range
+
+
+def emulate(x, x_scale, w, w_scale):
+    """What _scaled_mm computes: dequantized operands, fp32 products and sums, one rounding to bf16."""
+    return ((x.float() * x_scale) @ (w.float() * w_scale.view(1, -1).t()).t()).bfloat16()
+
+
+def test_forward_and_input_gradient_match_their_emulation_and_the_weight_gets_no_gradient():
+    generator = torch.Generator().manual_seed(0)
+    linear = nn.Linear(256, 128, bias=False).to(torch.bfloat16)
+    layer = Fp8Linear(linear)
+    assert layer.weight.dtype == E4M3 and not layer.weight.requires_grad and layer.compute_dtype == torch.bfloat16
+    x = torch.randn(2, 8, 256, generator=generator).bfloat16().requires_grad_()
+    grad_out = torch.randn(2, 8, 128, generator=generator).bfloat16()
+    out = layer(x)
+    out.backward(grad_out)
+
+    q, s = quantize_rows(x.detach().reshape(-1, 256))
+    want = emulate(q, s, layer.weight, layer.weight_scale).view(2, 8, 128)
+    assert out.dtype == torch.bfloat16 and (out.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+    q, s = quantize_rows(grad_out.reshape(-1, 128))
+    want = emulate(q, s, layer.weight_t, layer.weight_t_scale).view(2, 8, 256)
+    assert (x.grad.float() - want.float()).abs().max() <= 2**-7 * want.float().abs().max()
+    assert layer.weight.grad is None
+    # against the bf16 layer: FP8's error, a few percent of the output's norm (measured here: 3.5%)
+    with torch.no_grad():
+        exact = linear(x.detach()).float()
+    assert (out.float() - exact).norm() / exact.norm() < 0.08
+
+
+def tiny_lora_model():
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                             "up_proj", "down_proj"], task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def test_lora_on_the_fp8_base_trains_saves_only_the_adapter_and_verifies(tmp_path):
+    """peft's LoRA layers with Fp8Linear bases: the adapter gets gradients, the loss stays near the bf16 base's,
+    the saved adapter holds LoRA weights only, sft.verify's in-place check accepts it, and a cast of the whole
+    model (DeepSpeed's engine does .bfloat16()) leaves the FP8 weights intact."""
+    from safetensors.torch import load_file
+
+    from sft.callbacks import flops_per_token
+    from sft.verify import SaveVerifier
+
+    model = tiny_lora_model()
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    flops = flops_per_token(model, lora=True)
+    with torch.no_grad():
+        bf16_logits = model(input_ids=ids, use_cache=False).logits.float()
+    assert use_fp8_base(model) == (14, 0)
+    assert flops_per_token(model, lora=True) == flops  # the base's weights still count (MFU)
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    error = (out.logits.float() - bf16_logits).norm() / bf16_logits.norm()
+    assert 0 < error < 0.08, error  # measured: 0.035 (random init, 2 layers)
+    loss = out.loss
+    loss.backward()
+    trained = [n for n, p in model.named_parameters() if p.grad is not None]
+    assert trained and all("lora_" in n for n in trained) and len(trained) == 28
+
+    model.save_pretrained(tmp_path)
+    saved = load_file(tmp_path / "adapter_model.safetensors")
+    assert saved and all("lora_" in k for k in saved)
+    assert SaveVerifier("unused: the in-place check reloads no base", lora=True).adapter_in_place(
+        model, tmp_path, ids) is None
+
+    model.to(torch.bfloat16)
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    assert all(m.weight.dtype == E4M3 and m.weight_t.dtype == E4M3 and m.weight_scale.dtype == torch.float32
+               for m in layers)
+    assert model(input_ids=ids, labels=ids, use_cache=False).loss.item() == loss.item()
+
+
+def test_layers_whose_shape_fp8_cannot_take_stay_bf16():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(nn.Sequential(nn.Linear(64, 40), nn.Linear(40, 32)).to(torch.bfloat16),
+                           LoraConfig(r=4, target_modules=["0", "1"]))
+    assert use_fp8_base(model) == (0, 2)  # 40 is not a multiple of 16
+    model = get_peft_model(nn.Sequential(nn.Linear(64, 48)).to(torch.bfloat16), LoraConfig(r=4, target_modules=["0"]))
+    assert use_fp8_base(model) == (1, 0)
+
+
+def test_fp8_option_needs_lora_and_a_gpu_with_fp8():
+    from sft.checks import Options
+    from sft.config import parse_args
+    from sft.errors import ConfigError
+    from sft.fp8 import fp8_base_needs
+    from sft.machine import Launch, Machine
+
+    with pytest.raises(ConfigError, match="--fp8 computes the frozen base of a LoRA run"):
+        parse_args(["--fp8", "true"])
+    with pytest.raises(ConfigError, match="--fp8 with --qlora"):
+        parse_args(["--fp8", "true", "--qlora", "true"])
+    if not torch.cuda.is_available():  # listed in sft/checks.py's CHECKS: refused before any model loads
+        with pytest.raises(ConfigError, match="--fp8 needs a GPU with FP8"):
+            parse_args(["--fp8", "true", "--lora", "true"])
+    parsed = parse_args(["--fp8", "true", "--lora", "true"], data_only=True)  # the options alone are fine
+    options = Options.of(*parsed)
+    with pytest.raises(ConfigError, match="--fp8 needs a GPU with FP8"):
+        fp8_base_needs(options, Machine())
+    if not torch.cuda.is_available():  # a described GPU box, with FSDP: the GPU check comes first here
+        with pytest.raises(ConfigError, match="no CUDA GPU here"):
+            fp8_base_needs(options, Machine(gpu_names=("NVIDIA H200",), launch=Launch(fsdp=True)))

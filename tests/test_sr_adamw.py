@@ -1,0 +1,257 @@
+"""sft/sr_adamw.py: `--optim adamw_bf16_sr`, AdamW for bf16 weights with stochastic rounding (weights and states),
+against torch's fp32 AdamW, through the HF Trainer (resume) and under FSDP2 (two gloo ranks)."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+from sft.sr_adamw import AdamWBf16SR, hash32, key_of, round_to_bf16
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small tensors: on a loaded 2-core machine torch's thread pool made one sqrt of 4096 values take 10 ms
+    (5 us on one thread)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The bf16 values just below and just above |x| (the same value twice where x is one), with x's sign."""
+    bits = x.view(torch.int32)
+    down = (bits & -65536).view(torch.float32)
+    up = torch.where(bits & 0xFFFF != 0, ((bits & -65536) + 0x10000).view(torch.float32), down)
+    return down, up
+
+
+def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
+    """Each rounding is one of the two bf16 neighbours; averaged over 4000 draws of the hash it is the fp32 value
+    (within 5 standard errors of the rounding's own variance, per value)."""
+    x = torch.randn(500, generator=torch.Generator().manual_seed(0)) * torch.logspace(-6, 3, 500)
+    down, up = bf16_neighbours(x)
+    draws = 4000
+    index = torch.arange(x.numel(), dtype=torch.int64)
+    total = torch.zeros_like(x, dtype=torch.float64)
+    for draw in range(draws):
+        random16 = (hash32((index ^ key_of(7, draw)) & 0xFFFFFFFF) & 0xFFFF).to(torch.int32)
+        rounded = round_to_bf16(x, random16).float()
+        assert bool(((rounded == down) | (rounded == up)).all())
+        total += rounded.double()
+    mean = total / draws
+    p = ((x.double() - down.double()) / (up.double() - down.double())).nan_to_num(0.0)
+    standard_error = (up.double() - down.double()).abs() * (p * (1 - p) / draws).sqrt()
+    assert bool(((mean - x.double()).abs() <= 5 * standard_error + 1e-12 * x.double().abs()).all())
+    # and it is not a rounding to nearest: values near the middle land on both sides
+    assert 0.3 < ((mean - down.double()) / (up.double() - down.double())).nan_to_num(0.5).mean().item() < 0.7
+
+
+def drift_after(optimizer_class, steps: int = 200, lr: float = 1e-4, **kwargs) -> float:
+    """Weights of 1.0 (bf16), a constant gradient: Adam's step is then lr exactly, far below half of bf16's
+    spacing below 1.0 (2**-9). -> how far the mean weight moved, over what fp32 AdamW moves it (1.0 = all)."""
+    p = torch.nn.Parameter(torch.ones(4096, dtype=torch.bfloat16))
+    optimizer = optimizer_class([p], lr=lr, weight_decay=0.0, **kwargs)
+    for _ in range(steps):
+        p.grad = torch.ones_like(p)
+        optimizer.step()
+    return (1.0 - p.float().mean().item()) / (steps * lr)
+
+
+def test_tiny_updates_accumulate_where_plain_bf16_adamw_drops_them():
+    assert drift_after(torch.optim.AdamW) == 0.0  # plain bf16 AdamW: every update lost (what TRL's bf16 run does)
+    assert abs(drift_after(AdamWBf16SR) - 1.0) < 0.03  # the rounding noise of the mean: ~0.7% (one sigma)
+    assert abs(drift_after(AdamWBf16SR, state_dtype="float32") - 1.0) < 0.03
+
+
+def test_bf16_second_moment_follows_a_shrinking_gradient():
+    """With round-to-nearest a bf16 exp_avg_sq cannot decay by beta2 = 0.999 per step (0.1% is under half its
+    spacing): stochastic rounding lets it decay as fp32 does."""
+    p = torch.nn.Parameter(torch.zeros(4096, dtype=torch.bfloat16))
+    optimizer = AdamWBf16SR([p], lr=0.0)
+    p.grad = torch.ones_like(p)
+    optimizer.step()
+    for _ in range(500):
+        p.grad = torch.zeros_like(p)
+        optimizer.step()
+    want = 0.001 * 0.999 ** 500
+    got = optimizer.state[p]["exp_avg_sq"].float().mean().item()
+    assert abs(got / want - 1) < 0.01, (got, want)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_matches_fp32_adamw_up_to_rounding(weight_decay):
+    """fp32 weights and states: torch.optim.AdamW's result within an fp32 rounding or two. bf16 weights: after a
+    step from the same values and gradients, every weight is one of the two bf16 neighbours of torch's fp32
+    result (the fp32 result itself may sit a rounding away from a neighbour: then either side counts)."""
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(64, 96, generator=generator).bfloat16().float()  # bf16 values: the same start for all
+    grads = [torch.randn(64, 96, generator=generator).bfloat16().float() for _ in range(5)]
+
+    def run(optimizer_class, dtype, steps, **kwargs):
+        p = torch.nn.Parameter(start.to(dtype).clone())
+        optimizer = optimizer_class([p], lr=1e-2, weight_decay=weight_decay, **kwargs)
+        for grad in grads[:steps]:
+            p.grad = grad.to(dtype)
+            optimizer.step()
+        return p.detach().float()
+
+    ours = run(AdamWBf16SR, torch.float32, 5, state_dtype="float32")
+    reference = run(torch.optim.AdamW, torch.float32, 5, foreach=False)
+    assert torch.allclose(ours, reference, rtol=1e-6, atol=1e-8), (ours - reference).abs().max()
+
+    ours, reference = run(AdamWBf16SR, torch.bfloat16, 1), run(torch.optim.AdamW, torch.float32, 1, foreach=False)
+    slack = reference.abs() * 2**-22  # two fp32 roundings
+    low, _ = bf16_neighbours(reference - slack.copysign(reference))
+    _, high = bf16_neighbours(reference + slack.copysign(reference))
+    assert bool(((ours.abs() >= low.abs()) & (ours.abs() <= high.abs())).all())
+    assert (ours != reference.bfloat16().float()).any()  # not rounding to nearest
+
+
+def test_same_draws_on_every_replica_and_a_different_draw_each_step():
+    """DDP replicas must stay identical: the rounding depends on (seed, step, parameter, element), not on the
+    process. And each step draws anew (or the same element would round the same way every step: biased)."""
+    def run(steps, seed=0):
+        p = torch.nn.Parameter(torch.full((2048,), 1.0, dtype=torch.bfloat16))
+        optimizer = AdamWBf16SR([p], lr=1e-3, seed=seed)
+        history = []
+        for _ in range(steps):
+            p.grad = torch.ones_like(p)
+            optimizer.step()
+            history.append(p.detach().clone())
+        return history
+
+    a, b = run(2), run(2)
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(run(1, seed=1)[0], a[0])
+    # A step of 1e-3 below 1.0 (spacing 2**-8) rounds down with probability 0.256 at each step. Reusing step 1's
+    # bits at step 2 would move none of the weights that step 1 left at 1.0 (the same bits, the same fraction).
+    stayed = a[0] == 1.0
+    assert 0.2 < (a[0] != 1.0).float().mean().item() < 0.32
+    assert 0.2 < (a[1][stayed] != 1.0).float().mean().item() < 0.32
+
+
+@pytest.mark.slow
+def test_compiled_update_equals_eager_bit_for_bit():
+    """The GPU path (torch.compile, one graph for all lengths) against the eager one: the same hash, the same
+    arithmetic, so the same bits. Default (bf16) states; 30-40 s on 2 cores (inductor's C++ compiles)."""
+    shapes = [(64, 48), (256,), (33, 16)]
+
+    def run(compile):
+        generator = torch.Generator().manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s, generator=generator).bfloat16()) for s in shapes]
+        optimizer = AdamWBf16SR(params, lr=1e-2, weight_decay=0.1, compile=compile)
+        for _ in range(2):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=generator).bfloat16()
+            optimizer.step()
+        return params + [optimizer.state[p]["exp_avg_sq"] for p in params]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
+
+
+def test_optim_name_parses_and_the_trainer_builds_it(tmp_path):
+    from transformers import Trainer
+
+    from sft.config import SFTTrainingArguments, parse_args
+    from sft.errors import ConfigError
+    from sft.lowbit import prepare_optimizer, rounds_stochastically
+
+    parsed = parse_args(["--optim", "adamw_bf16_sr", "--output_dir", str(tmp_path)])[3]  # the command line's path
+    assert parsed.optim == "adamw_bf16_sr"
+    args = SFTTrainingArguments(output_dir=str(tmp_path), optim="adamw_bf16_sr", use_cpu=True, report_to="none",
+                                optim_args="state_dtype=float32", weight_decay=0.01, seed=3)
+    assert args.optim == "adamw_bf16_sr"
+    prepare_optimizer(args.optim)
+    optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    assert optimizer_class is AdamWBf16SR and kwargs["state_dtype"] == "float32" and kwargs["seed"] == 3
+    assert rounds_stochastically("adamw_bf16_sr", None)
+    assert not rounds_stochastically("adamw_torch_fused", None)
+    assert rounds_stochastically("adamw_torch_8bit", "bf16_stochastic_round=True")
+    for optim_args, message in (("state_dtype=float16", "state_dtype=float16: use bfloat16"),
+                                ("block_size=128", "unknown --optim_args block_size"), ("seed", "key=value")):
+        with pytest.raises(ConfigError, match=message):  # while parsing, before any model loads
+            parse_args(["--optim", "adamw_bf16_sr", "--optim_args", optim_args])
+    args.optim_args = "block_size=128"
+    with pytest.raises(ConfigError, match="unknown --optim_args block_size"):  # and if parsing was bypassed
+        Trainer.get_optimizer_cls_and_kwargs(args)
+
+
+def test_resumed_trainer_run_equals_the_uninterrupted_one(tmp_path):
+    """HF Trainer, bf16 tiny Llama, fp32 states (torch's load_state_dict would cast them to bf16: without
+    AdamWBf16SR.load_state_dict this test fails): 4 steps in one go (saving at step 2) against a second run resumed
+    from that step-2 checkpoint. Weights and states equal bit for bit."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer
+
+    from sft.config import SFTTrainingArguments
+    from sft.lowbit import prepare_optimizer
+
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (16, 16),
+                                                                        generator=torch.Generator().manual_seed(0))]
+
+    def train(output_dir, max_steps, resume=None):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+        args = SFTTrainingArguments(output_dir=str(output_dir), optim="adamw_bf16_sr", optim_args="state_dtype=float32",
+                                    use_cpu=True, report_to="none", max_steps=max_steps, save_steps=2,
+                                    per_device_train_batch_size=4, learning_rate=1e-3, weight_decay=0.1,
+                                    lr_scheduler_type="linear", logging_steps=100, seed=0)
+        prepare_optimizer(args.optim)
+        trainer = Trainer(model=model, args=args, train_dataset=rows)
+        trainer.train(resume_from_checkpoint=resume)
+        return model, trainer.optimizer
+
+    whole, whole_optimizer = train(tmp_path / "whole", 4)
+    resumed, resumed_optimizer = train(tmp_path / "resumed", 4, resume=str(tmp_path / "whole" / "checkpoint-2"))
+    assert all(torch.equal(a, b) for a, b in zip(whole.parameters(), resumed.parameters()))
+    for a, b in zip(whole.parameters(), resumed.parameters()):
+        state_a, state_b = whole_optimizer.state[a], resumed_optimizer.state[b]
+        assert state_b["exp_avg"].dtype == torch.float32 and torch.equal(state_a["exp_avg_sq"], state_b["exp_avg_sq"])
+    assert not torch.equal(next(whole.parameters()), next(LlamaForCausalLM(config).to(torch.bfloat16).parameters()))
+
+
+FSDP_WORKER = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import distribute_tensor
+    from sft.sr_adamw import AdamWBf16SR
+
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=int(sys.argv[2]), world_size=2)
+
+    def train(sharded):
+        torch.manual_seed(0)  # 33 rows: uneven shards (17 + 16), so the second shard starts mid-tensor
+        model = torch.nn.Sequential(torch.nn.Linear(48, 33), torch.nn.Linear(33, 64)).to(torch.bfloat16)
+        if sharded:
+            fully_shard(model)
+        optimizer = AdamWBf16SR(model.parameters(), lr=1e-2, weight_decay=0.1)
+        for step in range(3):
+            for i, p in enumerate(model.parameters()):
+                grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + i)).to(torch.bfloat16)
+                p.grad = distribute_tensor(grad, p.device_mesh, p.placements) if sharded else grad
+            optimizer.step()
+        states = [optimizer.state[p]["exp_avg_sq"] for p in model.parameters()]
+        full = lambda t: t.full_tensor() if sharded else t.detach()
+        return [full(p) for p in model.parameters()] + [full(s) for s in states]
+
+    plain, sharded = train(False), train(True)
+    if dist.get_rank() == 0:
+        print(json.dumps({"equal": [torch.equal(a, b) for a, b in zip(plain, sharded)]}))
+    from sft.distributed import exit_process
+    exit_process(0)
+""")
+
+
+@pytest.mark.slow
+def test_fsdp2_sharded_update_equals_the_unsharded_one(tmp_path):
+    """Under FSDP2 (raw fully_shard, two gloo ranks) each rank updates its shard, drawing the random bits by the
+    global element index: weights and states equal the one-process run bit for bit, uneven shards included.
+    ~25 s on 2 cores (two processes' imports)."""
+    from test_lowbit import two_gloo_ranks
+
+    found = two_gloo_ranks(FSDP_WORKER, tmp_path)
+    assert found["equal"] == [True] * 8, found
