@@ -7,13 +7,12 @@ are applied apart, by `apply_setup_defaults`.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sft.errors import ConfigError
-from sft.lowbit import LOW_BIT_OPTIMIZERS
+from sft.lowbit import LOW_BIT_OPTIMIZERS, SR_ADAMW, rounds_stochastically
 from sft.machine import Machine
 
 
@@ -82,23 +81,24 @@ def precision_the_hardware_has(o: Options, m: Machine) -> None:
 
 def full_fine_tune_keeps_small_updates(o: Options, m: Machine) -> None:
     """Full fine-tuning keeps fp32 master weights (--dtype auto) OR trains bf16 weights with an optimizer that
-    rounds its update stochastically (torchao's 8/4-bit AdamW with bf16_stochastic_round=True): plain bf16 AdamW
+    rounds its update stochastically (ours, `--optim adamw_bf16_sr`: sft/sr_adamw.py; or torchao's 8/4-bit AdamW
+    with bf16_stochastic_round=True where memory needs low-bit states): plain bf16 AdamW
     loses every update smaller than bf16's spacing. The bf16 plan is how a 7B full fine-tune fits 24 GB cards
     without offload (FSDP: ~6 bytes per parameter over the GPUs; bench/RESULTS.md)."""
     t = o.training
     if o.lora.lora or o.model.dtype in ("auto", "float32"):
         return
-    recipe = "--dtype bfloat16 --optim adamw_torch_8bit --optim_args bf16_stochastic_round=True (torchao)"
+    recipe = (f"--dtype bfloat16 --optim {SR_ADAMW} (or, where memory needs it, --optim adamw_torch_8bit "
+              f"--optim_args bf16_stochastic_round=True)")
     if o.model.dtype == "float16":
         raise ConfigError("--dtype float16 without --lora: full fine-tuning needs fp32 master weights (--dtype "
                           f"auto with --fp16) or bf16 weights with stochastic rounding: {recipe}.")
     optim = getattr(t.optim, "value", t.optim)
-    rounds = "bf16_stochastic_round=true" in (t.optim_args or "").replace(" ", "").lower()
-    if optim not in LOW_BIT_OPTIMIZERS or not rounds:  # torchao, with bf16_stochastic_round
+    if not rounds_stochastically(optim, t.optim_args):
         raise ConfigError(f"--dtype bfloat16 without --lora with --optim {optim} "
                           f"{('--optim_args ' + t.optim_args) if t.optim_args else ''}: plain bf16 AdamW silently "
                           f"drops small updates. Use {recipe}, or --dtype auto (fp32 master weights).")
-    if importlib.util.find_spec("torchao") is None:
+    if optim in LOW_BIT_OPTIMIZERS and not m.has("torchao"):
         raise ConfigError(f"--optim {optim} needs torchao: pip install torchao.")
     if t.bf16 and o.fsdp(m):
         raise ConfigError("--bf16 with --dtype bfloat16 under FSDP: accelerate would upcast the weights to fp32 "
@@ -123,7 +123,7 @@ def qlora_needs(o: Options, m: Machine) -> None:
     if not m.cuda:
         raise ConfigError("--qlora needs a CUDA GPU (bitsandbytes' 4-bit kernels) and this machine has none. Use "
                           "--lora here (the same adapter on the unquantized base).")
-    if not installed("bitsandbytes"):
+    if not m.has("bitsandbytes"):
         raise ConfigError('--qlora needs the bitsandbytes package, which is not installed: pip install -e ".[qlora]"')
     if o.model.tp_size > 1:
         raise ConfigError(f"--qlora with --tp_size {o.model.tp_size}: 4-bit weights cannot be split by tensor "
@@ -135,10 +135,6 @@ def qlora_needs(o: Options, m: Machine) -> None:
                           f"for 4-bit weights), and it would save nothing over DDP: ZeRO-{stage} shards the "
                           f"optimizer state, which under LoRA is the adapter's few MB. Use "
                           f"accelerate_configs/ddp.yaml, or accelerate_configs/fsdp.yaml to shard the 4-bit base.")
-
-
-def installed(package: str) -> bool:
-    return importlib.util.find_spec(package) is not None
 
 
 def quantized_base_not_under_zero3(o: Options, m: Machine) -> None:
@@ -171,7 +167,7 @@ def attention_kernel_available(o: Options, m: Machine) -> None:
     attn = o.model.attn_implementation
     if attn.startswith("flash_attention"):
         package = "flash_attn_interface" if attn == "flash_attention_3" else "flash_attn"
-        if not m.cuda or importlib.util.find_spec(package) is None:
+        if not m.cuda or not m.has(package):
             raise ConfigError(f"--attn_implementation {attn} needs a GPU and the `{package}` package "
                               f"({'no GPU here' if not m.cuda else 'not installed'}). Use sdpa (it also separates "
                               f"packed documents).")
@@ -179,8 +175,28 @@ def attention_kernel_available(o: Options, m: Machine) -> None:
         raise ConfigError("--attn_implementation flex_attention cannot train on CPU (no backward there); use sdpa.")
 
 
+def liger_kernel_available(o: Options, m: Machine) -> None:
+    """The Trainer imports Liger only inside train(), after the model has loaded (seen on an H200: an ImportError
+    traceback a minute in); its kernels are Triton, GPU only."""
+    if not o.training.use_liger_kernel:
+        return
+    if not m.has("liger_kernel"):
+        raise ConfigError("--use_liger_kernel needs the liger-kernel package, which is not installed: "
+                          "pip install 'deepseek-sft[lowbit]' (or liger-kernel), or drop --use_liger_kernel.")
+    if not m.cuda:
+        raise ConfigError("--use_liger_kernel needs a GPU (its kernels are Triton); drop it on CPU.")
+
+
+def fp8_base_needs(o: Options, m: Machine) -> None:
+    """--fp8: a GPU with FP8 matmuls (compute capability 8.9+) and a strategy that keeps the base whole."""
+    if getattr(o.model, "fp8", False):
+        from sft.fp8 import fp8_base_needs as needs  # imports torch: only when asked
+
+        needs(o, m)
+
+
 def processes_fit_gpus(o: Options, m: Machine) -> None:
-    local = m.launch.local_world_size
+    local = m.launch.processes_here(1)
     if m.cuda and local > m.gpus:
         raise ConfigError(f"{local} processes on this machine but {m.gpus} GPU(s): launch with "
                           f"`accelerate launch --num_processes {m.gpus}` (or `torchrun --nproc_per_node {m.gpus}`).")
@@ -235,7 +251,7 @@ def launcher_agrees(o: Options, m: Machine) -> None:
 CHECKS: list[Callable[[Options, Machine], None]] = [
     our_option_values, partial_checkpointing, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
     quantized_base_not_under_zero3, qlora_needs, sharding_needs_gpus, attention_kernel_available, processes_fit_gpus,
-    tensor_parallel_combinations, deepspeed_json_agrees, launcher_agrees,
+    tensor_parallel_combinations, liger_kernel_available, fp8_base_needs, deepspeed_json_agrees, launcher_agrees,
 ]
 
 

@@ -93,7 +93,9 @@ def quiet_libraries(main_process: bool | None = None) -> None:
     main_process: None reads the launcher's RANK (torchrun, accelerate launch and deepspeed set it; unset = one
     process), which is known before TrainingArguments exists."""
     if main_process is None:
-        main_process = os.environ.get("RANK", "0") == "0"
+        from sft.machine import launch  # the environment only: cheap, and no torch
+
+        main_process = launch().first
     quiet_imports()
     if "libraries" in _installed:
         return

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from sft.errors import ConfigError, DistributedCheckError
+from sft.machine import Launch, Machine, launch as this_launch
 
 NCCL_VARS = ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE")
 # GeForce and TITAN cards have no (working) peer-to-peer; workstation and data-centre cards (RTX A6000, RTX 6000
@@ -32,9 +33,7 @@ class NcclDecision:
 
 def is_first_process() -> bool:
     """Rank 0 of the launch, from the launcher's environment: usable before the process group exists."""
-    from sft.machine import launch
-
-    return launch().first
+    return this_launch().first
 
 
 def end_process_group() -> bool:
@@ -113,7 +112,7 @@ def decide_nccl_env(gpu_names: Sequence[str], peer_access: bool | None, env: Map
     return decision
 
 
-def visible_gpu_names() -> list[str]:
+def visible_gpu_names(launch: Launch | None = None) -> list[str]:
     """GPU names from nvidia-smi (accelerate's helper: no CUDA initialisation), limited to CUDA_VISIBLE_DEVICES."""
     try:
         from accelerate.utils.environment import get_gpu_info
@@ -121,7 +120,7 @@ def visible_gpu_names() -> list[str]:
         names, _ = get_gpu_info()
     except Exception:  # no nvidia-smi, no driver: a CPU machine
         return []
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    visible = (launch or this_launch()).cuda_visible_devices
     if visible and all(v.strip().isdigit() for v in visible.split(",")):
         names = [names[int(v)] for v in visible.split(",") if int(v) < len(names)]
     return names
@@ -136,17 +135,18 @@ def gpus_have_peer_access() -> bool | None:
     return all(torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n) if i != j)
 
 
-def configure_nccl_env() -> NcclDecision:
+def configure_nccl_env(launch: Launch | None = None) -> NcclDecision:
     """Set NCCL_P2P_DISABLE / NCCL_IB_DISABLE for consumer cards. Call before TrainingArguments is built: that
     starts the process group, and NCCL reads these when its communicators are created."""
-    names = visible_gpu_names()
-    if len(names) < 2 or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+    launch = launch or this_launch()
+    names = visible_gpu_names(launch)
+    if len(names) < 2 or launch.world_size < 2:
         return NcclDecision()
     # Named consumer cards decide it already; otherwise ask CUDA whether every pair reaches each other.
     peer_access = None if any(is_consumer_gpu(n) for n in names) else gpus_have_peer_access()
-    decision = decide_nccl_env(names, peer_access, os.environ)
-    os.environ.update(decision.env)
-    if decision.reasons and is_first_process():
+    decision = decide_nccl_env(names, peer_access, dict(launch.nccl))
+    os.environ.update(decision.env)  # written for NCCL, which reads them when its communicators are created
+    if decision.reasons and launch.first:
         for line in decision.reasons:
             print(f"NCCL: {line}", file=sys.stderr, flush=True)
     return decision
@@ -183,6 +183,7 @@ def check_allreduce(numels: Sequence[int] = (1024, 4 * 1024 * 1024)) -> None:
 
 def _nccl_advice() -> str:
     names = visible_gpu_names()
+    # What NCCL was given: the user's values or ours (configure_nccl_env writes them after the launch was read).
     state = ", ".join(f"{v}={os.environ.get(v, 'unset')}" for v in NCCL_VARS)
     return (f"GPUs: {', '.join(names) or 'none seen by nvidia-smi'}; {state}. Communication between the GPUs "
             "returns wrong data, so training would silently learn nothing. On GeForce cards without peer-to-peer, "
@@ -250,7 +251,7 @@ def count_parameters(model_args, lora_args) -> tuple[int, int]:
     return total, sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-def estimate_offload(model_args, lora_args, training_args) -> OffloadEstimate | None:
+def estimate_offload(model_args, lora_args, training_args, launch: Launch | None = None) -> OffloadEstimate | None:
     """The host-RAM needs of the DeepSpeed plan in effect, or None when nothing is offloaded to the CPU."""
     plugin = getattr(training_args, "deepspeed_plugin", None)
     if plugin is None:
@@ -262,7 +263,7 @@ def estimate_offload(model_args, lora_args, training_args) -> OffloadEstimate | 
     params, trainable = count_parameters(model_args, lora_args)
     stage = int((ds_config.get("zero_optimization") or {}).get("stage", 0))
     world = max(1, training_args.world_size)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    local = (launch or this_launch()).processes_here(world)
     # ZeRO-3 partitions everything over all ranks; stages 1-2 offload a partition of the optimizer only, and
     # under stage 2 the (fp16) parameters are not offloaded at all.
     share = min(1.0, local / world) if stage >= 1 else 1.0
@@ -270,19 +271,16 @@ def estimate_offload(model_args, lora_args, training_args) -> OffloadEstimate | 
     return OffloadEstimate(params, trainable, optimizer_on_cpu, params_on_cpu and stage == 3, 2 if half else 4, share)
 
 
-def check_offload_ram(model_args, lora_args, training_args, available: int | None = None,
-                      total: int | None = None) -> OffloadEstimate | None:
-    """Stop before loading when the offload plan cannot fit this machine's RAM; warn when it is tight."""
-    estimate = estimate_offload(model_args, lora_args, training_args)
+def check_offload_ram(model_args, lora_args, training_args, machine: Machine | None = None) -> OffloadEstimate | None:
+    """Stop before loading when the offload plan cannot fit this machine's RAM (`machine`: this one when None; its
+    RAM is SFT_HOST_RAM_GIB where set); warn when it is tight."""
+    from sft.machine import machine as this_machine
+
+    m = machine or this_machine()
+    estimate = estimate_offload(model_args, lora_args, training_args, m.launch)
     if estimate is None:
         return None
-    if os.environ.get("SFT_HOST_RAM_GIB"):  # VMs whose RAM grows on demand report a small MemTotal at start
-        available = total = float(os.environ["SFT_HOST_RAM_GIB"]) * GIB
-    elif available is None or total is None:
-        import psutil
-
-        memory = psutil.virtual_memory()
-        available, total = memory.available, memory.total
+    available, total = m.host_ram_available_gib * GIB, m.host_ram_gib * GIB
     need = estimate.total()
     detail = " + ".join(f"{n / GIB:.1f} GiB {what}" for what, n in estimate.parts())
     message = (f"the DeepSpeed CPU-offload plan needs at least {need / GIB:.1f} GiB of host RAM on this machine "
@@ -294,7 +292,7 @@ def check_offload_ram(model_args, lora_args, training_args, available: int | Non
     if need > total:
         raise ConfigError(message + advice + " If this machine's RAM grows on demand (some VMs start with a small "
                           "MemTotal), give its real size: SFT_HOST_RAM_GIB=<GiB>.")
-    if is_first_process():  # one report per run, not one per process
+    if m.launch.first:  # one report per run, not one per process
         if need > available:
             print(f"warning: {message} It may be killed for lack of memory.{advice}", file=sys.stderr, flush=True)
         else:
@@ -302,10 +300,10 @@ def check_offload_ram(model_args, lora_args, training_args, available: int | Non
     return estimate
 
 
-def check_data_parallel(training_args) -> None:
+def check_data_parallel(training_args, launch: Launch | None = None) -> None:
     """Several processes but no distributed backend: accelerate then wraps nothing, and each process trains alone
     on its share of the data (on a CPU machine, without --use_cpu or --ddp_backend)."""
-    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = (launch or this_launch()).world_size
     state = getattr(training_args, "distributed_state", None)
     unwrapped = state is not None and str(state.distributed_type) == "DistributedType.NO"
     if launched < 2 or (training_args.world_size == launched and not unwrapped):
@@ -329,9 +327,13 @@ def one_gpu_per_process(training_args) -> None:
     training_args._n_gpu = 1  # read through TrainingArguments.n_gpu by the Trainer (batch size, DataParallel)
 
 
-def preflight(model_args, lora_args, training_args) -> None:
-    """Run once the process group exists (TrainingArguments built) and before the model loads."""
-    check_data_parallel(training_args)
+def preflight(model_args, lora_args, training_args, machine: Machine | None = None) -> None:
+    """Run once the process group exists (TrainingArguments built) and before the model loads. `machine`: this
+    one when None (read here: CUDA is initialised by now)."""
+    from sft.machine import machine as this_machine
+
+    m = machine or this_machine()
+    check_data_parallel(training_args, m.launch)
     one_gpu_per_process(training_args)
-    check_offload_ram(model_args, lora_args, training_args)
+    check_offload_ram(model_args, lora_args, training_args, m)
     check_allreduce()

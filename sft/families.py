@@ -17,6 +17,11 @@ MLP would silently get nothing. peft leaves `target_parameters` alone, so those 
 (`mlp.gate_proj.weight`, ...): a saved adapter then loads back with plain peft on the plain transformers model and
 merges. The price (peft's ParamWrapper): no LoRA dropout in the whole adapter, and each such layer adds the full
 low-rank delta to its weight in every forward, which keeps one weight-sized tensor per layer until backward.
+With the base sharded it works as is (tests/test_moe_sharded.py, 2 ranks): under ZeRO-3 peft reads a partitioned
+weight's shape from `ds_shape`, and DeepSpeed gathers a weight whenever it is read in forward (its ZeROOrderedDict),
+so the parametrization peft registers around each forward sees the whole weight; under FSDP2 a decoder layer's
+weights are unsharded while its forward runs. Both give the unsharded model's loss and gradients and save the same
+adapter modules.
 
 Presets per released model (`VARIANTS`, which sub-family a config is: `identify`), checked when the model loads
 (`check_family`: a template the family does not use, an end-of-turn token the tokenizer lacks or that generate()
@@ -267,7 +272,7 @@ def family_template(config, tokenizer=None) -> str:
 
 # ---- the strategy for a box of 3 x 24 GB GPUs (README, Multi-GPU strategies; bench/RESULTS.md) ----------------
 
-GPUS, GPU_GIB = 3, 22.0  # 24 GB cards, of which ~22 GiB are the allocator's (CUDA context, NCCL buffers)
+GPUS, GPU_GB = 3, 24  # cards as sold: the planner counts what nvidia-smi shows of them (context and NCCL included)
 
 
 @dataclass(frozen=True)
@@ -286,39 +291,36 @@ def parameter_count(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def strategy(parameters: float, lora: bool, host_ram_gib: float | None = None) -> Strategy:
-    """The accelerate config to use on 3 x 24 GB for a model of `parameters` (all of them, MoE included: every
-    expert is stored on some card), by the arithmetic of README's recipes:
-    - LoRA keeps the base in bf16 (2 bytes/parameter): a whole copy per card (ddp) up to ~8.5B; sharded over the
-      three cards by ZeRO-3 up to ~25B (the activations need the rest); beyond, weights in host RAM (ZeRO-3
-      offload, ~2.5 bytes/parameter of RAM), which reaches 70B on a 256 GiB host.
-    - Full fine-tuning with bf16 weights and 4-bit Adam under FSDP (~5 bytes/parameter over the cards) up to ~10B;
-      beyond, ZeRO-3 offload (~18 bytes/parameter of host RAM).
-    Models whose offload needs more host RAM than `host_ram_gib` (default 512) do not fit: config None."""
-    gib = parameters / 2**30
+def strategy(model, lora: bool, host_ram_gib: float | None = None) -> Strategy:
+    """The accelerate config to use on 3 x 24 GB for `model` (a sft.plan.Shape, or what `python -m sft.plan
+    --model` takes: a family name, hub id or local directory): the planner's fastest recommended plan that fits
+    (sft/plan.py, the one memory model: GPU memory per card as nvidia-smi counts it, and host RAM), for 2048-token
+    packed rows. Plans whose host RAM exceeds `host_ram_gib` (default 512) do not fit; none fits: config None."""
+    from sft import plan
+    from sft.strategies import STRATEGIES
+
+    shape = model if isinstance(model, plan.Shape) else plan.resolve_shape(model)
     ram = host_ram_gib or 512.0
-    if lora:
-        if 2 * gib <= GPU_GIB - 6:
-            return Strategy("accelerate_configs/ddp.yaml", f"LoRA: the bf16 base ({2 * gib:.0f} GiB) fits every "
-                                                           f"card; only the adapter's gradients are all-reduced")
-        if 2 * gib / GPUS <= GPU_GIB - 6:
-            return Strategy("accelerate_configs/zero3.yaml", f"LoRA: the bf16 base ({2 * gib:.0f} GiB) sharded "
-                                                             f"over {GPUS} cards ({2 * gib / GPUS:.0f} GiB each)")
-        if 2.5 * gib <= ram:
-            return Strategy("accelerate_configs/zero3_offload.yaml", f"LoRA: the bf16 base ({2 * gib:.0f} GiB) "
-                                                                     f"does not fit {GPUS} x 24 GB: weights in host "
-                                                                     f"RAM (~{2.5 * gib:.0f} GiB)")
-        return Strategy(None, f"LoRA needs {2 * gib:.0f} GiB of bf16 weights: more than {GPUS} x 24 GB and "
-                              f"{ram:.0f} GiB of host RAM")
-    if 5 * gib / GPUS <= GPU_GIB - 6:
-        return Strategy("accelerate_configs/fsdp.yaml", f"full: bf16 weights + 4-bit Adam (--dtype bfloat16 --optim "
-                                                        f"adamw_torch_4bit), ~{5 * gib / GPUS:.0f} GiB per card")
-    if 18 * gib <= ram:
-        return Strategy("accelerate_configs/zero3_offload.yaml", f"full: optimizer and weights in host RAM "
-                                                                 f"(~{18 * gib:.0f} GiB); slow")
-    return Strategy(None, f"full fine-tuning needs ~{18 * gib:.0f} GiB of host RAM even with offload")
+    method = "lora" if lora else "full"
+    plans = plan.enumerate_plans(shape, plan.Box(GPUS, GPU_GB, ram), method)
+    best = plan.best_plan(plans)
+    what = f"{'LoRA' if lora else 'full fine-tuning'} of {shape.name} ({shape.params() / 1e9:.1f}B parameters)"
+    if best is None:
+        closest = plan.closest_plan(plans)
+        near = f"{closest.w.strategy} {closest.why_not}" if closest else "no strategy applies"
+        return Strategy(None, f"{what} fits no plan on {GPUS} x {GPU_GB} GB with {ram:g} GiB of host RAM "
+                              f"(closest: {near})")
+    w = best.w
+    precision = "" if lora or w.setup.precision == "fp32_master" else f", {w.setup.precision} optimizer"
+    return Strategy(STRATEGIES[w.strategy].accelerate_config,
+                    f"{what}: {w.strategy}{precision}, micro-batch {w.micro_batch}, checkpointing "
+                    f"{'on' if w.checkpointing else 'off'}: {plan.shown_gib(best):.1f} GiB per card, "
+                    f"{best.prediction.host_gib:.0f} GiB host RAM (predicted by sft/plan.py)")
 
 
 def recommended_strategy(config, lora: bool, host_ram_gib: float | None = None) -> Strategy:
     """strategy() for the model this config describes."""
-    return strategy(parameter_count(config), lora, host_ram_gib)
+    from sft.plan import shape_from_config
+
+    return strategy(shape_from_config(config, getattr(config, "name_or_path", "") or config.model_type), lora,
+                    host_ram_gib)

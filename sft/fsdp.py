@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import os
 
-
-def fsdp_launched() -> bool:
-    return os.environ.get("ACCELERATE_USE_FSDP", "false").lower() in ("1", "true", "yes")
+from sft.machine import Launch, launch as this_launch
 
 
-def fsdp_training_settings(training_args, lora: bool = False) -> None:
+def fsdp_launched(launch: Launch | None = None) -> bool:
+    """Whether the accelerate config in effect is FSDP's (ACCELERATE_USE_FSDP, read once: sft/machine.py)."""
+    return (launch or this_launch()).fsdp
+
+
+def fsdp_training_settings(training_args, lora: bool = False, launch: Launch | None = None) -> None:
     """Trainer settings that FSDP needs, applied before the Trainer (and its FSDP plugin) is created.
 
     - Full fine-tuning: `--activation_checkpointing` becomes FSDP's own (FSDP_ACTIVATION_CHECKPOINTING, read by
@@ -25,11 +28,11 @@ def fsdp_training_settings(training_args, lora: bool = False) -> None:
       (12.9 GiB in bf16 for 7B), which a 24 GB card cannot hold. An explicit
       `--accelerator_config '{"gradient_accumulation_kwargs": {"sync_each_batch": false}}'` is kept.
     """
-    if not fsdp_launched():
+    if not fsdp_launched(launch):
         return
     notes = []
     if training_args.activation_checkpointing and not lora:
-        os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = "true"
+        os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = "true"  # written for accelerate's FSDP plugin, which reads it
         training_args.activation_checkpointing = training_args.gradient_checkpointing = False
         notes.append("--activation_checkpointing applied as FSDP's activation checkpointing")
     elif training_args.activation_checkpointing:
@@ -46,9 +49,9 @@ def fsdp_training_settings(training_args, lora: bool = False) -> None:
         print("FSDP: " + "; ".join(notes), flush=True)
 
 
-def fsdp_callbacks() -> list:
+def fsdp_callbacks(launch: Launch | None = None) -> list:
     """Trainer callbacks of FSDP runs (none otherwise): the embedding's backward without an all-gather."""
-    if not fsdp_launched():
+    if not fsdp_launched(launch):
         return []
     from transformers import TrainerCallback
 

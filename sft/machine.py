@@ -8,10 +8,13 @@ torch is imported); `machine()` adds what torch and psutil say.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 from dataclasses import dataclass, field
 
 GIB = 2**30
+# Packages that options need and the install may lack: checks ask the Machine (tests describe them as data).
+OPTIONAL_PACKAGES = ("liger_kernel", "bitsandbytes", "torchao", "flash_attn", "flash_attn_interface")
 
 
 def _true(value: str | None) -> bool:
@@ -24,8 +27,9 @@ class Launch:
     settings as ACCELERATE_* variables (and sets ACCELERATE_DYNAMO_BACKEND even for one process)."""
 
     world_size: int = 1
-    local_world_size: int = 1
+    local_world_size: int | None = None           # LOCAL_WORLD_SIZE; None: not said (DeepSpeed's launcher sets none)
     rank: int = 0
+    local_rank: int = 0
     launched: bool = False                        # by accelerate launch / torchrun, not the user's shell
     fsdp: bool = False                            # ACCELERATE_USE_FSDP
     zero_stage: str | None = None                 # ACCELERATE_DEEPSPEED_ZERO_STAGE
@@ -33,10 +37,16 @@ class Launch:
     deepspeed_config_file: str | None = None      # ACCELERATE_DEEPSPEED_CONFIG_FILE
     mixed_precision: str = "no"                   # ACCELERATE_MIXED_PRECISION
     gradient_accumulation_steps: int | None = None
+    cuda_visible_devices: str | None = None       # CUDA_VISIBLE_DEVICES as the process was started with it
+    nccl: tuple[tuple[str, str], ...] = ()         # the NCCL_* variables the user set (sft/distributed.py NCCL_VARS)
 
     @property
     def first(self) -> bool:
         return self.rank == 0
+
+    def processes_here(self, unknown: int) -> int:
+        """The processes on this machine: LOCAL_WORLD_SIZE, or `unknown` when the launcher did not say."""
+        return self.local_world_size or unknown
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,13 @@ class Machine:
     host_ram_gib: float = 0.0                     # SFT_HOST_RAM_GIB when set (VMs whose RAM grows on demand)
     host_ram_available_gib: float = 0.0
     launch: Launch = field(default_factory=Launch)
+    # The optional packages importable here (OPTIONAL_PACKAGES); None: not described, so looked up when asked.
+    packages: frozenset[str] | None = None
+
+    def has(self, package: str) -> bool:
+        if self.packages is not None:
+            return package in self.packages
+        return importlib.util.find_spec(package) is not None
 
     @property
     def gpus(self) -> int:
@@ -62,13 +79,16 @@ def read_launch(env: os._Environ | dict = os.environ) -> Launch:
     offload = tuple(k.lower() for k in ("OPTIMIZER", "PARAM")
                     if env.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{k}_DEVICE", "none") in ("cpu", "nvme"))
     accumulation = env.get("ACCELERATE_GRADIENT_ACCUMULATION_STEPS")
-    return Launch(world_size=world, local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
-                  rank=int(env.get("RANK", "0")),
+    local = env.get("LOCAL_WORLD_SIZE")
+    return Launch(world_size=world, local_world_size=int(local) if local else None,
+                  rank=int(env.get("RANK", "0")), local_rank=int(env.get("LOCAL_RANK", "0")),
                   launched="LOCAL_RANK" in env or "ACCELERATE_DYNAMO_BACKEND" in env,
                   fsdp=_true(env.get("ACCELERATE_USE_FSDP")), zero_stage=env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"),
                   offload=offload, deepspeed_config_file=env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"),
                   mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", "no"),
-                  gradient_accumulation_steps=int(accumulation) if accumulation else None)
+                  gradient_accumulation_steps=int(accumulation) if accumulation else None,
+                  cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
+                  nccl=tuple((k, v) for k, v in sorted(env.items()) if k.startswith("NCCL_")))
 
 
 @functools.lru_cache(maxsize=1)
@@ -92,4 +112,5 @@ def machine() -> Machine:
     return Machine(gpu_names=tuple(p.name for p in properties),
                    gpu_memory_gib=tuple(p.total_memory / GIB for p in properties),
                    bf16=bool(count) and torch.cuda.is_bf16_supported(), host_ram_gib=total,
-                   host_ram_available_gib=available, launch=launch())
+                   host_ram_available_gib=available, launch=launch(),
+                   packages=frozenset(p for p in OPTIONAL_PACKAGES if importlib.util.find_spec(p) is not None))

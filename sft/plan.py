@@ -18,6 +18,7 @@ for every row with a measured peak.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import shlex
@@ -26,7 +27,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from sft.strategies import REPO, STRATEGIES, Setup, StateBytes, Strategy
+from sft.strategies import PRECISION_OPTIONS, REPO, STRATEGIES, Setup, StateBytes, Strategy
 
 GIB = 2**30
 RESULTS = REPO / "bench" / "results.jsonl"
@@ -105,6 +106,11 @@ class Shape:
         """Active parameters of the matmuls per token (lm_head included, input embeddings not): the N of 6N/4N."""
         return self.vocab * self.hidden + sum(self.layer_params(i, active=True) for i in range(self.layers))
 
+    def routed_active_params(self) -> int:
+        """Parameters of the routed experts one token runs through (all MoE layers)."""
+        moe_layers = self.layers - self.first_dense if self.moe else 0
+        return moe_layers * self.experts_per_token * 3 * self.hidden * self.moe_intermediate
+
     def linear_params(self) -> int:
         """Parameters of the decoder layers' linear weights (what QLoRA stores in 4 bits)."""
         return sum(self.layer_params(i) - 2 * self.hidden for i in range(self.layers))
@@ -162,6 +168,16 @@ class Shape:
         kept per distinct input of the LoRA matmuls (attention, o_proj, MLP: 2h each; down_proj: 2I)."""
         inter = self.shared_experts * self.moe_intermediate if self.moe else self.intermediate
         return 6 * self.hidden + 2 * inter
+
+    def parameter_lora_bytes(self, index: int) -> float:
+        """Bytes a DeepSeek MoE LoRA keeps per layer whatever the tokens: its MLP weights are targeted as parameters
+        (sft/families.py), and peft's ParamWrapper computes W + BA as a new bf16 weight in every forward
+        (`_LoraParameterProxy`), which the linear keeps for its backward: the dense layers' MLP, the MoE layers'
+        shared experts. From peft's code, not fitted (no MoE row is measured)."""
+        if not self.moe:
+            return 0.0
+        inter = self.shared_experts * self.moe_intermediate if index >= self.first_dense else self.intermediate
+        return 2 * 3 * self.hidden * inter
 
     def backward_working_bytes(self) -> float:
         """Gradient temporaries of one layer's backward beyond its activations: an intermediate-sized gradient
@@ -334,12 +350,16 @@ def predict(shape: Shape, w: Workload) -> Prediction:
         recompute = a_mean if kept == 0 else 0.0
     else:
         stored, recompute = shape.layers * a_mean, 0.0
+    # MoE LoRA: the W + BA weights of the layers whose forward is kept (the recomputed one's under checkpointing)
+    deltas = [shape.parameter_lora_bytes(i) for i in range(shape.layers)] if lora else [0.0]
+    whole = min(w.skip_layers, len(deltas))  # --activation_checkpointing_skip_layers keeps the LAST layers whole
+    kept_deltas = sum(deltas[len(deltas) - whole:]) + max(deltas) if w.checkpointing else sum(deltas)
     logits = 0.0 if w.fused_loss else 12.0 * shape.vocab  # log_softmax output + two fp32 gradients
     if strategy.sharded_kind == "tp":
         logits += 2.0 * shape.vocab if not w.fused_loss else 0.0  # the gathered (replicated) bf16 logits
     working = max(logits, recompute + k * shape.backward_working_bytes())
     extras = 8 * h  # final norm (fp32 input + output) and the loss's input
-    activations = tokens * (stored + working + extras)
+    activations = tokens * (stored + working + extras) + kept_deltas
     # transient buffers of the sharded strategies
     transient = 0.0
     grad_bytes = 2 if (lora or w.setup.precision != "fp32_master") else 4
@@ -377,7 +397,7 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     host = (8 + 4 * w.world) * GIB + 1.8 * state.host * w.world  # processes + offload (pinned buffers: x1.8)
     parts = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer,
              "masters": state.masters, "buckets": state.buckets, "activations": activations,
-             "transient": transient, "cache": cache, "context": context}
+             "lora_weights": kept_deltas, "transient": transient, "cache": cache, "context": context}
     return Prediction(w, allocated / GIB, reserved / GIB, (reserved + context) / GIB, need / GIB, host / GIB,
                       {k: v / GIB for k, v in parts.items()})
 
@@ -403,7 +423,7 @@ def workload_of_row(row: dict) -> Workload:
     args = shlex.split(row.get("train_args") or "")
     strategy = STRATEGY_OF_ROW.get(row["strategy"], row["strategy"])
     optim = _arg(args, "--optim", "")
-    precision = {"adamw_torch_4bit": "lowbit4", "adamw_torch_8bit": "lowbit8"}.get(optim, "fp32_master")
+    precision = next((k for k, v in PRECISION_OPTIONS.items() if v and v["optim"] == optim), "fp32_master")
     cast = row["method"] == "lora" and _arg(args, "--dtype") != "float16" and (
         row.get("commit", "").split("-")[0] in PEFT_CAST_COMMITS or row.get("name", "").endswith("-peftcast"))
     return Workload(strategy=strategy, setup=Setup(row["method"], precision), world=row["n_gpus"],
@@ -415,9 +435,12 @@ def workload_of_row(row: dict) -> Workload:
                     grad_accum=row.get("grad_accum", 1))
 
 
+def bench_rows(path: Path = RESULTS) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
 def measured_rows(path: Path = RESULTS) -> list[dict]:
-    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
-    return [r for r in rows if r.get("gpu") and r.get("peak_mem_gib") and r.get("model") in BENCH_SHAPES]
+    return [r for r in bench_rows(path) if r.get("gpu") and r.get("peak_mem_gib") and r.get("model") in BENCH_SHAPES]
 
 
 def smi_of_row(row: dict, rows: list[dict]) -> tuple[float | None, str]:
@@ -458,13 +481,16 @@ def check_rows(path: Path = RESULTS) -> list[dict]:
                     "pred_smi": smi, "smi": measured_smi, "smi_note": why,
                     "at_cap": p.reserved_gib >= cap,
                     "err_reserved": reserved / r["peak_mem_gib"] - 1,
-                    "err_smi": (smi / measured_smi - 1) if measured_smi else None})
+                    "err_smi": (smi / measured_smi - 1) if measured_smi else None,
+                    "pred_host": p.host_gib, "host": r.get("host_ram_gib"),
+                    "offload": bool(STRATEGIES[w.strategy].offload),
+                    "err_host": p.host_gib / r["host_ram_gib"] - 1 if r.get("host_ram_gib") else None})
     return out
 
 
 def check_table(results: list[dict]) -> str:
     head = ["row (run)", "strategy", "method", "GPUs", "mb", "ckpt", "Liger", "alloc pred / meas",
-            "reserved pred / meas", "err", "nvidia-smi pred / meas", "err"]
+            "reserved pred / meas", "err", "nvidia-smi pred / meas", "err", "host RAM pred / meas"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for x in results:
         ck = ("yes" + (f" (skip {x['skip']})" if x["skip"] else "")) if x["checkpointing"] else "no"
@@ -476,6 +502,8 @@ def check_table(results: list[dict]) -> str:
             f"{x['pred_allocated']:.2f} / {x['allocated']:.2f}",
             f"{x['pred_reserved']:.2f} / {x['reserved']:.2f}" + (" (cap)" if x["at_cap"] else ""),
             f"{x['err_reserved']:+.1%}", smi, f"{x['err_smi']:+.1%}" if x["err_smi"] is not None else "-",
+            f"{x['pred_host']:.0f} / {x['host']:.1f}" + (f" ({x['err_host']:+.0%})" if x["offload"] else "")
+            if x["host"] else "-",
         ]) + " |")
     return "\n".join(lines)
 
@@ -503,21 +531,48 @@ def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path = 
     fast = [r for r in found if "flex_attention" in r["train_args"] or "liger" in r["train_args"]]
     found = fast or found
     found = [r for r in found if r["model"] == model] or found  # the same model's rows where there are some
-    note = ""
-    if not found:  # nearest kind: the other checkpointing setting, then FSDP's for the sharded strategies
-        found = [r for r in rows if kind(r)[:2] == want[:2]] or [r for r in rows if kind(r)[0] == want[0]]
+    note, scale = "", 1.0
+    if not found:  # the other checkpointing setting, its MFU scaled by the forward that checkpointing recomputes
+        found = [r for r in rows if kind(r)[:2] == want[:2]]
+        # a step does 4N (LoRA) or 6N (full) FLOPs per token, plus 2N recomputed under checkpointing
+        recompute = (4 + 2) / 4 if lora else (6 + 2) / 6
+        scale = 1 / recompute if checkpointing else recompute
+        note = f" (no row with checkpointing {'on' if checkpointing else 'off'}: x{scale:.2f} for the recomputation)"
+    if not found:  # nearest kind: FSDP's for the sharded strategies
+        found = [r for r in rows if kind(r)[0] == want[0]]
         note = " (no row of this kind: nearest kind)"
     if not found:
         return 0.05, "no measured row: assumed 5%"
-    mfu = statistics.median(r["mfu"] for r in found)
+    mfu = statistics.median(r["mfu"] for r in found) * scale
     names = sorted({r["name"] for r in found})
     return mfu, f"median MFU {mfu:.1%} of {len(found)} rows ({', '.join(names)}){note}"
 
 
+def routed_expert_cost(shape: Shape, path: Path = RESULTS) -> tuple[float, str]:
+    """(time of the routed experts / time of a dense MLP of the same active FLOPs, where it was measured) from the
+    GPU rows of bench/moe_layer.py for this shape's MoE layer (transformers' default grouped_mm); 1.0 for dense
+    shapes, and for MoE shapes no row measured (said so)."""
+    if not shape.moe:
+        return 1.0, ""
+    layer = (shape.hidden, shape.routed_experts, shape.experts_per_token, shape.moe_intermediate)
+    rows = [r for r in bench_rows(path) if r.get("bench") == "moe_layer" and r.get("gpu") not in (None, "cpu")
+            and (r.get("hidden"), r.get("experts"), r.get("top_k"), r.get("moe_intermediate")) == layer
+            and "grouped_mm" in (r.get("vs_dense") or {})]
+    if not rows:
+        return 1.0, "; routed experts costed as a dense MLP (no bench/moe_layer.py row of this layer)"
+    cost = statistics.median(r["vs_dense"]["grouped_mm"] for r in rows)
+    return cost, (f"; routed experts at {cost:.2f}x the time of a dense MLP of their active FLOPs "
+                  f"(bench/moe_layer.py, {rows[0]['gpu']})")
+
+
 def tokens_per_second(shape: Shape, w: Workload, peak_flops: float) -> tuple[float, str]:
+    """Measured MFU x peak x GPUs / FLOPs per token, on ACTIVE parameters (an MoE token runs only its experts), the
+    routed experts' FLOPs weighted by what they cost against dense FLOPs where bench/moe_layer.py measured it."""
     mfu, why = mfu_reference(w.strategy, w.setup.method, w.checkpointing, model=shape.name)
-    flops = (4 if w.setup.method in ("lora", "qlora") else 6) * shape.matmul_params()
-    return mfu * peak_flops * w.world / flops, why
+    cost, cost_why = routed_expert_cost(shape)
+    matmul = shape.matmul_params() + (cost - 1) * shape.routed_active_params()
+    flops = (4 if w.setup.method in ("lora", "qlora") else 6) * matmul
+    return mfu * peak_flops * w.world / flops, why + cost_why
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -525,7 +580,9 @@ def tokens_per_second(shape: Shape, w: Workload, peak_flops: float) -> tuple[flo
 
 
 @dataclass(frozen=True)
-class Machine:
+class Box:
+    """The box a plan is for, as described on the command line (sft.machine.Machine is the one we run on)."""
+
     gpus: int = 3
     gpu_mem_gib: float = 24.0          # the card's memory as sold (24 GB cards show 23.99 GiB in nvidia-smi)
     host_ram_gib: float | None = None
@@ -546,19 +603,20 @@ class Plan:
     why_not: str
     shape: Shape
     machine_card: float = 24.0
+    host_ram_gib: float | None = None  # the box's, when given
 
     @property
     def w(self) -> Workload:
         return self.prediction.workload
 
 
-def enumerate_plans(shape: Shape, machine: Machine, method: str = "lora", max_length: int = 2048,
+def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: int = 2048,
                     micro_batches: tuple[int, ...] = (1, 2, 4, 8), lora_r: int = 16) -> list[Plan]:
     plans = []
     for strategy in STRATEGIES.values():
-        if method not in strategy.methods or machine.gpus < strategy.min_gpus:
+        if method not in strategy.methods or box.gpus < strategy.min_gpus:
             continue
-        world = strategy.gpus_for(machine.gpus)
+        world = strategy.gpus_for(box.gpus)
         if strategy.name == "tp" and shape.heads % world:
             continue
         precisions = ("fp32_master",) if method != "full" else strategy.precisions
@@ -570,23 +628,24 @@ def enumerate_plans(shape: Shape, machine: Machine, method: str = "lora", max_le
                     w = Workload(strategy.name, Setup(method, precision), world, mb, max_length, ckpt,
                                  fused_loss=strategy.name != "tp", lora_r=lora_r)
                     p = predict(shape, w)
-                    tok_s, source = tokens_per_second(shape, w, machine.peak_flops)
+                    tok_s, source = tokens_per_second(shape, w, box.peak_flops)
                     why = []
-                    if p.need_gib > machine.card_gib:
-                        why.append(f"needs {p.need_gib:.1f} GiB per card > {machine.card_gib:.1f}")
-                    if machine.host_ram_gib is not None and p.host_gib > machine.host_ram_gib:
-                        why.append(f"needs {p.host_gib:.0f} GiB host RAM > {machine.host_ram_gib:g}")
+                    if p.need_gib > box.card_gib:
+                        why.append(f"needs {p.need_gib:.1f} GiB per card > {box.card_gib:.1f}")
+                    if box.host_ram_gib is not None and p.host_gib > box.host_ram_gib:
+                        why.append(f"needs {p.host_gib:.0f} GiB host RAM > {box.host_ram_gib:g}")
                     if strategy.name == "tp" and method != "full":
                         why.append("TP takes no LoRA")
-                    plans.append(Plan(p, tok_s, source, not why, "; ".join(why), shape, machine.card_gib))
+                    plans.append(Plan(p, tok_s, source, not why, "; ".join(why), shape, box.card_gib,
+                                      box.host_ram_gib))
     # fastest first; among equal estimates, plans with headroom first, then the larger micro-batch
     # (measured: micro-batch 4 ran faster than 1 and 2 at the same MFU class)
     plans.sort(key=lambda x: (not x.fits, not STRATEGIES[x.w.strategy].recommended, -round(x.tok_s),
-                              x.prediction.need_gib * (1 + HEADROOM) > machine.card_gib, -x.w.micro_batch))
+                              x.prediction.need_gib * (1 + HEADROOM) > box.card_gib, -x.w.micro_batch))
     return plans
 
 
-def command(plan: Plan, model: str, machine: Machine) -> str:
+def command(plan: Plan, model: str, box: Box) -> str:
     w, s = plan.w, STRATEGIES[plan.w.strategy]
     launch = f"accelerate launch --config_file {s.accelerate_config}"
     if w.world != 3 or s.name == "single_gpu":
@@ -596,14 +655,11 @@ def command(plan: Plan, model: str, machine: Machine) -> str:
     if w.setup.method in ("lora", "qlora"):
         opts += ["--lora", "--lora_dropout 0", "--bf16"]
         if w.setup.method == "qlora":
-            opts += ["--qlora"]  # not an option of sft/train.py yet
+            opts += ["--qlora"]
     elif w.setup.precision == "fp32_master":
         opts += ["--bf16"]
     else:
-        bits = w.setup.precision[-1]
-        block = ",block_size=128" if bits == "4" else ""
-        opts += ["--dtype bfloat16", f"--optim adamw_torch_{bits}bit",
-                 f"--optim_args bf16_stochastic_round=True{block}"]
+        opts += [f"--{k} {v}" for k, v in PRECISION_OPTIONS[w.setup.precision].items()]
     if s.name != "tp":
         opts.append(KERNELS)
     else:
@@ -621,10 +677,8 @@ def options_of(plan: Plan) -> dict:
             "use_liger_kernel": w.strategy != "tp"}
     if w.setup.method in ("lora", "qlora"):
         opts["lora_dropout"] = 0.0
-    elif w.setup.precision != "fp32_master":
-        bits = w.setup.precision[-1]
-        opts.update(dtype="bfloat16", optim=f"adamw_torch_{bits}bit",
-                    optim_args="bf16_stochastic_round=True" + (",block_size=128" if bits == "4" else ""))
+    else:
+        opts.update(PRECISION_OPTIONS[w.setup.precision])
     return opts
 
 
@@ -646,6 +700,15 @@ def plan_table(plans: list[Plan], limit: int | None = None) -> str:
 
 def best_plan(plans: list[Plan]) -> Plan | None:
     return next((p for p in plans if p.fits and STRATEGIES[p.w.strategy].recommended), None)
+
+
+def closest_plan(plans: list[Plan]) -> Plan | None:
+    """When nothing fits: the plan that misses by the least (GPU memory and host RAM, each against what the box
+    has)."""
+    def miss(p: Plan) -> float:
+        return max(p.prediction.need_gib / p.machine_card, p.prediction.host_gib / (p.host_ram_gib or math.inf))
+
+    return min(plans, key=miss, default=None)
 
 
 def shown_gib(plan: Plan) -> float:
@@ -670,7 +733,7 @@ def fill_options(model_args, lora_args, data_args, training_args, machine=None, 
     shape = resolve_shape(model_args.model)
     method = "lora" if lora_args.lora else "full"
     mbs = (training_args.per_device_train_batch_size,) if "per_device_train_batch_size" in given else (1, 2, 4, 8)
-    plans = enumerate_plans(shape, Machine(gpus, mem, m.host_ram_gib or None, peak), method,
+    plans = enumerate_plans(shape, Box(gpus, mem, m.host_ram_gib or None, peak), method,
                             data_args.max_length, mbs, lora_args.lora_r)
     strategy = _launched_strategy(m)
     plans = [p for p in plans if strategy is None or p.w.strategy == strategy]  # the launch decides the strategy
@@ -678,6 +741,8 @@ def fill_options(model_args, lora_args, data_args, training_args, machine=None, 
     if chosen is None:
         return {}, None
     wanted = options_of(chosen)
+    if wanted.get("use_liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
+        wanted["use_liger_kernel"] = False  # not installed here: the plan's other options still hold
     if method == "full" and "dtype" in given:  # the user's precision wins: keep plans of that precision
         wanted = {k: v for k, v in wanted.items() if k not in ("dtype", "optim", "optim_args")}
     if chosen.w.strategy == "fsdp" and method == "full" and "dtype" in wanted:
@@ -731,7 +796,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu_mem", type=float, default=24, help="GB per GPU (default 24)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--lora", action="store_true", help="LoRA on a bf16 base (default: full fine-tune)")
-    g.add_argument("--qlora", action="store_true", help="LoRA on a 4-bit base (predicted only)")
+    g.add_argument("--qlora", action="store_true", help="LoRA on a 4-bit NF4 base (bitsandbytes)")
     p.add_argument("--max_length", type=int, default=2048, help="tokens per packed row (default 2048)")
     p.add_argument("--micro_batch", type=int, help="only this micro-batch (default: 1, 2, 4, 8)")
     p.add_argument("--host_ram", type=float, help="host RAM in GiB (plans that need more do not fit)")
@@ -766,24 +831,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     method = "qlora" if args.qlora else "lora" if args.lora else "full"
-    machine = Machine(args.gpus, args.gpu_mem, args.host_ram, args.peak_tflops * 1e12)
+    box = Box(args.gpus, args.gpu_mem, args.host_ram, args.peak_tflops * 1e12)
     mbs = (args.micro_batch,) if args.micro_batch else (1, 2, 4, 8)
-    plans = enumerate_plans(shape, machine, method, args.max_length, mbs, args.lora_r)
+    plans = enumerate_plans(shape, box, method, args.max_length, mbs, args.lora_r)
     params = shape.params()
     print(f"{shape.name} ({shape.model_type}, {params / 1e9:.2f}B parameters; shape: {shape.checked}), {method}, "
-          f"{args.gpus} x {args.gpu_mem:g} GB ({machine.card_gib:.2f} GiB by nvidia-smi), rows of {args.max_length} "
+          f"{args.gpus} x {args.gpu_mem:g} GB ({box.card_gib:.2f} GiB by nvidia-smi), rows of {args.max_length} "
           f"tokens, flex_attention + Liger")
     print(plan_table(plans, None if args.all else 20))
     best = best_plan(plans)
     if best is None:
-        print("\nNothing fits. Closest: " + (plans[0].why_not if plans else "no strategy applies"))
+        closest = closest_plan(plans)
+        print("\nNothing fits. Closest: " + (f"{closest.w.strategy}, micro-batch {closest.w.micro_batch}: "
+                                             f"{closest.why_not}" if closest else "no strategy applies"))
         return 1
-    print(f"\nRecommended: {command(best, args.model, machine)}")
+    print(f"\nRecommended: {command(best, args.model, box)}")
     print(f"  predicted {shown_gib(best):.1f} GiB per GPU (nvidia-smi), {best.prediction.host_gib:.0f} GiB "
           f"host RAM; ~{best.tok_s:,.0f} tok/s, an estimate: {best.tok_s_source}, scaled to "
-          f"{machine.peak_flops / 1e12:g} TFLOP/s per GPU")
-    if method == "qlora":
-        print("  note: sft/train.py has no --qlora option yet; this plan is a prediction only.")
+          f"{box.peak_flops / 1e12:g} TFLOP/s per GPU")
     return 0
 
 
@@ -791,8 +856,11 @@ def check_summary(results: list[dict]) -> str:
     worst_r = max(abs(x["err_reserved"]) for x in results)
     smi = [x for x in results if x["err_smi"] is not None]
     worst_s = max(abs(x["err_smi"]) for x in smi) if smi else 0
+    offload = [x for x in results if x["offload"] and x["err_host"] is not None]
+    worst_h = max(abs(x["err_host"]) for x in offload) if offload else 0
     return (check_table(results) + f"\n\n{len(results)} rows; worst error: reserved {worst_r:.1%}, "
-            f"nvidia-smi {worst_s:.1%} ({len(smi)} rows with their own nvidia-smi peak)")
+            f"nvidia-smi {worst_s:.1%} ({len(smi)} rows with their own nvidia-smi peak); host RAM of the offload "
+            f"plans {worst_h:.1%} ({len(offload)} rows)")
 
 
 if __name__ == "__main__":

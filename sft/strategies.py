@@ -35,8 +35,9 @@ class StateBytes:
 
 @dataclass(frozen=True)
 class Setup:
-    """What is trained and in which precision: `method` lora | qlora | full; `precision` (full only)
-    fp32_master (fp32 weights + bf16/fp16 autocast, AdamW) or lowbit4 / lowbit8 (bf16 weights, torchao 4/8-bit
+    """What is trained and in which precision: `method` lora | qlora | full; `precision` (full only, see
+    PRECISION_OPTIONS) fp32_master (fp32 weights + bf16/fp16 autocast, AdamW), bf16_sr (bf16 weights and Adam
+    states, the update rounded stochastically: sft/sr_adamw.py) or lowbit4 / lowbit8 (bf16 weights, torchao 4/8-bit
     AdamW with bf16 stochastic rounding)."""
 
     method: str = "lora"
@@ -44,10 +45,20 @@ class Setup:
     half: bool = True             # bf16/fp16 autocast (every GPU plan)
 
 
+# The training options of each full fine-tune precision (sft/checks.py: full_fine_tune_keeps_small_updates).
+PRECISION_OPTIONS: dict[str, dict[str, str]] = {
+    "fp32_master": {},
+    "bf16_sr": {"dtype": "bfloat16", "optim": "adamw_bf16_sr"},
+    "lowbit8": {"dtype": "bfloat16", "optim": "adamw_torch_8bit", "optim_args": "bf16_stochastic_round=True"},
+    "lowbit4": {"dtype": "bfloat16", "optim": "adamw_torch_4bit",
+                "optim_args": "bf16_stochastic_round=True,block_size=128"},
+}
+
+
 def _optimizer_bytes(precision: str) -> float:
-    """Adam's two moments per trained parameter: fp32 (8 B), torchao 8-bit (2 B + a fp32 scale per 256 values
-    each) or 4-bit (1 B + a fp32 scale per 128 values each)."""
-    return {"lowbit8": 2 + 2 * 4 / 256, "lowbit4": 1 + 2 * 4 / 128}.get(precision, 8.0)
+    """Adam's two moments per trained parameter: fp32 (8 B), bf16 (4 B), torchao 8-bit (2 B + a fp32 scale per
+    256 values each) or 4-bit (1 B + a fp32 scale per 128 values each)."""
+    return {"bf16_sr": 4.0, "lowbit8": 2 + 2 * 4 / 256, "lowbit4": 1 + 2 * 4 / 128}.get(precision, 8.0)
 
 
 @dataclass(frozen=True)
@@ -63,7 +74,8 @@ class Strategy:
     recommended: bool = True
     note: str = ""
     methods: tuple[str, ...] = ("lora", "qlora", "full")
-    precisions: tuple[str, ...] = ("fp32_master", "lowbit4", "lowbit8")
+    # In this order a tie in speed goes to the first: bf16 states where they fit, low-bit states where needed.
+    precisions: tuple[str, ...] = ("bf16_sr", "fp32_master", "lowbit8", "lowbit4")
     checks: tuple[Callable, ...] = ()    # the named checks of sft/checks.py that decide for this strategy
     sharded_kind: str = "none"           # "none", "fsdp", "zero3", "tp": which transient buffers it has
 
@@ -110,7 +122,7 @@ class Strategy:
                     grads = params * 4 / shard_g
                 else:  # fp32 weights under autocast
                     weights, masters, grads = params * 4 / shard_w, 0.0, params * 4 / shard_g
-            else:  # bf16 weights and gradients, torchao low-bit Adam
+            else:  # bf16 weights and gradients, Adam states in bf16 or torchao's low-bit ones
                 weights, masters, grads = params * 2 / shard_w, 0.0, params * 2 / shard_g
             opt = params * opt_bytes / shard_o
             buckets = grads if self.name == "ddp" else 0.0
@@ -137,8 +149,8 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in [
     Strategy("ddp", "accelerate_configs/ddp.yaml", None, frozenset(), frozenset(), "nccl", min_gpus=2,
              note="a full replica per GPU; only gradients are all-reduced", checks=_c(*COMMON)),
     Strategy("zero2", "accelerate_configs/zero2.yaml", "ds_configs/zero2.json",
-             frozenset({"gradients", "optimizer"}), frozenset(), "deepspeed", min_gpus=2,
-             precisions=("fp32_master",), note="optimizer state and gradients sharded",
+             frozenset({"gradients", "optimizer"}), frozenset(), "deepspeed", min_gpus=2, methods=("lora", "full"),
+             precisions=("fp32_master",), note="optimizer state and gradients sharded (no QLoRA: sft/checks.py)",
              checks=_c(*COMMON, "deepspeed_json_agrees")),
     Strategy("fsdp", "accelerate_configs/fsdp.yaml", None, frozenset({"weights", "gradients", "optimizer"}),
              frozenset(), "nccl", min_gpus=2, note="FSDP2, one shard unit per decoder layer",

@@ -18,6 +18,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
+from sft.machine import Launch, launch as this_launch
+
 TRAINER_LOG = "trainer_log.jsonl"
 ALL_RESULTS = "all_results.json"
 LOSS_PLOT = "loss.png"
@@ -26,7 +28,7 @@ GIB = 2**30
 
 # ---- GPU telemetry -------------------------------------------------------------------------------------------------
 
-def visible_gpus() -> list[str]:
+def visible_gpus(launch: Launch | None = None) -> list[str]:
     """NVML UUIDs of the GPUs this node trains on, in torch's order. torch has already applied CUDA_VISIBLE_DEVICES
     (indices, UUIDs or MIG ids) while NVML numbers every GPU of the machine: a UUID names the same GPU in both.
     Under a launcher local rank r trains on cuda:r (the Trainer's device), so the node uses the first
@@ -36,8 +38,9 @@ def visible_gpus() -> list[str]:
     if not torch.cuda.is_available():
         return []
     count = torch.cuda.device_count()
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        count = min(count, int(os.environ.get("LOCAL_WORLD_SIZE") or count))
+    launch = launch or this_launch()
+    if launch.world_size > 1:
+        count = min(count, launch.processes_here(count))
     uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(count)]
     return [u if u.startswith(("GPU-", "MIG-")) else f"GPU-{u}" for u in uuids]  # torch drops NVML's prefix
 

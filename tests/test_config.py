@@ -26,9 +26,11 @@ def refused(*extra: str) -> str:
 
 
 def box(gpus: int = 0, bf16: bool = True, **launch) -> Machine:
-    """A machine with `gpus` 24 GB cards (bf16 capable unless said otherwise), launched as `launch` says."""
+    """A machine with `gpus` 24 GB cards (bf16 capable unless said otherwise), launched as `launch` says, with
+    the `lowbit` and `qlora` extras installed (no flash-attn)."""
     return Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * gpus, gpu_memory_gib=(23.5,) * gpus,
-                   bf16=bf16 and gpus > 0, host_ram_gib=64, host_ram_available_gib=60, launch=Launch(**launch))
+                   bf16=bf16 and gpus > 0, host_ram_gib=64, host_ram_available_gib=60, launch=Launch(**launch),
+                   packages=frozenset({"liger_kernel", "torchao", "bitsandbytes"}))
 
 
 def refused_on(machine: Machine, *extra: str) -> str:
@@ -138,9 +140,9 @@ def test_tensor_parallel_needs_gpus():
 def test_tensor_parallel_checkpoints_skip_the_trainers_optimizer_saving():
     """transformers' Trainer refuses checkpoints with its own optimizer state for a model sharded at load time
     (seen on GPUs): a TP run sets save_only_model, and sft/tensor_parallel.py saves the optimizer state itself."""
-    def tp_validated(*extra: str):
+    def tp_validated(*extra: str, liger: bool = False):
         model_args, data_args, lora_args, training_args = parse(*extra)  # parsed without GPUs, then "on 2 GPUs"
-        model_args.tp_size = 2
+        model_args.tp_size, training_args.use_liger_kernel = 2, liger
         validate(model_args, data_args, lora_args, training_args, machine=box(2))
         return training_args
 
@@ -149,7 +151,7 @@ def test_tensor_parallel_checkpoints_skip_the_trainers_optimizer_saving():
     assert not parse("--save_strategy", "steps")[3].save_only_model
     assert tp_validated("--resume_from_checkpoint", "true").save_only_model  # resuming is no longer refused
     with pytest.raises(ConfigError, match="--use_liger_kernel with --tp_size 2"):
-        tp_validated("--use_liger_kernel", "true")  # seen on 2 H200s: mixed torch.Tensor and DTensor
+        tp_validated(liger=True)  # seen on 2 H200s: mixed torch.Tensor and DTensor
     with pytest.raises(ConfigError, match="--lora with --tp_size 2.*ddp.yaml"):
         tp_validated("--lora")  # peft on the TP shards: a shape error at the first step (seen on CPU over gloo)
 
@@ -165,3 +167,18 @@ def test_every_check_is_named_and_takes_the_machine_as_data():
     with pytest.raises(ConfigError, match="flex_attention cannot train on CPU"):
         validate_setup(*args, machine=laptop)
     validate_setup(*args, machine=box3)
+
+
+def test_liger_refused_before_loading_where_it_cannot_run():
+    """--plan auto (and users) set --use_liger_kernel where liger-kernel was not installed: the Trainer imported it
+    only inside train(), a traceback after the model had loaded (seen on an H200)."""
+    from dataclasses import replace
+
+    args = parse()
+    args[3].use_liger_kernel = True
+    gpu = box(1)
+    with pytest.raises(ConfigError, match="needs the liger-kernel package.*lowbit"):
+        validate_setup(*args, machine=replace(gpu, packages=frozenset()))
+    with pytest.raises(ConfigError, match="needs a GPU"):
+        validate_setup(*args, machine=replace(box(0), packages=frozenset({"liger_kernel"})))
+    validate_setup(*args, machine=replace(gpu, packages=frozenset({"liger_kernel"})))

@@ -71,30 +71,52 @@ def test_nccl_env_keeps_what_the_user_set():
 
 
 def test_configure_nccl_env_sets_the_process_environment(monkeypatch, capsys):
+    """The launch is data (sft.machine.Launch); what is decided is written to the environment, for NCCL."""
     import sft.distributed as distributed
+    from sft.machine import Launch
 
-    monkeypatch.setattr(distributed, "visible_gpu_names", lambda: ["NVIDIA GeForce RTX 4090"] * 3)
+    monkeypatch.setattr(distributed, "visible_gpu_names", lambda launch=None: ["NVIDIA GeForce RTX 4090"] * 3)
     monkeypatch.setattr(distributed, "gpus_have_peer_access", lambda: False)
     for var in ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE"):
         monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("WORLD_SIZE", "1")  # one process: nothing to configure
-    distributed.configure_nccl_env()
+    distributed.configure_nccl_env(Launch(world_size=1))  # one process: nothing to configure
     assert "NCCL_P2P_DISABLE" not in os.environ
-    monkeypatch.setenv("WORLD_SIZE", "3")
-    monkeypatch.setenv("RANK", "0")
-    distributed.configure_nccl_env()
+    distributed.configure_nccl_env(Launch(world_size=3, rank=1))
     assert os.environ["NCCL_P2P_DISABLE"] == "1" and os.environ["NCCL_IB_DISABLE"] == "1"
-    assert "NCCL: consumer GPUs (NVIDIA GeForce RTX 4090) have no peer-to-peer" in capsys.readouterr().err
+    assert capsys.readouterr().err == ""  # said by rank 0 only
+    monkeypatch.delenv("NCCL_P2P_DISABLE")
+    monkeypatch.delenv("NCCL_IB_DISABLE")
+    decision = distributed.configure_nccl_env(Launch(world_size=3, nccl=(("NCCL_P2P_DISABLE", "0"),)))
+    assert decision.env == {"NCCL_IB_DISABLE": "1"}  # the user's value, read at launch, is kept
+    err = capsys.readouterr().err
+    assert "NCCL: consumer GPUs (NVIDIA GeForce RTX 4090) have no peer-to-peer" in err
+    assert "keeping your NCCL_P2P_DISABLE=0" in err
 
 
 def test_visible_gpu_names_follow_cuda_visible_devices(monkeypatch):
     import accelerate.utils.environment as environment
 
     from sft.distributed import visible_gpu_names
+    from sft.machine import Launch
 
     monkeypatch.setattr(environment, "get_gpu_info", lambda: (["GPU A", "GPU B", "GPU C"], 3))
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,0")
-    assert visible_gpu_names() == ["GPU C", "GPU A"]
+    assert visible_gpu_names(Launch(cuda_visible_devices="2,0")) == ["GPU C", "GPU A"]
+    assert visible_gpu_names(Launch()) == ["GPU A", "GPU B", "GPU C"]
+
+
+def test_the_launch_is_read_from_the_launchers_environment():
+    """What torchrun / accelerate launch set, as sft.machine.read_launch turns it into data."""
+    from sft.machine import read_launch
+
+    env = {"WORLD_SIZE": "6", "LOCAL_WORLD_SIZE": "3", "RANK": "4", "LOCAL_RANK": "1", "ACCELERATE_USE_FSDP": "true",
+           "CUDA_VISIBLE_DEVICES": "0,2", "NCCL_P2P_DISABLE": "1", "PATH": "/bin"}
+    launch = read_launch(env)
+    assert (launch.world_size, launch.local_world_size, launch.rank, launch.local_rank) == (6, 3, 4, 1)
+    assert launch.launched and launch.fsdp and not launch.first
+    assert launch.cuda_visible_devices == "0,2" and launch.nccl == (("NCCL_P2P_DISABLE", "1"),)
+    assert launch.processes_here(6) == 3
+    deepspeed = read_launch({"WORLD_SIZE": "4", "RANK": "0", "LOCAL_RANK": "0"})  # its launcher: no LOCAL_WORLD_SIZE
+    assert deepspeed.local_world_size is None and deepspeed.processes_here(4) == 4 and deepspeed.first
 
 
 # ---- the all-reduce check, between two real gloo processes -----------------------------------------------------
@@ -139,26 +161,26 @@ def test_allreduce_check_with_two_gloo_processes(tmp_path, mode):
         assert "NCCL_P2P_DISABLE=1 NCCL_IB_DISABLE=1" in message
 
 
-def test_processes_without_a_backend_are_refused(monkeypatch):
+def test_processes_without_a_backend_are_refused():
     """`accelerate launch --num_processes 2` on CPU with neither --use_cpu nor --ddp_backend: two processes that
     would each train alone (and log twice the loss). Seen on this box; now a clear error."""
     from accelerate.utils import DistributedType
 
     from sft.config import ConfigError
     from sft.distributed import check_data_parallel
+    from sft.machine import Launch
 
     def args(world_size, kind):
         return SimpleNamespace(world_size=world_size, distributed_state=SimpleNamespace(distributed_type=kind))
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    two = Launch(world_size=2, launched=True)
     with pytest.raises(ConfigError, match="each would train alone.*--use_cpu true"):
-        check_data_parallel(args(2, DistributedType.NO))  # DDP config with --ddp_backend gloo only
+        check_data_parallel(args(2, DistributedType.NO), two)  # DDP config with --ddp_backend gloo only
     with pytest.raises(ConfigError, match="2 processes were started"):
-        check_data_parallel(args(1, DistributedType.NO))  # DeepSpeed config with no backend: each sees world 1
+        check_data_parallel(args(1, DistributedType.NO), two)  # DeepSpeed config with no backend: each sees world 1
     for kind in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU, DistributedType.DEEPSPEED):
-        check_data_parallel(args(2, kind))
-    monkeypatch.setenv("WORLD_SIZE", "1")
-    check_data_parallel(args(1, DistributedType.NO))
+        check_data_parallel(args(2, kind), two)
+    check_data_parallel(args(1, DistributedType.NO), Launch())
 
 
 def test_one_process_trains_on_one_gpu(capsys):
@@ -187,6 +209,14 @@ def offload_args(ds_config: str, world_size: int = 2, bf16: bool = True):
     config = json.loads((DS_CONFIGS / ds_config).read_text())
     return SimpleNamespace(deepspeed_plugin=SimpleNamespace(deepspeed_config=config), world_size=world_size,
                            bf16=bf16, fp16=False)
+
+
+def host(ram_gib: float, available_gib: float | None = None, **launch):
+    """A machine with `ram_gib` of host RAM (what sft.machine.machine() reads, SFT_HOST_RAM_GIB included)."""
+    from sft.machine import Launch, Machine
+
+    return Machine(host_ram_gib=ram_gib, host_ram_available_gib=ram_gib if available_gib is None else available_gib,
+                   launch=Launch(**launch))
 
 
 def model_args(path, **kw):
@@ -220,15 +250,14 @@ def deepseek_7b_config(path: Path) -> Path:
     return path
 
 
-def test_offload_plan_of_a_7b_model_is_refused_on_a_small_machine(tmp_path, monkeypatch):
+def test_offload_plan_of_a_7b_model_is_refused_on_a_small_machine(tmp_path):
     from sft.config import ConfigError
-    from sft.distributed import GIB, check_offload_ram
+    from sft.distributed import check_offload_ram
 
-    monkeypatch.delenv("SFT_HOST_RAM_GIB", raising=False)
     path = deepseek_7b_config(tmp_path / "7b")
     margs, largs = model_args(path)
     with pytest.raises(ConfigError) as caught:
-        check_offload_ram(margs, largs, offload_args("zero3_offload.json"), available=60 * GIB, total=64 * GIB)
+        check_offload_ram(margs, largs, offload_args("zero3_offload.json"), host(64, 60))
     message = str(caught.value)
     # 6.91e9 parameters x (4 master + 8 Adam + 4 grad + 2 bf16 weights) bytes = 115.8 GiB
     assert "at least 115.8 GiB" in message
@@ -238,36 +267,48 @@ def test_offload_plan_of_a_7b_model_is_refused_on_a_small_machine(tmp_path, monk
 
 
 def test_offload_ram_can_be_given_for_machines_whose_ram_grows(tmp_path, monkeypatch, capsys):
+    """SFT_HOST_RAM_GIB replaces what psutil reports, in the Machine read once (sft/machine.py)."""
+    import sft.machine
     from sft.distributed import check_offload_ram
 
     path = deepseek_7b_config(tmp_path / "7b")
     monkeypatch.setenv("SFT_HOST_RAM_GIB", "256")
-    check_offload_ram(*model_args(path), offload_args("zero3_offload.json"), available=20 * 2**30, total=31 * 2**30)
+    sft.machine.machine.cache_clear()
+    try:
+        given = sft.machine.machine()
+    finally:
+        sft.machine.machine.cache_clear()  # the next reader sees the environment without the test's value
+    assert given.host_ram_gib == given.host_ram_available_gib == 256
+    check_offload_ram(*model_args(path), offload_args("zero3_offload.json"), given)
     assert "this machine has 256.0 GiB, 256.0 GiB available" in capsys.readouterr().out
+    check_offload_ram(*model_args(path), offload_args("zero3_offload.json"), host(256, 256, rank=1))
+    assert capsys.readouterr().out == ""  # reported by the first process only
 
 
 def test_offload_plan_that_fits_passes_and_lora_needs_little(tmp_path, capsys):
     from sft.distributed import GIB, check_offload_ram
 
     path = deepseek_7b_config(tmp_path / "7b")
-    estimate = check_offload_ram(*model_args(path, lora=True), offload_args("zero3_offload.json"),
-                                 available=60 * GIB, total=64 * GIB)
+    estimate = check_offload_ram(*model_args(path, lora=True), offload_args("zero3_offload.json"), host(64, 60))
     assert 12.8 * GIB < estimate.total() < 13.5 * GIB  # bf16 weights of the frozen base + a small adapter's states
     assert "Host RAM: the DeepSpeed CPU-offload plan needs at least" in capsys.readouterr().out
     # Plans without offload are not checked at all.
-    assert check_offload_ram(*model_args(path), offload_args("zero3.json"), available=1, total=1) is None
-    assert check_offload_ram(*model_args(path), SimpleNamespace(deepspeed_plugin=None)) is None
+    assert check_offload_ram(*model_args(path), offload_args("zero3.json"), host(1e-9)) is None
+    assert check_offload_ram(*model_args(path), SimpleNamespace(deepspeed_plugin=None), host(1e-9)) is None
 
 
-def test_offload_plan_share_per_machine(tmp_path, monkeypatch):
-    """Over two machines each holds half of the ZeRO partitions."""
+def test_offload_plan_share_per_machine(tmp_path):
+    """Over two machines each holds half of the ZeRO partitions; a launcher that does not say how many processes
+    run here (DeepSpeed's sets no LOCAL_WORLD_SIZE) counts as one machine."""
     from sft.distributed import estimate_offload
+    from sft.machine import Launch
 
     path = deepseek_7b_config(tmp_path / "7b")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
-    estimate = estimate_offload(*model_args(path), offload_args("zero3_offload.json", world_size=6))
+    six = offload_args("zero3_offload.json", world_size=6)
+    estimate = estimate_offload(*model_args(path), six, Launch(world_size=6, local_world_size=3))
     assert estimate.node_share == 0.5
     assert estimate.total() == pytest.approx(0.5 * 18 * estimate.params)
+    assert estimate_offload(*model_args(path), six, Launch(world_size=6)).node_share == 1.0
 
 
 # ---- the shipped configs ---------------------------------------------------------------------------------------
@@ -446,31 +487,31 @@ def test_fsdp_training_settings(monkeypatch, capsys):
     from transformers.trainer_pt_utils import AcceleratorConfig
 
     from sft.fsdp import fsdp_training_settings
+    from sft.machine import Launch
 
     def args(**kw):
         return SimpleNamespace(activation_checkpointing=True, gradient_checkpointing=True, process_index=0,
                                gradient_accumulation_steps=4, accelerator_config=AcceleratorConfig(**kw))
 
-    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
     monkeypatch.delenv("FSDP_ACTIVATION_CHECKPOINTING", raising=False)
     plain = args()
-    fsdp_training_settings(plain)
+    fsdp_training_settings(plain, launch=Launch(world_size=2))
     assert plain.activation_checkpointing and plain.accelerator_config.gradient_accumulation_kwargs is None
     assert "FSDP_ACTIVATION_CHECKPOINTING" not in os.environ
 
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    on = Launch(world_size=2, fsdp=True)
     fsdp = args()
-    fsdp_training_settings(fsdp)
+    fsdp_training_settings(fsdp, launch=on)
     assert not fsdp.activation_checkpointing and not fsdp.gradient_checkpointing
     assert os.environ["FSDP_ACTIVATION_CHECKPOINTING"] == "true"
     assert fsdp.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
     assert "FSDP: --activation_checkpointing applied as FSDP's" in capsys.readouterr().out
     chosen = args(gradient_accumulation_kwargs={"sync_each_batch": False})
-    fsdp_training_settings(chosen)
+    fsdp_training_settings(chosen, launch=on)
     assert chosen.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": False}
     monkeypatch.delenv("FSDP_ACTIVATION_CHECKPOINTING")
     lora = args()  # LoRA keeps transformers' checkpointing: FSDP's wrappers hide the adapter from peft's saves
-    fsdp_training_settings(lora, lora=True)
+    fsdp_training_settings(lora, lora=True, launch=on)
     assert lora.activation_checkpointing and "FSDP_ACTIVATION_CHECKPOINTING" not in os.environ
 
 

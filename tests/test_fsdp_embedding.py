@@ -85,10 +85,9 @@ def test_embedding_backward_without_all_gather_trains_the_same(tmp_path):
     assert found["equal"] and found["gathers"][1] == found["gathers"][0] - 3, found
 
 
-def test_no_fsdp_callbacks_without_fsdp(monkeypatch):
+def test_no_fsdp_callbacks_without_fsdp():
     from sft.fsdp import fsdp_callbacks
+    from sft.machine import Launch
 
-    monkeypatch.delenv("ACCELERATE_USE_FSDP", raising=False)
-    assert fsdp_callbacks() == []
-    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
-    assert [type(c).__name__ for c in fsdp_callbacks()] == ["EmbeddingBackwardWithoutAllGather"]
+    assert fsdp_callbacks(Launch()) == []
+    assert [type(c).__name__ for c in fsdp_callbacks(Launch(fsdp=True))] == ["EmbeddingBackwardWithoutAllGather"]

@@ -15,7 +15,7 @@ from conftest import save_tiny_model, tensorboard_scalars, tiny_config
 from sft.moe import (DEFAULT_COEFFICIENT, MoeLoadLogger, RouterBalance, add_aux_loss, balance_loss,
                      default_coefficient, install_moe, mark_moe_leaves, moe_blocks, token_groups)
 from sft.packing import IGNORE, Collator, pack_rows
-from test_packing import documents
+from test_packing import assert_same_loss_and_gradients, documents
 
 MOE = ["deepseek_v2", "deepseek_v3"]
 
@@ -33,6 +33,17 @@ def packed_batch(vocab: int, pad: int = 0):
     docs = documents(vocab)
     rows = pack_rows([d[0] for d in docs], [d[1] for d in docs], 40).to_pylist()
     return docs, Collator(pad_token_id=pad)(rows)
+
+
+def balanced_forward(model_type: str, coefficient: float):
+    """A tiny MoE model with our balance loss installed and one forward of a packed batch captured:
+    -> (model, docs, batch, balance, output)."""
+    model = tiny_moe(model_type)
+    docs, batch = packed_batch(model.config.vocab_size)
+    balance = install_moe(model, coefficient=coefficient, pad_token_id=0)
+    with balance.capture():
+        out = model(**batch)
+    return model, docs, batch, balance, out
 
 
 def reference_balance(model, batch_docs: list[list[int]], per_sequence: bool = True) -> torch.Tensor:
@@ -84,11 +95,7 @@ def test_transformers_adds_no_balance_loss():
 
 @pytest.mark.parametrize("model_type", MOE)
 def test_balance_loss_is_deepseeks_formula_per_document(model_type):
-    model = tiny_moe(model_type)
-    docs, batch = packed_batch(model.config.vocab_size)
-    balance = install_moe(model, coefficient=1.0, pad_token_id=0)
-    with balance.capture():
-        model(**batch)
+    model, docs, batch, balance, _ = balanced_forward(model_type, coefficient=1.0)
     ours = balance.loss(batch)
     expected = reference_balance(model, [ids for ids, _ in docs])
     torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-6)
@@ -130,11 +137,7 @@ def test_packed_balance_loss_and_gradients_equal_per_document(model_type):
     """Extends tests/test_packing.py to the loss we add: a packed batch (padding tail included) gives the same
     CE + alpha x balance, and the same gradient for every parameter, as the documents run one by one (CE weighted
     by their trained tokens, the balance loss averaged over documents: DeepSeek's per-sequence form)."""
-    model = tiny_moe(model_type)
-    docs, batch = packed_batch(model.config.vocab_size)
-    balance = install_moe(model, coefficient=0.05, pad_token_id=0)
-    with balance.capture():
-        out = model(**batch)
+    model, docs, batch, balance, out = balanced_forward(model_type, coefficient=0.05)
     packed = out.loss + balance.loss(batch)
     packed.backward()
     packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -148,12 +151,7 @@ def test_packed_balance_loss_and_gradients_equal_per_document(model_type):
         n = sum(label != IGNORE for label in labels[1:])
         ce, count, aux = ce + out.loss * n, count + n, aux + balance.loss(single)
     per_document = ce / count + aux / len(docs)
-    per_document.backward()
-    assert abs(packed.item() - per_document.item()) < 1e-5
-    assert packed_grads.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
-    worst = max((packed_grads[n] - p.grad).abs().max().item() for n, p in model.named_parameters()
-                if p.grad is not None)
-    assert worst < 1e-5, f"largest gradient difference {worst:.2e}"
+    assert_same_loss_and_gradients(model, packed, packed_grads, per_document)
     assert any("gate.weight" in n for n in packed_grads)
 
 
@@ -226,11 +224,7 @@ def test_trainer_loss_includes_coefficient_times_balance(model_type, tmp_path):
 
 @pytest.mark.parametrize("model_type", MOE)
 def test_balance_loss_gradient_reaches_the_routers(model_type):
-    model = tiny_moe(model_type)
-    _, batch = packed_batch(model.config.vocab_size)
-    balance = install_moe(model, coefficient=0.01, pad_token_id=0)
-    with balance.capture():
-        model(**batch)
+    model, _, batch, balance, _ = balanced_forward(model_type, coefficient=0.01)
     balance.loss(batch).backward()
     routers = [block.gate.weight for _, block in moe_blocks(model)]
     assert len(routers) == 2 and all(w.grad is not None and w.grad.abs().sum() > 0 for w in routers)

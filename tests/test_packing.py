@@ -128,8 +128,12 @@ def test_packed_loss_and_gradients_equal_per_document(tiny_models, model_type, a
         total = total + out.loss * n
         count += n
     per_document = total / count
-    per_document.backward()
+    assert_same_loss_and_gradients(model, packed, packed_grads, per_document)
 
+
+def assert_same_loss_and_gradients(model, packed, packed_grads: dict, per_document) -> None:
+    """The packed batch's loss and gradients (taken before) equal the per-document loss's (backward run here)."""
+    per_document.backward()
     assert abs(packed.item() - per_document.item()) < 1e-5
     assert packed_grads.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
     worst = max((packed_grads[n] - p.grad).abs().max().item() for n, p in model.named_parameters()

@@ -27,9 +27,11 @@ needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
                                       'runs these tests')
 
 
-def box(gpus: int = 1, bf16: bool = True, **launch) -> Machine:
+def box(gpus: int = 1, bf16: bool = True, packages=("bitsandbytes",), **launch) -> Machine:
+    """A box of RTX 4090s with bitsandbytes installed (unless `packages` says otherwise)."""
     return Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * gpus, gpu_memory_gib=(23.5,) * gpus,
-                   bf16=bf16 and gpus > 0, host_ram_gib=64, host_ram_available_gib=60, launch=Launch(**launch))
+                   bf16=bf16 and gpus > 0, host_ram_gib=64, host_ram_available_gib=60, launch=Launch(**launch),
+                   packages=frozenset(packages))
 
 
 def parsed(*extra: str):
@@ -37,14 +39,6 @@ def parsed(*extra: str):
     args = parse_args(["--model", "m", "--dataset", DATA, "--output_dir", "/nonexistent/out", *extra])
     args[2].qlora = True  # an attribute: works before and after LoraArguments has the field
     return args
-
-
-@pytest.fixture
-def bitsandbytes_installed(monkeypatch):
-    import sft.checks
-
-    real = sft.checks.installed
-    monkeypatch.setattr(sft.checks, "installed", lambda p: p == "bitsandbytes" or real(p))
 
 
 def refused_on(machine: Machine, *extra: str) -> str:
@@ -55,45 +49,42 @@ def refused_on(machine: Machine, *extra: str) -> str:
 
 # ---- options and checks ----------------------------------------------------------------------------------
 
-def test_qlora_implies_lora(bitsandbytes_installed):
+def test_qlora_implies_lora():
     args = parsed()
     assert not args[2].lora
     validate_setup(*args, machine=box(1))
     assert args[2].lora  # everything after parsing (model, verifier, FSDP settings) sees a LoRA run
 
 
-def test_ddp_fsdp_and_one_gpu_pass(bitsandbytes_installed):
+def test_ddp_fsdp_and_one_gpu_pass():
     validate_setup(*parsed(), machine=box(1))
     validate_setup(*parsed(), machine=box(3, world_size=3, local_world_size=3, launched=True))
     validate_setup(*parsed(), machine=box(2, world_size=2, local_world_size=2, launched=True, fsdp=True))
 
 
-def test_needs_a_cuda_gpu(bitsandbytes_installed):
+def test_needs_a_cuda_gpu():
     message = refused_on(box(0))
     assert "--qlora needs a CUDA GPU" in message and "Use --lora here" in message
 
 
-def test_needs_bitsandbytes(monkeypatch):
-    import sft.checks
-
-    monkeypatch.setattr(sft.checks, "installed", lambda p: False)
-    message = refused_on(box(1))
+def test_needs_bitsandbytes():
+    message = refused_on(box(1, packages=()))
     assert "\n" not in message and 'pip install -e ".[qlora]"' in message
 
 
-def test_refused_with_zero3_says_ddp_or_fsdp(bitsandbytes_installed):
+def test_refused_with_zero3_says_ddp_or_fsdp():
     message = refused_on(box(2, zero_stage="3", world_size=2, local_world_size=2, launched=True))
     assert "ZeRO-3" in message and "accelerate_configs/ddp.yaml" in message
     assert "accelerate_configs/fsdp.yaml" in message
     assert "ZeRO-2" not in message
 
 
-def test_refused_with_zero2(bitsandbytes_installed):
+def test_refused_with_zero2():
     message = refused_on(box(2, zero_stage="2", world_size=2, local_world_size=2, launched=True))
     assert "ZeRO-2" in message and "ddp.yaml" in message
 
 
-def test_refused_with_tensor_parallel(bitsandbytes_installed):
+def test_refused_with_tensor_parallel():
     model_args, data_args, lora_args, training_args = parsed()
     model_args.tp_size = 2
     with pytest.raises(ConfigError, match="--qlora with --tp_size 2"):

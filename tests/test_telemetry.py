@@ -113,6 +113,20 @@ def test_gpu_telemetry_samples_on_its_own_thread_and_logs_each_gpu(monkeypatch, 
     assert nvml.callers == {"gpu-telemetry"}  # never an NVML call on the training thread
 
 
+def test_the_gpus_a_node_trains_on(monkeypatch):
+    """Under a launcher local rank r trains on cuda:r: the node's first LOCAL_WORLD_SIZE visible GPUs; a launcher
+    that does not say (DeepSpeed's), or one process alone, uses every GPU it sees."""
+    from sft.machine import Launch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    uuids = ["GPU-a", "b", "c", "MIG-d"]  # torch drops NVML's GPU- prefix on some versions
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids[i]))
+    assert telemetry.visible_gpus(Launch(world_size=4, local_world_size=2)) == ["GPU-a", "GPU-b"]
+    assert telemetry.visible_gpus(Launch(world_size=4)) == ["GPU-a", "GPU-b", "GPU-c", "MIG-d"]
+    assert telemetry.visible_gpus(Launch(world_size=1, local_world_size=1)) == ["GPU-a", "GPU-b", "GPU-c", "MIG-d"]
+
+
 def test_gpu_telemetry_does_nothing_without_gpus_or_nvml(monkeypatch, capsys):
     state = rank0()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a CUDA GPU
