@@ -25,9 +25,9 @@ from sft.config import DataArguments
 from sft.formats import DataError, ReadOptions, ReadStats, read_conversations
 from sft.packing import pack_rows
 from sft.templates import get_template
-from sft.tokenization import IGNORE, render_mask, tokenize_batch, tokenize_one, tokenizer_facts
+from sft.tokenization import IGNORE, render_mask, tokenize_batch, tokenize_examples, tokenizer_facts
 
-CODE = ("formats.py", "templates.py", "tokenization.py", "packing.py", "dataset.py")
+CODE = ("formats.py", "templates.py", "tool_calls.py", "tokenization.py", "packing.py", "dataset.py")
 PARALLEL_FROM = 4000  # conversations; below this, starting worker processes costs more than it saves
 # Conversations per map batch (one tokenizer call each). Each distinct word of a batch is tokenized once, and a
 # bigger batch shares more of its words (on Alpaca records, 13 new words per record at 1,000, 10.5 at 2,000): 2,000
@@ -107,10 +107,12 @@ def tokenize(conversations: list[dict], args: DataArguments, tokenizer, template
     import pyarrow as pa
     from datasets.table import InMemoryTable
 
-    # Only the messages go to the workers. Our own cache (prepare) decides reuse, so the fingerprints are made up
-    # rather than computed: that spares datasets from hashing the whole table and the tokenizer.
+    # Only the messages (and where each came from, for errors) go to the workers. Our own cache (prepare) decides
+    # reuse, so the fingerprints are made up rather than computed: that spares datasets from hashing the whole table
+    # and the tokenizer.
     fingerprint = f"sft-{os.getpid()}-{id(conversations)}"
-    table = datasets.Dataset(InMemoryTable(pa.table({"messages": [c["messages"] for c in conversations]})),
+    table = datasets.Dataset(InMemoryTable(pa.table({"messages": [c["messages"] for c in conversations],
+                                                     "source": [c["source"] for c in conversations]})),
                              fingerprint=fingerprint + "-messages")
     num_proc = args.num_proc if args.num_proc is not None else (os.cpu_count() or 1)
     num_proc = num_proc if len(conversations) >= PARALLEL_FROM else None
@@ -234,12 +236,15 @@ def show_masks(conversations: list[dict], args: DataArguments, tokenizer, templa
     """The first n conversations as the model sees them, trained tokens between [[ and ]], one per document."""
     out = []
     for conversation in conversations[: args.show_masks]:
-        row = tokenize_one(conversation["messages"], tokenizer=tokenizer, template=template,
-                           max_length=args.max_length, train_on_prompt=args.train_on_prompt, overlong=args.overlong)
-        trained = sum(label != IGNORE for label in row["labels"])
-        out.append(f"--- {conversation['source']}: {row['length']} tokens, {trained} trained ({row['status']}); "
-                   f"trained tokens between [[ and ]] ---")
-        out.append(render_mask(row["input_ids"], row["labels"], tokenizer) if row["length"] else "(nothing kept)")
+        rows = tokenize_examples(conversation["messages"], tokenizer=tokenizer, template=template,
+                                 max_length=args.max_length, train_on_prompt=args.train_on_prompt,
+                                 overlong=args.overlong)
+        for k, row in enumerate(rows):  # several: R1 reasoning in earlier turns (sft/templates.py R1.examples)
+            trained = sum(label != IGNORE for label in row["labels"])
+            part = f" (example {k + 1} of {len(rows)})" if len(rows) > 1 else ""
+            out.append(f"--- {conversation['source']}{part}: {row['length']} tokens, {trained} trained "
+                       f"({row['status']}); trained tokens between [[ and ]] ---")
+            out.append(render_mask(row["input_ids"], row["labels"], tokenizer) if row["length"] else "(nothing kept)")
     return "\n".join(out)
 
 

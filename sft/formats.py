@@ -1,7 +1,9 @@
 """Readers: records on disk or on the hub -> conversations.
 
 A conversation is a plain dict, `{"messages": [{"role", "content"}, ...], "source": "file:line"}`, with roles
-system/user/assistant. The source travels with it so that any later error can name where the record came from.
+system/user/assistant, and for conversations with tools (OpenAI `tools`/`tool_calls`/`tool`, ShareGPT
+`function_call`/`observation`) the tool-call form of sft/tool_calls.py: assistant turns with `tool_calls`, `tool`
+results and a leading `tools` message that holds the definitions. The source travels with it so that any later error can name where the record came from.
 Every reader validates as it goes: a bad record raises `DataError` naming the file, line, field and what was
 expected, or (with `skip_bad=True`) is counted under its reason in `ReadStats` and left out.
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from sft.errors import DataError
+from sft.tool_calls import TOOLS_ROLE, dump_arguments
 
 FORMATS = ("alpaca", "oasst", "messages")
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
@@ -36,8 +39,8 @@ def is_no_input(text: str) -> bool:
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant", "model": "assistant",
-                  "system": "system"}
-OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+                  "system": "system", "function_call": "assistant", "observation": "tool"}
+OPENAI_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 @dataclass
@@ -389,22 +392,87 @@ def messages_conversation(record: Any, where: str) -> dict | str:
         if not isinstance(role, str) or role.lower() not in roles:
             raise DataError(f"{where}: {key}[{i}].{role_key} is {_short(role)}; expected one of {sorted(roles)}. "
                             f"Fix the record, or pass --skip_bad_records to skip it.")
+        turn_where = f"{where}: {key}[{i}]"
+        if role.lower() == "function_call":  # ShareGPT (LLaMA-Factory): value is {"name", "arguments"} or a list
+            messages.append({"role": "assistant", "content": "",
+                             "tool_calls": _sharegpt_calls(_expect_str(turn, text_key, turn_where), turn_where)})
+            continue
         content = turn.get(text_key)
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and
-                                             isinstance(p.get("text"), str) for p in content):
-            content = _valid_text("".join(p["text"] for p in content), text_key, f"{where}: {key}[{i}]")
+        if role.lower() == "assistant" and turn.get("tool_calls") and not content:  # OpenAI: null text with calls
+            content = ""
+        elif isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and
+                                               isinstance(p.get("text"), str) for p in content):
+            content = _valid_text("".join(p["text"] for p in content), text_key, turn_where)
         else:
-            content = _expect_str(turn, text_key, f"{where}: {key}[{i}]")
-        role = role.lower()
-        messages.append({"role": roles[role], "content": content})
+            content = _expect_str(turn, text_key, turn_where)
+        message = {"role": roles[role.lower()], "content": content}
+        if key == "messages" and message["role"] == "assistant" and turn.get("tool_calls"):
+            message["tool_calls"] = _openai_calls(turn["tool_calls"], content, turn_where)
+        messages.append(message)
+    tools = _tools(record.get("tools"), where)
+    if tools:
+        messages.insert(0, {"role": TOOLS_ROLE, "content": json.dumps(tools, ensure_ascii=False)})
     return _finish_thread(messages, where)
+
+
+def _openai_calls(calls: Any, content: str, where: str) -> list[dict]:
+    """OpenAI `tool_calls` -> [{"type", "function": {"name", "arguments" (JSON text)}}] (ids are not rendered)."""
+    if content.strip():
+        raise DataError(f"{where}: an assistant turn with both text and tool_calls; DeepSeek's chat template writes "
+                        f"only one of the two (it drops the calls). Move the text to its own turn, or pass "
+                        f"--skip_bad_records to skip it.")
+    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
+                                              for c in calls):
+        raise DataError(f"{where}.tool_calls must be a list of {{\"type\": \"function\", \"function\": {{\"name\", "
+                        f"\"arguments\"}}}}, got {_short(calls)}. Fix the record, or pass --skip_bad_records.")
+    return [_call(c["function"], c.get("type", "function"), f"{where}.tool_calls[{n}]") for n, c in enumerate(calls)]
+
+
+def _sharegpt_calls(value: str, where: str) -> list[dict]:
+    try:
+        calls = json.loads(value)
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: a function_call value must be JSON ({e.msg}, column {e.colno}): "
+                        f'{{"name": ..., "arguments": {{...}}}} or a list of those.') from None
+    calls = calls if isinstance(calls, list) else [calls]
+    return [_call(c, "function", f"{where}[{n}]") for n, c in enumerate(calls)]
+
+
+def _call(function: Any, kind: Any, where: str) -> dict:
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not function["name"] \
+            or not isinstance(kind, str) or not isinstance(function.get("arguments", {}), str | dict):
+        raise DataError(f"{where}: a tool call needs a non-empty string 'name' and 'arguments' as an object or JSON "
+                        f"text, got {_short(function)}. Fix the record, or pass --skip_bad_records to skip it.")
+    arguments = dump_arguments(function.get("arguments", {}))
+    return {"type": kind, "function": {"name": _valid_text(function["name"], "name", where),
+                                       "arguments": _valid_text(arguments, "arguments", where)}}
+
+
+def _tools(tools: Any, where: str) -> list[dict]:
+    """`tools` as a list or as JSON text (LLaMA-Factory), each an OpenAI {"type": "function", "function": {...}} or
+    a bare function {"name", "description", "parameters"} (glaive), which is wrapped into the OpenAI form."""
+    if isinstance(tools, str):
+        if not tools.strip():
+            return []
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as e:
+            raise DataError(f"{where}: field 'tools' is not valid JSON ({e.msg}, column {e.colno}). Fix the record, "
+                            f"or pass --skip_bad_records to skip it.") from None
+    if tools is None:
+        return []
+    if not isinstance(tools, list) or not all(isinstance(t, dict) and (isinstance(t.get("function"), dict) or
+                                                                       isinstance(t.get("name"), str)) for t in tools):
+        raise DataError(f"{where}: field 'tools' must be a list of function definitions (with a 'name', or OpenAI's "
+                        f"'function'), got {_short(tools)}. Fix the record, or pass --skip_bad_records to skip it.")
+    return [t if isinstance(t.get("function"), dict) else {"type": "function", "function": t} for t in tools]
 
 
 def _finish_thread(messages: list[dict], where: str) -> dict | str:
     """Drop trailing user turns (nothing to learn from them); a thread needs an assistant reply."""
     while messages and messages[-1]["role"] != "assistant":
         messages.pop()
-    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+    if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in messages):
         return "no assistant reply"
     return {"messages": messages, "source": where}
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from sft.errors import DataError
+from sft.tool_calls import TOOLS_ROLE, has_tools, refuse_tools, render_v3, tool_definitions, with_tools
 
 Segment = tuple[str, bool]  # (text, trained)
 Messages = list[dict[str, Any]]
@@ -32,8 +33,10 @@ ALPACA_HEAD = ("Below is an instruction that describes a task{}. Write a respons
                "the request.\n\n")
 CODER_EOT = "<|EOT|>"
 V3_EOS = "<｜end▁of▁sentence｜>"  # written literally by the V3 and R1 templates, whatever the tokenizer's eos_token
-TEMPLATE_NAMES = ("auto", "model", "deepseek", "deepseek_coder", "deepseek_v3", "r1_distill", "r1_distill_no_reasoning",
-                  "alpaca")
+TEMPLATE_NAMES = ("auto", "model", "deepseek", "deepseek_coder", "deepseek_v3", "r1", "r1_distill",
+                  "r1_distill_no_reasoning", "alpaca")
+ASSISTANT = "<｜Assistant｜>"
+THINK_END = "</think>"
 
 
 # The Jinja of user_text: a user turn's content, and its `input` after a blank line when there is one.
@@ -64,6 +67,11 @@ class Template:
     def text(self, messages: Messages, add_generation_prompt: bool = False) -> str:
         return "".join(text for text, _ in self.render(messages, add_generation_prompt))
 
+    def examples(self, messages: Messages) -> list[list[Segment]]:
+        """The token sequences a conversation trains as, each as segments: one, `render`, unless the template
+        shows a turn in later turns' context otherwise than the model wrote it (R1's reasoning)."""
+        return [self.render(messages)]
+
 
 class DeepSeekV1(Template):
     """deepseek-llm chat (also V2 chat): `User: {u}\\n\\nAssistant: {a}<eos>`, system text first + `\\n\\n`."""
@@ -77,6 +85,7 @@ class DeepSeekV1(Template):
         "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
 
     def render(self, messages, add_generation_prompt=False):
+        refuse_tools(self.name, messages)
         out: list[Segment] = [(self.bos, False)]
         for m in messages:
             if m["role"] == "system":
@@ -104,6 +113,7 @@ class DeepSeekCoder(Template):
         "{% endfor %}{% if add_generation_prompt %}{{ '### Response:\\n' }}{% endif %}")
 
     def render(self, messages, add_generation_prompt=False):
+        refuse_tools(self.name, messages)
         has_system = any(m["role"] == "system" for m in messages)
         out: list[Segment] = [(self.bos + ("" if has_system else CODER_SYSTEM), False)]
         for m in messages:
@@ -129,33 +139,92 @@ class DeepSeekV3(Template):
     def system(self, messages: Messages) -> str:
         return "\n\n".join(m["content"] for m in messages if m["role"] == "system")
 
+    reply_jinja = "message['content']"  # an assistant turn's text as shown, in Jinja
+
     @property
-    def chat_template(self) -> str:  # type: ignore[override]  (built from the two parts R1 changes)
+    def chat_template(self) -> str:  # type: ignore[override]  (built from the parts R1 changes)
         return ("{{ bos_token }}{{ " + self.system_jinja + " }}{% for message in messages %}"
                 "{% if message['role'] == 'user' %}{{ '<｜User｜>' + " + USER_JINJA + " }}"
-                "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + message['content'] + '"
+                "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + " + self.reply_jinja + " + '"
                 + V3_EOS + "' }}{% endif %}{% endfor %}"
                 "{% if add_generation_prompt %}{{ " + repr(self.generation_prompt) + " }}{% endif %}")
 
     def render(self, messages, add_generation_prompt=False):
+        if has_tools(messages):  # the official template's tool-call layout (sft/tool_calls.py)
+            return render_v3(messages, head=self.bos + with_tools(self.system(messages), messages), eos=V3_EOS,
+                             generation_prompt=self.generation_prompt, add_generation_prompt=add_generation_prompt)
         out: list[Segment] = [(self.bos + self.system(messages), False)]
-        for m in messages:
+        for i, m in enumerate(messages):
             if m["role"] == "user":
                 out.append((f"<｜User｜>{user_text(m)}", False))
             elif m["role"] == "assistant":
-                out += [("<｜Assistant｜>", False), (m["content"] + V3_EOS, True)]
+                out += self.reply(m, last=i == len(messages) - 1)
         if add_generation_prompt:
             out.append((self.generation_prompt, False))
         return out
 
+    def reply(self, message: dict, last: bool) -> list[Segment]:
+        """An assistant turn (`last`: the conversation's last message) as segments."""
+        return [(ASSISTANT, False), (message["content"] + V3_EOS, True)]
 
-class R1Distill(DeepSeekV3):
-    """DeepSeek-R1 distills: the V3 layout, the last system text only, and a generation prompt that opens the
-    reasoning (`<｜Assistant｜><think>\n`). The model's own template deletes `<think>...</think>` from assistant
-    turns; we keep it in the targets (the reasoning is what is being distilled)."""
+
+# An assistant turn whose target an earlier example of the same conversation already trained (R1.examples).
+TRAINED_BEFORE = "_trained_before"
+
+
+def shown_answer(content: str) -> str:
+    """An assistant reply as DeepSeek-R1's and the distills' own templates write it in later turns' context: the
+    text after the last `</think>` (`content.split('</think>')[-1]`), whitespace kept."""
+    return content.split(THINK_END)[-1]
+
+
+class R1(DeepSeekV3):
+    """DeepSeek-R1 (model_type deepseek_v3), as its own chat template writes it: the V3 layout (system texts joined
+    by a blank line), a generation prompt that opens the reasoning (`<｜Assistant｜><think>\n`), and every assistant
+    turn but the conversation's last without its reasoning (shown_answer), as the model sees earlier turns at
+    inference. So a turn's context is what the model is given when it writes that turn: a reply that opens with
+    `<think>\n` has it in the prompt, and each turn's reasoning is trained in an example that ends with it
+    (`examples`). Our Jinja keeps the reasoning of a conversation's last message, which the official template
+    deletes too: prompts (ending with a user turn) render identically."""
+
+    name = "r1"
+    generation_prompt = ASSISTANT + "<think>\n"
+    reply_jinja = ("(message['content'].split('</think>')[-1] if '</think>' in message['content'] and not loop.last "
+                   "else message['content'])")
+
+    def reply(self, message, last):
+        content = message["content"]
+        if not last and THINK_END in content:  # context only: not what the model wrote
+            return [(ASSISTANT + shown_answer(content) + V3_EOS, False)]
+        opens = self.generation_prompt[len(ASSISTANT):]  # what the generation prompt writes of the reply
+        prompt = ASSISTANT + opens if opens and content.startswith(opens) else ASSISTANT
+        rest = content[len(prompt) - len(ASSISTANT):] + V3_EOS
+        return [(prompt, False), (rest, not message.get(TRAINED_BEFORE))]
+
+    def examples(self, messages):
+        """One example per assistant turn with reasoning, ending with it (earlier turns as the official template
+        shows them), and one more for the turns after the last of those. A turn without reasoning is trained once,
+        in the first example that holds it; each example has exactly its own turns trained, so every token of a
+        reply counts once in the loss. Without reasoning before the last assistant turn: one example, `render`."""
+        if has_tools(messages):
+            return [self.render(messages)]
+        ends = [i for i, m in enumerate(messages) if m["role"] == "assistant" and THINK_END in m["content"]]
+        last_reply = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
+        if not ends or ends[-1] < last_reply:
+            ends.append(len(messages) - 1)
+        out, done = [], 0  # messages[:done] are in earlier examples
+        for end in ends:
+            part = [{**m, TRAINED_BEFORE: True} if i < done and m["role"] == "assistant" else m
+                    for i, m in enumerate(messages[: end + 1])]
+            out.append(self.render(part))
+            done = end + 1
+        return out
+
+
+class R1Distill(R1):
+    """DeepSeek-R1 distills (R1-Distill-Qwen/Llama): R1's template, but only the last system text is written."""
 
     name = "r1_distill"
-    generation_prompt = "<｜Assistant｜><think>\n"
     system_jinja = "(" + SYSTEMS_JINJA + " | list | last) or ''"
 
     def system(self, messages: Messages) -> str:
@@ -177,17 +246,15 @@ class R1DistillWithoutReasoning(R1Distill):
     name = "r1_distill_no_reasoning"  # its own name: sft/dataset.py's cache key holds the template's name
     generation_prompt = "<｜Assistant｜>"
 
-    @property
-    def chat_template(self) -> str:  # type: ignore[override]
-        return super().chat_template.replace(
-            "'<｜Assistant｜>' + message['content']",
-            "'<｜Assistant｜>' + (message['content'].split('</think>')[-1].lstrip() if '</think>' in "
-            "message['content'] else message['content'])")
+    reply_jinja = ("(message['content'].split('</think>')[-1].lstrip() if '</think>' in message['content'] else "
+                   "message['content'])")
 
     def render(self, messages, add_generation_prompt=False):
         stripped = [{**m, "content": strip_reasoning(m["content"])} if m["role"] == "assistant" else m
                     for m in messages]
         return super().render(stripped, add_generation_prompt)
+
+    examples = Template.examples  # no turn shows reasoning, in training or at inference: one sequence
 
 
 class Alpaca(Template):
@@ -205,6 +272,7 @@ class Alpaca(Template):
         "{% endif %}{% endfor %}")
 
     def render(self, messages, add_generation_prompt=False):
+        refuse_tools(self.name, messages)
         out: list[Segment] = [(self.bos, False)]
         for m in messages:
             if m["role"] == "user":
@@ -219,10 +287,13 @@ class Alpaca(Template):
 
 
 class ModelChatTemplate(Template):
-    """The tokenizer's own `chat_template`. Assistant spans are found by rendering growing prefixes: the text
-    added by assistant turn i, after the generation prompt of the first i messages, is that turn's target."""
+    """The tokenizer's own `chat_template`. Assistant turn i's context is what the template gives the model when it
+    writes that turn (the first i messages and the generation prompt), its target what follows in the conversation
+    ending with it. Where the template shows the turn otherwise in later turns' context (R1 deletes reasoning from
+    earlier turns), the turn ends a training example of its own (`examples`), as R1.examples does."""
 
     name = "model"
+    REPLY = "\x00sft reply\x00"  # stands for a reply's text, to see what the template writes around it
 
     def __init__(self, tokenizer):
         super().__init__(tokenizer.bos_token, tokenizer.eos_token)
@@ -230,35 +301,92 @@ class ModelChatTemplate(Template):
 
     def _apply(self, messages: Messages, add_generation_prompt: bool) -> str:
         plain = [{"role": m["role"], "content": user_text(m) if m["role"] == "user" else m["content"]}
-                 for m in messages]
-        return self.tokenizer.apply_chat_template(plain, tokenize=False, add_generation_prompt=add_generation_prompt)
+                 for m in messages if m["role"] != TOOLS_ROLE]
+        for message, m in zip(plain, (m for m in messages if m["role"] != TOOLS_ROLE)):
+            if m.get("tool_calls"):  # as OpenAI clients send them: no text is None
+                message.update(tool_calls=m["tool_calls"], content=m["content"] or None)
+        tools = tool_definitions(messages) or None
+        try:
+            if not plain:  # the prompt of a reply that opens the conversation, which apply_chat_template refuses
+                from transformers.utils.chat_template_utils import render_jinja_template
+
+                return render_jinja_template([plain], tools=tools, add_generation_prompt=add_generation_prompt,
+                                             chat_template=self.tokenizer.get_chat_template(None, tools),
+                                             **self.tokenizer.special_tokens_map)[0][0]
+            return self.tokenizer.apply_chat_template(plain, tokenize=False,
+                                                      add_generation_prompt=add_generation_prompt, tools=tools)
+        except Exception as e:  # jinja2's TemplateError (raise_exception), or a variable the template lacks
+            raise DataError(f"the model's chat_template fails on this conversation ({type(e).__name__}: "
+                            f"{' '.join(str(e).split())}); fix the record or use --template with one of "
+                            f"{', '.join(BUILTIN)}") from None
+
+    def text(self, messages, add_generation_prompt=False):
+        return self._apply(messages, add_generation_prompt)
 
     def render(self, messages, add_generation_prompt=False):
-        full = self._apply(messages, add_generation_prompt)
-        out: list[Segment] = []
-        done = 0  # characters of `full` already emitted
+        """With a generation prompt: the prompt, nothing trained. Without: the conversation as the model sees it
+        at its last turn (the last of `examples`)."""
+        if add_generation_prompt:
+            return [(self._apply(messages, True), False)]
+        return self.examples(messages)[-1]
+
+    def _turn(self, messages: Messages, i: int) -> tuple[int, int, str]:
+        """Assistant turn i -> (start, end, text): the text up to the end of the turn, its target text[start:end],
+        which ends after the end-of-turn token (what the template writes after it, a newline say, is not)."""
+        turn = self._apply(messages[: i + 1], False)
+        prompt = self._apply(messages[:i], True)
+        written = (messages[i]["content"] or "").strip()
+        if not turn.startswith(prompt) or written not in turn[len(prompt):]:
+            # The template writes the turn otherwise when it ends the conversation (R1 deletes its reasoning), or
+            # its generation prompt opens what this reply does not (R1's `<think>\n`, a reply without reasoning):
+            # the reply is then the template's frame around the text as given.
+            framed = self._apply(messages[:i] + [{**messages[i], "content": self.REPLY}], False)
+            if framed.count(self.REPLY) != 1:
+                raise DataError("the model's chat_template does not write an assistant turn's text as given, so its "
+                                "tokens cannot be located; use --template with one of " + ", ".join(BUILTIN))
+            before, after = framed.split(self.REPLY)
+            turn = before + messages[i]["content"] + after
+            if not turn.startswith(prompt):
+                if not prompt.startswith(before):
+                    raise DataError("the model's chat_template writes an assistant turn's opening otherwise than its "
+                                    "generation prompt, so the turn's context is unclear; use --template with one "
+                                    "of " + ", ".join(BUILTIN))
+                prompt = before
+        target = turn[len(prompt):]
+        cut = target.rfind(self.eos) + len(self.eos) if self.eos and self.eos in target else len(target)
+        return len(prompt), len(prompt) + cut, turn
+
+    def examples(self, messages):
+        # A turn joins the current example when its text keeps every earlier member's, up to that member's end,
+        # unchanged; else it starts the next one.
+        groups: list[list[tuple[int, int, str]]] = []
         for i, m in enumerate(messages):
             if m["role"] != "assistant":
                 continue
-            prompt = self._apply(messages[:i], add_generation_prompt=True)
-            turn = self._apply(messages[: i + 1], add_generation_prompt=False)
-            if not (full.startswith(prompt) and full.startswith(turn) and turn.startswith(prompt)
-                    and len(prompt) >= done):
-                raise DataError(
-                    "the model's chat_template does not render conversations as growing prefixes (it rewrites "
-                    "earlier turns), so the assistant tokens cannot be located; use --template with one of "
-                    f"{', '.join(TEMPLATE_NAMES[2:])}")
-            target = turn[len(prompt):]
-            # The end-of-turn token is trained; anything the template writes after it (a newline) is not.
-            cut = target.rfind(self.eos) + len(self.eos) if self.eos and self.eos in target else len(target)
-            out += [(full[done:len(prompt)], False), (target[:cut], True)]
-            done = len(prompt) + cut
-        out.append((full[done:], False))
-        return [s for s in out if s[0]]
+            start, end, text = self._turn(messages, i)
+            if groups and start >= groups[-1][-1][1] and all(text.startswith(t[:e]) for _, e, t in groups[-1]):
+                groups[-1].append((start, end, text))
+            else:
+                groups.append([(start, end, text)])
+        if not groups:
+            return [[(self._apply(messages, False), False)]]
+        full = self._apply(messages, False)  # the final example keeps what follows its last turn
+        last = groups[-1]
+        texts = [g[-1][2] for g in groups[:-1]] + [full if all(full.startswith(t[:e]) for _, e, t in last)
+                                                   else last[-1][2]]
+        out = []
+        for group, text in zip(groups, texts):
+            segments, done = [], 0
+            for start, end, _ in group:
+                segments += [(text[done:start], False), (text[start:end], True)]
+                done = end
+            segments.append((text[done:], False))
+            out.append([s for s in segments if s[0]])
+        return out
 
 
 BUILTIN: dict[str, Callable[[str, str], Template]] = {
-    t.name: t for t in (DeepSeekV1, DeepSeekCoder, DeepSeekV3, R1Distill, R1DistillWithoutReasoning, Alpaca)
+    t.name: t for t in (DeepSeekV1, DeepSeekCoder, DeepSeekV3, R1, R1Distill, R1DistillWithoutReasoning, Alpaca)
 }
 
 
@@ -269,13 +397,19 @@ PROBES = (
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
      {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"},
      {"role": "assistant", "content": "6"}],
+    # Two system texts (R1 joins them, the distills keep the last) and an earlier turn's reasoning (the R1 family
+    # deletes it, V3 keeps it).
+    [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Answer in English."},
+     {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n4"},
+     {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6"}],
 )
 
 
 def matching_builtin(tokenizer) -> str | None:
     """The built-in template whose Jinja the tokenizer carries (a model we saved), else the one that renders the
-    probes exactly as the tokenizer's chat_template does, if any."""
-    names = ("deepseek", "deepseek_coder", "deepseek_v3", "r1_distill", "r1_distill_no_reasoning", "alpaca")
+    probes exactly as the tokenizer's chat_template does, if any; the R1 family's generation prompt may also be that
+    of its earlier revisions (`<｜Assistant｜>`, before `<think>\n` was added to it), whose models are the same."""
+    names = ("deepseek", "deepseek_coder", "deepseek_v3", "r1", "r1_distill", "r1_distill_no_reasoning", "alpaca")
     saved = next((n for n in names if BUILTIN[n](tokenizer.bos_token, tokenizer.eos_token).chat_template
                   == tokenizer.chat_template), None)
     if saved:
@@ -284,13 +418,21 @@ def matching_builtin(tokenizer) -> str | None:
         template = BUILTIN[name](tokenizer.bos_token, tokenizer.eos_token)
         try:
             same = all(template.text(p) == tokenizer.apply_chat_template(p, tokenize=False) and
-                       template.text(p[:-1], True) == tokenizer.apply_chat_template(
-                           p[:-1], tokenize=False, add_generation_prompt=True) for p in PROBES)
+                       tokenizer.apply_chat_template(p[:-1], tokenize=False, add_generation_prompt=True)
+                       in _prompts(template, p[:-1]) for p in PROBES)
         except Exception:  # a template that cannot render our probes is simply not this one
             same = False
         if same:
             return name
     return None
+
+
+def _prompts(template: Template, messages: Messages) -> set[str]:
+    """The template's generation prompt after `messages`, and those of its earlier revisions."""
+    prompt = template.text(messages, True)
+    if not isinstance(template, R1):
+        return {prompt}
+    return {prompt, prompt.removesuffix(template.generation_prompt) + ASSISTANT}
 
 
 def get_template(name: str, tokenizer) -> Template:
@@ -315,8 +457,9 @@ def chat_template_for_saving(name: str, tokenizer) -> str | None:
     """The Jinja to store on the tokenizer that training saves, so that the saved model renders prompts as it was
     trained: the built-in's chat_template, or None when training used the model's own (`model`, or `auto` resolved
     to it), which the tokenizer already carries. A built-in replaces the model's template even where `auto` chose
-    it because the two render alike: only ours is sure to match training everywhere (the R1 template, say, deletes
-    reasoning from earlier turns, which we train on).
+    it because the two render alike: only ours is sure to match training everywhere (the official R1 template, say,
+    deletes the reasoning of a conversation's last turn too, and an earlier R1 revision prompts without
+    `<think>\n`, which training put in the prompt).
 
     Call it after the data is prepared: the data cache key includes the tokenizer's chat_template."""
     return get_template(name, tokenizer).chat_template

@@ -8,6 +8,9 @@ the running sum of its byte length, read from a table with numpy: asking the tok
 than the tokenization itself. A record whose byte lengths do not add up to its text (a normalizer or an added
 token that strips spaces) falls back to the tokenizer's character offsets, so the result is exact either way.
 Over-long conversations are cut after the last assistant turn that fits, or dropped, and counted.
+A conversation is one row, except where its template shows a turn in later turns' context otherwise than the model
+wrote it (R1 deletes earlier reasoning): then each of its examples (sft/templates.py `Template.examples`) is a row,
+each reply trained in exactly one, so the loss still weighs every reply token once.
 (Named `tokenization` rather than `tokenize`, which would shadow the standard library module when
 `python sft/train.py` puts `sft/` first on the path.)
 """
@@ -21,8 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from sft.errors import DataError
 from sft.formats import gc_paused
-from sft.templates import Template
+from sft.templates import Segment, Template
 
 IGNORE = -100
 STATUSES = ("ok", "truncated at a turn boundary", "too long (dropped)", "no trained tokens")
@@ -122,7 +126,9 @@ def tokenizer_facts(tokenizer) -> dict[str, Any]:
 
 def tokenize_batch(batch: dict[str, list], *, tokenizer, template: Template, max_length: int,
                    train_on_prompt: bool = False, overlong: str = "truncate", facts: dict[str, Any] | None = None):
-    """`datasets.map(batched=True)` function: messages -> input_ids, labels, length, status (an Arrow table).
+    """`datasets.map(batched=True)` function: messages -> input_ids, labels, length, status (an Arrow table), a
+row per example (one per conversation but where the template makes several, see the module docstring). A
+`source` column, when the batch has one, names the record in a template's error.
 
     The text is tokenized whole, except where the tokenizer itself always cuts it (for the DeepSeek LLM and Coder
     pre-tokenizers: at each newline, before each space followed by a letter, between a letter and punctuation):
@@ -148,8 +154,8 @@ def _tokenize_batch(batch, tokenizer, template, max_length, train_on_prompt, ove
     # Every segment of the batch in order: its length (bytes with a byte table, else characters) and whether it
     # is trained; seg_start[i] is record i's first segment.
     texts, record_runs, seg_lengths, seg_flags, seg_start = [], [], [], [], [0]
-    for messages in batch["messages"]:
-        segments = template.render(messages)
+    records = _examples(batch, template)  # from here on a record is one example
+    for segments in records:
         text = "".join(t for t, _ in segments)
         texts.append(text)
         if table is not None and not text.isascii():
@@ -181,8 +187,7 @@ def _tokenize_batch(batch, tokenizer, template, max_length, train_on_prompt, ove
     for i in special:
         pieces_ids.append(ids[token_offsets[done]:token_offsets[i]])
         pieces_labels.append(labels[token_offsets[done]:token_offsets[i]])
-        one_ids, starts = _encode_one(i, texts, record_runs, runs, run_index, bounds, table, tokenizer,
-                                      template, batch)
+        one_ids, starts = _encode_one(i, texts, record_runs, runs, run_index, bounds, table, tokenizer, records)
         one_ids, one_labels, statuses[i] = _mask(one_ids, starts, bounds[i], trained_flags[i], max_length,
                                                  train_on_prompt, overlong)
         pieces_ids.append(one_ids)
@@ -364,7 +369,19 @@ def _mask_batch(runs, run_index, record_runs, seg_lengths, seg_flags, seg_start,
     return flat[kept_tokens], labels[kept_tokens], lengths.tolist(), statuses
 
 
-def _encode_one(i: int, texts, record_runs, runs, run_index, bounds, table, tokenizer, template, batch):
+def _examples(batch: dict[str, list], template: Template) -> list[list[Segment]]:
+    """Every example of the batch's conversations, in order; a template's DataError names the record."""
+    out = []
+    for k, messages in enumerate(batch["messages"]):
+        try:
+            out += template.examples(messages)
+        except DataError as e:
+            where = batch["source"][k] if "source" in batch else f"conversation {k + 1} of a batch"
+            raise DataError(f"{where}: {e}") from None
+    return out
+
+
+def _encode_one(i: int, texts, record_runs, runs, run_index, bounds, table, tokenizer, records):
     """One record's ids and token starts (in the units of bounds[i]; switched to characters when the byte
     lengths do not add up to its text)."""
     if runs is not None:
@@ -379,7 +396,7 @@ def _encode_one(i: int, texts, record_runs, runs, run_index, bounds, table, toke
         if ends[-1] == bounds[i][-1]:
             return ids, ends - sizes
     # Character offsets from the tokenizer (slower; exact for any tokenizer).
-    bounds[i] = np.cumsum([len(t) for t, _ in template.render(batch["messages"][i])])
+    bounds[i] = np.cumsum([len(t) for t, _ in records[i]])
     encoded = tokenizer(texts[i], add_special_tokens=False, return_offsets_mapping=True)
     ids = np.asarray(encoded["input_ids"], dtype=np.int64)
     return ids, np.fromiter((o[0] for o in encoded["offset_mapping"]), dtype=np.int64, count=len(ids))
@@ -441,9 +458,16 @@ def render_mask(input_ids: list[int], labels: list[int], tokenizer) -> str:
     return "".join(f"[[{tokenizer.decode(ids)}]]" if t else tokenizer.decode(ids) for ids, t in pieces)
 
 
-def tokenize_one(messages: list[dict[str, Any]], *, tokenizer, template: Template, max_length: int,
-                 train_on_prompt: bool = False, overlong: str = "truncate") -> dict[str, Any]:
-    """One conversation -> {"input_ids", "labels", "length", "status"} as Python values (tests, --show_masks)."""
-    row = tokenize_batch({"messages": [messages]}, tokenizer=tokenizer, template=template, max_length=max_length,
-                         train_on_prompt=train_on_prompt, overlong=overlong).to_pylist()[0]
-    return row
+def tokenize_examples(messages: list[dict[str, Any]], *, tokenizer, template: Template, max_length: int,
+                      train_on_prompt: bool = False, overlong: str = "truncate") -> list[dict[str, Any]]:
+    """One conversation -> a {"input_ids", "labels", "length", "status"} row per example, as Python values."""
+    return tokenize_batch({"messages": [messages]}, tokenizer=tokenizer, template=template, max_length=max_length,
+                          train_on_prompt=train_on_prompt, overlong=overlong).to_pylist()
+
+
+def tokenize_one(messages: list[dict[str, Any]], **options) -> dict[str, Any]:
+    """One conversation that makes one example -> its row (tests); tokenize_examples' options."""
+    rows = tokenize_examples(messages, **options)
+    if len(rows) != 1:
+        raise ValueError(f"this conversation makes {len(rows)} examples; use tokenize_examples")
+    return rows[0]

@@ -158,6 +158,76 @@ def test_openai_messages_and_sharegpt_conversations_with_system_prompts(tmp_path
     assert stats.skipped == {"no assistant reply": 1}
 
 
+# The same two-round tool conversation in OpenAI form and in LLaMA-Factory's ShareGPT (glaive) form.
+WEATHER = {"name": "get_weather", "description": "Weather now",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+OPENAI_TOOLS = {
+    "tools": [{"type": "function", "function": WEATHER}],
+    "messages": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Zürich and Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}},
+            {"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21°C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "3°C"},
+        {"role": "assistant", "content": "Zürich 21°C, Oslo 3°C."}]}
+SHAREGPT_TOOLS = {
+    "system": "Be brief.", "tools": json.dumps([WEATHER]),
+    "conversations": [
+        {"from": "human", "value": "Weather in Zürich and Oslo?"},
+        {"from": "function_call", "value": json.dumps([{"name": "get_weather", "arguments": {"city": "Zürich"}},
+                                                       {"name": "get_weather", "arguments": '{"city":"Oslo"}'}])},
+        {"from": "observation", "value": "21°C"}, {"from": "observation", "value": "3°C"},
+        {"from": "gpt", "value": "Zürich 21°C, Oslo 3°C."}]}
+
+
+def test_openai_and_sharegpt_tool_calls_read_to_the_same_conversation(tmp_path):
+    (openai,), _ = read(write_jsonl(tmp_path / "openai.jsonl", [OPENAI_TOOLS]))
+    (sharegpt,), _ = read(write_jsonl(tmp_path / "sharegpt.jsonl", [SHAREGPT_TOOLS]))
+    assert openai["messages"] == sharegpt["messages"]
+    messages = openai["messages"]
+    assert [m["role"] for m in messages] == ["tools", "system", "user", "assistant", "tool", "tool", "assistant"]
+    # glaive's bare function definitions are wrapped into OpenAI's form; the definitions keep their key order.
+    assert json.loads(messages[0]["content"]) == [{"type": "function", "function": WEATHER}]
+    # Arguments given as an object: json.dumps with its default separators; given as text: kept as written.
+    assert [c["function"]["arguments"] for c in messages[3]["tool_calls"]] == ['{"city": "Zürich"}', '{"city":"Oslo"}']
+    assert messages[3]["content"] == "" and messages[3]["tool_calls"][0]["type"] == "function"
+
+
+def test_sharegpt_single_call_and_conversation_without_tools_field(tmp_path):
+    record = {"conversations": [{"from": "human", "value": "Time?"},
+                                {"from": "function_call", "value": '{"name": "now", "arguments": {}}'},
+                                {"from": "observation", "value": "12:00"}, {"from": "gpt", "value": "Noon."}],
+              "tools": ""}
+    (conversation,), _ = read(write_jsonl(tmp_path / "one.jsonl", [record]))
+    assert conversation["messages"][1]["tool_calls"] == [{"type": "function",
+                                                          "function": {"name": "now", "arguments": "{}"}}]
+    assert conversation["messages"][0]["role"] == "user"  # no definitions: no tools message
+
+
+@pytest.mark.parametrize("record, message", [
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "Let me look.",
+                                                      "tool_calls": [{"type": "function",
+                                                                      "function": {"name": "f", "arguments": "{}"}}]}]},
+     r"m.jsonl:1: messages\[1\]: an assistant turn with both text and tool_calls"),
+    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None,
+                                                      "tool_calls": [{"type": "function", "function": {"arguments": "{}"}}]}]},
+     r"m.jsonl:1: messages\[1\].tool_calls\[0\]: a tool call needs a non-empty string 'name'"),
+    ({"conversations": [{"from": "human", "value": "q"}, {"from": "function_call", "value": "get_weather(Oslo)"}]},
+     r"m.jsonl:1: conversations\[1\]: a function_call value must be JSON"),
+    ({"tools": "[{name: 1}]", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+     r"m.jsonl:1: field 'tools' is not valid JSON"),
+    ({"tools": [{"description": "no name"}], "messages": [{"role": "user", "content": "q"},
+                                                          {"role": "assistant", "content": "a"}]},
+     r"m.jsonl:1: field 'tools' must be a list of function definitions"),
+])
+def test_bad_tool_records_are_named_and_skippable(tmp_path, record, message):
+    path = write_jsonl(tmp_path / "m.jsonl", [record])
+    with pytest.raises(DataError, match=message):
+        read(path)
+    assert read(path, skip_bad=True)[1].skipped == {"invalid record": 1}
+
+
 # ------------------------------------------------------------------------------------------------ oasst
 
 

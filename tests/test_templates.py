@@ -165,7 +165,10 @@ def test_r1_distill_keeps_the_reasoning_the_official_template_deletes(tokenizers
                        max_length=4096)
     ours = tokenizer.decode(row["input_ids"])
     assert ours.replace(reasoning, "") == tokenizer.apply_chat_template(messages, tokenize=False)
-    assert trained_runs(row, tokenizer) == [reasoning + answer + "<｜end▁of▁sentence｜>"]
+    # `<think>\n` is the generation prompt's, so it is prompt; the rest of the reasoning is trained.
+    assert trained_runs(row, tokenizer) == [reasoning.removeprefix("<think>\n") + answer + "<｜end▁of▁sentence｜>"]
+    prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<think>\n") and ours.startswith(prompt)
 
 
 def test_model_chat_template_path_equals_apply_chat_template(tokenizers):
@@ -183,12 +186,13 @@ def test_model_template_that_rewrites_history_is_refused_clearly(tokenizers):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(DEEPSEEK_TOKENIZER)
-    # Like templates that drop earlier reasoning: the last assistant turn renders differently from earlier ones.
+    # Every message but the last cut to one character: the user turn the model answers reads differently in its
+    # prompt than in the conversation that holds the answer, so the turn's context is unclear.
     tokenizer.chat_template = ("{% for m in messages %}{{ m['role'] + ': ' }}{% if loop.last %}{{ m['content'] }}"
                                "{% else %}{{ m['content'][:1] }}{% endif %}{{ '\\n' }}{% endfor %}"
                                "{% if add_generation_prompt %}assistant: {% endif %}")
     assert get_template("auto", tokenizer).name == "model"
-    with pytest.raises(DataError, match="growing prefixes"):
+    with pytest.raises(DataError, match="opening otherwise than its generation prompt"):
         get_template("model", tokenizer).render(CONVERSATIONS[1])
 
 

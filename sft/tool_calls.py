@@ -1,0 +1,106 @@
+"""Tool calls: conversations with `tools`, assistant `tool_calls` and `tool` results, in DeepSeek-V3/R1 form.
+
+Internal form (written by sft/formats.py): an assistant turn that calls tools is
+`{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name", "arguments"}}]}`
+with `arguments` a JSON string; a result is `{"role": "tool", "content": ...}`; the tool definitions travel as the
+conversation's first message, `{"role": "tools", "content": <JSON list, OpenAI form>}`, so that they move with the
+messages through every step (the Arrow table, the data cache key, the tokenizing workers) and the template places
+them.
+
+Rendering (render_v3) writes byte for byte what DeepSeek-V3's and the R1 distills' own chat template writes,
+quirks included, because that is what the models see: only the conversation's first call opens
+`<｜Assistant｜><｜tool▁calls▁begin｜>`; every later call (of that turn or of a later one) is written as
+"\\n" + call + `<｜tool▁calls▁end｜><｜end▁of▁sentence｜>`, so a turn with a single call carries no end marker; the
+results open `<｜tool▁outputs▁begin｜>` once per conversation and are closed by `<｜tool▁outputs▁end｜>` only before
+an answer (which has no `<｜Assistant｜>` in front) or at the end. Those templates do not write `tools` at all
+(apply_chat_template drops them); we add them to the system prompt (tools_section), as LLaMA-Factory does for
+templates without a tool slot, so that the model sees the functions it learns to call.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from sft.errors import DataError
+
+TOOLS_ROLE = "tools"
+TOOL_TEMPLATES = ("deepseek_v3", "r1_distill", "r1_distill_no_reasoning")  # built-ins with a tool-call format
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+OUTPUTS_BEGIN, OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
+OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
+TOOLS_HEADER = "## Tools\nYou have access to the following functions (JSON schemas, one per line):"
+
+
+def has_tools(messages: list[dict[str, Any]]) -> bool:
+    return any(m["role"] in ("tool", TOOLS_ROLE) or m.get("tool_calls") for m in messages)
+
+
+def refuse_tools(template: str, messages: list[dict[str, Any]]) -> None:
+    """For templates without a tool-call format: one clear error instead of rendering calls as plain turns."""
+    if has_tools(messages):
+        raise DataError(f"--template {template} has no tool-call format; conversations with tools, tool_calls or "
+                        f"tool results train with --template {', '.join(TOOL_TEMPLATES)} (or drop those records).")
+
+
+def dump_arguments(arguments: Any) -> str:
+    """Arguments given as an object -> the JSON text the template writes: json.dumps with its default separators
+    (", " and ": ") and ensure_ascii=False, as LLaMA-Factory writes glaive's calls and transformers' `tojson` writes
+    JSON. A string is taken as the model wrote it."""
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def tool_definitions(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation's tool definitions (OpenAI form), [] if it has none."""
+    return next((json.loads(m["content"]) for m in messages if m["role"] == TOOLS_ROLE), [])
+
+
+def tools_section(tools: list[dict[str, Any]]) -> str:
+    """The system-prompt text that shows the tools: a header, then each definition as one line of JSON (json.dumps
+    with ensure_ascii=False, equal to `tool | tojson` in a chat template)."""
+    return "\n".join([TOOLS_HEADER] + [json.dumps(t, ensure_ascii=False) for t in tools]) if tools else ""
+
+
+def with_tools(system: str, messages: list[dict[str, Any]]) -> str:
+    """The system prompt with the tools section after it (a blank line between, as DeepSeek joins system texts)."""
+    return "\n\n".join(part for part in (system, tools_section(tool_definitions(messages))) if part)
+
+
+def call_text(call: dict[str, Any]) -> str:
+    function = call["function"]
+    return f"{CALL_BEGIN}{call['type']}{SEP}{function['name']}\n```json\n{function['arguments']}\n```{CALL_END}"
+
+
+def render_v3(messages: list[dict[str, Any]], *, head: str, generation_prompt: str, eos: str,
+              add_generation_prompt: bool) -> list[tuple[str, bool]]:
+    """A tool conversation as DeepSeek-V3/R1's template writes it (see the module docstring), as segments: every
+    assistant turn's calls or answer trained, with the end markers the template writes; prompts, tool results,
+    the system prompt with the tools, and the `<｜Assistant｜>`/`<｜tool▁outputs▁end｜>` in front of a turn not."""
+    from sft.templates import user_text
+
+    out: list[tuple[str, bool]] = [(head, False)]
+    first_call, in_outputs, first_output = True, False, True  # the template's ns.is_first, is_tool, is_output_first
+    for m in messages:
+        if m["role"] == "user":
+            in_outputs = False
+            out.append((f"<｜User｜>{user_text(m)}", False))
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            in_outputs = False
+            for call in m["tool_calls"]:
+                if first_call:
+                    out += [("<｜Assistant｜>", False), (CALLS_BEGIN + call_text(call), True)]
+                    first_call = False
+                else:
+                    out.append(("\n" + call_text(call) + CALLS_END + eos, True))
+        elif m["role"] == "assistant":
+            out += [(OUTPUTS_END if in_outputs else "<｜Assistant｜>", False), (m["content"] + eos, True)]
+            in_outputs = False
+        elif m["role"] == "tool":
+            out.append(((OUTPUTS_BEGIN if first_output else "\n") + OUTPUT_BEGIN + m["content"] + OUTPUT_END, False))
+            in_outputs, first_output = True, False
+    if in_outputs:
+        out.append((OUTPUTS_END, False))
+    elif add_generation_prompt:
+        out.append((generation_prompt, False))
+    return out

@@ -1,0 +1,183 @@
+"""Tool calls render byte for byte as DeepSeek-V3's and R1-Distill's own chat templates write them (rendered by
+transformers' own Jinja renderer, tokenized by a copy of the real tokenizer), with only the assistant's calls and
+answers trained.
+
+`apply_chat_template` itself cannot render those templates' tool calls in transformers 5: it drops every None value
+from the messages (transformers.utils.chat_template_utils._normalize_chat_messages), and the templates write calls
+only where `message['content'] is none`. So the official text comes from `render_jinja_template`, the function
+apply_chat_template calls after that step (test_apply_chat_template_cannot_render_official_tool_calls pins it)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import DEEPSEEK_TOKENIZER, needs_shared
+from sft.formats import DataError, messages_conversation
+from sft.templates import get_template
+from sft.tokenization import IGNORE, tokenize_one
+from sft.tool_calls import TOOLS_ROLE, tool_definitions, tools_section
+from test_formats import OPENAI_TOOLS
+from test_templates import DEEPSEEK_V3, R1_DISTILL, trained_runs
+
+pytestmark = needs_shared
+
+# Cities in CJK: decoding the deepseek-coder vocabulary's added tokens for some Latin letters (ü: id 32009) gives
+# U+FFFD, which would blur the decoded-text checks below.
+SPECIAL = ["<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+           "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
+           "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"]  # single tokens in the V3/R1 vocabularies
+EOS = "<｜end▁of▁sentence｜>"
+
+
+def call(name: str, arguments: str) -> dict:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def conversation(record: dict) -> list[dict]:
+    return messages_conversation(record, "test")["messages"]
+
+
+# One call, then the answer (glaive's usual shape), with tool definitions and a system prompt.
+SINGLE = conversation({"system": "Be brief.", "tools": OPENAI_TOOLS["tools"], "messages": [
+    {"role": "user", "content": "Weather in 東京?"},
+    {"role": "assistant", "content": None, "tool_calls": [call("get_weather", '{"city": "東京"}')]},
+    {"role": "tool", "content": "21°C"}, {"role": "assistant", "content": "21°C in 東京."}]})
+# Two parallel calls, an answer, a follow-up question with a call of its own, a call straight after results
+# (three calls in one turn), and the answer: every branch of the official template's state.
+ROUNDS = conversation({"tools": OPENAI_TOOLS["tools"], "messages": [
+    {"role": "user", "content": "東京 and Oslo?"},
+    {"role": "assistant", "content": "", "tool_calls": [call("get_weather", '{"city": "東京"}'),
+                                                        call("get_weather", '{"city": "Oslo"}')]},
+    {"role": "tool", "content": "21°C"}, {"role": "tool", "content": "3°C"},
+    {"role": "assistant", "content": "東京 21°C, Oslo 3°C."}, {"role": "user", "content": "And Rome?"},
+    {"role": "assistant", "content": None, "tool_calls": [call("get_weather", '{"city": "Rome"}')]},
+    {"role": "tool", "content": "25°C"},
+    {"role": "assistant", "content": None, "tool_calls": [call("f", "{}"), call("g", "{}"), call("h", "{}")]},
+    {"role": "tool", "content": "ok"}, {"role": "assistant", "content": "Rome 25°C."}]})
+
+
+def official(messages: list[dict]) -> list[dict]:
+    """What DeepSeek's template is given: calls with text None; since it writes no `tools`, our tools section as
+    part of the (last) system prompt, where we put it."""
+    out = [{**m, "content": None} if m.get("tool_calls") else dict(m) for m in messages if m["role"] != TOOLS_ROLE]
+    section = tools_section(tool_definitions(messages))
+    systems = [m for m in out if m["role"] == "system"]
+    if systems:
+        systems[-1]["content"] += "\n\n" + section
+    elif section:
+        out.insert(0, {"role": "system", "content": section})
+    return out
+
+
+def official_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = False, text: bool = False):
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(conversations=[official(messages)], chat_template=tokenizer.chat_template,
+                                        add_generation_prompt=add_generation_prompt, **tokenizer.special_tokens_map)
+    return rendered[0] if text else tokenizer(rendered[0], add_special_tokens=False)["input_ids"]
+
+
+@pytest.fixture(scope="module")
+def tokenizers():
+    from transformers import AutoTokenizer
+
+    out = {}
+    for name, template in (("deepseek_v3", DEEPSEEK_V3), ("r1_distill", R1_DISTILL)):
+        tok = AutoTokenizer.from_pretrained(DEEPSEEK_TOKENIZER)
+        tok.add_special_tokens({"additional_special_tokens": SPECIAL})
+        tok.eos_token = EOS
+        tok.chat_template = template
+        out[name] = tok
+    return out
+
+
+@pytest.mark.parametrize("name", ["deepseek_v3", "r1_distill"])
+@pytest.mark.parametrize("messages", [SINGLE, ROUNDS], ids=["single", "rounds"])
+def test_tool_conversations_equal_the_official_template(tokenizers, name, messages):
+    tokenizer = tokenizers[name]
+    template = get_template(name, tokenizer)
+    row = tokenize_one(messages, tokenizer=tokenizer, template=template, max_length=4096)
+    assert row["input_ids"] == official_ids(tokenizer, messages)
+    for n in range(1, len(messages)):  # the generation prompt after a question and after tool results
+        if messages[n - 1]["role"] in ("user", "tool"):
+            assert template.text(messages[:n], add_generation_prompt=True) == official_ids(
+                tokenizer, messages[:n], add_generation_prompt=True, text=True)
+    # Untrained: the system prompt with the tools, the questions and every tool result.
+    untrained = tokenizer.decode([t for t, label in zip(row["input_ids"], row["labels"]) if label == IGNORE])
+    assert tools_section(tool_definitions(messages)) in untrained
+    assert all(m["content"] in untrained for m in messages if m["role"] in ("user", "tool"))
+
+
+def test_official_templates_drop_the_tools_argument(tokenizers):
+    """Why the definitions go into the system prompt: apply_chat_template(tools=...) writes nothing of them."""
+    plain = [{"role": "user", "content": "Weather in 東京?"}, {"role": "assistant", "content": "Sunny."}]
+    for tokenizer in tokenizers.values():
+        assert tokenizer.apply_chat_template(plain, tools=OPENAI_TOOLS["tools"], tokenize=False) == \
+            tokenizer.apply_chat_template(plain, tokenize=False)
+
+
+def test_apply_chat_template_cannot_render_official_tool_calls(tokenizers):
+    from jinja2.exceptions import UndefinedError
+
+    with pytest.raises(UndefinedError, match="no attribute 'content'"):
+        tokenizers["deepseek_v3"].apply_chat_template(official(SINGLE), tokenize=False)
+
+
+def test_trained_tokens_are_the_calls_and_answers_as_the_template_writes_them(tokenizers):
+    tokenizer = tokenizers["deepseek_v3"]
+    runs = lambda messages: trained_runs(tokenize_one(messages, tokenizer=tokenizer, max_length=4096,  # noqa: E731
+                                                      template=get_template("deepseek_v3", tokenizer)), tokenizer)
+    weather = "function<｜tool▁sep｜>get_weather\n```json\n{{\"city\": \"{}\"}}\n```<｜tool▁call▁end｜>"
+    # The first call of a conversation opens the block; with a single call, the template writes no end marker.
+    assert runs(SINGLE) == ["<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + weather.format("東京"),
+                            "21°C in 東京." + EOS]
+    # Every later call is "\n" + call + `<｜tool▁calls▁end｜><｜end▁of▁sentence｜>`, even in a later turn.
+    later = "\n<｜tool▁call▁begin｜>{}<｜tool▁calls▁end｜>" + EOS
+    plain = "function<｜tool▁sep｜>{}\n```json\n{{}}\n```<｜tool▁call▁end｜>"
+    assert runs(ROUNDS) == [
+        "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + weather.format("東京") + later.format(weather.format("Oslo")),
+        "東京 21°C, Oslo 3°C." + EOS, later.format(weather.format("Rome")),
+        "".join(later.format(plain.format(f)) for f in "fgh"), "Rome 25°C." + EOS]
+
+
+def test_model_template_gets_the_calls_and_tools_and_trains_the_same(tokenizers):
+    """--template model hands calls and tool definitions to the tokenizer's own template. The official one, made to
+    test for missing text instead of None (see the module docstring), trains a round of calls as our built-in does."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(DEEPSEEK_TOKENIZER)
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL})
+    tokenizer.eos_token = EOS
+    tokenizer.chat_template = DEEPSEEK_V3.replace("message['content'] is none", "message['content'] is not defined") \
+        .replace("message['content'] is not none", "message['content'] is defined")
+    without_tools = [m for m in SINGLE if m["role"] != TOOLS_ROLE]  # the official template would drop them
+    ours = tokenize_one(without_tools, tokenizer=tokenizer, template=get_template("deepseek_v3", tokenizer),
+                        max_length=4096)
+    model = tokenize_one(SINGLE, tokenizer=tokenizer, template=get_template("model", tokenizer), max_length=4096)
+    assert (model["input_ids"], model["labels"]) == (ours["input_ids"], ours["labels"])
+
+
+@pytest.mark.parametrize("name", ["deepseek", "deepseek_coder", "alpaca"])
+def test_templates_without_a_tool_format_refuse_tool_conversations(tokenizers, name):
+    with pytest.raises(DataError, match=f"--template {name} has no tool-call format; .* --template deepseek_v3, "
+                                        "r1_distill, r1_distill_no_reasoning"):
+        tokenize_one(SINGLE, tokenizer=tokenizers["deepseek_v3"], template=get_template(name, tokenizers["deepseek_v3"]),
+                     max_length=4096)
+
+
+def test_tool_conversations_go_through_the_arrow_dataset_with_plain_ones(tokenizers, tmp_path):
+    """The tokenizing step moves messages through an Arrow table (missing keys come back as None)."""
+    from sft.config import DataArguments
+    from sft.dataset import tokenize
+
+    tokenizer = tokenizers["deepseek_v3"]
+    template = get_template("deepseek_v3", tokenizer)
+    plain = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"}]
+    conversations = [{"messages": m, "source": "test"} for m in (plain, SINGLE, ROUNDS)]
+    rows = tokenize(conversations, DataArguments(dataset=["x"], max_length=4096, num_proc=1), tokenizer, template)
+    for row, c in zip(rows, conversations):
+        one = tokenize_one(c["messages"], tokenizer=tokenizer, template=template, max_length=4096)
+        assert (row["input_ids"], row["labels"]) == (one["input_ids"], one["labels"])
+    assert json.loads(SINGLE[0]["content"])[0]["function"]["name"] == "get_weather"
