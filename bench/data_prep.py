@@ -45,6 +45,16 @@ def with_generation_markers(template: str) -> str:
     return template.replace(turn, marked)
 
 
+def trl_messages(records: list) -> list[dict]:
+    """Alpaca records as TRL's conversational rows: the conversations our reader makes of them (an Alpaca input
+    joins its instruction; placeholders dropped), as `messages` (also bench/train_throughput.py's TRL rows)."""
+    from sft.formats import alpaca_conversation
+    from sft.templates import user_text
+
+    return [{"messages": [{"role": m["role"], "content": user_text(m) if m["role"] == "user" else m["content"]}
+                          for m in alpaca_conversation(r, "")["messages"]]} for r in records]
+
+
 def distinct_copy(record: dict, i: int, period: int) -> dict:
     """Record i of the repeated list, made distinct from every other copy: the same words (so the same kind of
     text for the tokenizer), in another order in each field; the first copy is left as it is."""
@@ -152,12 +162,7 @@ def main() -> None:
     assert trl_tokenizer.apply_chat_template(sample, tokenize=False) == tokenizer.apply_chat_template(
         sample, tokenize=False)
 
-    # TRL gets the same conversations as messages (an Alpaca input joins its instruction; placeholders dropped).
-    from sft.formats import alpaca_conversation
-    from sft.templates import user_text
-
-    messages = [{"messages": [{"role": m["role"], "content": user_text(m) if m["role"] == "user" else m["content"]}
-                              for m in alpaca_conversation(r, "")["messages"]]} for r in records]
+    messages = trl_messages(records)
     import sft.dataset  # noqa: F401  (imports are not preparation: both sides import before the clock starts)
     import trl
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (the device tool): install the carried wheels (.whl: ../shared/tools/
 # device-wheels.sh plus torchao), show the machine, run the benchmark matrix within a time budget, and leave
-# logs and the new result lines under $OUT. On your own GPU box, run bench/run_matrix.sh directly.
+# logs and the new result lines under $OUT. On your own GPU box, run bench/throughput.py directly.
 #
-#   bench/gpu_session.sh RUN_ID BUDGET_S [run_matrix options...]
+#   bench/gpu_session.sh RUN_ID BUDGET_S [bench/throughput.py options...]
 #   GPU_CHECKS="--strategies fsdp" bench/gpu_session.sh ...   # then bench/gpu_strategy_checks.py with those
 #                                                               # options, in what is left of the budget
 #   BENCH_LIGER=1 skips the Liger probe; BENCH_COMMIT names the commit where the tree has no git.
@@ -36,7 +36,7 @@ fi
 echo "setup took $(( $(date +%s) - start ))s"
 
 left=$(( BUDGET_S - ($(date +%s) - start) - ${CHECKS_S:-0} ))  # CHECKS_S: seconds kept for the checks
-bash bench/run_matrix.sh --run_id "$RUN_ID" --budget_s "$left" "$@" 2>&1 | tee "$OUT/matrix.txt" | grep -E "^\[bench\]|^\[matrix\]|^run_id|^\|" | cut -c1-400
+python3 bench/throughput.py --run_id "$RUN_ID" --budget_s "$left" --results "$BENCH_RESULTS" --out "$BENCH_OUT" "$@" 2>&1 | tee "$OUT/matrix.txt" | grep -E "^\[bench\]|^\[throughput\]|^run_id|^\||^not run| / " | cut -c1-400
 if [ -n "${GPU_CHECKS:-}" ]; then
   left=$(( BUDGET_S - ($(date +%s) - start) - 15 ))
   echo "gpu strategy checks ($GPU_CHECKS), ${left}s left"

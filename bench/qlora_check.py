@@ -182,7 +182,7 @@ def run(args, name: str, model: Path, qlora: bool, strategy: str = "single", gpu
     with open(out / "log.txt", "w") as f:
         proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=f, stderr=subprocess.STDOUT,
                                 start_new_session=True)
-        monitor = Monitor(proc.pid, list(range(gpus)))
+        monitor = Monitor(proc.pid)
         monitor.start()
         try:
             rc = proc.wait(timeout=args.timeout)
@@ -255,8 +255,7 @@ def worker(spec: dict, argv: list[str]) -> int:
             if rank == 0:
                 Path(spec["out"], "losses.json").write_text(json.dumps(self.losses))
 
-    sft.train.ThroughputCallback = KeepLosses  # sft.train holds its own reference
-    code = sft.train.main(argv)
+    code = sft.train.main(argv, callbacks=[KeepLosses()])
     sft.distributed.end_process_group()
     return code
 

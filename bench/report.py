@@ -1,5 +1,6 @@
 """Print the rows of one bench run (bench/results.jsonl) as a markdown table, with each row's speed against
-the peers' recipe rows measured in the same run.
+the peers' recipe rows measured in the same run, and against the row it names in `vs` (its TRL row:
+bench/throughput.py).
 
     python bench/report.py --run_id 20261130T0500Z-x2     # one run
     python bench/report.py --last                          # the newest run_id in the file
@@ -31,7 +32,9 @@ def table(rows: list[dict]) -> str:
     best_peer = max(peers, key=lambda r: r["real_tok_s"]) if peers else None
     head = ["row", "method", "strategy", "peer", "GPUs", "mb x ga", "real tok/s",
             f"x best peer ({best_peer['name']})" if best_peer else "x best peer", "MFU",
-            "peak reserved GiB (max rank)", "nvidia-smi GiB", "host RAM GiB", "comm share", "scaling"]
+            "peak reserved GiB (max rank)", "nvidia-smi GiB", "host RAM GiB", "comm share", "scaling", "x vs",
+            "cold cache"]
+    by_name = {r.get("name"): r for r in rows}
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         ratio = r["real_tok_s"] / best_peer["real_tok_s"] if best_peer else None
@@ -40,8 +43,29 @@ def table(rows: list[dict]) -> str:
             f"{r['micro_batch']} x {r['grad_accum']}", f"{r['real_tok_s']:,.0f}", fmt(ratio, "{:.2f}"),
             fmt(r.get("mfu"), "{:.1%}"), fmt(r.get("peak_mem_gib")), fmt(r.get("nvidia_smi_mem_gib")),
             fmt(r.get("host_ram_gib")), fmt(r.get("comm_share"), "{:.0%}"), fmt(r.get("scaling"), "{:.2f}"),
+            fmt(vs_ratio(r, by_name), "{:.2f}" + f" ({r.get('vs')})"), fmt(r.get("cold_cache")),
         ]) + " |")
     return "\n".join(lines)
+
+
+def vs_ratio(row: dict, by_name: dict) -> float | None:
+    """This row's real tok/s over that of the row it names in `vs` (same run), if both ran."""
+    other = by_name.get(row.get("vs"))
+    return row["real_tok_s"] / other["real_tok_s"] if other and other.get("real_tok_s") else None
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    """One line per row with a `vs` row: tok/s, MFU and the ratio of each."""
+    by_name = {r.get("name"): r for r in rows}
+    lines = []
+    for r in rows:
+        other, ratio = by_name.get(r.get("vs")), vs_ratio(r, by_name)
+        if ratio is None:
+            continue
+        mfu = f", MFU {fmt(r.get('mfu'), '{:.1%}')} vs {fmt(other.get('mfu'), '{:.1%}')}"
+        lines.append(f"{r['name']} / {other['name']}: {ratio:.2f}x ({r['real_tok_s']:,.0f} vs "
+                     f"{other['real_tok_s']:,.0f} real tok/s{mfu})")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:

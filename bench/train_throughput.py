@@ -1,26 +1,40 @@
-"""Measure ONE training configuration of our trainer (sft/train.py, unchanged) and append one JSON line to
-bench/results.jsonl.
+"""Measure ONE training configuration, ours or TRL's, and append one JSON line to bench/results.jsonl.
+bench/throughput.py runs its table of rows through this, one row after the other; alone:
 
     python bench/train_throughput.py --run_id R --name lora-ddp-2 --strategy ddp --n_gpus 2 --method lora \
-        --micro_batch 1 --grad_accum 4 -- --use_liger_kernel true
+        --micro_batch 1 --grad_accum 4 -- --use_liger_kernel true          # sft/train.py options after --
+    python bench/train_throughput.py --run_id R --name trl-lora --peer trl --method lora --micro_batch 8 \
+        -- --activation_checkpointing false --use_liger_kernel true        # TRL SFTConfig options after --
 
 The parent process launches `accelerate launch ... bench/train_throughput.py --worker ...` (one process per
-GPU), samples GPU memory as `nvidia-smi` sees it (NVML) and host RAM (psutil: RSS summed over the launcher's
-process tree) every 0.5 s, then joins what each rank wrote and appends the row.
+GPU), samples GPU memory as `nvidia-smi` counts it (NVML, every GPU of the machine, by UUID: the row quotes the
+GPUs its ranks report, whatever CUDA_VISIBLE_DEVICES renumbered) and host RAM (psutil: RSS summed over the
+launcher's process tree) every 0.5 s, then joins what each rank wrote and appends the row.
 
-Each worker rank runs `sft.train.main` with our real options, data path (read -> template -> tokenize ->
-pack to --seq_len) and Trainer callbacks. The bench only swaps in what a benchmark needs:
-  * the model is built from a config (deepseek-llm-7b shape, random init) instead of downloaded: directly on
-    the rank's GPU, or partitioned at creation under ZeRO-3 (transformers' zero.Init path);
-  * every rank's PyTorch allocator is capped (torch.cuda.set_per_process_memory_fraction) to emulate 24 GB cards;
-  * the final save is skipped (saving is proven by the strategy checks, not timed here);
-  * a subclass of our ThroughputCallback also keeps what it logs, per step, and profiles a few steps after the
-    measured ones to get the share of step time the NCCL kernels run (torch.profiler, CUDA activity).
+`--peer ours` (default): each rank runs `sft.train.main` with our real options, data path (read -> template ->
+tokenize -> pack to --seq_len) and Trainer callbacks, through main's seams (no module name is replaced):
+  * model_factory=random_init: the model is built from the directory's config (random init) instead of loaded:
+    directly on the rank's GPU, or partitioned at creation under ZeRO-3 (transformers' zero.Init path). Tensor
+    parallel and QLoRA rows load random weights written to disk (transformers shards / quantizes while loading);
+  * callbacks=[the bench clock]: keeps each step's real tokens and seconds, profiles a few steps after the
+    measured ones (share of step time NCCL kernels run: torch.profiler, CUDA activity), writes rank<N>.json;
+  * save=False: no final save (saving is proven by the strategy checks, not timed here).
+`--peer trl`: each rank builds TRL 1.16's SFTTrainer from the options after `--` (HfArgumentParser(SFTConfig)) on
+the same data file, tokenizer (its chat template with TRL's `{% generation %}` markers: the same text) and model
+(random_init of the same config, with SFTConfig's model_init_kwargs: attn_implementation, dtype); LoRA rows get
+our LoRA (r 16, alpha 32, dropout 0, our targets for the family: sft.model.lora_targets), and the same clock.
+Every rank's PyTorch allocator is capped (torch.cuda.set_per_process_memory_fraction) to emulate 24 GB cards.
 
-Numbers: real tokens/s is the callback's (non-padding tokens, summed over ranks, over training-step time)
-aggregated over the measured steps (after --warmup steps); MFU = real tok/s x F / (peak x GPUs) with F = 6N
-(full) or 4N (LoRA), N = parameters of the matmuls from the config (lm_head included, input embeddings not),
-peak 790 TFLOP/s per H200 (sft.callbacks.PEAK_FLOPS); attention score FLOPs and recomputation are not counted.
+Numbers, the same for both peers: real tokens/s = the Trainer's non-padding token count (summed over ranks) over
+the measured optimizer steps' time (after --warmup steps; step end to step end); MFU = real tok/s x F /
+(peak x GPUs) with F = 6N (full) or 4N (LoRA, QLoRA), N = the matmul parameters one token passes through, from the
+config (matmul_params: lm_head included, input embeddings not; for MoE the active experts only), peak 790 TFLOP/s
+per H200 (sft.callbacks.PEAK_FLOPS). Attention-score FLOPs and recomputation are not counted. TRL rows get this
+same formula: TRL 1.16's SFTTrainer logs no MFU, and the FLOP count in trl/trainer/utils.py (compute_flops_per_token,
+used by its experimental trainers only) differs: 3x the forward for LoRA too, attention scores over the full
+length (for the 7B shape at 2048 tokens 1.078 x 6N), 989 TFLOP/s for an H200, and a DeepSeek-V2 config makes it
+raise (no num_local_experts). TRL's fused LM head also skips the lm_head matmul of prompt tokens: work it does not
+do, which this formula (per real token, like ours) still credits it.
 """
 
 from __future__ import annotations
@@ -30,6 +44,7 @@ import datetime as dt
 import json
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -41,8 +56,8 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results.jsonl"
 GIB = 2**30
 
-# deepseek-llm-7b's shape (LlamaForCausalLM); "tiny" is the same architecture at a size a CPU trains in seconds.
 MODELS = {
+    # deepseek-llm-7b's shape (LlamaForCausalLM)
     "deepseek-llm-7b": dict(vocab_size=102400, hidden_size=4096, intermediate_size=11008, num_hidden_layers=30,
                             num_attention_heads=32, num_key_value_heads=32, rope_theta=10000.0,
                             max_position_embeddings=4096, rms_norm_eps=1e-6, tie_word_embeddings=False),
@@ -51,19 +66,46 @@ MODELS = {
     "deepseek-coder-1.3b": dict(vocab_size=32256, hidden_size=2048, intermediate_size=5504, num_hidden_layers=24,
                                 num_attention_heads=16, num_key_value_heads=16, rope_theta=100000.0,
                                 max_position_embeddings=16384, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # DeepSeek-V2-Lite's shape (DeepseekV2ForCausalLM, 15.7B): MLA attention, layer 0 dense, then 64 routed experts
+    # (6 per token) and 2 shared ones per layer. Its YaRN RoPE scaling is left out (random weights, 2048 tokens).
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
+                             moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+                             num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6,
+                             first_k_dense_replace=1, routed_scaling_factor=1.0, kv_lora_rank=512, q_lora_rank=None,
+                             qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, topk_method="greedy",
+                             n_group=1, topk_group=1, norm_topk_prob=False, rope_theta=10000.0,
+                             max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # the deepseek-llm architecture at a size a CPU trains in seconds (the DeepSeek-Coder tokenizer's vocabulary)
     "tiny": dict(vocab_size=32256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=4, rope_theta=10000.0, max_position_embeddings=4096,
                  tie_word_embeddings=False),
 }
 
 
+def model_config(name: str, **extra):
+    from transformers import AutoConfig
+
+    shape = dict(MODELS[name])
+    return AutoConfig.for_model(shape.pop("model_type", "llama"), **shape, **extra)
+
+
 def matmul_params(shape: dict) -> int:
-    """Parameters of every matmul (lm_head included, input embeddings and norms not), as our MFU counts them."""
-    h, i, v, layers = shape["hidden_size"], shape["intermediate_size"], shape["vocab_size"], shape["num_hidden_layers"]
-    head = h // shape["num_attention_heads"]
-    kv = shape["num_key_value_heads"] * head
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * i
-    return layers * per_layer + v * h
+    """Parameters of the matmuls one token passes through (lm_head included, input embeddings and norms not), as
+    our MFU counts them. For a DeepSeek MoE shape only the ACTIVE ones: the MLA projections, the dense first
+    layers' MLP, and in every MoE layer the router, num_experts_per_tok routed experts and the shared experts."""
+    h, v, layers = shape["hidden_size"], shape["vocab_size"], shape["num_hidden_layers"]
+    heads = shape["num_attention_heads"]
+    if "n_routed_experts" not in shape:
+        kv = shape["num_key_value_heads"] * (h // heads)
+        return layers * (2 * h * h + 2 * h * kv + 3 * h * shape["intermediate_size"]) + v * h
+    nope, rope, v_dim = shape["qk_nope_head_dim"], shape["qk_rope_head_dim"], shape["v_head_dim"]
+    kv_rank, q_rank = shape["kv_lora_rank"], shape.get("q_lora_rank")
+    q = h * q_rank + q_rank * heads * (nope + rope) if q_rank else h * heads * (nope + rope)
+    attention = q + h * (kv_rank + rope) + kv_rank * heads * (nope + v_dim) + heads * v_dim * h
+    dense = shape["first_k_dense_replace"]
+    experts = shape["num_experts_per_tok"] + shape["n_shared_experts"]
+    moe = h * shape["n_routed_experts"] + experts * 3 * h * shape["moe_intermediate_size"]
+    return layers * attention + dense * 3 * h * shape["intermediate_size"] + (layers - dense) * moe + v * h
 
 
 # Each strategy is launched with the repository's own accelerate config (what users run), with the number of
@@ -95,21 +137,32 @@ def free_port() -> int:
 # Parent: launch, watch memory, write the row.
 
 class Monitor(threading.Thread):
-    """Peak host RAM (RSS summed over a process tree) and peak GPU memory per device as NVML (nvidia-smi) sees it."""
+    """Peak host RAM (RSS summed over a process tree) and the peak memory of every GPU of the machine as nvidia-smi
+    counts it (NVML), keyed by UUID. NVML numbers all of the machine's GPUs while the ranks see CUDA_VISIBLE_DEVICES
+    renumbered: the row picks the peaks of the UUIDs its ranks report (used_gpus)."""
 
-    def __init__(self, pid: int, gpus: list[int]):
+    def __init__(self, pid: int):
         super().__init__(daemon=True)
-        self.pid, self.gpus = pid, gpus
+        self.pid = pid
         self.host_peak = 0
-        self.gpu_peak: dict[int, int] = {}
+        self.gpu_peak: dict[str, int] = {}  # UUID -> bytes
+        self.index: dict[str, int] = {}  # UUID -> NVML index (what nvidia-smi shows)
         self.stop = threading.Event()
+        self.handles = {}
+        from sft.telemetry import memory_used  # nvidia-smi's count (NVML v2)
+
+        self.memory_used = memory_used
         try:
             import pynvml
 
             pynvml.nvmlInit()
             self.nvml = pynvml
-            self.handles = {g: pynvml.nvmlDeviceGetHandleByIndex(g) for g in gpus}
-        except Exception:
+            for i in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+                uuid = pynvml.nvmlDeviceGetUUID(handle)
+                uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+                self.handles[uuid], self.index[uuid] = handle, i
+        except Exception:  # no NVIDIA driver (a CPU machine) or no nvidia-ml-py
             self.nvml = None
 
     def run(self):
@@ -118,9 +171,8 @@ class Monitor(threading.Thread):
         root = psutil.Process(self.pid)
         while not self.stop.is_set():
             try:
-                procs = [root, *root.children(recursive=True)]
                 total = 0
-                for p in procs:
+                for p in [root, *root.children(recursive=True)]:
                     try:
                         total += p.memory_info().rss
                     except psutil.Error:
@@ -128,11 +180,16 @@ class Monitor(threading.Thread):
                 self.host_peak = max(self.host_peak, total)
             except psutil.Error:
                 pass
-            if self.nvml:
-                for g, h in self.handles.items():
-                    used = self.nvml.nvmlDeviceGetMemoryInfo(h).used
-                    self.gpu_peak[g] = max(self.gpu_peak.get(g, 0), used)
+            for uuid, handle in self.handles.items():
+                self.gpu_peak[uuid] = max(self.gpu_peak.get(uuid, 0), self.memory_used(self.nvml, handle))
             self.stop.wait(0.5)
+
+    def used_gpus(self, ranks: list[dict]) -> tuple[list[int], float | None]:
+        """(NVML indices, peak GiB of the busiest) of the GPUs the ranks ran on."""
+        uuids = sorted({r["gpu_uuid"] for r in ranks if r.get("gpu_uuid") in self.gpu_peak},
+                       key=lambda u: self.index[u])
+        peak = max((self.gpu_peak[u] for u in uuids), default=None)
+        return [self.index[u] for u in uuids], round(peak / GIB, 2) if peak is not None else None
 
 
 def git_commit() -> str:
@@ -148,16 +205,31 @@ def git_commit() -> str:
         return "unknown"
 
 
-def gpu_name() -> str | None:
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=20).stdout.strip().splitlines()
-        return out[0].strip() if out else None
-    except (OSError, subprocess.TimeoutExpired):
-        return None
+def compile_cache_dirs(env: dict) -> list[Path]:
+    """Where compiled kernels persist between processes: inductor's cache (FX graphs, AOTAutograd, and its Triton
+    kernels unless TRITON_CACHE_DIR is set) and Triton's own (Liger's kernels, torchao's)."""
+    inductor = env.get("TORCHINDUCTOR_CACHE_DIR")
+    if not inductor:
+        try:
+            from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+            inductor = default_cache_dir()
+        except ImportError:  # a torch that moved it: its documented default
+            import getpass
+            import tempfile
+
+            inductor = os.path.join(tempfile.gettempdir(), f"torchinductor_{getpass.getuser()}")
+    triton = env.get("TRITON_CACHE_DIR") or os.path.join(env.get("TRITON_HOME") or Path.home(), ".triton", "cache")
+    return [Path(inductor), Path(triton)]
 
 
-def parent(args, train_args: list[str]) -> int:
+def caches_empty(dirs: list[Path]) -> bool:
+    return not any(f.is_file() for d in dirs if d.is_dir() for f in d.rglob("*"))
+
+
+def run_row(args, train_args: list[str], env_extra: dict[str, str] | None = None) -> dict | None:
+    """Launch the row (with `env_extra` in its environment), watch it, append its JSON line to args.results;
+    -> the row, or None when it failed."""
     import torch
 
     cpu = not torch.cuda.is_available()
@@ -165,50 +237,54 @@ def parent(args, train_args: list[str]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for f in out.glob("rank*.json"):
         f.unlink()
-    spec = {k: getattr(args, k) for k in ("name", "model", "method", "strategy", "seq_len", "micro_batch",
-                                           "grad_accum", "warmup", "steps", "profile_steps", "mem_cap_gib")}
-    spec["out"] = str(out)
+    model = model_dir(args)
+    spec = {k: getattr(args, k) for k in ("name", "peer", "model", "method", "strategy", "seq_len", "micro_batch",
+                                           "grad_accum", "warmup", "steps", "profile_steps", "mem_cap_gib",
+                                           "repeat_data")}
+    spec.update(out=str(out), model_dir=str(model), data=str(Path(args.data).resolve()))
+    training = (trl_train_args(args, cpu) if args.peer == "trl" else worker_train_args(args, model, cpu)) + train_args
     command = [sys.executable, "-m", "accelerate.commands.launch",  # this interpreter's accelerate
                *launch_flags(args.strategy, args.n_gpus, args.ds_config, free_port(), cpu),
-               str(Path(__file__).resolve()), "--worker", json.dumps(spec), "--",
-               *worker_train_args(args, cpu), *train_args]
+               str(Path(__file__).resolve()), "--worker", json.dumps(spec), "--", *training]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
            # torchrun/accelerate would set 1 thread per process, which starves DeepSpeed's CPU Adam.
            "OMP_NUM_THREADS": (os.environ.get("OMP_NUM_THREADS")
-                               or str(max(1, (os.cpu_count() or 2) // max(1, args.n_gpus))))}
+                               or str(max(1, (os.cpu_count() or 2) // max(1, args.n_gpus)))),
+           **(env_extra or {})}
     if args.alloc_conf:
         env["PYTORCH_CUDA_ALLOC_CONF"] = args.alloc_conf
-    print(f"[bench] {args.name}: {shlex.join(command)}", flush=True)
-    log = open(out / "log.txt", "w")
+    if os.environ.get("SFT_BENCH_HOST_RAM_GIB"):  # the GPU VMs report a MemTotal that grows as memory is used
+        env.setdefault("SFT_HOST_RAM_GIB", os.environ["SFT_BENCH_HOST_RAM_GIB"])
+    fresh = out / "compile-cache" if args.fresh_cache else None
+    if fresh:  # the first run on a fresh machine: nothing compiled yet
+        shutil.rmtree(fresh, ignore_errors=True)
+        env.update(TORCHINDUCTOR_CACHE_DIR=str(fresh / "inductor"), TRITON_CACHE_DIR=str(fresh / "triton"))
+    cold = caches_empty(compile_cache_dirs(env))
+    print(f"[bench] {args.name}: {'cold' if cold else 'warm'} compile cache; {shlex.join(command)}", flush=True)
     start = time.time()
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    monitor = Monitor(proc.pid, list(range(args.n_gpus)))
-    monitor.start()
-    try:
-        rc = proc.wait(timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        import signal
-
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-        rc = "timeout"
-    monitor.stop.set()
-    monitor.join()
+    with open(out / "log.txt", "w") as log:
+        proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        monitor = Monitor(proc.pid)
+        monitor.start()
+        rc = wait_or_stop(proc, args.timeout)
+        monitor.stop.set()
+        monitor.join()
     wall = time.time() - start
-    log.close()
+    if fresh:
+        shutil.rmtree(fresh, ignore_errors=True)
     ranks = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
     if rc != 0 or not ranks:
-        tail = (out / "log.txt").read_text()[-3000:]
-        print(f"[bench] {args.name}: FAILED (exit {rc}) after {wall:.0f}s: {error_line(tail)}", flush=True)
+        tail = (out / "log.txt").read_text(errors="replace")[-3000:]
+        print(f"[bench] {args.name}: FAILED (exit {rc}) after {wall:.0f}s: {error_line(tail)} (log: "
+              f"{out / 'log.txt'})", flush=True)
         failure = {"run_id": args.run_id, "name": args.name, "status": "failed", "exit": rc,
                    "error": error_line(tail)}
         with open(out.parent / "failures.jsonl", "a") as f:
             f.write(json.dumps(failure) + "\n")
-        return 1
+        return None
     row = make_row(args, ranks, monitor, wall, cpu)
+    row["cold_cache"] = cold
     results = Path(args.results)
     results.parent.mkdir(parents=True, exist_ok=True)
     with open(results, "a") as f:  # shared file: append only
@@ -216,11 +292,27 @@ def parent(args, train_args: list[str]) -> int:
     print(f"[bench] {args.name}: {row['real_tok_s']} tok/s, MFU {row['mfu']}, peak reserved {row['peak_mem_gib']} "
           f"GiB, nvidia-smi {row['nvidia_smi_mem_gib']} GiB, host {row['host_ram_gib']} GiB, comm "
           f"{row['comm_share']}, {wall:.0f}s", flush=True)
-    return 0
+    return row
+
+
+def wait_or_stop(proc: subprocess.Popen, timeout: float):
+    """-> the exit code, or "timeout" after stopping the launcher's whole process group."""
+    import signal
+
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        return "timeout"
 
 
 def error_line(tail: str) -> str:
-    lines = [x for x in tail.splitlines() if "Error" in x or "error" in x]
+    lines = [x for x in tail.splitlines() if ("Error" in x or "error" in x) and "CalledProcessError" not in x
+             and "launch.py" not in x]
     return (lines[-1] if lines else tail.strip().splitlines()[-1] if tail.strip() else "")[:300]
 
 
@@ -228,10 +320,8 @@ def make_row(args, ranks: list[dict], monitor: Monitor, wall: float, cpu: bool) 
     from sft.callbacks import PEAK_FLOPS
 
     r0 = next(r for r in ranks if r["rank"] == 0)
-    shape = MODELS[args.model]
-    n = matmul_params(shape)
-    flops = (4 if args.method == "lora" else 6) * n
-    name = gpu_name() if not cpu else "cpu"
+    flops = (6 if args.method == "full" else 4) * matmul_params(MODELS[args.model])
+    name = "cpu" if cpu else r0.get("gpu_name")
     peak = next((v for k, v in PEAK_FLOPS.items() if name and k in name), None)
     tok_s = r0["real_tok_s"]
     scaling = None
@@ -241,6 +331,7 @@ def make_row(args, ranks: list[dict], monitor: Monitor, wall: float, cpu: bool) 
         base = [b for b in base if b.get("run_id") == args.run_id and b.get("name") == args.scaling_of]
         if base and base[-1].get("real_tok_s"):
             scaling = round(tok_s / base[-1]["real_tok_s"], 3)
+    indices, smi = monitor.used_gpus(ranks)
     row = {
         "run_id": args.run_id,
         "date": dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
@@ -264,8 +355,10 @@ def make_row(args, ranks: list[dict], monitor: Monitor, wall: float, cpu: bool) 
         row["scaling"] = scaling
     row.update({
         "name": args.name,
+        "vs": getattr(args, "vs", None),  # the peer row of the same run this row's ratio is against
+        "gpu_indices": indices,  # as nvidia-smi numbers them
         "peak_allocated_gib": round(max(r["max_allocated_gib"] for r in ranks), 2) if not cpu else None,
-        "nvidia_smi_mem_gib": round(max(monitor.gpu_peak.values()) / GIB, 2) if monitor.gpu_peak else None,
+        "nvidia_smi_mem_gib": smi,
         "comm_share": r0.get("comm_share"),
         "copy_share": r0.get("copy_share"),
         "compute_share": r0.get("compute_share"),
@@ -282,19 +375,24 @@ def make_row(args, ranks: list[dict], monitor: Monitor, wall: float, cpu: bool) 
     return row
 
 
-def model_dir(args) -> Path:
-    """A model directory holding only config.json and the tokenizer: the worker builds random weights from it
-    (sft's model loading, the host-RAM check and the LoRA target lookup read it like any model directory).
-    Tensor parallel rows get random bf16 weights on disk instead: transformers shards a TP model while loading
-    its files, so those rows load through the real from_pretrained."""
-    from transformers import AutoTokenizer, LlamaConfig
+def needs_weights(args) -> bool:
+    """Tensor parallel and QLoRA rows load real (random) weights from disk: transformers shards a TP model, and
+    bitsandbytes quantizes a QLoRA base, while reading its files."""
+    return args.strategy == "tp" or args.method == "qlora"
 
-    weights = args.strategy == "tp"
+
+def model_dir(args) -> Path:
+    """A model directory holding config.json and the tokenizer: random_init builds the weights from it (sft's model
+    loading, the host-RAM check and the LoRA target lookup read it like any model directory); random bf16 weights
+    on disk for the rows that load them (needs_weights)."""
+    from transformers import AutoTokenizer
+
+    weights = needs_weights(args)
     path = Path(args.out).resolve() / "models" / (args.model + ("-weights" if weights else ""))
     if not (path / "config.json").exists():
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-        config = LlamaConfig(**MODELS[args.model], bos_token_id=tokenizer.bos_token_id,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, use_cache=False)
+        config = model_config(args.model, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                              pad_token_id=tokenizer.pad_token_id, use_cache=False)
         if weights:
             import torch
             from transformers import AutoModelForCausalLM
@@ -307,23 +405,36 @@ def model_dir(args) -> Path:
     return path
 
 
-def worker_train_args(args, cpu: bool) -> list[str]:
-    """Options of sft/train.py every bench row shares; a row's own options come after and win."""
-    data = Path(args.data).resolve()
+def common_train_args(args, cpu: bool) -> list[str]:
+    """The Trainer options both peers get (sft/train.py and SFTConfig spell them alike)."""
     steps = args.warmup + args.steps + args.profile_steps
     precision = [] if cpu else (["--fp16", "true"] if args.precision == "fp16" else
                                 ["--bf16", "true"] if args.precision == "bf16" else [])
-    return ["--model", str(model_dir(args)),
-            "--dataset", *[str(data)] * args.repeat_data, "--packing", "true", "--max_length", str(args.seq_len),
-            "--per_device_train_batch_size", str(args.micro_batch),
+    return ["--max_length", str(args.seq_len), "--per_device_train_batch_size", str(args.micro_batch),
             "--gradient_accumulation_steps", str(args.grad_accum), "--max_steps", str(steps),
             "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none", "--eval_strategy", "no",
             "--learning_rate", "1e-5", "--lr_scheduler_type", "constant", "--warmup_steps", "0",
             "--output_dir", str(Path(args.out).resolve() / args.name / "output"),
-            "--dataset_cache_dir", str(Path(args.out).resolve() / "dataset-cache"),
-            "--dataloader_num_workers", "2", "--seed", "0", "--verify_saves", "no", *precision,
-            *(["--lora", "true"] if args.method == "lora" else []),
+            "--dataloader_num_workers", "2", "--seed", "0", *precision]
+
+
+def worker_train_args(args, model: Path, cpu: bool) -> list[str]:
+    """Options of sft/train.py every bench row shares; a row's own options come after and win."""
+    data = Path(args.data).resolve()
+    return ["--model", str(model), "--dataset", *[str(data)] * args.repeat_data, "--packing", "true",
+            *common_train_args(args, cpu),
+            "--dataset_cache_dir", str(Path(args.out).resolve() / "dataset-cache"), "--verify_saves", "no",
+            *(["--lora", "true"] if args.method in ("lora", "qlora") else []),
+            *(["--qlora", "true"] if args.method == "qlora" else []),
             *(["--tp_size", str(args.n_gpus)] if args.strategy == "tp" else [])]
+
+
+def trl_train_args(args, cpu: bool) -> list[str]:
+    """SFTConfig options every TRL row shares: TRL's packing as its docs recommend (best-fit decreasing, which makes
+    batches padding-free: one flattened row per device batch), loss on the assistant's tokens as ours."""
+    return [*common_train_args(args, cpu), "--packing", "true", "--packing_strategy", "bfd", "--padding_free", "true",
+            "--assistant_only_loss", "true", "--dataset_num_proc", "2",
+            *(["--bf16", "false"] if cpu or args.precision == "none" else [])]  # TRL's default is bf16, even on CPU
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -332,6 +443,8 @@ def worker_train_args(args, cpu: bool) -> list[str]:
 def worker(spec: dict, train_argv: list[str]) -> int:
     import torch
 
+    import sft.distributed
+
     rank = int(os.environ.get("RANK", 0))
     local = int(os.environ.get("LOCAL_RANK", 0))
     if torch.cuda.is_available():
@@ -339,79 +452,118 @@ def worker(spec: dict, train_argv: list[str]) -> int:
         if spec["mem_cap_gib"]:  # emulate a 24 GB card: the allocator refuses beyond the cap
             total = torch.cuda.get_device_properties(local).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, spec["mem_cap_gib"] * GIB / total), local)
+    clock = _bench_callback(spec, rank)()
+    if spec["peer"] == "trl":
+        code = trl_train(spec, train_argv, clock)
+    else:
+        import sft.train
 
-    import transformers
-
-    import sft.callbacks
-    import sft.model
-    import sft.train
-
-    if spec["strategy"] != "tp":  # TP rows load their random weights from disk, sharded as they load
-        sft.model.AutoModelForCausalLM = _RandomInitModel()
-    sft.train.ThroughputCallback = _bench_callback(spec, rank)  # sft.train holds its own reference
-    # Saving is not timed here (the strategy checks prove it): skip the final save and FSDP's consolidation.
-    transformers.Trainer.save_model = lambda self, *a, **k: None
-    sft.train.save_final = sft.train.consolidate_fsdp_saves = lambda *a, **k: None
-    host_ram = os.environ.get("SFT_BENCH_HOST_RAM_GIB")
-    if host_ram:  # the GPU VMs report a MemTotal that grows as memory is used: give the offload check the real size
-        import sft.distributed
-
-        check = sft.distributed.check_offload_ram
-        size = int(float(host_ram) * GIB)
-        sft.distributed.check_offload_ram = lambda *a, **k: check(*a, **{**k, "available": size, "total": size})
-    code = sft.train.main(train_argv)
+        factory = None if needs_weights(argparse.Namespace(**spec)) else random_init
+        code = sft.train.main(train_argv, callbacks=[clock], model_factory=factory, save=False)
     sft.distributed.end_process_group()
     return code
 
 
-class _RandomInitModel:
-    """Stands in for AutoModelForCausalLM inside sft.model: random weights from the directory's config.json."""
+def random_init(path, dtype=None, attn_implementation=None, **ignored):
+    """The model of the directory's config.json with random weights, called as AutoModelForCausalLM.from_pretrained
+    (sft's load_model passes its arguments; those about reading weights do not apply)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-    def from_pretrained(self, name, dtype=None, attn_implementation=None, **kwargs):
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    config = AutoConfig.from_pretrained(path)
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
+    build = dict(dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32,
+                 attn_implementation=attn_implementation)
+    torch.manual_seed(0)
+    if is_deepspeed_zero3_enabled() or not torch.cuda.is_available():
+        # zero.Init partitions at creation (on GPU, or on CPU under offload_param): no full copy per rank
+        return AutoModelForCausalLM.from_config(config, **build)
+    with torch.device("cuda", torch.cuda.current_device()):
+        return AutoModelForCausalLM.from_config(config, **build)
 
-        config = AutoConfig.from_pretrained(name)
-        build = dict(dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32,
-                     attn_implementation=attn_implementation)
-        torch.manual_seed(0)
-        if is_deepspeed_zero3_enabled() or not torch.cuda.is_available():
-            # zero.Init partitions at creation (on GPU, or on CPU under offload_param): no full copy per rank
-            return AutoModelForCausalLM.from_config(config, **build)
-        with torch.device("cuda", torch.cuda.current_device()):
-            return AutoModelForCausalLM.from_config(config, **build)
+
+def trl_train(spec: dict, argv: list[str], clock) -> int:
+    """One rank of a TRL row: SFTTrainer on the row's data, tokenizer and model (see the module's docstring)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer, HfArgumentParser
+    from trl import SFTConfig, SFTTrainer
+
+    from data_prep import trl_messages, with_generation_markers
+
+    (config,) = HfArgumentParser(SFTConfig).parse_args_into_dataclasses(argv)
+    init, config.model_init_kwargs = dict(config.model_init_kwargs or {}), None  # the model is built here
+    config.include_num_input_tokens_seen = "non_padding"  # the clock's count, as ours (its CLI takes a bool only)
+    tokenizer = AutoTokenizer.from_pretrained(spec["model_dir"])
+    tokenizer.chat_template = with_generation_markers(tokenizer.chat_template)
+    records = json.loads(Path(spec["data"]).read_text()) * spec["repeat_data"]
+    model = random_init(spec["model_dir"], **init)
+    trainer = SFTTrainer(model=model, args=config, train_dataset=Dataset.from_list(trl_messages(records)),
+                         processing_class=tokenizer, peft_config=trl_lora(model) if spec["method"] == "lora" else None,
+                         callbacks=[clock])
+    trainer.train()
+    return 0
+
+
+def trl_lora(model):
+    """Our LoRA (sft's defaults: rank 16, alpha 32; dropout 0 as in our fast rows; the family's targets) as a peft
+    config for TRL."""
+    from peft import LoraConfig
+
+    from sft.config import LoraArguments
+    from sft.model import lora_targets
+
+    ours = LoraArguments(lora=True, lora_dropout=0.0)
+    modules, parameters = lora_targets(model, ours)
+    return LoraConfig(r=ours.lora_r, lora_alpha=ours.lora_alpha, lora_dropout=0.0, target_modules=modules,
+                      target_parameters=parameters or None, task_type="CAUSAL_LM")
 
 
 def _bench_callback(spec: dict, rank: int):
-    """Our ThroughputCallback, plus: keep each step's logged numbers, profile a few steps, write rank JSON."""
+    """-> the bench clock's class: per optimizer step, real tokens (the Trainer's non-padding count, summed over
+    ranks) and seconds (step end to step end; pauses for evaluation and saving left out), the same for both peers;
+    profiles a few steps after the measured ones; writes rank<N>.json at train end."""
     import torch
-
-    from sft.callbacks import ThroughputCallback
+    from transformers import TrainerCallback
 
     warmup, steps, profile_steps = spec["warmup"], spec["steps"], spec["profile_steps"]
 
-    class BenchThroughput(ThroughputCallback):
-        def __init__(self, *a, **k):
-            super().__init__(*a, **k)
-            self.windows: list[dict] = []
+    class BenchClock(TrainerCallback):
+        def __init__(self):
+            self.steps: list[tuple[int, float, float]] = []  # (global step, real tokens, seconds)
+            self.logged_losses: list[float] = []
+            self.callback_mfu = None  # what our ThroughputCallback logged last (ours only)
+            self.mark = time.perf_counter()
+            self.seen = 0
             self.prof = None
             self.prof_t0 = 0.0
             self.comm = None
 
-        def on_log(self, args, state, control, logs=None, **kwargs):
-            super().on_log(args, state, control, logs=logs, **kwargs)
-            if logs and "real_tokens_per_second" in logs:
-                self.windows.append({"step": state.global_step, "tokens": self.logged_tokens,
-                                     "rate": logs["real_tokens_per_second"], "mfu": logs.get("mfu"),
-                                     "loss": logs.get("loss")})
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.mark, self.seen = time.perf_counter(), state.num_input_tokens_seen
 
-        def on_step_end(self, args, state, control, **kwargs):
-            super().on_step_end(args, state, control, **kwargs)
+        def on_step_end(self, args, state, control, model=None, **kwargs):
+            now = time.perf_counter()
+            same_batch = getattr(model, "tp_size", None) or 1  # TP ranks count one batch tp_size times
+            self.steps.append((state.global_step, (state.num_input_tokens_seen - self.seen) / same_batch,
+                               now - self.mark))
+            self.seen, self.mark = state.num_input_tokens_seen, now
             if profile_steps and rank == 0 and state.global_step == warmup + steps:
                 self._start_profile()
             elif self.prof is not None and state.global_step == warmup + steps + profile_steps:
                 self._stop_profile()
+                self.mark = time.perf_counter()
+
+        def _pause_ended(self, args, state, control, **kwargs):
+            self.mark = time.perf_counter()
+
+        on_evaluate = on_save = _pause_ended
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and "loss" in logs:
+                self.logged_losses.append(logs["loss"])
+            if logs and "mfu" in logs:
+                self.callback_mfu = logs["mfu"]
 
         def _start_profile(self):
             activities = [torch.profiler.ProfilerActivity.CPU]
@@ -431,22 +583,31 @@ def _bench_callback(spec: dict, rank: int):
             self.prof = None
 
         def on_train_end(self, args, state, control, **kwargs):
-            measured = [w for w in self.windows if warmup < w["step"] <= warmup + steps]
-            tokens = sum(w["tokens"] for w in measured)
-            seconds = sum(w["tokens"] / w["rate"] for w in measured if w["rate"])
+            measured = [(tokens, seconds) for step, tokens, seconds in self.steps if warmup < step <= warmup + steps]
+            tokens, seconds = sum(t for t, _ in measured), sum(s for _, s in measured)
+            cuda = torch.cuda.is_available()
             result = {"rank": rank, "measured_steps": len(measured),
                       "real_tok_s": tokens / seconds if seconds else 0.0,
                       "step_s": round(seconds / len(measured), 3) if measured else None,
                       "tokens_per_step": round(tokens / len(measured)) if measured else None,
-                      "callback_mfu": measured[-1]["mfu"] if measured else None,
-                      "loss_first_last": [self.windows[0]["loss"], self.windows[-1]["loss"]] if self.windows else None,
-                      "max_reserved_gib": torch.cuda.max_memory_reserved() / GIB if torch.cuda.is_available() else None,
-                      "max_allocated_gib": (torch.cuda.max_memory_allocated() / GIB
-                                            if torch.cuda.is_available() else None),
-                      **(self.comm or {})}
+                      "callback_mfu": self.callback_mfu,
+                      "loss_first_last": ([self.logged_losses[0], self.logged_losses[-1]] if self.logged_losses
+                                          else None),
+                      "max_reserved_gib": torch.cuda.max_memory_reserved() / GIB if cuda else None,
+                      "max_allocated_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
+                      **(gpu_identity() if cuda else {}), **(self.comm or {})}
             Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(result))
 
-    return BenchThroughput
+    return BenchClock
+
+
+def gpu_identity() -> dict:
+    """This rank's GPU: its name, and its UUID as NVML spells it (torch leaves out the "GPU-" prefix)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    uuid = str(props.uuid)
+    return {"gpu_name": props.name, "gpu_uuid": uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"}
 
 
 def profile_shares(prof, wall_us: float) -> dict:
@@ -486,14 +647,16 @@ def union(intervals: list[tuple[float, float]]) -> float:
 
 # ---------------------------------------------------------------------------------------------------------------
 
-def parse(argv: list[str]):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run_id", required=True, help="One id per bench invocation, shared by the rows compared.")
     p.add_argument("--name", required=True, help="Row name, unique within the run (used by --scaling_of).")
     p.add_argument("--model", default="deepseek-llm-7b", choices=sorted(MODELS))
-    p.add_argument("--method", default="lora", choices=["lora", "full"])
+    p.add_argument("--method", default="lora", choices=["lora", "full", "qlora"])
     p.add_argument("--strategy", default="single", choices=sorted(CONFIGS))
-    p.add_argument("--peer", default="ours", help="ours, trl, zero3-offload-recipe, ...")
+    p.add_argument("--peer", default="ours", help="ours, trl (TRL's SFTTrainer), or the name of a recipe run "
+                                                  "through our trainer (zero3-offload-recipe)")
+    p.add_argument("--vs", help="The peer row of this run that this row's ratio is against (bench/report.py).")
     p.add_argument("--n_gpus", type=int, default=1, help="Processes (one per GPU); 3 for the three-card box.")
     p.add_argument("--ds_config", help="DeepSpeed JSON for zero2/zero3/zero3_offload.")
     p.add_argument("--precision", default="bf16", choices=["bf16", "fp16", "none"],
@@ -506,16 +669,17 @@ def parse(argv: list[str]):
     p.add_argument("--profile_steps", type=int, default=1, help="Steps profiled after the measured ones (0: none).")
     p.add_argument("--mem_cap_gib", type=float, default=24.0, help="Per-rank allocator cap; 0 for none.")
     p.add_argument("--alloc_conf", default="expandable_segments:True", help="PYTORCH_CUDA_ALLOC_CONF ('' to leave).")
-    p.add_argument("--data", default=str(REPO / ".benchdata" / "alpaca_sample.json"))
+    p.add_argument("--fresh_cache", action="store_true",
+                   help="Compile caches (inductor, Triton) in a new empty folder: the first run on a fresh machine.")
+    p.add_argument("--data", required=True, help="Alpaca JSON (bench/throughput.py finds ../shared's).")
     p.add_argument("--repeat_data", type=int, default=2, help="Pass the data file this many times (more rows).")
-    p.add_argument("--tokenizer", default=str(REPO / ".benchdata" / "tokenizer"))
+    p.add_argument("--tokenizer", required=True, help="Tokenizer directory (the DeepSeek-Coder one).")
     p.add_argument("--scaling_of", help="Name of the 1-GPU row of this run_id to compute `scaling` against.")
     p.add_argument("--results", default=str(RESULTS))
     p.add_argument("--out", default=str(REPO / "output" / "bench"))
     p.add_argument("--timeout", type=float, default=540)
     p.add_argument("--notes", default="")
-    args = p.parse_args(argv)
-    return args
+    return p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -524,11 +688,11 @@ def main(argv: list[str] | None = None) -> int:
         split = argv.index("--")
         return worker(json.loads(argv[1]), argv[split + 1:])
     split = argv.index("--") if "--" in argv else len(argv)
-    args = parse(argv[:split])
+    args = parser().parse_args(argv[:split])
     args.train_args_text = shlex.join(argv[split + 1:])
-    return parent(args, argv[split + 1:])
+    return 0 if run_row(args, argv[split + 1:]) else 1
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(REPO))
+    sys.path[:0] = [str(REPO), str(REPO / "bench")]
     sys.exit(main())

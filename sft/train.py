@@ -14,6 +14,8 @@ resume it.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python sft/train.py` from a checkout: make the `sft` package importable
@@ -52,6 +54,15 @@ from sft.tensor_parallel import TensorParallelTrainer, check_tensor_parallel
 from sft.verify import make_verifier
 
 
+@dataclass
+class Seams:
+    """What main()'s caller changed (see main)."""
+
+    callbacks: list
+    model_factory: Callable | None = None
+    save: bool = True
+
+
 class Run:
     """What the error and interrupt reports need to know of the run so far."""
 
@@ -62,9 +73,13 @@ class Run:
         self.trainer = None
 
 
-def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
+def main(argv: list[str] | None = None, callbacks: list | None = None, model_factory: Callable | None = None,
+         save: bool = True) -> int:
     """Train; -> exit code (0: done, or nothing to do; 2: bad options, data or model; 1: training stopped;
-    130/143: Ctrl-C/SIGTERM). `callbacks`: extra Trainer callbacks."""
+    130/143: Ctrl-C/SIGTERM). The seams for callers other than the command line (bench/throughput.py, tests), so
+    that none replaces this module's names: `callbacks`, extra Trainer callbacks; `model_factory`, called instead of
+    AutoModelForCausalLM.from_pretrained with its arguments (e.g. random weights from the config); `save=False`:
+    no final save (a benchmark times training only)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv and not _debug_value_follows(argv)
     argv = [a for a in argv if a != "--debug"] if debug else argv
@@ -72,7 +87,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
     end_with_launcher()  # a worker never outlives its launcher
     stop_on_sigterm()
     try:
-        return train(run, callbacks)
+        return train(run, Seams(list(callbacks or []), model_factory, save))
     except UserFacingError as e:
         if debug:
             raise
@@ -91,7 +106,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None) -> int:
             run.lock.release()
 
 
-def train(run: Run, extra_callbacks: list | None) -> int:
+def train(run: Run, seams: Seams) -> int:
     quiet_libraries()  # noisy progress bars off; ranks other than 0 log errors only
     configure_nccl_env()  # consumer GPUs: before TrainingArguments starts the process group
     model_args, data_args, lora_args, training_args = parse_args(run.argv)
@@ -131,7 +146,7 @@ def train(run: Run, extra_callbacks: list | None) -> int:
     fsdp_training_settings(training_args, lora_args.lora)  # activation checkpointing; sharded gradients
     prepare_optimizer(training_args.optim)  # torchao's low-bit AdamW under FSDP2: see sft/lowbit.py
     set_seed(training_args.seed)  # the LoRA init happens before the Trainer seeds: make it follow --seed too
-    model = load_model(model_args, lora_args, training_args.activation_checkpointing)
+    model = load_model(model_args, lora_args, training_args.activation_checkpointing, seams.model_factory)
     # The Trainer copies args.use_cache onto the config it saves: keep the base's (the Collator turns the cache off
     # in every training forward, where it would let packed documents attend to each other).
     training_args.use_cache = model.config.use_cache
@@ -143,7 +158,7 @@ def train(run: Run, extra_callbacks: list | None) -> int:
     callbacks = [
         RunOverview(model, train_data, model_args.model),  # the first screen, at train begin (rank 0)
         ThroughputCallback(flops_per_token(model, lora_args.lora), peak_flops()),  # real tok/s, MFU, memory
-        *(extra_callbacks or []),
+        *seams.callbacks,
         checkpoint_callback(training_args, verifier),  # verified, complete-marked, rotated checkpoints
         CompleteRunCheck(),  # a resumed run already at its last step trains no step past it
         NonFiniteGuard(training_args.nan_policy, lambda: newest_complete(training_args.output_dir), resume_command),
@@ -181,8 +196,9 @@ def train(run: Run, extra_callbacks: list | None) -> int:
                   f"writing the final model from it.", flush=True)
     if eval_data is not None and training_args.eval_strategy == "no":
         trainer.evaluate()
-    consolidate_fsdp_saves(trainer)  # FSDP: one consolidated safetensors model, not shards
-    save_final(trainer, training_args.output_dir, verifier)  # model or adapter + tokenizer, reloaded, checked
+    if seams.save:
+        consolidate_fsdp_saves(trainer)  # FSDP: one consolidated safetensors model, not shards
+        save_final(trainer, training_args.output_dir, verifier)  # model or adapter + tokenizer, reloaded, checked
 
     if main_process:
         if planned and torch.cuda.is_available():
@@ -191,8 +207,9 @@ def train(run: Run, extra_callbacks: list | None) -> int:
         summary = run_summary(training_args.output_dir)  # from all_results.json, after the final evaluation
         if summary:
             print(summary, flush=True)
-        print(closing_lines(training_args.output_dir, lora_args.lora,
-                            tensorboard_dir(training_args.output_dir, training_args.report_to)), flush=True)
+        if seams.save:
+            print(closing_lines(training_args.output_dir, lora_args.lora,
+                                tensorboard_dir(training_args.output_dir, training_args.report_to)), flush=True)
     return 0
 
 

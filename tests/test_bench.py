@@ -1,5 +1,6 @@
-"""The GPU bench's CPU-checkable parts: FLOP accounting, the profiler arithmetic, the report, one real bench row
-on the tiny model, and the bf16 full fine-tune plan's option checks and torchao fix."""
+"""The GPU bench's CPU-checkable parts: FLOP accounting (dense and MoE), the profiler arithmetic, the report and
+its ratios, the seams of sft/train.py it drives, the row table, the compile-cache and GPU-memory bookkeeping, one
+end-to-end CPU run of ours and TRL's rows, and the bf16 full fine-tune plan's option checks and torchao fix."""
 
 from __future__ import annotations
 
@@ -11,25 +12,63 @@ from pathlib import Path
 
 import pytest
 
+from conftest import ALPACA_SAMPLE, DEEPSEEK_TOKENIZER, needs_shared
+
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench"))
 
 import report  # noqa: E402
+import throughput  # noqa: E402
 import train_throughput as bench  # noqa: E402
+
+
+def _active_matmul_params(model, config) -> int:
+    """Counted from the model itself: every matrix but the input embeddings, the routed experts at k of E."""
+    embeddings = model.get_input_embeddings().weight
+    total = 0.0
+    for name, p in model.named_parameters():
+        if p.dim() < 2 or p is embeddings:
+            continue  # norms, biases; the embedding lookup is no matmul
+        share = config.num_experts_per_tok / config.n_routed_experts if ".mlp.experts." in name else 1
+        total += p.numel() * share
+    return round(total)
 
 
 def test_matmul_params_is_the_model_minus_embeddings_and_norms():
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    from transformers import AutoModelForCausalLM
 
-    shape = bench.MODELS["deepseek-llm-7b"]
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(LlamaConfig(**shape))
+        model = AutoModelForCausalLM.from_config(bench.model_config("deepseek-llm-7b"))
     total = sum(p.numel() for p in model.parameters())
     embeddings = model.get_input_embeddings().weight.numel()
     norms = sum(p.numel() for n, p in model.named_parameters() if "norm" in n)
     assert total == 6_910_365_696  # deepseek-llm-7b's published size (6.9B)
-    assert bench.matmul_params(shape) == total - embeddings - norms
+    assert bench.matmul_params(bench.MODELS["deepseek-llm-7b"]) == total - embeddings - norms
+
+
+def test_moe_matmul_params_count_only_the_active_experts():
+    """DeepSeek-V2-Lite (15.7B, of which 6 of 64 routed experts per token), and a V3-style shape with a low-rank q."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = bench.model_config("deepseek-v2-lite")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert sum(p.numel() for p in model.parameters()) == 15_706_484_224  # the published 15.7B
+    active = bench.matmul_params(bench.MODELS["deepseek-v2-lite"])
+    assert active == _active_matmul_params(model, config)
+
+    v3 = dict(bench.MODELS["deepseek-v2-lite"], model_type="deepseek_v3", num_hidden_layers=3, n_routed_experts=8,
+              num_experts_per_tok=2, n_group=2, topk_group=1, q_lora_rank=96, first_k_dense_replace=2,
+              vocab_size=1024)
+    shape = dict(v3)
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(shape.pop("model_type"), **shape)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert bench.matmul_params(v3) == _active_matmul_params(model, config)
 
 
 def test_union_counts_overlapping_intervals_once():
@@ -38,13 +77,16 @@ def test_union_counts_overlapping_intervals_once():
     assert bench.union([(3, 4), (0, 10)]) == 10
 
 
-def test_report_gives_ratios_against_the_best_peer_row(tmp_path, capsys):
-    rows = [dict(run_id="r", name=n, date="d", commit="c", gpu="g", n_gpus=2, mem_cap_gib=24, model="m",
-                 method=m, strategy=s, peer=p, seq_len=2048, micro_batch=1, grad_accum=1, real_tok_s=t, mfu=0.1,
-                 peak_mem_gib=20, host_ram_gib=30) for n, m, s, p, t in
-            [("peer-mb1", "full", "zero3_offload", report.PEER, 1000.0),
-             ("peer-mb2", "full", "zero3_offload", report.PEER, 2000.0),
-             ("ours", "full", "fsdp", "ours", 7000.0)]]
+def _row(name, peer, tok_s, **extra):
+    return {**dict(run_id="r", name=name, date="d", commit="c", gpu="g", n_gpus=2, mem_cap_gib=24, model="m",
+                   method="full", strategy="fsdp", peer=peer, seq_len=2048, micro_batch=1, grad_accum=1,
+                   real_tok_s=tok_s, mfu=0.1, peak_mem_gib=20, host_ram_gib=30), **extra}
+
+
+def test_report_gives_ratios_against_the_best_peer_row_and_the_vs_row(tmp_path, capsys):
+    rows = [_row("peer-mb1", report.PEER, 1000.0), _row("peer-mb2", report.PEER, 2000.0),
+            _row("ours", "ours", 7000.0, vs="trl-x", cold_cache=True), _row("trl-x", "trl", 5000.0, mfu=0.08),
+            _row("ours-alone", "ours", 10.0, vs="trl-not-run")]
     rows.append({**rows[0], "run_id": "other", "real_tok_s": 10.0})
     path = tmp_path / "results.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -52,47 +94,168 @@ def test_report_gives_ratios_against_the_best_peer_row(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "x best peer (peer-mb2)" in out
     assert "| ours | full | fsdp | ours | 2 | 1 x 1 | 7,000 | 3.50 |" in out
-    assert "other" not in out and "| 10 |" not in out
+    assert "| 1.40 (trl-x) | True |" in out
+    assert "other" not in out
+    assert report.ratios(rows[:5]) == ["ours / trl-x: 1.40x (7,000 vs 5,000 real tok/s, MFU 10.0% vs 8.0%)"]
+
+
+def test_the_seams_of_sft_train_build_the_model_add_callbacks_and_skip_the_save(tmp_path, capsys):
+    """The bench's way in: a model factory (random weights from a config-only directory), an extra callback, no
+    final save; sft.train's and sft.model's own names stay as they are."""
+    import sft.model
+    import sft.train
+    from transformers import TrainerCallback
+
+    original = sft.model.AutoModelForCausalLM.from_pretrained
+    model = bench.model_dir(bench.parser().parse_args(
+        ["--run_id", "t", "--name", "seam", "--model", "tiny", "--out", str(tmp_path), "--data", "-",
+         "--tokenizer", str(_tiny_tokenizer())]))
+    assert not any(model.glob("*.safetensors"))  # nothing to load: only the factory can build it
+    calls = []
+
+    def factory(path, **kwargs):
+        calls.append((path, kwargs["dtype"]))
+        return bench.random_init(path, **kwargs)
+
+    class Steps(TrainerCallback):
+        seen: list[int] = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seen.append(state.global_step)
+
+    out = tmp_path / "out"
+    code = sft.train.main(["--model", str(model), "--dataset", str(REPO / "data" / "alpaca_demo.json"),
+                           "--output_dir", str(out), "--max_steps", "2", "--per_device_train_batch_size", "2",
+                           "--max_length", "128", "--report_to", "none", "--save_strategy", "no", "--lora", "true",
+                           "--dataset_cache_dir", str(tmp_path / "cache")],
+                          callbacks=[Steps()], model_factory=factory, save=False)
+    assert code == 0, capsys.readouterr().err[-2000:]
+    assert calls and calls[0][0] == str(model) and str(calls[0][1]) == "torch.float32"  # LoRA on CPU: fp32 base
+    assert Steps.seen == [1, 2]
+    assert not any(out.glob("*.safetensors")) and "Saved" not in capsys.readouterr().out
+    assert sft.model.AutoModelForCausalLM.from_pretrained == original
+
+
+def test_monitor_quotes_the_gpus_the_ranks_ran_on_not_the_first_n(monkeypatch):
+    """CUDA_VISIBLE_DEVICES=2 makes the machine's third GPU a rank's cuda:0: its UUID says which one it is."""
+    monitor = bench.Monitor(pid=1)
+    monitor.gpu_peak = {"GPU-a": 80 * bench.GIB, "GPU-b": 5 * bench.GIB, "GPU-c": 23.5 * bench.GIB}
+    monitor.index = {"GPU-a": 0, "GPU-b": 1, "GPU-c": 2}
+    assert monitor.used_gpus([{"rank": 0, "gpu_uuid": "GPU-c"}]) == ([2], 23.5)
+    assert monitor.used_gpus([{"rank": 0, "gpu_uuid": "GPU-c"}, {"rank": 1, "gpu_uuid": "GPU-b"}]) == ([1, 2], 23.5)
+    assert monitor.used_gpus([{"rank": 0}]) == ([], None)  # a CPU row
+
+
+def test_cold_cache_is_an_empty_inductor_and_triton_cache(tmp_path):
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "TRITON_CACHE_DIR": str(tmp_path / "triton")}
+    dirs = bench.compile_cache_dirs(env)
+    assert dirs == [tmp_path / "inductor", tmp_path / "triton"]
+    assert bench.caches_empty(dirs)  # not there yet
+    (tmp_path / "triton" / "ab").mkdir(parents=True)
+    assert bench.caches_empty(dirs)  # folders without a compiled file
+    (tmp_path / "triton" / "ab" / "kernel.cubin").write_bytes(b"x")
+    assert not bench.caches_empty(dirs)
+    assert bench.compile_cache_dirs({"TRITON_HOME": str(tmp_path)})[1] == tmp_path / ".triton" / "cache"
+
+
+def test_row_selection_and_what_a_machine_cannot_run(monkeypatch, capsys):
+    assert [r.name for r in throughput.select("h200, lora-1 smoke")] == [
+        "lora-best", "trl-lora-best", "full-sr", "trl-full", "lora-1", "tiny-lora", "trl-tiny-lora", "tiny-full",
+        "trl-tiny-full"]
+    with pytest.raises(SystemExit) as stop:
+        throughput.select("lora-fastest")
+    assert stop.value.code == 2 and "error: --rows: no row or group named 'lora-fastest'" in capsys.readouterr().err
+    rows = throughput.ROWS
+    for row in rows.values():  # every ratio is against a TRL row of the table
+        assert row.vs is None or rows[row.vs].peer == "trl", row.name
+    assert throughput.needs(rows["trl-full"]) == ["trl", "liger_kernel"]
+    assert throughput.needs(rows["full-sr"]) == ["liger_kernel", "torchao"]
+    monkeypatch.setattr(throughput, "find_spec", lambda name: None)
+    assert throughput.why_not(rows["trl-tiny-lora"], 0) == "not installed: trl"
+    monkeypatch.setattr(throughput, "find_spec", lambda name: object())
+    assert throughput.why_not(rows["lora-best"], 0) == "the deepseek-llm-7b shape needs a GPU"
+    assert throughput.why_not(rows["fsdp-1.3b"], 1) == "needs 2 GPUs, 1 visible"
+    assert throughput.why_not(rows["lora-ddp"], 1) is None  # every visible GPU, however many
+
+
+def test_a_row_becomes_the_one_row_command_with_its_optimizer(tmp_path):
+    args = throughput.parse(["--run_id", "r", "--out", str(tmp_path), "--mem_cap_gib", "22", "--fresh_cache"])
+    row = throughput.ROWS["full-sr"]
+    flags = throughput.row_flags(row, args, 1, Path("d.json"), Path("tok"), 120.5)
+    one = bench.parser().parse_args(flags)
+    assert (one.name, one.method, one.precision, one.mem_cap_gib, one.vs, one.timeout) == (
+        "full-sr", "full", "none", 22.0, "trl-full", 120)
+    assert one.fresh_cache and one.micro_batch == 4 and one.peer == "ours"
+    assert row.optim[:2] == ("--optim", "adamw_torch_8bit")  # a row argument: another optimizer is another row
+
+
+def test_data_comes_from_shared_else_the_prepared_folder(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(throughput, "SHARED_DATA", tmp_path / "none.json")
+    monkeypatch.setattr(throughput, "SHARED_TOKENIZER", tmp_path / "none")
+    args = throughput.parse(["--data_dir", str(tmp_path / "prepared")])
+    with pytest.raises(SystemExit):
+        throughput.resolve_data(args)
+    assert "error: no bench data" in capsys.readouterr().err
+    (tmp_path / "prepared" / "tokenizer").mkdir(parents=True)
+    (tmp_path / "prepared" / "alpaca_sample.json").write_text("[]")
+    (tmp_path / "prepared" / "tokenizer" / "tokenizer.json").write_text("{}")
+    assert throughput.resolve_data(args) == (tmp_path / "prepared" / "alpaca_sample.json",
+                                             tmp_path / "prepared" / "tokenizer")
+
+
+@needs_shared
+def test_prepare_copies_the_data_and_tokenizer_and_prints_the_gpu_command(tmp_path, capsys):
+    assert throughput.main(["--prepare", str(tmp_path / "carry")]) == 0
+    out = capsys.readouterr().out
+    assert (tmp_path / "carry" / "alpaca_sample.json").read_bytes() == ALPACA_SAMPLE.read_bytes()
+    assert (tmp_path / "carry" / "tokenizer" / "tokenizer.json").is_file()
+    assert f"--data_dir {tmp_path / 'carry'}" in out and "bench/throughput.py --rows h200" in out
 
 
 @pytest.mark.slow
-def test_one_bench_row_on_cpu_appends_the_issue_fields(tmp_path):
-    results, out = tmp_path / "results.jsonl", tmp_path / "out"
+@needs_shared
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None,
+                    reason="trl is not installed (the `bench` extra; CI does not install it)")
+def test_cpu_smoke_runs_ours_and_trl_end_to_end(tmp_path):
+    results = tmp_path / "results.jsonl"
     proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / "train_throughput.py"), "--run_id", "t", "--name", "tiny-lora",
-         "--model", "tiny", "--method", "lora", "--strategy", "single", "--n_gpus", "1", "--seq_len", "256",
-         "--micro_batch", "2", "--warmup", "1", "--steps", "2", "--repeat_data", "1", "--results", str(results),
-         "--out", str(out), "--data", str(REPO / "data" / "alpaca_demo.json"),
-         "--tokenizer", str(_tiny_tokenizer())],
-        cwd=REPO, capture_output=True, text=True, timeout=400)
+        [sys.executable, str(REPO / "bench" / "throughput.py"), "--rows", "tiny-lora,trl-tiny-lora", "--run_id", "t",
+         "--results", str(results), "--out", str(tmp_path / "out"), "--data", str(ALPACA_SAMPLE),
+         "--tokenizer", str(DEEPSEEK_TOKENIZER)],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    row = json.loads(results.read_text().splitlines()[-1])
-    for field in ("run_id", "date", "commit", "gpu", "n_gpus", "mem_cap_gib", "model", "method", "strategy", "peer",
-                  "seq_len", "micro_batch", "grad_accum", "real_tok_s", "mfu", "peak_mem_gib", "host_ram_gib"):
-        assert field in row, field
-    assert "scaling" not in row  # one GPU
-    assert row["measured_steps"] == 2 and row["real_tok_s"] > 0 and row["host_ram_gib"] > 0
-    assert row["tokens_per_step"] > 0.5 * 2 * 256  # packed rows are mostly real tokens
+    rows = {r["name"]: r for r in map(json.loads, results.read_text().splitlines())}
+    assert [rows[n]["peer"] for n in ("tiny-lora", "trl-tiny-lora")] == ["ours", "trl"]
+    for row in rows.values():
+        for field in ("run_id", "date", "commit", "gpu", "n_gpus", "mem_cap_gib", "model", "method", "strategy",
+                      "seq_len", "micro_batch", "grad_accum", "real_tok_s", "mfu", "peak_mem_gib", "host_ram_gib",
+                      "cold_cache", "nvidia_smi_mem_gib"):
+            assert field in row, field
+        assert row["measured_steps"] == 2 and row["real_tok_s"] > 0 and row["host_ram_gib"] > 0
+        assert row["tokens_per_step"] > 0.5 * 2 * 256  # packed rows are mostly real tokens, on both sides
+        assert row["loss_first_last"][0] > 5  # a random model on a 32k vocabulary
+    assert "tiny-lora / trl-tiny-lora: " in proc.stdout
 
 
 def test_tensor_parallel_rows_load_real_weights_with_tp_size(tmp_path):
-    """TP rows cannot use the random-init stand-in (transformers shards a TP model while reading its files): the
+    """TP rows cannot use the random-init factory (transformers shards a TP model while reading its files): the
     row's model directory holds random weights that sft's real loader reads, and sft gets --tp_size N."""
     from sft.config import ModelArguments, LoraArguments
     from sft.model import load_model
 
-    args = bench.parse(["--run_id", "t", "--name", "tp", "--model", "tiny", "--strategy", "tp", "--n_gpus", "2",
-                        "--method", "full", "--out", str(tmp_path), "--tokenizer", str(_tiny_tokenizer())])
-    train = bench.worker_train_args(args, cpu=True)
+    common = ["--run_id", "t", "--model", "tiny", "--out", str(tmp_path), "--data", "d.json",
+              "--tokenizer", str(_tiny_tokenizer())]
+    args = bench.parser().parse_args([*common, "--name", "tp", "--strategy", "tp", "--n_gpus", "2",
+                                      "--method", "full"])
+    path = bench.model_dir(args)
+    train = bench.worker_train_args(args, path, cpu=True)
     assert train[train.index("--tp_size") + 1] == "2"
-    path = Path(train[train.index("--model") + 1])
     assert path.name == "tiny-weights" and any(path.glob("model*.safetensors"))
     model = load_model(ModelArguments(model=str(path)), LoraArguments())  # the real path (no TP on CPU)
     assert model.config.hidden_size == bench.MODELS["tiny"]["hidden_size"]
     assert bench.launch_flags("tp", 2, None, 1234, cpu=False)[1].endswith("accelerate_configs/tp.yaml")
-    plain = bench.parse(["--run_id", "t", "--name", "x", "--model", "tiny", "--out", str(tmp_path),
-                         "--tokenizer", str(_tiny_tokenizer())])
-    assert "--tp_size" not in bench.worker_train_args(plain, cpu=True)
+    plain = bench.parser().parse_args([*common, "--name", "x"])
+    assert "--tp_size" not in bench.worker_train_args(plain, bench.model_dir(plain), cpu=True)
     assert not any(Path(bench.model_dir(plain)).glob("*.safetensors"))  # other rows: config only
 
 

@@ -1,0 +1,366 @@
+"""The GPU speed matrix: our rows and TRL 1.16's SFTTrainer at its best, in one invocation, on the same data,
+tokenizer, model shape and sequence length, with ratios ours / TRL.
+
+    python bench/throughput.py                          # --rows h200 on a GPU machine, smoke on a CPU one
+    python bench/throughput.py --rows lora-best,trl-lora-best --fresh_cache
+    python bench/throughput.py --rows smoke             # CPU: the tiny model, ours and TRL, end to end
+    python bench/throughput.py --list                   # the rows and groups
+    python bench/throughput.py --prepare .benchdata     # data + tokenizer into a folder, for a machine without
+                                                        # ../shared; prints the command for the lent GPU machines
+
+Each row is its own launched process tree (bench/train_throughput.py: accelerate launch, one rank per GPU), run
+one after the other in this process's boot, each within what is left of --budget_s; each appends one JSON line to
+--results (bench/results.jsonl) with `peer` ("ours", "trl", or a recipe run through our trainer), `cold_cache`
+(the inductor and Triton compile caches were empty when it started; --fresh_cache gives every row a new empty
+one), `nvidia_smi_mem_gib` (NVML's peak of the GPUs its ranks ran on), the GPU name and count, the memory cap,
+the commit and --run_id. The table at the end (bench/report.py) gives each of our rows its ratio to its TRL row.
+
+Data: the 2,000 Alpaca records of ../shared/datasets/alpaca_sample.json (beside the checkout) and the
+DeepSeek-Coder tokenizer of ../shared/tokenizers/deepseek-coder-6.7b-instruct, else --data_dir (alpaca_sample.json
+and tokenizer/, as --prepare writes them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from importlib.util import find_spec
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO), str(REPO / "bench")]
+
+import report  # noqa: E402
+import train_throughput as one  # noqa: E402
+
+SHARED = REPO.parent / "shared"
+SHARED_DATA = SHARED / "datasets" / "alpaca_sample.json"
+SHARED_TOKENIZER = SHARED / "tokenizers" / "deepseek-coder-6.7b-instruct"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One measured configuration. `args`: sft/train.py options for our rows, SFTConfig options for TRL's (its
+    `--model_init_kwargs` JSON sets the model's attention and dtype); `optim`: the optimizer's options, kept apart
+    so that a row can be repeated with another optimizer (replace(row, name=..., optim=...))."""
+
+    name: str
+    method: str  # lora, full, qlora
+    strategy: str = "single"  # an accelerate config of accelerate_configs/ (train_throughput.CONFIGS)
+    n_gpus: int = 1  # 0: every visible GPU (--num_processes)
+    micro_batch: int = 1
+    grad_accum: int = 1
+    mem_cap_gib: float = 24.0  # per-rank allocator cap (a 24 GB card); 0: none
+    args: tuple[str, ...] = ()
+    optim: tuple[str, ...] = ()
+    peer: str = "ours"
+    model: str = "deepseek-llm-7b"  # train_throughput.MODELS
+    seq_len: int = 2048
+    precision: str = "bf16"  # Trainer autocast: bf16, fp16, none (the weights' dtype)
+    warmup: int = 2
+    steps: int = 6
+    profile_steps: int = 1
+    repeat_data: int = 2
+    vs: str | None = None  # the TRL row of the same run this row's ratio is against
+    scaling_of: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    timeout: int = 300
+
+
+LIGER = ("--use_liger_kernel", "true")
+FLEX = ("--attn_implementation", "flex_attention")
+CKPT = ("--activation_checkpointing", "true")
+NO_UNUSED = ("--ddp_find_unused_parameters", "false")
+SR8 = ("--optim", "adamw_torch_8bit", "--optim_args", "bf16_stochastic_round=True")
+SR4 = ("--optim", "adamw_torch_4bit", "--optim_args", "bf16_stochastic_round=True,block_size=128")
+
+
+def trl_args(attn: str, dtype: str | None, micro_batch: int, seq_len: int, *more: str) -> tuple[str, ...]:
+    """A TRL row's SFTConfig options: the model's attention and dtype, no activation checkpointing (TRL's default
+    is on); flex_attention compiles per shape, so the flattened batch is padded to one length (as ours pads rows)."""
+    init = {"attn_implementation": attn, **({"dtype": dtype} if dtype else {})}
+    pad = ("--pad_to_multiple_of", str(micro_batch * seq_len)) if attn == "flex_attention" else ()
+    return ("--model_init_kwargs", json.dumps(init), "--activation_checkpointing", "false", *pad, *more)
+
+
+# The matrix of issue 4 (formerly bench/run_matrix.sh), options unchanged so that earlier rows can be rerun.
+LORA_FAST = (*LIGER, "--lora_dropout", "0", *FLEX, *CKPT, "--activation_checkpointing_skip_layers", "3")
+FULL = dict(method="full", strategy="fsdp", n_gpus=0, precision="none", micro_batch=2, warmup=3, steps=5)
+PEER = dict(method="full", strategy="zero3_offload", peer="zero3-offload-recipe", n_gpus=0, warmup=1, steps=3,
+            args=CKPT)
+M13 = dict(model="deepseek-coder-1.3b", method="full", n_gpus=2, micro_batch=2, warmup=3, steps=5)
+MATRIX = [
+    Row("lora-1", "lora", micro_batch=4, args=LORA_FAST, timeout=240),
+    Row("lora-ddp", "lora", "ddp", 0, micro_batch=4, args=LORA_FAST + NO_UNUSED, scaling_of="lora-1", timeout=240),
+    Row("lora-1-ckpt", "lora", micro_batch=2, grad_accum=2, args=CKPT, timeout=240),
+    Row("lora-ddp-ckpt", "lora", "ddp", 0, micro_batch=2, grad_accum=2, args=CKPT + NO_UNUSED,
+        scaling_of="lora-1-ckpt", timeout=240),
+    Row("full-fsdp-4bit", args=("--dtype", "bfloat16", *CKPT, *LIGER), optim=SR4, **FULL),
+    Row("full-fsdp-8bit", args=("--dtype", "bfloat16", *CKPT, *LIGER), optim=SR8, **FULL),
+    Row("full-fsdp-4bit-cap22", mem_cap_gib=22, args=("--dtype", "bfloat16", *CKPT, *LIGER), optim=SR4, **FULL),
+    Row("peer-mb1", micro_batch=1, **PEER),
+    Row("peer-mb2", micro_batch=2, **PEER),
+    Row("lora-zero2-fp16", "lora", "zero2", 0, micro_batch=4, precision="fp16", args=LORA_FAST + ("--dtype", "float16"),
+        timeout=240),
+    Row("fsdp-1.3b", strategy="fsdp", args=CKPT, **M13),
+    Row("tp-1.3b", strategy="tp", args=CKPT, **M13),
+    Row("fsdp-1.3b-flex", strategy="fsdp", args=(*LIGER, *FLEX, *CKPT), **M13),
+    Row("tp-1.3b-flex", strategy="tp", args=(*FLEX, *CKPT), **M13),  # Liger's fused loss cannot take TP's lm_head
+    Row("fsdp-1.3b-mb8", strategy="fsdp", args=CKPT, **{**M13, "micro_batch": 8}),
+    Row("tp-1.3b-mb8", strategy="tp", args=CKPT, **{**M13, "micro_batch": 8}),
+]
+
+# Which LoRA plan is fastest on one 24 GB card (formerly bench/lora_variants.sh): each variant on one GPU
+# (lora-1-<variant>) and with DDP on every GPU (lora-ddp-<variant>, scaling against the 1-GPU row); Liger, no LoRA
+# dropout, 8,192 tokens per optimizer step per GPU (16,384 for mb8). <variant>-peftcast: with peft's own fp32 casts
+# of the LoRA inputs (which sft skips under autocast; sft/model.py). The old script ran a wave of 1-GPU rows side by
+# side (one per GPU); here every row runs alone.
+VARIANTS = {
+    "sdpa-mb1": (1, 4, ("--attn_implementation", "sdpa")),
+    "flex-mb1": (1, 4, FLEX),
+    "flex-mb2-ckpt": (2, 2, FLEX + CKPT),
+    "flex-mb4-ckpt": (4, 1, FLEX + CKPT),
+    "flex-mb4-ckpt-skip3": (4, 1, FLEX + CKPT + ("--activation_checkpointing_skip_layers", "3")),
+    "flex-mb2-ckpt-skip8": (2, 2, FLEX + CKPT + ("--activation_checkpointing_skip_layers", "8")),
+    "flex-mb4-ckpt-compile": (4, 1, FLEX + CKPT + ("--torch_compile", "true")),
+    "flex-mb8-ckpt": (8, 1, FLEX + CKPT),
+}
+for _cast in ("", "-peftcast"):
+    for _variant, (_mb, _ga, _args) in VARIANTS.items():
+        _common = dict(method="lora", micro_batch=_mb, grad_accum=_ga, timeout=420,
+                       args=(*LIGER, "--lora_dropout", "0", *NO_UNUSED, *_args),
+                       env=(("SFT_PEFT_INPUT_CAST", "1"),) if _cast else ())
+        MATRIX += [Row(f"lora-1-{_variant}{_cast}", **_common),
+                   Row(f"lora-ddp-{_variant}{_cast}", strategy="ddp", n_gpus=0,
+                       scaling_of=f"lora-1-{_variant}{_cast}", **_common)]
+
+# Issue 15: ours against TRL at its best on one uncapped H200 (bfd packing, padding-free, flex_attention, Liger, no
+# checkpointing; LoRA at micro-batch 8, the full fine-tune with plain bf16 fused AdamW at 4), same shape and length.
+MATRIX += [
+    Row("lora-best", "lora", micro_batch=8, mem_cap_gib=0, warmup=3, args=(*LIGER, "--lora_dropout", "0", *FLEX),
+        vs="trl-lora-best"),
+    Row("trl-lora-best", "lora", peer="trl", micro_batch=8, mem_cap_gib=0, warmup=3,
+        args=trl_args("flex_attention", "bfloat16", 8, 2048, *LIGER)),
+    # correct precision: bf16 weights, the update rounded stochastically (the optimizer is the row's own option)
+    Row("full-sr", "full", micro_batch=4, mem_cap_gib=0, warmup=3, precision="none",
+        args=("--dtype", "bfloat16", *LIGER, *FLEX), optim=SR8, vs="trl-full"),
+    Row("trl-full", "full", peer="trl", micro_batch=4, mem_cap_gib=0, warmup=3,
+        args=trl_args("flex_attention", "bfloat16", 4, 2048, *LIGER, "--optim", "adamw_torch_fused")),
+    # DeepSeek-V2-Lite (MoE, MLA; MFU on the active parameters): sdpa (MLA's value and key head sizes differ)
+    Row("moe-lora", "lora", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
+        args=("--lora_dropout", "0", "--attn_implementation", "sdpa"), vs="trl-moe-lora"),
+    Row("trl-moe-lora", "lora", peer="trl", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
+        args=trl_args("sdpa", "bfloat16", 4, 2048)),
+    Row("qlora-1", "qlora", micro_batch=4, args=("--lora_dropout", "0", *FLEX, *CKPT)),
+    # the CPU smoke test: the tiny model, both peers, end to end (sdpa and no Liger: neither runs on a CPU)
+    Row("tiny-lora", "lora", model="tiny", seq_len=256, micro_batch=2, mem_cap_gib=0, warmup=1, steps=2,
+        profile_steps=0, repeat_data=1, args=("--lora_dropout", "0", "--attn_implementation", "sdpa"),
+        vs="trl-tiny-lora"),
+    Row("trl-tiny-lora", "lora", peer="trl", model="tiny", seq_len=256, micro_batch=2, mem_cap_gib=0, warmup=1,
+        steps=2, profile_steps=0, repeat_data=1, args=trl_args("sdpa", None, 2, 256)),
+    Row("tiny-full", "full", model="tiny", seq_len=256, micro_batch=2, mem_cap_gib=0, warmup=1, steps=2,
+        profile_steps=0, repeat_data=1, args=("--attn_implementation", "sdpa"), vs="trl-tiny-full"),
+    Row("trl-tiny-full", "full", peer="trl", model="tiny", seq_len=256, micro_batch=2, mem_cap_gib=0, warmup=1,
+        steps=2, profile_steps=0, repeat_data=1, args=trl_args("sdpa", None, 2, 256, "--optim", "adamw_torch_fused")),
+]
+ROWS = {row.name: row for row in MATRIX}
+assert len(ROWS) == len(MATRIX), "row names must be unique"
+
+GROUPS = {
+    # one H200, about 8 minutes of GPU time: LoRA and the full fine-tune against TRL, and the 24 GiB-capped LoRA row
+    "h200": ["lora-best", "trl-lora-best", "full-sr", "trl-full", "lora-1"],
+    "smoke": ["tiny-lora", "trl-tiny-lora", "tiny-full", "trl-tiny-full"],
+    "moe": ["moe-lora", "trl-moe-lora"],
+    # bench/run_matrix.sh's groups
+    "lora": ["lora-1", "lora-ddp"], "lora-ckpt": ["lora-1-ckpt", "lora-ddp-ckpt"],
+    "full": ["full-fsdp-4bit", "full-fsdp-8bit"], "full4": ["full-fsdp-4bit"], "full8": ["full-fsdp-8bit"],
+    "full22": ["full-fsdp-4bit-cap22"], "peer": ["peer-mb1", "peer-mb2"], "peer1": ["peer-mb1"],
+    "peer2": ["peer-mb2"], "zero2": ["lora-zero2-fp16"], "tp": ["fsdp-1.3b", "tp-1.3b"],
+    "tpfast": ["fsdp-1.3b-flex", "tp-1.3b-flex"], "tp8": ["fsdp-1.3b-mb8", "tp-1.3b-mb8"],
+    "matrix": ["lora-1", "lora-ddp", "full-fsdp-4bit", "full-fsdp-8bit", "peer-mb1", "peer-mb2", "lora-zero2-fp16"],
+    # bench/lora_variants.sh's default
+    "variants": ["lora-1-flex-mb1", "lora-1-flex-mb2-ckpt"],
+}
+
+
+def fail(message: str):
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def select(spec: str) -> list[Row]:
+    """Row and group names, comma- or space-separated, in order, each row once."""
+    names: list[str] = []
+    for word in spec.replace(",", " ").split():
+        if word not in ROWS and word not in GROUPS:
+            fail(f"--rows: no row or group named {word!r} (python bench/throughput.py --list)")
+        names += [n for n in GROUPS.get(word, [word]) if n not in names]
+    return [ROWS[n] for n in names]
+
+
+def needs(row: Row) -> list[str]:
+    """The optional packages the row imports."""
+    words = set(row.args + row.optim)
+    return [module for module, needed in (
+        ("trl", row.peer == "trl"),
+        ("liger_kernel", "--use_liger_kernel" in words),
+        ("torchao", any(w.startswith(("adamw_torch_4bit", "adamw_torch_8bit")) for w in words)),
+        ("deepspeed", row.strategy.startswith("zero")),
+        ("bitsandbytes", row.method == "qlora"),
+    ) if needed]
+
+
+def why_not(row: Row, gpus: int) -> str | None:
+    """Why this machine cannot run the row, or None."""
+    missing = [m for m in needs(row) if find_spec(m) is None]
+    if missing:
+        return f"not installed: {', '.join(missing)}"
+    if row.model != "tiny" and not gpus:
+        return f"the {row.model} shape needs a GPU"
+    if row.n_gpus > max(gpus, 1):
+        return f"needs {row.n_gpus} GPUs, {gpus} visible"
+    return None
+
+
+def row_flags(row: Row, args, n_gpus: int, data: Path, tokenizer: Path, timeout: float) -> list[str]:
+    """bench/train_throughput.py's options for the row (its training options, row.args + row.optim, follow `--`)."""
+    cap = row.mem_cap_gib if args.mem_cap_gib is None else args.mem_cap_gib
+    flags = dict(run_id=args.run_id, name=row.name, model=row.model, method=row.method, strategy=row.strategy,
+                 peer=row.peer, n_gpus=n_gpus, precision=row.precision, seq_len=row.seq_len,
+                 micro_batch=row.micro_batch, grad_accum=row.grad_accum, warmup=row.warmup, steps=row.steps,
+                 profile_steps=row.profile_steps, mem_cap_gib=cap, data=data, repeat_data=row.repeat_data,
+                 tokenizer=tokenizer, results=args.results, out=args.out, timeout=int(timeout), vs=row.vs,
+                 scaling_of=row.scaling_of)
+    return [w for k, v in flags.items() if v is not None for w in (f"--{k}", str(v))] + (
+        ["--fresh_cache"] if args.fresh_cache else [])
+
+
+def resolve_data(args) -> tuple[Path, Path]:
+    """(data file, tokenizer directory): --data/--tokenizer, else ../shared's, else --data_dir's."""
+    data_dir = Path(args.data_dir)
+    data = Path(args.data) if args.data else next(
+        (p for p in (SHARED_DATA, data_dir / "alpaca_sample.json") if p.is_file()), None)
+    tokenizer = Path(args.tokenizer) if args.tokenizer else next(
+        (p for p in (SHARED_TOKENIZER, data_dir / "tokenizer") if (p / "tokenizer.json").is_file()), None)
+    if data is None or not data.is_file() or tokenizer is None or not (tokenizer / "tokenizer.json").is_file():
+        fail(f"no bench data: neither {SHARED_DATA} and {SHARED_TOKENIZER} nor {data_dir}/alpaca_sample.json and "
+             f"{data_dir}/tokenizer/ exist (or --data/--tokenizer name a missing file). Where ../shared exists: "
+             f"python bench/throughput.py --prepare DIR, then carry DIR and give --data_dir DIR.")
+    return data, tokenizer
+
+
+def prepare(target: Path) -> int:
+    """Copy the data and tokenizer into `target` and print the command for the lent GPU machines."""
+    if not SHARED_DATA.is_file() or not (SHARED_TOKENIZER / "tokenizer.json").is_file():
+        fail(f"--prepare copies {SHARED_DATA} and {SHARED_TOKENIZER}: not found")
+    (target / "tokenizer").mkdir(parents=True, exist_ok=True)
+    shutil.copy2(SHARED_DATA, target / "alpaca_sample.json")
+    for f in SHARED_TOKENIZER.glob("tokenizer*.json"):
+        shutil.copy2(f, target / "tokenizer" / f.name)
+    size = sum(f.stat().st_size for f in target.rglob("*") if f.is_file())
+    print(f"{target}: alpaca_sample.json and tokenizer/ ({size / 2**20:.1f} MiB)")
+    if Path(relative(target)).is_absolute():
+        print("note: the device tool carries folders of the checkout only (e.g. --prepare .benchdata)")
+    print(f"GPU command (device tool, carry [\"{relative(target)}\", \".whl\"]):\n  {gpu_command(target)}")
+    return 0
+
+
+def relative(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
+def gpu_command(target: Path, rows: str = "h200", budget_s: int = 540) -> str:
+    """The lent GPU machines (torch there; no datasets, trl, liger, torchao: the wheels of .whl, which
+    ../shared/tools/device-wheels.sh fills, installed into /tmp/site). The rows come back in $OUT/results.jsonl,
+    the logs in $OUT/bench-logs.tgz."""
+    commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
+    return ("python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl "
+            "&& export PYTHONPATH=/tmp/site PATH=/tmp/site/bin:$PATH HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false "
+            f"NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 BENCH_COMMIT={commit}-dirty "
+            f"&& python3 bench/throughput.py --rows {rows} --data_dir {relative(target)} --budget_s {budget_s} "
+            "--results $OUT/results.jsonl --out /tmp/bench; "
+            "tar czf $OUT/bench-logs.tgz -C /tmp/bench --exclude=dataset-cache --exclude=models --exclude=output .")
+
+
+def parse(argv: list[str] | None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rows", help="Rows and groups (--list), comma- or space-separated, run in this order. Default: "
+                                  "h200 with a GPU, smoke without.")
+    p.add_argument("--run_id", default=time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-throughput")
+    p.add_argument("--budget_s", type=float, default=3600, help="Seconds for all rows; a row starts only with "
+                                                                "60 s left, and stops when the budget is spent.")
+    p.add_argument("--mem_cap_gib", type=float, help="Every row's per-rank allocator cap instead of its own (0: none).")
+    p.add_argument("--num_processes", type=int, help="GPUs of the multi-GPU rows (default: every visible GPU).")
+    p.add_argument("--fresh_cache", action="store_true",
+                   help="Every row starts with new, empty compile caches: the first run on a fresh machine.")
+    p.add_argument("--data", help=f"Alpaca JSON (default: {SHARED_DATA}, else DATA_DIR/alpaca_sample.json).")
+    p.add_argument("--tokenizer", help=f"Tokenizer directory (default: {SHARED_TOKENIZER}, else DATA_DIR/tokenizer).")
+    p.add_argument("--data_dir", default=str(REPO / ".benchdata"), help="Where --prepare put the data and tokenizer.")
+    p.add_argument("--prepare", metavar="DIR", help="Copy the data and tokenizer into DIR (to carry to a machine "
+                                                    "without ../shared) and print the GPU command; train nothing.")
+    p.add_argument("--results", default=str(one.RESULTS))
+    p.add_argument("--out", help="Logs and outputs (default: output/bench/RUN_ID).")
+    p.add_argument("--list", action="store_true", help="Print the rows and groups.")
+    args = p.parse_args(argv)
+    args.out = args.out or str(REPO / "output" / "bench" / args.run_id)
+    return args
+
+
+def list_rows() -> None:
+    for row in MATRIX:
+        words = " ".join(shlex.quote(w) for w in row.args + row.optim)
+        print(f"{row.name:28} {row.peer:20} {row.method:5} {row.strategy:13} gpus {row.n_gpus or 'all'} "
+              f"mb {row.micro_batch}x{row.grad_accum} cap {row.mem_cap_gib or '-'} {row.model}: {words}")
+    for group, names in GROUPS.items():
+        print(f"group {group}: {' '.join(names)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.list:
+        list_rows()
+        return 0
+    if args.prepare:
+        return prepare(Path(args.prepare))
+    import torch
+
+    gpus = torch.cuda.device_count()
+    rows = select(args.rows or ("h200" if gpus else "smoke"))
+    data, tokenizer = resolve_data(args)
+    deadline = time.monotonic() + args.budget_s
+    print(f"run_id {args.run_id}: {len(rows)} rows, {gpus} GPU(s) visible, data {data}, out {args.out}", flush=True)
+    not_run = []
+    for row in rows:
+        left = deadline - time.monotonic() - 10
+        reason = why_not(row, gpus) or ("budget spent" if left < 60 else None)
+        if reason:
+            print(f"[throughput] {row.name}: not run ({reason})", flush=True)
+            not_run.append(f"{row.name} ({reason})")
+            continue
+        n = row.n_gpus or args.num_processes or max(gpus, 1)
+        step = one.parser().parse_args(row_flags(row, args, n, data, tokenizer, min(row.timeout, left)))
+        step.train_args_text = shlex.join(row.args + row.optim)
+        if one.run_row(step, list(row.args + row.optim), dict(row.env)) is None:
+            not_run.append(f"{row.name} (failed)")
+    results = [r for r in report.load(Path(args.results)) if r.get("run_id") == args.run_id]
+    if results:
+        print(report.table(results), flush=True)
+    for line in report.ratios(results):
+        print(line, flush=True)
+    if not_run:
+        print(f"not run: {'; '.join(not_run)}", flush=True)
+    return 0 if not not_run else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
