@@ -72,7 +72,8 @@ def default_coefficient(config) -> float:
 def mark_moe_leaves(model) -> list[torch.nn.Module]:
     """Under DeepSpeed ZeRO-3, make each MoE block a ZeRO-3 leaf: its parameters (router, routed and shared experts)
     are gathered once when the block starts, instead of module by module as each is called. Call it right after
-    the model is built, before the Trainer creates the DeepSpeed engine. -> the blocks marked ([] without ZeRO-3).
+    the model is built, before the Trainer creates the DeepSpeed engine. -> the blocks marked ([] without ZeRO-3),
+    said in one line by the first process.
 
     Why: ZeRO-3 gathers a module's parameters in its pre-forward hook and, in backward, expects every rank to have
     run the same modules in the same order. With one module per expert (DeepSeek's remote code), an expert that
@@ -86,7 +87,13 @@ def mark_moe_leaves(model) -> list[torch.nn.Module]:
         return []
     from deepspeed.utils import set_z3_leaf_modules
 
-    return set_z3_leaf_modules(model, list(MOE_BLOCK_CLASSES), raise_if_not_found=False)
+    from sft.machine import launch
+
+    leaves = set_z3_leaf_modules(model, list(MOE_BLOCK_CLASSES), raise_if_not_found=False)
+    if leaves and launch().first:
+        print(f"ZeRO-3: {len(leaves)} MoE blocks ({type(leaves[0]).__name__}) are leaf modules: each gathered whole",
+              flush=True)
+    return leaves
 
 
 def token_groups(inputs: dict, pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:

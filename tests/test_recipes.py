@@ -23,13 +23,14 @@ def box(config: str) -> Machine:
     launch = Launch(world_size=3, local_world_size=3, launched=True, fsdp=config == "fsdp.yaml",
                     zero_stage={"zero3.yaml": "3", "zero2.yaml": "2"}.get(config))
     return Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * 3, gpu_memory_gib=(23.5,) * 3, bf16=True,
-                   host_ram_gib=64, host_ram_available_gib=60, launch=launch)
+                   host_ram_gib=64, host_ram_available_gib=60, launch=launch,
+                   packages=frozenset({"liger_kernel", "torchao"}))  # the `lowbit` extra, as the README installs
 
 
 def test_there_are_recipes_for_the_box():
     names = {p.stem for p in RECIPES}
     assert {"deepseek-llm-7b-lora", "deepseek-llm-7b-full", "deepseek-coder-6.7b-lora",
-            "r1-distill-qwen-7b-lora"} <= names
+            "r1-distill-qwen-7b-lora", "deepseek-v2-lite-lora"} <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)
