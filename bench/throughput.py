@@ -158,6 +158,15 @@ MATRIX += [
     Row("trl-moe-lora", "lora", peer="trl", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
         args=trl_args("sdpa", "bfloat16", 4, 2048)),
     Row("qlora-1", "qlora", micro_batch=4, args=("--lora_dropout", "0", *FLEX, *CKPT)),
+    # the levers (sft/sr_adamw.py, sft/fp8.py) against the same TRL rows
+    Row("full-sr16", "full", micro_batch=4, mem_cap_gib=0, warmup=3, precision="none",
+        args=("--dtype", "bfloat16", *LIGER, *FLEX), optim=("--optim", "adamw_bf16_sr"), vs="trl-full"),
+    Row("lora-best-fp8", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
+        args=(*LIGER, "--lora_dropout", "0", *FLEX, "--fp8", "true"), vs="trl-lora-best"),
+    # DeepSeek-V2-Lite on ONE 24 GiB card: its 29 GiB bf16 base only fits with the weights in host RAM (ZeRO-3
+    # parameter offload; sft/plan.py's only plan that fits one card)
+    Row("moe-lora-offload-1", "lora", "zero3_offload", 1, model="deepseek-v2-lite", micro_batch=4, warmup=2,
+        steps=4, profile_steps=0, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT), timeout=420),
     # the CPU smoke test: the tiny model, both peers, end to end (sdpa and no Liger: neither runs on a CPU)
     Row("tiny-lora", "lora", model="tiny", seq_len=256, micro_batch=2, mem_cap_gib=0, warmup=1, steps=2,
         profile_steps=0, repeat_data=1, args=("--lora_dropout", "0", "--attn_implementation", "sdpa"),
@@ -175,6 +184,7 @@ assert len(ROWS) == len(MATRIX), "row names must be unique"
 GROUPS = {
     # one H200, about 8 minutes of GPU time: LoRA and the full fine-tune against TRL, and the 24 GiB-capped LoRA row
     "h200": ["lora-best", "trl-lora-best", "full-sr", "trl-full", "lora-1"],
+    "levers": ["full-sr16", "trl-full", "lora-best-fp8", "lora-best", "trl-lora-best"],
     "smoke": ["tiny-lora", "trl-tiny-lora", "tiny-full", "trl-tiny-full"],
     "moe": ["moe-lora", "trl-moe-lora"],
     # bench/run_matrix.sh's groups

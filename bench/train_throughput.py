@@ -372,7 +372,20 @@ def make_row(args, ranks: list[dict], monitor: Monitor, wall: float, cpu: bool) 
         "train_args": args.train_args_text,
         "notes": args.notes,
     })
+    moe = expert_load(Path(args.out).resolve() / args.name / "output" / "trainer_log.jsonl")
+    if moe:
+        row["moe"] = moe
     return row
+
+
+def expert_load(log: Path) -> dict | None:
+    """MoE rows: the routers' numbers of the last step that logged them (sft/moe.py's MoeLoadLogger writes them to
+    the run's trainer_log.jsonl after the callbacks that a bench clock could read them from)."""
+    if not log.is_file():
+        return None
+    logged = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    last = next((x for x in reversed(logged) if any(k.startswith("moe/") for k in x)), None)
+    return {k: v for k, v in last.items() if k.startswith("moe/")} if last else None
 
 
 def needs_weights(args) -> bool:

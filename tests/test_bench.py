@@ -306,3 +306,13 @@ def test_torchao_states_get_a_float32_appearance_and_still_update_bf16_weights()
     optimizer.step()
     assert optimizer.state[p]["exp_avg"].dtype == torch.float32
     assert p.dtype == torch.bfloat16 and (p != before).float().mean() > 0.5
+
+
+def test_moe_rows_carry_the_routers_numbers_of_the_last_step_that_logged_them(tmp_path):
+    import train_throughput
+
+    log = tmp_path / "trainer_log.jsonl"
+    log.write_text('{"step": 1, "loss": 9.0, "moe/idle_experts": 3}\n{"step": 2, "moe/idle_experts": 1, '
+                   '"moe/load_imbalance_max": 2.5}\n{"step": 2, "train_runtime": 5.0}\n')
+    assert train_throughput.expert_load(log) == {"moe/idle_experts": 1, "moe/load_imbalance_max": 2.5}
+    assert train_throughput.expert_load(tmp_path / "missing.jsonl") is None
