@@ -68,7 +68,7 @@ def prepare_optimizer(optim: str) -> None:
     if optim == SR_ADAMW:
         from sft.sr_adamw import register_with_trainer
 
-        register_with_trainer()
+        register_with_trainer(SR_ADAMW)
     if optim in LOW_BIT_OPTIMIZERS:
         patch_torchao_state_dtype()
         patch_dtensor_cache_key()

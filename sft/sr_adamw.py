@@ -26,7 +26,6 @@ import math
 import torch
 import torch.fx.experimental._config
 
-from sft.lowbit import SR_ADAMW as NAME  # the --optim value
 
 MASK32 = 0xFFFFFFFF
 HASH_MULTIPLIER = 0x45D9F3B  # below 2**31: a 32-bit value times it stays below 2**63 (no int64 overflow anywhere)
@@ -199,30 +198,30 @@ def optimizer_kwargs(optim_args: dict[str, str], seed: int) -> dict:
     known = {"state_dtype", "seed", "compile"}
     unknown = set(optim_args) - known
     if unknown:
-        raise ConfigError(f"--optim {NAME}: unknown --optim_args {', '.join(sorted(unknown))} (known: "
+        raise ConfigError(f"unknown --optim_args {', '.join(sorted(unknown))} (known: "
                           f"{', '.join(sorted(known))})")
     if optim_args.get("state_dtype", "bfloat16") not in ("bfloat16", "float32"):
-        raise ConfigError(f"--optim {NAME}: --optim_args state_dtype={optim_args['state_dtype']}: use bfloat16 "
+        raise ConfigError(f"--optim_args state_dtype={optim_args['state_dtype']}: use bfloat16 "
                           f"(the default) or float32")
     if not str(optim_args.get("seed", seed)).isdigit():
-        raise ConfigError(f"--optim {NAME}: --optim_args seed={optim_args['seed']}: give a whole number")
+        raise ConfigError(f"--optim_args seed={optim_args['seed']}: give a whole number")
     kwargs: dict = {"seed": int(optim_args.get("seed", seed)), "state_dtype": optim_args.get("state_dtype", "bfloat16")}
     if "compile" in optim_args:
         kwargs["compile"] = optim_args["compile"].lower() in ("1", "true", "yes")
     return kwargs
 
 
-def register_with_trainer() -> bool:
-    """Make transformers' Trainer build AdamWBf16SR for `--optim adamw_bf16_sr` (its optimizer table, keyed by the
-    option's value). -> registered now."""
+def register_with_trainer(name: str) -> bool:
+    """Make transformers' Trainer build AdamWBf16SR for `--optim <name>` (its optimizer table, keyed by the option's
+    value; sft/lowbit.py's SR_ADAMW names it). -> registered now."""
     from transformers import trainer_optimizer
 
-    if NAME in trainer_optimizer._OPTIMIZER_HANDLERS:
+    if name in trainer_optimizer._OPTIMIZER_HANDLERS:
         return False
 
     def handler(ctx) -> tuple[type, dict]:
         kwargs = {**ctx.optimizer_kwargs, **ctx.adam_kwargs, **optimizer_kwargs(ctx.optim_args, ctx.args.seed)}
         return AdamWBf16SR, kwargs
 
-    trainer_optimizer._OPTIMIZER_HANDLERS[NAME] = handler
+    trainer_optimizer._OPTIMIZER_HANDLERS[name] = handler
     return True

@@ -152,7 +152,8 @@ class DeepSeekV3(Template):
     def render(self, messages, add_generation_prompt=False):
         if has_tools(messages):  # the official template's tool-call layout (sft/tool_calls.py)
             return render_v3(messages, head=self.bos + with_tools(self.system(messages), messages), eos=V3_EOS,
-                             generation_prompt=self.generation_prompt, add_generation_prompt=add_generation_prompt)
+                             generation_prompt=self.generation_prompt, add_generation_prompt=add_generation_prompt,
+                             user_text=user_text)
         out: list[Segment] = [(self.bos + self.system(messages), False)]
         for i, m in enumerate(messages):
             if m["role"] == "user":

@@ -20,6 +20,7 @@ templates without a tool slot, so that the model sees the functions it learns to
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from sft.errors import DataError
@@ -73,12 +74,10 @@ def call_text(call: dict[str, Any]) -> str:
 
 
 def render_v3(messages: list[dict[str, Any]], *, head: str, generation_prompt: str, eos: str,
-              add_generation_prompt: bool) -> list[tuple[str, bool]]:
+              add_generation_prompt: bool, user_text: Callable[[dict[str, Any]], str]) -> list[tuple[str, bool]]:
     """A tool conversation as DeepSeek-V3/R1's template writes it (see the module docstring), as segments: every
     assistant turn's calls or answer trained, with the end markers the template writes; prompts, tool results,
     the system prompt with the tools, and the `<｜Assistant｜>`/`<｜tool▁outputs▁end｜>` in front of a turn not."""
-    from sft.templates import user_text
-
     out: list[tuple[str, bool]] = [(head, False)]
     first_call, in_outputs, first_output = True, False, True  # the template's ns.is_first, is_tool, is_output_first
     for m in messages:
