@@ -44,7 +44,7 @@ def _method(value: str) -> list[str]:
 
 # LLaMA-Factory's template names for the DeepSeek families -> ours.
 TEMPLATE_NAMES = {"deepseekcoder": "deepseek_coder", "deepseek3": "deepseek_v3", "deepseekr1": "r1_distill",
-                  "deepseek_r1": "r1_distill", "deepseek_v2": "deepseek", "llama3": "model", "qwen": "model"}
+                  "deepseek_r1": "r1", "deepseek_v2": "deepseek", "llama3": "model", "qwen": "model"}
 
 ALIASES: dict[str, Alias] = {
     "model_name_or_path": Alias("model", "LLaMA-Factory/TRL"),

@@ -98,7 +98,8 @@ class DataArguments:
         "help": "alpaca, oasst or messages; detected from each file's first record when omitted."})
     template: str = field(default="auto", metadata={
         "help": "Chat template: auto (the model's own if it has one, else deepseek), model, deepseek, "
-                "deepseek_coder, deepseek_v3, r1_distill (<think> text trained), r1_distill_no_reasoning (answers "
+                "deepseek_coder, deepseek_v3, r1 (DeepSeek-R1: all system texts, <think> text trained), r1_distill "
+                "(the distills: the last system text), r1_distill_no_reasoning (answers "
                 "only: for data without reasoning), alpaca."})
     eval_dataset: list[str] | None = field(default=None, metadata={"help": "Evaluation data (files or hub names)."})
     eval_split: float = field(default=0.0, metadata={

@@ -129,14 +129,16 @@ VARIANTS = (
                                            "deepseek-ai/DeepSeek-V2": 236.0, "deepseek-ai/DeepSeek-V2-Chat": 236.0},
             "deepseek", other_templates=("deepseek_v3",), vocab_sizes=(102400,),
             active={"deepseek-ai/DeepSeek-V2-Lite": 2.4, "deepseek-ai/DeepSeek-V2": 21.0}),
-    Variant("DeepSeek-V3", "deepseek_v3", {"deepseek-ai/DeepSeek-V3": 671.0, "deepseek-ai/DeepSeek-V3-Base": 671.0},
-            "deepseek_v3", other_templates=("r1_distill",), vocab_sizes=(129280,),
+    Variant("DeepSeek-V3", "deepseek_v3", {"deepseek-ai/DeepSeek-V3": 671.0, "deepseek-ai/DeepSeek-V3-Base": 671.0,
+                                           "deepseek-ai/DeepSeek-R1": 671.0},
+            "deepseek_v3", other_templates=("r1", "r1_distill"), vocab_sizes=(129280,),
             active={"deepseek-ai/DeepSeek-V3": 37.0}),
 )
 TEMPLATE_LOOKS = {  # for the warnings: what each built-in template writes
     "deepseek": "`User: ...\\n\\nAssistant: ...<｜end▁of▁sentence｜>`",
     "deepseek_coder": "`### Instruction:` / `### Response:` ending in <|EOT|>",
     "deepseek_v3": "`<｜User｜>...<｜Assistant｜>...<｜end▁of▁sentence｜>`",
+    "r1": "the V3 layout (every system text) with a `<think>` generation prompt",
     "r1_distill": "the V3 layout with a `<think>` generation prompt",
     "alpaca": "Stanford Alpaca's `### Instruction:` / `### Response:`",
 }
@@ -226,13 +228,15 @@ def check_family(config, tokenizer, template_name: str, trust_remote_code: bool 
     expected = (variant.template, *variant.other_templates)
     if template in BUILTIN and template not in expected:
         how = f"--template {template_name}" + (f" (resolved to {template})" if template != template_name else "")
-        why = " (the tokenizer has no chat template)" if template_name == "auto" else ""
+        why = " (the tokenizer has no chat template)" if template_name == "auto" and not \
+            getattr(tokenizer, "chat_template", None) else ""
         warnings.append(f"{how} on {variant.name}{why}: this family's chat models use --template "
                         f"{variant.template}, {TEMPLATE_LOOKS[variant.template]}"
                         + (f" (some: {', '.join(variant.other_templates)})" if variant.other_templates else "")
                         + f"; {template} writes {TEMPLATE_LOOKS.get(template, 'another layout')}.")
     if tokenizer is not None:
-        end = {"deepseek_coder": CODER_EOT, "deepseek_v3": EOS, "r1_distill": EOS}.get(template, tokenizer.eos_token)
+        end = {"deepseek_coder": CODER_EOT, "deepseek_v3": EOS, "r1": EOS, "r1_distill": EOS}.get(
+            template, tokenizer.eos_token)
         if end is None:
             warnings.append(f"the tokenizer has no eos_token: --template {template} ends each reply with it.")
         elif template in BUILTIN:
