@@ -292,7 +292,13 @@ CALIBRATION = {
     # Shape.layer_activation_bytes: fitted on the LoRA rows of the current code (no peft input casts).
     "activation_scale": 0.74,
 }
-KERNELS = "--attn_implementation flex_attention --use_liger_kernel"  # the kernels of our measured fast plans
+def kernels(plan: "Plan") -> dict:
+    """The kernel options of a plan: those of our measured fast plans (flex_attention skips packed rows' masked
+    blocks; Liger's fused loss), except under TP (Liger's loss fails on the sharded lm_head) and for MLA models
+    (DeepSeek-V2/V3: key and value head sizes differ; no V2 run with flex or Liger yet), which keep sdpa."""
+    if plan.w.strategy == "tp" or plan.shape.kv_lora_rank:
+        return {"attn_implementation": "sdpa", "use_liger_kernel": False}
+    return {"attn_implementation": "flex_attention", "use_liger_kernel": True}
 
 
 @dataclass(frozen=True)
@@ -440,7 +446,9 @@ def bench_rows(path: Path = RESULTS) -> list[dict]:
 
 
 def measured_rows(path: Path = RESULTS) -> list[dict]:
-    return [r for r in bench_rows(path) if r.get("gpu") and r.get("peak_mem_gib") and r.get("model") in BENCH_SHAPES]
+    """The GPU rows of our own training code (the peers' offload recipe runs it too; TRL's rows do not)."""
+    return [r for r in bench_rows(path) if r.get("gpu") and r.get("peak_mem_gib") and r.get("model") in BENCH_SHAPES
+            and r.get("peer", "ours") != "trl"]
 
 
 def smi_of_row(row: dict, rows: list[dict]) -> tuple[float | None, str]:
@@ -539,7 +547,7 @@ def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path = 
         scale = 1 / recompute if checkpointing else recompute
         note = f" (no row with checkpointing {'on' if checkpointing else 'off'}: x{scale:.2f} for the recomputation)"
     if not found:  # nearest kind: FSDP's for the sharded strategies
-        found = [r for r in rows if kind(r)[0] == want[0]]
+        found, scale = [r for r in rows if kind(r)[0] == want[0]], 1.0
         note = " (no row of this kind: nearest kind)"
     if not found:
         return 0.05, "no measured row: assumed 5%"
@@ -660,9 +668,8 @@ def command(plan: Plan, model: str, box: Box) -> str:
         opts += ["--bf16"]
     else:
         opts += [f"--{k} {v}" for k, v in PRECISION_OPTIONS[w.setup.precision].items()]
-    if s.name != "tp":
-        opts.append(KERNELS)
-    else:
+    opts += [f"--{k}" if v is True else f"--{k} {v}" for k, v in kernels(plan).items() if v is not False]
+    if s.name == "tp":
         opts += [f"--tp_size {w.world}"]
     if w.checkpointing:
         opts.append("--activation_checkpointing")
@@ -673,8 +680,7 @@ def options_of(plan: Plan) -> dict:
     """The training options a plan sets (for `--plan auto`), by option name."""
     w = plan.w
     opts = {"per_device_train_batch_size": w.micro_batch, "activation_checkpointing": w.checkpointing,
-            "attn_implementation": "flex_attention" if w.strategy != "tp" else "sdpa",
-            "use_liger_kernel": w.strategy != "tp"}
+            **kernels(plan)}
     if w.setup.method in ("lora", "qlora"):
         opts["lora_dropout"] = 0.0
     else:
@@ -699,7 +705,11 @@ def plan_table(plans: list[Plan], limit: int | None = None) -> str:
 
 
 def best_plan(plans: list[Plan]) -> Plan | None:
-    return next((p for p in plans if p.fits and STRATEGIES[p.w.strategy].recommended), None)
+    """The fastest recommended plan that fits with headroom (the planner's worst error on the bench rows), else the
+    fastest that fits at all: a plan predicted at 23.9 of 24 GiB is a coin toss on a real card."""
+    fitting = [p for p in plans if p.fits and STRATEGIES[p.w.strategy].recommended]
+    roomy = [p for p in fitting if p.prediction.need_gib * (1 + HEADROOM) <= p.machine_card]
+    return (roomy or fitting or [None])[0]
 
 
 def closest_plan(plans: list[Plan]) -> Plan | None:
