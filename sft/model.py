@@ -182,12 +182,13 @@ def quantization(model_args: ModelArguments, lora_args: LoraArguments) -> dict:
     from transformers import BitsAndBytesConfig
 
     from sft.fsdp import fsdp_launched
+    from sft.machine import launch
 
     cuda = torch.cuda.is_available()
     weights = weights_dtype(model_args, True)
     compute = qlora_compute_dtype(cuda, cuda and torch.cuda.is_bf16_supported(), weights)
     config = BitsAndBytesConfig(**qlora_quantization_kwargs(weights, compute, fsdp_launched()))
-    device = int(os.environ.get("LOCAL_RANK", "0")) if cuda else "cpu"
+    device = launch().local_rank if cuda else "cpu"
     return {"quantization_config": config, "device_map": {"": device}}
 
 
