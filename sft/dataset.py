@@ -227,8 +227,9 @@ def _part_lines(stats: ReadStats, counts: dict, lengths: np.ndarray, args: DataA
     lines += [f"  {status}: {n}" for status, n in sorted(counts.items()) if status != "ok"]
     if len(lengths):
         p = np.percentile(lengths, [50, 90, 99]).astype(int)
-        lines.append(f"  tokens per conversation: p50 {p[0]}, p90 {p[1]}, p99 {p[2]}, max {lengths.max()} "
-                     f"(--max_length {args.max_length}); {len(lengths)} conversations, {int(lengths.sum())} tokens")
+        # an example is a conversation, or one per earlier reasoning turn under the R1 templates (sft/templates.py)
+        lines.append(f"  tokens per example: p50 {p[0]}, p90 {p[1]}, p99 {p[2]}, max {lengths.max()} "
+                     f"(--max_length {args.max_length}); {len(lengths)} examples, {int(lengths.sum())} tokens")
     return lines
 
 

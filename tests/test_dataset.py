@@ -38,9 +38,9 @@ def test_summary_counts_lengths_and_packing_efficiency(tmp_path, tokenizer):
     assert "  skipped (deleted or failed review): 44" in lines
     dropped = next(int(line.rsplit(" ", 1)[1]) for line in lines if line.startswith("  too long (dropped):"))
     assert dropped > 0
-    assert any(line.startswith("  tokens per conversation: p50 ") for line in lines)
+    assert any(line.startswith("  tokens per example: p50 ") for line in lines)
     kept_tokens = sum(sum(row) for row in train["seq_lengths"])
-    assert f"{2094 - dropped} conversations, {kept_tokens} tokens" in summary
+    assert f"{2094 - dropped} examples, {kept_tokens} tokens" in summary  # one example per conversation here
     efficiency = kept_tokens / (len(train) * 512)
     assert f"packing efficiency {efficiency:.1%}" in summary and efficiency > 0.9
     assert evaluation is None
