@@ -264,7 +264,12 @@ def run_checks(o: Options, m: Machine) -> None:
 def apply_setup_defaults(o: Options, m: Machine) -> None:
     """Settings that follow from the options. Tensor parallel: transformers' Trainer (5.x) refuses checkpoints
     with optimizer state for a model sharded at load time, so `save_only_model` is set and
-    sft/tensor_parallel.py saves the rest."""
+    sft/tensor_parallel.py saves the rest. LoRA: DDP does not search for unused parameters."""
     t = o.training
     if o.model.tp_size > 1 and getattr(t.save_strategy, "value", t.save_strategy) != "no":
         t.save_only_model = True
+    if o.lora.lora and t.ddp_find_unused_parameters is None:
+        # The Trainer turns DDP's find_unused_parameters on for any model that is not a PreTrainedModel, so for
+        # every peft model: a walk of the autograd graph each step for nothing, since every adapter weight gets a
+        # gradient every step (the bench's LoRA DDP rows have always run with it off). The user's value wins.
+        t.ddp_find_unused_parameters = False

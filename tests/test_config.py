@@ -182,3 +182,17 @@ def test_liger_refused_before_loading_where_it_cannot_run():
     with pytest.raises(ConfigError, match="needs a GPU"):
         validate_setup(*args, machine=replace(box(0), packages=frozenset({"liger_kernel"})))
     validate_setup(*args, machine=replace(gpu, packages=frozenset({"liger_kernel"})))
+
+
+def test_lora_under_ddp_does_not_search_for_unused_parameters_unless_asked():
+    """transformers' Trainer sets find_unused_parameters=True for every peft model (not a PreTrainedModel)."""
+    ddp = box(2, world_size=2, local_world_size=2, launched=True)
+    lora = parse("--lora")
+    validate_setup(*lora, machine=ddp)
+    assert lora[3].ddp_find_unused_parameters is False
+    asked = parse("--lora", "--ddp_find_unused_parameters", "true")
+    validate_setup(*asked, machine=ddp)
+    assert asked[3].ddp_find_unused_parameters is True
+    full = parse()
+    validate_setup(*full, machine=ddp)
+    assert full[3].ddp_find_unused_parameters is None  # the Trainer's own rule for a PreTrainedModel
