@@ -11,7 +11,9 @@ space, the space before the reply is part of the target.
 Each built-in also carries `chat_template`, Jinja that renders the same text as `text()`, and training stores it
 on the tokenizer it saves (chat_template_for_saving), so that `apply_chat_template` on a trained model (and
 `python -m sft.chat`) writes prompts byte for byte as training did. A user turn's optional `input` (Alpaca data)
-is rendered there as in training; a plain {"role", "content"} message simply has none.
+is rendered there as in training; a plain {"role", "content"} message simply has none. The templates with a
+tool-call format (V3 and the R1 family) also render OpenAI-form tool conversations there as training renders them
+after sft/formats.py read them: `tools=` in the system prompt, assistant `tool_calls`, `tool` results.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from collections.abc import Callable
 from typing import Any
 
 from sft.errors import DataError
-from sft.tool_calls import TOOLS_ROLE, has_tools, refuse_tools, render_v3, tool_definitions, with_tools
+from sft.tool_calls import (OUTPUTS_END, RESULT_JINJA, TOOLS_ROLE, TOOLS_STATE_JINJA, calls_jinja, end_jinja,
+                             has_tools, head_jinja, refuse_tools, render_v3, tool_definitions, with_tools)
 
 Segment = tuple[str, bool]  # (text, trained)
 Messages = list[dict[str, Any]]
@@ -55,7 +58,7 @@ class Template:
 
     name = "base"
     # Jinja rendering exactly `text()` (HF chat-template variables: messages, bos_token, eos_token,
-    # add_generation_prompt); None for the model's own template.
+    # add_generation_prompt, and tools for the templates with a tool-call format); None for the model's own template.
     chat_template: str | None = None
 
     def __init__(self, bos: str, eos: str):
@@ -140,14 +143,18 @@ class DeepSeekV3(Template):
         return "\n\n".join(m["content"] for m in messages if m["role"] == "system")
 
     reply_jinja = "message['content']"  # an assistant turn's text as shown, in Jinja
+    tool_reply_jinja = "message['content']"  # the same in a conversation with tools (render_v3 keeps it as given)
 
     @property
     def chat_template(self) -> str:  # type: ignore[override]  (built from the parts R1 changes)
-        return ("{{ bos_token }}{{ " + self.system_jinja + " }}{% for message in messages %}"
-                "{% if message['role'] == 'user' %}{{ '<｜User｜>' + " + USER_JINJA + " }}"
-                "{% elif message['role'] == 'assistant' %}{{ '<｜Assistant｜>' + " + self.reply_jinja + " + '"
-                + V3_EOS + "' }}{% endif %}{% endfor %}"
-                "{% if add_generation_prompt %}{{ " + repr(self.generation_prompt) + " }}{% endif %}")
+        # One loop for both layouts: without tools, `ns` stays as it starts and the tool branches never run, so a
+        # conversation without tools renders as the plain layout does.
+        return ("{{ bos_token }}" + TOOLS_STATE_JINJA + head_jinja(self.system_jinja) + "{% for message in messages %}"
+                "{% if message['role'] == 'user' %}{% set ns.in_outputs = false %}{{ '<｜User｜>' + " + USER_JINJA
+                + " }}" + calls_jinja(V3_EOS) + "{% elif message['role'] == 'assistant' %}"
+                "{{ ('" + OUTPUTS_END + "' if ns.in_outputs else '" + ASSISTANT + "') + (" + self.tool_reply_jinja
+                + " if ns.tools else " + self.reply_jinja + ") + '" + V3_EOS + "' }}{% set ns.in_outputs = false %}"
+                + RESULT_JINJA + "{% endif %}{% endfor %}" + end_jinja(self.generation_prompt))
 
     def render(self, messages, add_generation_prompt=False):
         if has_tools(messages):  # the official template's tool-call layout (sft/tool_calls.py)
@@ -249,6 +256,7 @@ class R1DistillWithoutReasoning(R1Distill):
 
     reply_jinja = ("(message['content'].split('</think>')[-1].lstrip() if '</think>' in message['content'] else "
                    "message['content'])")
+    tool_reply_jinja = reply_jinja  # render strips every turn's reasoning, with tools or without
 
     def render(self, messages, add_generation_prompt=False):
         stripped = [{**m, "content": strip_reasoning(m["content"])} if m["role"] == "assistant" else m

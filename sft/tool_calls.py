@@ -14,7 +14,8 @@ quirks included, because that is what the models see: only the conversation's fi
 results open `<｜tool▁outputs▁begin｜>` once per conversation and are closed by `<｜tool▁outputs▁end｜>` only before
 an answer (which has no `<｜Assistant｜>` in front) or at the end. Those templates do not write `tools` at all
 (apply_chat_template drops them); we add them to the system prompt (tools_section), as LLaMA-Factory does for
-templates without a tool slot, so that the model sees the functions it learns to call.
+templates without a tool slot, so that the model sees the functions it learns to call. The chat template that
+training saves writes the same layout from apply_chat_template's messages and `tools` (TOOLS_STATE_JINJA and after).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 from sft.errors import DataError
 
 TOOLS_ROLE = "tools"
-TOOL_TEMPLATES = ("deepseek_v3", "r1_distill", "r1_distill_no_reasoning")  # built-ins with a tool-call format
+TOOL_TEMPLATES = ("deepseek_v3", "r1", "r1_distill", "r1_distill_no_reasoning")  # built-ins with a tool-call format
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 OUTPUTS_BEGIN, OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
@@ -103,3 +104,50 @@ def render_v3(messages: list[dict[str, Any]], *, head: str, generation_prompt: s
     elif add_generation_prompt:
         out.append((generation_prompt, False))
     return out
+
+
+# The same layout in Jinja, for the chat template that training saves on the tokenizer (sft/templates.py), so that
+# `apply_chat_template(messages, tools=...)` on a trained model writes what render_v3 wrote. It reads OpenAI-form
+# messages as apply_chat_template hands them over: the definitions as its `tools` argument (a bare function is
+# wrapped as sft/formats.py wraps it), a call's arguments as JSON text or an object (dumped as dump_arguments does,
+# `tojson` being json.dumps(ensure_ascii=False) there), and a call's content missing, since transformers drops every
+# None value from a message before rendering. `ns` holds render_v3's state (tools: has_tools()).
+TOOLS_STATE_JINJA = (
+    "{% set ns = namespace(tools=false, section='', first_call=true, in_outputs=false, first_output=true) %}"
+    "{% if tools or messages | selectattr('role', 'equalto', 'tool') | list or messages | selectattr('tool_calls') "
+    "| list %}{% set ns.tools = true %}{% endif %}"
+    "{% if tools %}{% set ns.section = " + repr(TOOLS_HEADER) + " %}{% for tool in tools %}"
+    "{% set ns.section = ns.section + '\\n' + ((tool if tool['function'] is mapping else "
+    "{'type': 'function', 'function': tool}) | tojson) %}{% endfor %}{% endif %}")
+
+
+def head_jinja(system_jinja: str) -> str:
+    """with_tools() in Jinja: the system prompt (`system_jinja`), then the tools section after a blank line."""
+    return "{{ [" + system_jinja + ", ns.section] | select | join('\\n\\n') }}"
+
+
+def calls_jinja(eos: str) -> str:
+    """The Jinja of an assistant turn with `tool_calls` (an `{% elif %}` branch of the messages loop), as render_v3
+    writes it; text beside the calls is refused, as sft/formats.py refuses it in training data."""
+    call = ("'" + CALL_BEGIN + "' + (call['type'] if call['type'] is defined else 'function') + '" + SEP + "' + "
+            "call['function']['name'] + '\\n```json\\n' + (arguments if arguments is string else arguments | tojson) "
+            "+ '\\n```" + CALL_END + "'")
+    return ("{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+            "{% if message['content'] is string and message['content'] | trim %}{{ raise_exception('an assistant "
+            "message with both text and tool_calls: DeepSeek\\'s tool-call format writes only one of the two') }}"
+            "{% endif %}{% set ns.in_outputs = false %}{% for call in message['tool_calls'] %}"
+            "{% set arguments = call['function']['arguments'] if call['function']['arguments'] is defined else {} %}"
+            "{% if ns.first_call %}{{ '<｜Assistant｜>" + CALLS_BEGIN + "' + " + call + " }}"
+            "{% set ns.first_call = false %}{% else %}{{ '\\n' + " + call + " + '" + CALLS_END + eos + "' }}"
+            "{% endif %}{% endfor %}")
+
+
+# A tool result (an `{% elif %}` branch of the messages loop), and what ends the conversation, as render_v3 writes them.
+RESULT_JINJA = ("{% elif message['role'] == 'tool' %}{{ ('" + OUTPUTS_BEGIN + "' if ns.first_output else '\\n') + '"
+                + OUTPUT_BEGIN + "' + message['content'] + '" + OUTPUT_END + "' }}"
+                "{% set ns.in_outputs = true %}{% set ns.first_output = false %}")
+
+
+def end_jinja(generation_prompt: str) -> str:
+    return ("{% if ns.in_outputs %}{{ '" + OUTPUTS_END + "' }}{% elif add_generation_prompt %}{{ "
+            + repr(generation_prompt) + " }}{% endif %}")

@@ -5,7 +5,10 @@ answers trained.
 `apply_chat_template` itself cannot render those templates' tool calls in transformers 5: it drops every None value
 from the messages (transformers.utils.chat_template_utils._normalize_chat_messages), and the templates write calls
 only where `message['content'] is none`. So the official text comes from `render_jinja_template`, the function
-apply_chat_template calls after that step (test_apply_chat_template_cannot_render_official_tool_calls pins it)."""
+apply_chat_template calls after that step (test_apply_chat_template_cannot_render_official_tool_calls pins it).
+
+The chat template that training saves (chat_template_for_saving) renders OpenAI-form conversations through
+apply_chat_template itself, `tools=` included, exactly as training rendered them after sft/formats.py read them."""
 
 from __future__ import annotations
 
@@ -15,10 +18,10 @@ import pytest
 
 from conftest import DEEPSEEK_TOKENIZER, needs_shared
 from sft.formats import DataError, messages_conversation
-from sft.templates import get_template
-from sft.tokenization import IGNORE, tokenize_one
+from sft.templates import chat_template_for_saving, get_template
+from sft.tokenization import IGNORE, tokenize_examples, tokenize_one
 from sft.tool_calls import TOOLS_ROLE, tool_definitions, tools_section
-from test_formats import OPENAI_TOOLS
+from test_formats import OPENAI_TOOLS, WEATHER
 from test_templates import DEEPSEEK_V3, R1_DISTILL, trained_runs
 
 pytestmark = needs_shared
@@ -162,7 +165,7 @@ def test_model_template_gets_the_calls_and_tools_and_trains_the_same(tokenizers)
 @pytest.mark.parametrize("name", ["deepseek", "deepseek_coder", "alpaca"])
 def test_templates_without_a_tool_format_refuse_tool_conversations(tokenizers, name):
     with pytest.raises(DataError, match=f"--template {name} has no tool-call format; .* --template deepseek_v3, "
-                                        "r1_distill, r1_distill_no_reasoning"):
+                                        "r1, r1_distill, r1_distill_no_reasoning"):
         tokenize_one(SINGLE, tokenizer=tokenizers["deepseek_v3"], template=get_template(name, tokenizers["deepseek_v3"]),
                      max_length=4096)
 
@@ -181,3 +184,124 @@ def test_tool_conversations_go_through_the_arrow_dataset_with_plain_ones(tokeniz
         one = tokenize_one(c["messages"], tokenizer=tokenizer, template=template, max_length=4096)
         assert (row["input_ids"], row["labels"]) == (one["input_ids"], one["labels"])
     assert json.loads(SINGLE[0]["content"])[0]["function"]["name"] == "get_weather"
+
+
+# --------------------------------------------------------------------------------- the chat template training saves
+
+TOOL_BUILTINS = ["deepseek_v3", "r1", "r1_distill", "r1_distill_no_reasoning"]
+
+
+def openai_call(name: str, arguments: str | dict, n: int) -> dict:
+    return {"id": f"call_{n}", "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+# OpenAI-form conversations as a user sends them to apply_chat_template: calls with content None (transformers drops
+# the key), call ids, arguments as JSON text or as an object, reasoning in an earlier answer (the R1 family).
+USER_CONVERSATIONS = {
+    "single_call": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in 東京?"},
+        {"role": "assistant", "content": None, "tool_calls": [openai_call("get_weather", '{"city": "東京"}', 1)]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21°C"},
+        {"role": "assistant", "content": "21°C in 東京."}],
+    "calls_in_one_turn": [
+        {"role": "user", "content": "東京 and Oslo?"},
+        {"role": "assistant", "content": None, "tool_calls": [openai_call("get_weather", {"city": "東京"}, 1),
+                                                              openai_call("get_weather", '{"city":"Oslo"}', 2)]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21°C"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "3°C"},
+        {"role": "assistant", "content": "<think>\nBoth known.\n</think>\n\n東京 21°C, Oslo 3°C."}],
+    # Calls in two turns, a call straight after results, and the conversation ending on tool results.
+    "calls_in_two_turns": [
+        {"role": "system", "content": "First."}, {"role": "system", "content": "Second."},
+        {"role": "user", "content": "Weather in Rome?"},
+        {"role": "assistant", "content": "", "tool_calls": [openai_call("get_weather", '{"city": "Rome"}', 1)]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "25°C"},
+        {"role": "assistant", "content": "<think>\nWarm.\n</think>\n\nRome 25°C."},
+        {"role": "user", "content": "And Oslo, then Bergen?"},
+        {"role": "assistant", "content": None, "tool_calls": [openai_call("get_weather", {"city": "Oslo"}, 2)]},
+        {"role": "tool", "tool_call_id": "call_2", "content": "3°C"},
+        {"role": "assistant", "content": None, "tool_calls": [openai_call("get_weather", {}, 3),
+                                                              openai_call("get_weather", '{"city": "Bergen"}', 4)]},
+        {"role": "tool", "tool_call_id": "call_3", "content": "?"},
+        {"role": "tool", "tool_call_id": "call_4", "content": "5°C"}],
+    # Tool definitions and no call: still the tool layout, as in training (earlier reasoning kept for R1).
+    "no_call": [
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "<think>\nGreet.\n</think>\n\nHello!"},
+        {"role": "user", "content": "Weather?"}, {"role": "assistant", "content": "Which city?"}],
+}
+
+
+def as_trained(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """The conversation as training renders it: read by sft/formats.py's OpenAI reader. The reader drops trailing
+    turns without a reply (a training record ends with one), so a stand-in reply is read along and removed."""
+    record = {"tools": tools, "messages": messages + [{"role": "assistant", "content": "stand-in"}]}
+    return messages_conversation(record, "test")["messages"][:-1]
+
+
+@pytest.fixture(scope="module")
+def saving_tokenizer():
+    """The real tokenizer with the V3/R1 special tokens; each test stores the built-in's Jinja on it, as training
+    does before saving."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(DEEPSEEK_TOKENIZER)
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL})
+    tokenizer.eos_token = EOS
+    return tokenizer
+
+
+@pytest.mark.parametrize("name", TOOL_BUILTINS)
+@pytest.mark.parametrize("with_definitions", [True, False], ids=["tools", "no_tools"])
+@pytest.mark.parametrize("key", list(USER_CONVERSATIONS))
+def test_saved_template_renders_tool_conversations_as_training(saving_tokenizer, name, with_definitions, key):
+    tokenizer = saving_tokenizer
+    template = get_template(name, tokenizer)
+    tokenizer.chat_template = chat_template_for_saving(name, tokenizer)
+    messages, tools = USER_CONVERSATIONS[key], OPENAI_TOOLS["tools"] if with_definitions else None
+    for n in range(1, len(messages) + 1):  # every prefix: after a question, a call, results, an answer
+        trained = as_trained(messages[:n], tools)
+        for prompt in (False, True):
+            assert tokenizer.apply_chat_template(messages[:n], tools=tools, tokenize=False,
+                                                 add_generation_prompt=prompt) == template.text(trained, prompt)
+    # The ids too: those of the example that ends the conversation (R1 makes one per reasoning turn without tools).
+    row = tokenize_examples(as_trained(messages, tools), tokenizer=tokenizer, template=template, max_length=4096)[-1]
+    assert tokenizer.apply_chat_template(messages, tools=tools)["input_ids"] == row["input_ids"]
+
+
+def test_saved_template_writes_tools_and_calls_as_the_training_layout(saving_tokenizer):
+    """What the test above compares is the tool layout itself: the tools section, each call, the results block."""
+    tokenizer = saving_tokenizer
+    tokenizer.chat_template = chat_template_for_saving("r1", tokenizer)
+    text = tokenizer.apply_chat_template(USER_CONVERSATIONS["calls_in_one_turn"][:4], tools=OPENAI_TOOLS["tools"],
+                                         tokenize=False, add_generation_prompt=True)
+    assert text == (tokenizer.bos_token + tools_section(OPENAI_TOOLS["tools"]) + "<｜User｜>東京 and Oslo?"
+                    "<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
+                    "```json\n{\"city\": \"東京\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>"
+                    "get_weather\n```json\n{\"city\":\"Oslo\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>" + EOS +
+                    "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>21°C<｜tool▁output▁end｜>\n"
+                    "<｜tool▁output▁begin｜>3°C<｜tool▁output▁end｜><｜tool▁outputs▁end｜>")
+
+
+def test_saved_template_wraps_bare_functions_as_the_reader_does(saving_tokenizer):
+    """glaive-style definitions ({"name", "parameters"}) given to `tools=`: wrapped into OpenAI's form, as training
+    data's are (sft/formats.py)."""
+    tokenizer = saving_tokenizer
+    tokenizer.chat_template = chat_template_for_saving("deepseek_v3", tokenizer)
+    messages = USER_CONVERSATIONS["single_call"]
+    text = tokenizer.apply_chat_template(messages, tools=[WEATHER], tokenize=False)
+    assert text == get_template("deepseek_v3", tokenizer).text(as_trained(messages, [WEATHER]))
+    assert tools_section(OPENAI_TOOLS["tools"]) in text
+
+
+def test_saved_template_refuses_text_beside_calls_as_the_reader_does(saving_tokenizer):
+    from jinja2.exceptions import TemplateError
+
+    tokenizer = saving_tokenizer
+    tokenizer.chat_template = chat_template_for_saving("r1_distill", tokenizer)
+    messages = [{"role": "user", "content": "Rome?"},
+                {"role": "assistant", "content": "Checking.", "tool_calls": [openai_call("get_weather", {}, 1)]}]
+    with pytest.raises(DataError, match="both text and tool_calls"):
+        as_trained(messages, None)
+    with pytest.raises(TemplateError, match="both text and tool_calls"):
+        tokenizer.apply_chat_template(messages, tokenize=False)
