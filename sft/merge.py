@@ -8,6 +8,7 @@ The merged model is checked against the adapter on a fixed batch before anything
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -32,8 +33,13 @@ def main(argv: list[str] | None = None) -> int:
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoTokenizer
 
-    from sft.model import resolve_model_path
+    from sft.model import QUANTIZED_BASE, resolve_model_path
 
+    if (adapter / QUANTIZED_BASE).is_file():  # a --qlora adapter (sft/model.py: record_quantized_base)
+        quant = json.loads((adapter / QUANTIZED_BASE).read_text())
+        print(f"note: this adapter was trained on a 4-bit ({quant.get('bnb_4bit_quant_type', '?')}) base; it is "
+              f"merged into the unquantized base, so the merged model's logits differ from the 4-bit model "
+              f"trained by the quantization error (README: QLoRA).", flush=True)
     tuned = AutoPeftModelForCausalLM.from_pretrained(adapter, dtype=torch.float32, use_safetensors=True)
     probe = torch.randint(0, tuned.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -8,6 +8,7 @@ weights stay fp32 (peft's default).
 from __future__ import annotations
 
 import functools
+import json
 import os
 import types
 from pathlib import Path
@@ -205,6 +206,21 @@ def report_quantization(model) -> None:
           f"{' with double quantization' if config.bnb_4bit_use_double_quant else ''}, computed in "
           f"{name(config.bnb_4bit_compute_dtype)}, stored as {name(config.bnb_4bit_quant_storage)}; the base "
           f"holds {footprint}", flush=True)
+
+
+QUANTIZED_BASE = "quantized_base.json"  # beside a --qlora adapter: how its base was quantized in training
+
+
+def record_quantized_base(model, output_dir: str) -> bool:
+    """A --qlora adapter trained on a 4-bit base: write that base's quantization beside the adapter (peft's
+    adapter_config.json records nothing of it), so that sft.merge can say what the merged model is. -> written."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(getattr(base, "hf_quantizer", None), "quantization_config", None)
+    if config is None:
+        return False
+    settings = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    (Path(output_dir) / QUANTIZED_BASE).write_text(json.dumps(settings, indent=1, default=str) + "\n")
+    return True
 
 
 def tensor_parallel(model_args: ModelArguments) -> dict:

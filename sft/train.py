@@ -43,7 +43,7 @@ from sft.interrupts import end_with_launcher, exit_code, ignore_further_interrup
 from sft.lowbit import prepare_optimizer
 from sft.families import check_family
 from sft.model import (PartialCheckpointing, check_lora_targets, load_config, load_model, load_tokenizer,
-                       resolve_model_path)
+                       record_quantized_base, resolve_model_path)
 from sft.moe import MoeLoadLogger, add_aux_loss, install_moe
 from sft.packing import Collator
 from sft.plan import prediction_line
@@ -198,6 +198,8 @@ def train(run: Run, seams: Seams) -> int:
         trainer.evaluate()
     if seams.save:
         consolidate_fsdp_saves(trainer)  # FSDP: one consolidated safetensors model, not shards
+        if main_process:
+            record_quantized_base(model, training_args.output_dir)  # --qlora: the 4-bit base, for sft.merge
         save_final(trainer, training_args.output_dir, verifier)  # model or adapter + tokenizer, reloaded, checked
 
     if main_process:

@@ -36,6 +36,28 @@ def test_merge_writes_a_plain_model_equal_to_the_adapter(trained_adapter, tmp_pa
     assert merge.main([str(trained_adapter), str(merged_dir)]) == 2  # never over an existing model
 
 
+def test_a_qlora_adapter_says_its_base_was_4_bit_and_merge_tells_the_user(trained_adapter, tmp_path, capsys):
+    """peft's adapter_config.json records nothing of a 4-bit base: the run writes it beside the adapter
+    (quantized_base.json) and sft.merge says what the merged model then is. The 4-bit model is faked (no
+    bitsandbytes on CPU): what is read is the base's hf_quantizer.quantization_config."""
+    import shutil
+    from types import SimpleNamespace
+
+    from transformers import BitsAndBytesConfig
+
+    from sft.model import QUANTIZED_BASE, record_quantized_base
+
+    adapter = tmp_path / "adapter"
+    shutil.copytree(trained_adapter, adapter)
+    plain = SimpleNamespace(get_base_model=lambda: SimpleNamespace())
+    assert not record_quantized_base(plain, str(adapter)) and not (adapter / QUANTIZED_BASE).exists()
+    quantizer = SimpleNamespace(quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"))
+    assert record_quantized_base(SimpleNamespace(get_base_model=lambda: SimpleNamespace(hf_quantizer=quantizer)),
+                                 str(adapter))
+    assert merge.main([str(adapter), str(tmp_path / "merged")]) == 0
+    assert "trained on a 4-bit (nf4) base" in capsys.readouterr().out
+
+
 def test_merge_refuses_a_directory_without_adapter(tmp_path, capsys):
     assert merge.main([str(tmp_path), str(tmp_path / "out")]) == 2
     assert "adapter_config.json" in capsys.readouterr().err
