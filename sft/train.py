@@ -144,7 +144,7 @@ def train(run: Run, seams: Seams) -> int:
         print(f"Loading model: {model_args.model}", flush=True)
 
     fsdp_training_settings(training_args, lora_args.lora)  # activation checkpointing; sharded gradients
-    prepare_optimizer(training_args.optim)  # torchao's low-bit AdamW under FSDP2: see sft/lowbit.py
+    prepare_optimizer(training_args.optim)  # ours (adamw_bf16_sr) registered; torchao low-bit AdamW patched
     set_seed(training_args.seed)  # the LoRA init happens before the Trainer seeds: make it follow --seed too
     model = load_model(model_args, lora_args, training_args.activation_checkpointing, seams.model_factory)
     # The Trainer copies args.use_cache onto the config it saves: keep the base's (the Collator turns the cache off
