@@ -22,8 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 from sft.errors import DataError
-from sft.tool_calls import (OUTPUTS_END, RESULT_JINJA, TOOLS_ROLE, TOOLS_STATE_JINJA, calls_jinja, end_jinja,
-                             has_tools, head_jinja, refuse_tools, render_v3, tool_definitions, with_tools)
+from sft.tool_calls import (OUTPUTS_END, RESULT_JINJA, TOOLS_ROLE, TOOLS_STATE_JINJA, TRAINED_BEFORE, after_outputs,
+                             calls_jinja, end_jinja, has_tools, head_jinja, refuse_tools, render_v3, tool_definitions,
+                             with_tools)
 
 Segment = tuple[str, bool]  # (text, trained)
 Messages = list[dict[str, Any]]
@@ -142,8 +143,8 @@ class DeepSeekV3(Template):
     def system(self, messages: Messages) -> str:
         return "\n\n".join(m["content"] for m in messages if m["role"] == "system")
 
-    reply_jinja = "message['content']"  # an assistant turn's text as shown, in Jinja
-    tool_reply_jinja = "message['content']"  # the same in a conversation with tools (render_v3 keeps it as given)
+    reply_jinja = "message['content']"  # an answer's text as shown after `<｜Assistant｜>`, in Jinja
+    outputs_reply_jinja = "message['content']"  # the same right after tool results (reply(after_outputs=True))
 
     @property
     def chat_template(self) -> str:  # type: ignore[override]  (built from the parts R1 changes)
@@ -152,15 +153,15 @@ class DeepSeekV3(Template):
         return ("{{ bos_token }}" + TOOLS_STATE_JINJA + head_jinja(self.system_jinja) + "{% for message in messages %}"
                 "{% if message['role'] == 'user' %}{% set ns.in_outputs = false %}{{ '<｜User｜>' + " + USER_JINJA
                 + " }}" + calls_jinja(V3_EOS) + "{% elif message['role'] == 'assistant' %}"
-                "{{ ('" + OUTPUTS_END + "' if ns.in_outputs else '" + ASSISTANT + "') + (" + self.tool_reply_jinja
-                + " if ns.tools else " + self.reply_jinja + ") + '" + V3_EOS + "' }}{% set ns.in_outputs = false %}"
+                "{{ ('" + OUTPUTS_END + "' + " + self.outputs_reply_jinja + " if ns.in_outputs else '" + ASSISTANT
+                + "' + " + self.reply_jinja + ") + '" + V3_EOS + "' }}{% set ns.in_outputs = false %}"
                 + RESULT_JINJA + "{% endif %}{% endfor %}" + end_jinja(self.generation_prompt))
 
     def render(self, messages, add_generation_prompt=False):
         if has_tools(messages):  # the official template's tool-call layout (sft/tool_calls.py)
             return render_v3(messages, head=self.bos + with_tools(self.system(messages), messages), eos=V3_EOS,
                              generation_prompt=self.generation_prompt, add_generation_prompt=add_generation_prompt,
-                             user_text=user_text)
+                             user_text=user_text, reply=self.reply)
         out: list[Segment] = [(self.bos + self.system(messages), False)]
         for i, m in enumerate(messages):
             if m["role"] == "user":
@@ -171,13 +172,11 @@ class DeepSeekV3(Template):
             out.append((self.generation_prompt, False))
         return out
 
-    def reply(self, message: dict, last: bool) -> list[Segment]:
-        """An assistant turn (`last`: the conversation's last message) as segments."""
-        return [(ASSISTANT, False), (message["content"] + V3_EOS, True)]
-
-
-# An assistant turn whose target an earlier example of the same conversation already trained (R1.examples).
-TRAINED_BEFORE = "_trained_before"
+    def reply(self, message: dict, last: bool, after_outputs: bool = False) -> list[Segment]:
+        """An answer (`last`: the conversation's last message; `after_outputs`: right after tool results, where the
+        template writes `<｜tool▁outputs▁end｜>` instead of `<｜Assistant｜>`) as segments."""
+        return [(OUTPUTS_END if after_outputs else ASSISTANT, False),
+                (message["content"] + V3_EOS, not message.get(TRAINED_BEFORE))]
 
 
 def shown_answer(content: str) -> str:
@@ -189,19 +188,22 @@ def shown_answer(content: str) -> str:
 class R1(DeepSeekV3):
     """DeepSeek-R1 (model_type deepseek_v3), as its own chat template writes it: the V3 layout (system texts joined
     by a blank line), a generation prompt that opens the reasoning (`<｜Assistant｜><think>\n`), and every assistant
-    turn but the conversation's last without its reasoning (shown_answer), as the model sees earlier turns at
-    inference. So a turn's context is what the model is given when it writes that turn: a reply that opens with
-    `<think>\n` has it in the prompt, and each turn's reasoning is trained in an example that ends with it
-    (`examples`). Our Jinja keeps the reasoning of a conversation's last message, which the official template
-    deletes too: prompts (ending with a user turn) render identically."""
+    answer but the conversation's last without its reasoning (shown_answer), as the model sees earlier turns at
+    inference, except an answer right after tool results, which the template writes as given. So a turn's context
+    is what the model is given when it writes that turn: a reply that opens with `<think>\n` after the generation
+    prompt has it in the prompt, and each turn's reasoning is trained in an example that ends with it (`examples`).
+    Our Jinja keeps the reasoning of a conversation's last message, which the official template deletes too:
+    prompts (ending with a user turn or tool results) render identically."""
 
     name = "r1"
     generation_prompt = ASSISTANT + "<think>\n"
     reply_jinja = ("(message['content'].split('</think>')[-1] if '</think>' in message['content'] and not loop.last "
                    "else message['content'])")
 
-    def reply(self, message, last):
+    def reply(self, message, last, after_outputs=False):
         content = message["content"]
+        if after_outputs:  # no generation prompt there: the model writes `<think>` itself, and later turns see it
+            return super().reply(message, last, after_outputs)
         if not last and THINK_END in content:  # context only: not what the model wrote
             return [(ASSISTANT + shown_answer(content) + V3_EOS, False)]
         opens = self.generation_prompt[len(ASSISTANT):]  # what the generation prompt writes of the reply
@@ -210,13 +212,14 @@ class R1(DeepSeekV3):
         return [(prompt, False), (rest, not message.get(TRAINED_BEFORE))]
 
     def examples(self, messages):
-        """One example per assistant turn with reasoning, ending with it (earlier turns as the official template
-        shows them), and one more for the turns after the last of those. A turn without reasoning is trained once,
-        in the first example that holds it; each example has exactly its own turns trained, so every token of a
-        reply counts once in the loss. Without reasoning before the last assistant turn: one example, `render`."""
-        if has_tools(messages):
-            return [self.render(messages)]
-        ends = [i for i, m in enumerate(messages) if m["role"] == "assistant" and THINK_END in m["content"]]
+        """One example per answer whose reasoning later turns do not see (with reasoning, not right after tool
+        results), ending with it (earlier turns as the official template shows them), and one more for the turns
+        after the last of those. A turn without such reasoning (a call, an answer after tool results) is trained
+        once, in the first example that holds it; each example has exactly its own turns trained, so every token of
+        a reply counts once in the loss. Without such an answer before the last assistant turn: one example,
+        `render`."""
+        ends = [i for i, (m, after) in enumerate(zip(messages, after_outputs(messages)))
+                if m["role"] == "assistant" and not m.get("tool_calls") and not after and THINK_END in m["content"]]
         last_reply = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
         if not ends or ends[-1] < last_reply:
             ends.append(len(messages) - 1)
@@ -256,7 +259,7 @@ class R1DistillWithoutReasoning(R1Distill):
 
     reply_jinja = ("(message['content'].split('</think>')[-1].lstrip() if '</think>' in message['content'] else "
                    "message['content'])")
-    tool_reply_jinja = reply_jinja  # render strips every turn's reasoning, with tools or without
+    outputs_reply_jinja = reply_jinja  # render strips every answer's reasoning, after tool results too
 
     def render(self, messages, add_generation_prompt=False):
         stripped = [{**m, "content": strip_reasoning(m["content"])} if m["role"] == "assistant" else m

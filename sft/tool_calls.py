@@ -12,9 +12,12 @@ quirks included, because that is what the models see: only the conversation's fi
 `<｜Assistant｜><｜tool▁calls▁begin｜>`; every later call (of that turn or of a later one) is written as
 "\\n" + call + `<｜tool▁calls▁end｜><｜end▁of▁sentence｜>`, so a turn with a single call carries no end marker; the
 results open `<｜tool▁outputs▁begin｜>` once per conversation and are closed by `<｜tool▁outputs▁end｜>` only before
-an answer (which has no `<｜Assistant｜>` in front) or at the end. Those templates do not write `tools` at all
-(apply_chat_template drops them); we add them to the system prompt (tools_section), as LLaMA-Factory does for
-templates without a tool slot, so that the model sees the functions it learns to call. The chat template that
+an answer (which has no `<｜Assistant｜>` in front) or at the end. The R1 templates write an answer right after
+results as given, reasoning included, and every other answer without its reasoning (`split('</think>')[-1]`, no
+whitespace stripped), as without tools: the caller's `reply` writes answers (sft/templates.py R1). Those
+templates do not write `tools` at all (apply_chat_template drops them); we add them to the system prompt
+(tools_section), as LLaMA-Factory does for templates without a tool slot, so that the model sees the functions it
+learns to call. The chat template that
 training saves writes the same layout from apply_chat_template's messages and `tools` (TOOLS_STATE_JINJA and after).
 """
 
@@ -32,6 +35,8 @@ CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 OUTPUTS_BEGIN, OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
 OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
+# Marks an assistant turn whose target an earlier example of the same conversation already trained (R1.examples).
+TRAINED_BEFORE = "_trained_before"
 TOOLS_HEADER = "## Tools\nYou have access to the following functions (JSON schemas, one per line):"
 
 
@@ -74,27 +79,42 @@ def call_text(call: dict[str, Any]) -> str:
     return f"{CALL_BEGIN}{call['type']}{SEP}{function['name']}\n```json\n{function['arguments']}\n```{CALL_END}"
 
 
+def after_outputs(messages: list[dict[str, Any]]) -> list[bool]:
+    """For each message, whether tool results come right before it (the template's `ns.is_tool`: set by a result,
+    cleared by a question, a call or an answer; system texts and the tool definitions leave it as it is). An answer
+    there follows `<｜tool▁outputs▁end｜>` and is written as given, reasoning included."""
+    out, state = [], False
+    for m in messages:
+        out.append(state)
+        if m["role"] in ("user", "assistant", "tool"):
+            state = m["role"] == "tool"
+    return out
+
+
 def render_v3(messages: list[dict[str, Any]], *, head: str, generation_prompt: str, eos: str,
-              add_generation_prompt: bool, user_text: Callable[[dict[str, Any]], str]) -> list[tuple[str, bool]]:
+              add_generation_prompt: bool, user_text: Callable[[dict[str, Any]], str],
+              reply: Callable[[dict[str, Any], bool, bool], list[tuple[str, bool]]]) -> list[tuple[str, bool]]:
     """A tool conversation as DeepSeek-V3/R1's template writes it (see the module docstring), as segments: every
-    assistant turn's calls or answer trained, with the end markers the template writes; prompts, tool results,
-    the system prompt with the tools, and the `<｜Assistant｜>`/`<｜tool▁outputs▁end｜>` in front of a turn not."""
+    assistant turn's calls trained (unless marked TRAINED_BEFORE), with the end markers the template writes, and
+    every answer as `reply(message, last, after_outputs)` writes it (the template's own choice: R1 shows an earlier
+    answer's reasoning only right after tool results); prompts, tool results, the system prompt with the tools,
+    and the `<｜Assistant｜>` in front of a turn not."""
     out: list[tuple[str, bool]] = [(head, False)]
     first_call, in_outputs, first_output = True, False, True  # the template's ns.is_first, is_tool, is_output_first
-    for m in messages:
+    for i, m in enumerate(messages):
         if m["role"] == "user":
             in_outputs = False
             out.append((f"<｜User｜>{user_text(m)}", False))
         elif m["role"] == "assistant" and m.get("tool_calls"):
-            in_outputs = False
+            in_outputs, trained = False, not m.get(TRAINED_BEFORE)
             for call in m["tool_calls"]:
                 if first_call:
-                    out += [("<｜Assistant｜>", False), (CALLS_BEGIN + call_text(call), True)]
+                    out += [("<｜Assistant｜>", False), (CALLS_BEGIN + call_text(call), trained)]
                     first_call = False
                 else:
-                    out.append(("\n" + call_text(call) + CALLS_END + eos, True))
+                    out.append(("\n" + call_text(call) + CALLS_END + eos, trained))
         elif m["role"] == "assistant":
-            out += [(OUTPUTS_END if in_outputs else "<｜Assistant｜>", False), (m["content"] + eos, True)]
+            out += reply(m, i == len(messages) - 1, in_outputs)
             in_outputs = False
         elif m["role"] == "tool":
             out.append(((OUTPUTS_BEGIN if first_output else "\n") + OUTPUT_BEGIN + m["content"] + OUTPUT_END, False))
@@ -111,11 +131,9 @@ def render_v3(messages: list[dict[str, Any]], *, head: str, generation_prompt: s
 # messages as apply_chat_template hands them over: the definitions as its `tools` argument (a bare function is
 # wrapped as sft/formats.py wraps it), a call's arguments as JSON text or an object (dumped as dump_arguments does,
 # `tojson` being json.dumps(ensure_ascii=False) there), and a call's content missing, since transformers drops every
-# None value from a message before rendering. `ns` holds render_v3's state (tools: has_tools()).
+# None value from a message before rendering. `ns` holds render_v3's state and the tools section.
 TOOLS_STATE_JINJA = (
-    "{% set ns = namespace(tools=false, section='', first_call=true, in_outputs=false, first_output=true) %}"
-    "{% if tools or messages | selectattr('role', 'equalto', 'tool') | list or messages | selectattr('tool_calls') "
-    "| list %}{% set ns.tools = true %}{% endif %}"
+    "{% set ns = namespace(section='', first_call=true, in_outputs=false, first_output=true) %}"
     "{% if tools %}{% set ns.section = " + repr(TOOLS_HEADER) + " %}{% for tool in tools %}"
     "{% set ns.section = ns.section + '\\n' + ((tool if tool['function'] is mapping else "
     "{'type': 'function', 'function': tool}) | tojson) %}{% endfor %}{% endif %}")

@@ -22,6 +22,7 @@ from sft.templates import chat_template_for_saving, get_template
 from sft.tokenization import IGNORE, tokenize_examples, tokenize_one
 from sft.tool_calls import TOOLS_ROLE, tool_definitions, tools_section
 from test_formats import OPENAI_TOOLS, WEATHER
+from test_reasoning import runs
 from test_templates import DEEPSEEK_V3, R1_DISTILL, trained_runs
 
 pytestmark = needs_shared
@@ -67,7 +68,7 @@ def official(messages: list[dict]) -> list[dict]:
     out = [{**m, "content": None} if m.get("tool_calls") else dict(m) for m in messages if m["role"] != TOOLS_ROLE]
     section = tools_section(tool_definitions(messages))
     systems = [m for m in out if m["role"] == "system"]
-    if systems:
+    if systems and section:
         systems[-1]["content"] += "\n\n" + section
     elif section:
         out.insert(0, {"role": "system", "content": section})
@@ -143,6 +144,112 @@ def test_trained_tokens_are_the_calls_and_answers_as_the_template_writes_them(to
         "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>" + weather.format("東京") + later.format(weather.format("Oslo")),
         "東京 21°C, Oslo 3°C." + EOS, later.format(weather.format("Rome")),
         "".join(later.format(plain.format(f)) for f in "fgh"), "Rome 25°C." + EOS]
+
+
+# ------------------------------------------------------------------------------------- reasoning with tool calls
+
+THINK = "<think>\n"
+# Reasoning in answers right after tool results (the R1 templates show those as given in later turns) and in answers
+# after a question (they show those without it): one example per answer of the second kind but the last turn.
+REASONING = {
+    # Only after tool results: no split, the whole conversation as the official template writes it.
+    "after_results": conversation({"system": "Be brief.", "tools": OPENAI_TOOLS["tools"], "messages": [
+        {"role": "user", "content": "Weather in 東京?"},
+        {"role": "assistant", "content": None, "tool_calls": [call("get_weather", '{"city": "東京"}')]},
+        {"role": "tool", "content": "21°C"},
+        {"role": "assistant", "content": "<think>\nMild.\n</think>\n\n21°C in 東京."},
+        {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "Bye."}]}),
+    # A reasoned answer, then calls (first of the conversation), a reasoned answer after results, a reasoned answer
+    # to a question, a later call and a call straight after results, and a plain answer.
+    "mixed": conversation({"tools": OPENAI_TOOLS["tools"], "messages": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>\nGreet.\n</think>\n\nHello!"},
+        {"role": "user", "content": "東京 and Oslo?"},
+        {"role": "assistant", "content": "", "tool_calls": [call("get_weather", '{"city": "東京"}'),
+                                                            call("get_weather", '{"city": "Oslo"}')]},
+        {"role": "tool", "content": "21°C"}, {"role": "tool", "content": "3°C"},
+        {"role": "assistant", "content": "<think>\nBoth known.\n</think>\n\n東京 21°C, Oslo 3°C."},
+        {"role": "user", "content": "Warmer?"},
+        {"role": "assistant", "content": "<think>\n21 > 3.\n</think>\n\n東京."},
+        {"role": "user", "content": "And Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [call("get_weather", '{"city": "Rome"}')]},
+        {"role": "tool", "content": "25°C"},
+        {"role": "assistant", "content": None, "tool_calls": [call("f", "{}")]},
+        {"role": "tool", "content": "ok"}, {"role": "assistant", "content": "Rome 25°C."}]}),
+    # Reasoning without a think block opening the answer, and the conversation ending on a reasoned answer.
+    "ends_reasoning": conversation({"system": "S", "messages": [
+        {"role": "user", "content": "q"}, {"role": "assistant", "content": "Plan</think>\n\nfirst"},
+        {"role": "user", "content": "Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [call("get_weather", '{"city": "Rome"}')]},
+        {"role": "tool", "content": "25°C"}, {"role": "user", "content": "So?"},
+        {"role": "assistant", "content": "<think>\nWarm.\n</think>\n\nWarm."}]}),
+}
+
+
+def expected_turns(tokenizer, messages: list[dict]) -> list[tuple[list[int], str]]:
+    """Each assistant turn's context (ids) and trained text, from the official Jinja rendered directly: an answer
+    follows the generation prompt the template writes after the conversation up to it (`<think>\\n` there is
+    context when the answer opens with it); a call follows the template's text up to it, as it writes calls."""
+    out = []
+    for k, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        if m.get("tool_calls"):
+            plain, full = (official_ids(tokenizer, messages[:n], text=True) for n in (k, k + 1))
+            context = plain + "<｜Assistant｜>" if full.startswith(plain + "<｜Assistant｜>") else \
+                plain if full.startswith(plain) else plain.removesuffix("<｜tool▁outputs▁end｜>")
+            target = full[len(context):]
+        else:
+            context = official_ids(tokenizer, messages[:k], add_generation_prompt=True, text=True)
+            if not m["content"].startswith(THINK):
+                context = context.removesuffix(THINK)
+            target = m["content"].removeprefix(THINK) if context.endswith(THINK) else m["content"]
+            target += EOS
+        out.append((tokenizer(context, add_special_tokens=False)["input_ids"], target))
+    return out
+
+
+@pytest.mark.parametrize("name", ["r1", "r1_distill"])
+@pytest.mark.parametrize("key", list(REASONING))
+def test_r1_tool_turns_train_once_after_the_official_context(tokenizers, name, key):
+    """Every call and answer is trained exactly once, after the tokens the official template gives the model for
+    that turn (earlier reasoning deleted except right after tool results); one example per answer whose reasoning
+    later turns do not see, the last turn's aside. (One system text: R1 and the distills write it alike.)"""
+    tokenizer, messages = tokenizers["r1_distill"], REASONING[key]
+    rows = tokenize_examples(messages, tokenizer=tokenizer, template=get_template(name, tokenizer), max_length=4096)
+    seen = [(row["input_ids"][:start], tokenizer.decode(row["input_ids"][start:end]))
+            for row in rows for start, end in runs(row)]
+    assert seen == expected_turns(tokenizer, messages)
+    hidden = [k for k, m in enumerate(messages[:-1]) if m["role"] == "assistant" and "</think>" in m["content"]
+              and messages[k - 1]["role"] != "tool"]
+    assert len(rows) == len(hidden) + 1
+    if not hidden:  # as before: one example, the official conversation token for token
+        assert rows[0]["input_ids"] == official_ids(tokenizer, messages)
+
+
+def test_r1_answer_after_results_keeps_its_reasoning_in_later_turns(tokenizers):
+    """The official template writes an answer right after tool results as given: a prompt after it shows the
+    reasoning, which the model wrote itself (no generation prompt after results), so `<think>` is trained."""
+    tokenizer = tokenizers["r1_distill"]
+    template = get_template("r1_distill", tokenizer)
+    messages = REASONING["after_results"]
+    n = next(k for k, m in enumerate(messages) if m["content"] == "Thanks.") + 1
+    prompt = template.text(messages[:n], add_generation_prompt=True)
+    assert prompt == official_ids(tokenizer, messages[:n], add_generation_prompt=True, text=True)
+    assert "<｜tool▁outputs▁end｜><think>\nMild.\n</think>" in prompt
+    runs_ = trained_runs(tokenize_examples(messages, tokenizer=tokenizer, template=template, max_length=4096)[0],
+                         tokenizer)
+    assert runs_[1] == messages[n - 2]["content"] + EOS and runs_[2] == "Bye." + EOS
+
+
+def test_r1_without_reasoning_still_trains_answers_only_with_tools(tokenizers):
+    tokenizer = tokenizers["r1_distill"]
+    messages = REASONING["mixed"]
+    rows = tokenize_examples(messages, tokenizer=tokenizer, max_length=4096,
+                             template=get_template("r1_distill_no_reasoning", tokenizer))
+    answers = [trained for trained in trained_runs(rows[0], tokenizer) if trained.endswith(EOS)
+               and "<｜tool▁call" not in trained]
+    assert len(rows) == 1 and answers == ["Hello!" + EOS, "東京 21°C, Oslo 3°C." + EOS, "東京." + EOS,
+                                          "Rome 25°C." + EOS]
 
 
 def test_model_template_gets_the_calls_and_tools_and_trains_the_same(tokenizers):
@@ -224,7 +331,16 @@ USER_CONVERSATIONS = {
                                                               openai_call("get_weather", '{"city": "Bergen"}', 4)]},
         {"role": "tool", "tool_call_id": "call_3", "content": "?"},
         {"role": "tool", "tool_call_id": "call_4", "content": "5°C"}],
-    # Tool definitions and no call: still the tool layout, as in training (earlier reasoning kept for R1).
+    # A reasoned answer to a question before calls, and one right after results: the R1 templates show the first
+    # without its reasoning in later prompts, the second as given.
+    "reasoning_and_calls": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>\nGreet.\n</think>\n\nHello!"},
+        {"role": "user", "content": "Weather in Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [openai_call("get_weather", {"city": "Rome"}, 1)]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "25°C"},
+        {"role": "assistant", "content": "<think>\nWarm.\n</think>\n\nRome 25°C."},
+        {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "Bye."}],
+    # Tool definitions and no call: still the tool layout, as in training (earlier reasoning deleted for R1).
     "no_call": [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
         {"role": "assistant", "content": "<think>\nGreet.\n</think>\n\nHello!"},
@@ -267,6 +383,22 @@ def test_saved_template_renders_tool_conversations_as_training(saving_tokenizer,
     # The ids too: those of the example that ends the conversation (R1 makes one per reasoning turn without tools).
     row = tokenize_examples(as_trained(messages, tools), tokenizer=tokenizer, template=template, max_length=4096)[-1]
     assert tokenizer.apply_chat_template(messages, tools=tools)["input_ids"] == row["input_ids"]
+
+
+@pytest.mark.parametrize("name, key", [(name, key) for name in ("r1", "r1_distill")
+                                       for key, m in USER_CONVERSATIONS.items()
+                                       if name == "r1_distill" or sum(x["role"] == "system" for x in m) < 2])
+def test_saved_r1_template_prompts_tool_conversations_as_the_official_one(tokenizers, saving_tokenizer, name, key):
+    """At inference the saved Jinja writes every prompt (after a question or tool results) as the official one
+    does, earlier reasoning deleted or kept where it does. R1 joins several system texts where the distill keeps
+    the last, so for r1 only conversations with one are compared to the distill's official Jinja."""
+    messages, tools = USER_CONVERSATIONS[key], OPENAI_TOOLS["tools"]
+    saving_tokenizer.chat_template = chat_template_for_saving(name, saving_tokenizer)
+    for n in range(1, len(messages) + 1):
+        if messages[n - 1]["role"] in ("user", "tool"):
+            assert saving_tokenizer.apply_chat_template(messages[:n], tools=tools, tokenize=False,
+                                                        add_generation_prompt=True) == official_ids(
+                tokenizers["r1_distill"], as_trained(messages[:n], tools), add_generation_prompt=True, text=True)
 
 
 def test_saved_template_writes_tools_and_calls_as_the_training_layout(saving_tokenizer):
