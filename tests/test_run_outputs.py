@@ -92,9 +92,9 @@ def test_summary_reports_eval_data_apart(tmp_path):
     assert not any("too long" in line or "truncated" in line for line in lines[:start])  # none in training
     eval_tokens = sum(len(row) for row in eval_rows["input_ids"])
     assert lines[start + 1:] == ["  too long (dropped): 1", "  truncated at a turn boundary: 1",
-                                 lines[-1]] and lines[-1].endswith(f"; 2 conversations, {eval_tokens} tokens")
+                                 lines[-1]] and lines[-1].endswith(f"; 2 examples, {eval_tokens} tokens")
     train_tokens = sum(len(row) for row in train_rows["input_ids"])
-    assert f"; 4 conversations, {train_tokens} tokens" in lines[1]
+    assert f"; 4 examples, {train_tokens} tokens" in lines[1]
 
 
 def test_chat_says_when_an_answer_was_cut(tiny_llama, capsys):
