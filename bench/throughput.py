@@ -167,6 +167,19 @@ MATRIX += [
     # parameter offload; sft/plan.py's only plan that fits one card)
     Row("moe-lora-offload-1", "lora", "zero3_offload", 1, model="deepseek-v2-lite", micro_batch=4, warmup=2,
         steps=4, profile_steps=0, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT), timeout=420),
+    # DeepSeek-V2-Lite on TWO 24 GiB cards: ZeRO-3 shards the bf16 base (the recipe's plan; micro-batch as the
+    # planner's fastest fitting plan)
+    Row("moe-lora-z3-2", "lora", "zero3", 2, model="deepseek-v2-lite", micro_batch=4, warmup=2, steps=4,
+        profile_steps=0, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT), timeout=420),
+    # the README's recipes as users run them (--config recipes/<x>.yaml, its accelerate config), on every GPU held to
+    # 24 GiB; the bench's options (model, data, steps, length, micro-batch, accumulation) are the recipe's own values
+    Row("recipe-coder-lora", "lora", "ddp", 0, model="deepseek-coder-6.7b", micro_batch=4, grad_accum=4, steps=4,
+        args=("--config", str(REPO / "recipes" / "deepseek-coder-6.7b-lora.yaml")), timeout=300),
+    Row("recipe-r1-lora", "lora", "ddp", 0, model="r1-distill-qwen-7b", seq_len=4096, micro_batch=2, grad_accum=8,
+        steps=3, args=("--config", str(REPO / "recipes" / "r1-distill-qwen-7b-lora.yaml")), timeout=300),
+    Row("recipe-v2-lite-lora", "lora", "zero3", 0, model="deepseek-v2-lite", micro_batch=1, grad_accum=16, warmup=1,
+        steps=2, profile_steps=0, args=("--config", str(REPO / "recipes" / "deepseek-v2-lite-lora.yaml")),
+        timeout=420),
     # the CPU smoke test: the tiny model, both peers, end to end (sdpa and no Liger: neither runs on a CPU)
     Row("tiny-lora", "lora", model="tiny", seq_len=256, micro_batch=2, mem_cap_gib=0, warmup=1, steps=2,
         profile_steps=0, repeat_data=1, args=("--lora_dropout", "0", "--attn_implementation", "sdpa"),
@@ -187,6 +200,9 @@ GROUPS = {
     "levers": ["full-sr16", "trl-full", "lora-best-fp8", "lora-best", "trl-lora-best"],
     "smoke": ["tiny-lora", "trl-tiny-lora", "tiny-full", "trl-tiny-full"],
     "moe": ["moe-lora", "trl-moe-lora"],
+    # two GPUs held to 24 GiB: V2-Lite sharded, DDP scaling of the LoRA plan, the recipes
+    "x2": ["moe-lora-z3-2", "lora-1", "lora-ddp", "recipe-coder-lora", "recipe-r1-lora"],
+    "recipes": ["recipe-coder-lora", "recipe-r1-lora", "recipe-v2-lite-lora"],
     # bench/run_matrix.sh's groups
     "lora": ["lora-1", "lora-ddp"], "lora-ckpt": ["lora-1-ckpt", "lora-ddp-ckpt"],
     "full": ["full-fsdp-4bit", "full-fsdp-8bit"], "full4": ["full-fsdp-4bit"], "full8": ["full-fsdp-8bit"],

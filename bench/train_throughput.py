@@ -66,6 +66,16 @@ MODELS = {
     "deepseek-coder-1.3b": dict(vocab_size=32256, hidden_size=2048, intermediate_size=5504, num_hidden_layers=24,
                                 num_attention_heads=16, num_key_value_heads=16, rope_theta=100000.0,
                                 max_position_embeddings=16384, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # deepseek-coder-6.7b's shape (LlamaForCausalLM); its linear RoPE scaling x4 is left out (random weights, 2048
+    # tokens: the same FLOPs and memory)
+    "deepseek-coder-6.7b": dict(vocab_size=32256, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                                num_attention_heads=32, num_key_value_heads=32, rope_theta=100000.0,
+                                max_position_embeddings=16384, rms_norm_eps=1e-6, tie_word_embeddings=False),
+    # DeepSeek-R1-Distill-Qwen-7B's shape (Qwen2ForCausalLM: grouped-query attention, 4 KV heads, 152k vocabulary)
+    "r1-distill-qwen-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                               num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                               rope_theta=10000.0, max_position_embeddings=131072, rms_norm_eps=1e-6,
+                               use_sliding_window=False, tie_word_embeddings=False),
     # DeepSeek-V2-Lite's shape (DeepseekV2ForCausalLM, 15.7B): MLA attention, layer 0 dense, then 64 routed experts
     # (6 per token) and 2 shared ones per layer. Its YaRN RoPE scaling is left out (random weights, 2048 tokens).
     "deepseek-v2-lite": dict(model_type="deepseek_v2", vocab_size=102400, hidden_size=2048, intermediate_size=10944,
