@@ -213,7 +213,7 @@ def run(args, name: str, model: Path, qlora: bool, strategy: str = "single", gpu
     row_args = argparse.Namespace(
         run_id=args.run_id, model=SHAPES[args.shape], method="lora", n_gpus=gpus, strategy=strategy, peer="ours",
         seq_len=args.seq_len, micro_batch=args.micro_batch, grad_accum=1, mem_cap_gib=args.mem_cap_gib,
-        scaling_of=None, results=str(args.results), name=name, notes=args.notes,
+        scaling_of=None, results=str(args.results), name=name, notes=args.notes, out=str(args.workdir),
         train_args_text=shown)
     row = make_row(row_args, ranks, monitor, wall, args.cpu_smoke)  # F = 4N: QLoRA does LoRA's matmuls
     row.update(method="qlora" if qlora else "lora", bench="qlora_check", cold_cache=args.cold_cache,

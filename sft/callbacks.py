@@ -28,10 +28,20 @@ def peak_flops(override_tflops: float | None = None) -> float | None:
 
 def flops_per_token(model, lora: bool) -> float:
     """Model FLOPs per trained token: 6N for full fine-tuning, 4N under LoRA (the frozen weights get no weight
-    gradient), N = parameters of the matmuls (all but the input embeddings). Attention scores are not counted."""
+    gradient), N = parameters of the matmuls a token passes through (all but the input embeddings; of an MoE
+    layer's routed experts only the num_experts_per_tok of n_routed_experts it is sent to: MFU on ACTIVE
+    parameters, as bench/train_throughput.py and the planner count it). Attention scores are not counted."""
     embeddings = model.get_input_embeddings()
-    n = sum(full_numel(p) for p in model.parameters()) - (full_numel(embeddings.weight) if embeddings else 0)
-    return (4 if lora else 6) * n
+    share = routed_share(model.config)
+    n = sum(full_numel(p) * (share if ".mlp.experts." in name else 1) for name, p in model.named_parameters())
+    return (4 if lora else 6) * (n - (full_numel(embeddings.weight) if embeddings else 0))
+
+
+def routed_share(config) -> float:
+    """The fraction of an MoE layer's routed experts (transformers' fused `mlp.experts` parameters) one token
+    runs through: 6 of 64 for DeepSeek-V2-Lite; 1 for dense models."""
+    routed, per_token = getattr(config, "n_routed_experts", None), getattr(config, "num_experts_per_tok", None)
+    return per_token / routed if routed and per_token else 1.0
 
 
 def full_numel(p) -> int:

@@ -292,11 +292,14 @@ CALIBRATION = {
     # Shape.layer_activation_bytes: fitted on the LoRA rows of the current code (no peft input casts).
     "activation_scale": 0.74,
 }
-def kernels(plan: "Plan") -> dict:
+
+
+def kernels(strategy: str, shape: "Shape") -> dict:
     """The kernel options of a plan: those of our measured fast plans (flex_attention skips packed rows' masked
     blocks; Liger's fused loss), except under TP (Liger's loss fails on the sharded lm_head) and for MLA models
-    (DeepSeek-V2/V3: key and value head sizes differ; no V2 run with flex or Liger yet), which keep sdpa."""
-    if plan.w.strategy == "tp" or plan.shape.kv_lora_rank:
+    (DeepSeek-V2/V3: key and value head sizes differ; no V2 run with flex or Liger yet), which keep sdpa. Without
+    the fused loss the logits are materialised: the memory model counts them (fused_loss)."""
+    if strategy == "tp" or shape.kv_lora_rank:
         return {"attn_implementation": "sdpa", "use_liger_kernel": False}
     return {"attn_implementation": "flex_attention", "use_liger_kernel": True}
 
@@ -411,7 +414,9 @@ def predict(shape: Shape, w: Workload) -> Prediction:
 # ---------------------------------------------------------------------------------------------------------------
 # The measured rows: workload of each bench row, predicted against measured.
 
-BENCH_SHAPES = {"deepseek-llm-7b": "deepseek-llm-7b", "deepseek-coder-1.3b": "deepseek-coder-1.3b"}
+BENCH_SHAPES = {"deepseek-llm-7b": "deepseek-llm-7b", "deepseek-coder-1.3b": "deepseek-coder-1.3b",
+                "deepseek-coder-6.7b": "deepseek-coder-6.7b", "r1-distill-qwen-7b": "deepseek-r1-distill-qwen-7b",
+                "deepseek-v2-lite": "deepseek-v2-lite"}
 STRATEGY_OF_ROW = {"single": "single_gpu"}
 # Commits of bench rows that ran before 51be3c5 (peft's fp32 input casts under autocast); fp16 ZeRO-2 rows never
 # had them (DeepSpeed's fp16 engine holds the adapter in fp16). From `git log`.
@@ -419,14 +424,25 @@ PEFT_CAST_COMMITS = {"b2e66a6", "9a66dc6", "1a37de6", "54b7c4e", "606734a"}
 
 
 def _arg(args: list[str], name: str, default=None):
+    """The option's last value (a recipe's options come first, the command line's win)."""
     if name in args:
-        i = args.index(name)
+        i = len(args) - 1 - args[::-1].index(name)
         return args[i + 1] if i + 1 < len(args) else default
     return default
 
 
-def workload_of_row(row: dict) -> Workload:
+def row_options(row: dict) -> list[str]:
+    """The sft/train.py options of a bench row: its recipe's (`--config recipes/<x>.yaml`, read from this checkout's
+    recipes/, wherever the row ran) before its own."""
+    from sft.config import load_recipe  # transformers' import: only for --check
+
     args = shlex.split(row.get("train_args") or "")
+    recipe = _arg(args, "--config")
+    return (load_recipe(str(REPO / "recipes" / Path(recipe).name)) if recipe else []) + args
+
+
+def workload_of_row(row: dict) -> Workload:
+    args = row_options(row)
     strategy = STRATEGY_OF_ROW.get(row["strategy"], row["strategy"])
     optim = _arg(args, "--optim", "")
     precision = next((k for k, v in PRECISION_OPTIONS.items() if v and v["optim"] == optim), "fp32_master")
@@ -634,7 +650,7 @@ def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: in
             for ckpt in (True, False):
                 for mb in micro_batches:
                     w = Workload(strategy.name, Setup(method, precision), world, mb, max_length, ckpt,
-                                 fused_loss=strategy.name != "tp", lora_r=lora_r)
+                                 fused_loss=kernels(strategy.name, shape)["use_liger_kernel"], lora_r=lora_r)
                     p = predict(shape, w)
                     tok_s, source = tokens_per_second(shape, w, box.peak_flops)
                     why = []
@@ -668,7 +684,8 @@ def command(plan: Plan, model: str, box: Box) -> str:
         opts += ["--bf16"]
     else:
         opts += [f"--{k} {v}" for k, v in PRECISION_OPTIONS[w.setup.precision].items()]
-    opts += [f"--{k}" if v is True else f"--{k} {v}" for k, v in kernels(plan).items() if v is not False]
+    opts += [f"--{k}" if v is True else f"--{k} {v}" for k, v in kernels(plan.w.strategy, plan.shape).items()
+             if v is not False]
     if s.name == "tp":
         opts += [f"--tp_size {w.world}"]
     if w.checkpointing:
@@ -680,7 +697,7 @@ def options_of(plan: Plan) -> dict:
     """The training options a plan sets (for `--plan auto`), by option name."""
     w = plan.w
     opts = {"per_device_train_batch_size": w.micro_batch, "activation_checkpointing": w.checkpointing,
-            **kernels(plan)}
+            **kernels(plan.w.strategy, plan.shape)}
     if w.setup.method in ("lora", "qlora"):
         opts["lora_dropout"] = 0.0
     else:

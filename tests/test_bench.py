@@ -237,6 +237,21 @@ def test_cpu_smoke_runs_ours_and_trl_end_to_end(tmp_path):
     assert "tiny-lora / trl-tiny-lora: " in proc.stdout
 
 
+@pytest.mark.slow
+@needs_shared
+def test_qlora_check_cpu_smoke_writes_its_row_and_checks_the_adapter(tmp_path):
+    """bench/qlora_check.py's plumbing (train, row, adapter reload and merge) on a CPU: its GPU run must not fail
+    on the script itself (a row field it lacked once lost the DDP+QLoRA row of a GPU call)."""
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "qlora_check.py"), "--cpu_smoke", "--workdir", str(tmp_path / "w"),
+         "--out", str(tmp_path / "out"), "--data", str(ALPACA_SAMPLE), "--tokenizer", str(DEEPSEEK_TOKENIZER)],
+        cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "w" / "results.jsonl").read_text().splitlines()]
+    assert [r["name"] for r in rows] == ["tiny-lora-1"] and rows[0]["real_tok_s"] > 0
+    assert "0 failed" in proc.stdout
+
+
 def test_tensor_parallel_rows_load_real_weights_with_tp_size(tmp_path):
     """TP rows cannot use the random-init factory (transformers shards a TP model while reading its files): the
     row's model directory holds random weights that sft's real loader reads, and sft gets --tp_size N."""

@@ -231,3 +231,16 @@ def test_checkpointing_off_is_estimated_from_checkpointed_rows_by_the_recomputed
         on, _ = plan.mfu_reference("single_gpu", method, True, path=rows)
         off, why = plan.mfu_reference("single_gpu", method, False, path=rows)
         assert on == pytest.approx(0.3) and off == pytest.approx(0.3 * factor) and "recomputation" in why
+
+
+def test_mla_plans_count_the_logits_they_materialise():
+    """MLA models get no Liger (plan.kernels), so their plans hold the whole logits: measured on two H200s held to
+    24 GiB, DeepSeek-V2-Lite LoRA under ZeRO-3 at micro-batch 4 ran out of memory in its first backward (3.1 GiB of
+    logits asked for), where a plan counting Liger's fused loss had it fit; at micro-batch 1 it trained."""
+    shape = plan.SHAPES["deepseek-v2-lite"]
+    plans = plan.enumerate_plans(shape, plan.Box(2, 24, host_ram_gib=128), "lora", 2048)
+    assert not any(p.w.fused_loss for p in plans)
+    zero3 = {(p.w.micro_batch, p.w.checkpointing): p.fits for p in plans if p.w.strategy == "zero3"}
+    assert zero3[(4, True)] is False and zero3[(1, True)] is True
+    dense = plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], plan.Box(2, 24), "lora", 2048)
+    assert all(p.w.fused_loss for p in dense if p.w.strategy != "tp")
