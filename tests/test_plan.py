@@ -244,3 +244,23 @@ def test_mla_plans_count_the_logits_they_materialise():
     assert zero3[(4, True)] is False and zero3[(1, True)] is True
     dense = plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], plan.Box(2, 24), "lora", 2048)
     assert all(p.w.fused_loss for p in dense if p.w.strategy != "tp")
+
+
+def test_an_unmeasured_sharded_plan_is_bounded_by_the_models_own_sharded_row(tmp_path):
+    """V2-Lite's only row (its recipe, ZeRO-3, read through --config: checkpointing on) sets the MFU of its ZeRO-3
+    plans, and bounds its offload plans, which the dense offload rows alone would put 4x higher."""
+    import json
+
+    row = dict(gpu="NVIDIA H200", peak_mem_gib=20.0, peer="ours", n_gpus=2, micro_batch=1, seq_len=2048)
+    rows = [dict(row, name="dense-offload", model="deepseek-llm-7b", method="lora", strategy="zero3_offload",
+                 mfu=0.043, train_args="--activation_checkpointing true"),
+            dict(row, name="recipe-v2-lite-lora", model="deepseek-v2-lite", method="lora", strategy="zero3",
+                 mfu=0.011, train_args="--config /elsewhere/recipes/deepseek-v2-lite-lora.yaml")]
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    zero3, why = plan.mfu_reference("zero3", "lora", True, results, model="deepseek-v2-lite")
+    assert zero3 == pytest.approx(0.011) and "recipe-v2-lite-lora" in why and "no row with" not in why
+    offload, why = plan.mfu_reference("zero3_offload", "lora", True, results, model="deepseek-v2-lite")
+    assert offload == pytest.approx(0.011) and "at most" in why
+    dense, _ = plan.mfu_reference("zero3_offload", "lora", True, results, model="deepseek-llm-7b")
+    assert dense == pytest.approx(0.043)
