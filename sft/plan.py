@@ -546,6 +546,8 @@ def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path = 
               "zero3": "fsdp", "zero3_offload": "zero3_offload", "tp": "tp"}
     lora = method in ("lora", "qlora")
 
+    # an MoE row speaks for its own model only: its MFU (on active parameters) is no dense plan's
+    rows = [r for r in rows if r["model"] == model or not SHAPES[BENCH_SHAPES[r["model"]]].routed_experts]
     options = {id(r): row_options(r) for r in rows}
 
     def kind(r):

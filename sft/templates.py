@@ -13,7 +13,9 @@ on the tokenizer it saves (chat_template_for_saving), so that `apply_chat_templa
 `python -m sft.chat`) writes prompts byte for byte as training did. A user turn's optional `input` (Alpaca data)
 is rendered there as in training; a plain {"role", "content"} message simply has none. The templates with a
 tool-call format (V3 and the R1 family) also render OpenAI-form tool conversations there as training renders them
-after sft/formats.py read them: `tools=` in the system prompt, assistant `tool_calls`, `tool` results.
+after sft/formats.py read them: `tools=` in the system prompt, assistant `tool_calls`, `tool` results. Every saved
+template reads messages as that reader does (PRELUDE_JINJA): a `developer` message is a system text, and content
+given as a list of text parts is their texts joined.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from collections.abc import Callable
 from typing import Any
 
 from sft.errors import DataError
-from sft.tool_calls import (OUTPUTS_END, RESULT_JINJA, TOOLS_ROLE, TOOLS_STATE_JINJA, TRAINED_BEFORE, after_outputs,
-                             calls_jinja, end_jinja, has_tools, head_jinja, refuse_tools, render_v3, tool_definitions,
-                             with_tools)
+from sft.tool_calls import (ASSISTANT, OUTPUTS_END, R1_CALLS, TOOLS_ROLE, TOOLS_STATE_JINJA, TRAINED_BEFORE, V3_CALLS,
+                             CallLayout, after_outputs, calls_jinja, end_jinja, has_tools, head_jinja, refuse_tools,
+                             render_v3, result_jinja, split_opening, tool_definitions, with_tools)
 
 Segment = tuple[str, bool]  # (text, trained)
 Messages = list[dict[str, Any]]
@@ -39,13 +41,30 @@ CODER_EOT = "<|EOT|>"
 V3_EOS = "<｜end▁of▁sentence｜>"  # written literally by the V3 and R1 templates, whatever the tokenizer's eos_token
 TEMPLATE_NAMES = ("auto", "model", "deepseek", "deepseek_coder", "deepseek_v3", "r1", "r1_distill",
                   "r1_distill_no_reasoning", "alpaca")
-ASSISTANT = "<｜Assistant｜>"
 THINK_END = "</think>"
 
 
+# What every saved template does first: read messages as sft/formats.py's OpenAI reader reads them. A message's
+# text (`message_text`) is its content, or its list of {"type": "text", "text"} parts joined, or nothing for an
+# assistant turn with tool_calls (transformers drops a None content); any other content is refused, as the reader
+# refuses it. OpenAI's `developer` role is a system text (`systems.texts`: every system text, in order).
+PRELUDE_JINJA = (
+    "{% macro message_text(message) %}{% if message['content'] is string %}{{ message['content'] }}"
+    "{% elif message['content'] is sequence and message['content'] is not mapping %}"
+    "{% for part in message['content'] %}{% if part is mapping and part['type'] == 'text' and part['text'] is string %}"
+    "{{ part['text'] }}{% else %}{{ raise_exception('a message content list may hold only {\"type\": \"text\", "
+    "\"text\": ...} parts, as in training data') }}{% endif %}{% endfor %}"
+    "{% elif not ((message['content'] is not defined or message['content'] is none) and message['role'] == "
+    "'assistant' and message['tool_calls']) %}{{ raise_exception('a message content must be a string or a list of "
+    "text parts, as in training data') }}{% endif %}{% endmacro %}"
+    "{% set systems = namespace(texts=[]) %}{% for message in messages %}"
+    "{% if message['role'] in ['system', 'developer'] %}{% set systems.texts = systems.texts + "
+    "[message_text(message)] %}{% endif %}{% endfor %}")
+CONTENT_JINJA = "{% set content = message_text(message) %}"  # first in every messages loop
+SYSTEM_JINJA = "message['role'] in ['system', 'developer']"  # a system text, in a messages loop
 # The Jinja of user_text: a user turn's content, and its `input` after a blank line when there is one.
-USER_JINJA = "message['content'] + ('\\n\\n' + message['input'] if message['input'] else '')"
-SYSTEMS_JINJA = "messages | selectattr('role', 'equalto', 'system') | map(attribute='content')"
+USER_JINJA = "content + ('\\n\\n' + message['input'] if message['input'] else '')"
+SYSTEMS_JINJA = "systems.texts"
 
 
 def user_text(message: dict) -> str:
@@ -82,10 +101,10 @@ class DeepSeekV1(Template):
 
     name = "deepseek"
     chat_template = (
-        "{{ bos_token }}{% for message in messages %}"
-        "{% if message['role'] == 'system' %}{{ message['content'] + '\\n\\n' }}"
+        PRELUDE_JINJA + "{{ bos_token }}{% for message in messages %}" + CONTENT_JINJA +
+        "{% if " + SYSTEM_JINJA + " %}{{ content + '\\n\\n' }}"
         "{% elif message['role'] == 'user' %}{{ 'User: ' + " + USER_JINJA + " + '\\n\\n' }}"
-        "{% elif message['role'] == 'assistant' %}{{ 'Assistant: ' + message['content'] + eos_token }}{% endif %}"
+        "{% elif message['role'] == 'assistant' %}{{ 'Assistant: ' + content + eos_token }}{% endif %}"
         "{% endfor %}{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}")
 
     def render(self, messages, add_generation_prompt=False):
@@ -108,12 +127,11 @@ class DeepSeekCoder(Template):
 
     name = "deepseek_coder"
     chat_template = (
-        "{{ bos_token }}{% if not (" + SYSTEMS_JINJA + " | list) %}{{ " + repr(CODER_SYSTEM) + " }}{% endif %}"
-        "{% for message in messages %}"
-        "{% if message['role'] == 'system' %}{{ message['content'] }}"
+        PRELUDE_JINJA + "{{ bos_token }}{% if not (" + SYSTEMS_JINJA + " | list) %}{{ " + repr(CODER_SYSTEM)
+        + " }}{% endif %}{% for message in messages %}" + CONTENT_JINJA + "{% if " + SYSTEM_JINJA + " %}{{ content }}"
         "{% elif message['role'] == 'user' %}{{ '### Instruction:\\n' + " + USER_JINJA + " + '\\n' }}"
         "{% elif message['role'] == 'assistant' %}"
-        "{{ '### Response:\\n' + message['content'] + '\\n" + CODER_EOT + "\\n' }}{% endif %}"
+        "{{ '### Response:\\n' + content + '\\n" + CODER_EOT + "\\n' }}{% endif %}"
         "{% endfor %}{% if add_generation_prompt %}{{ '### Response:\\n' }}{% endif %}")
 
     def render(self, messages, add_generation_prompt=False):
@@ -143,25 +161,27 @@ class DeepSeekV3(Template):
     def system(self, messages: Messages) -> str:
         return "\n\n".join(m["content"] for m in messages if m["role"] == "system")
 
-    reply_jinja = "message['content']"  # an answer's text as shown after `<｜Assistant｜>`, in Jinja
-    outputs_reply_jinja = "message['content']"  # the same right after tool results (reply(after_outputs=True))
+    reply_jinja = "content"  # an answer's text as shown after `<｜Assistant｜>`, in Jinja
+    outputs_reply_jinja = "content"  # the same right after tool results (reply(after_outputs=True))
+    tool_layout: CallLayout = V3_CALLS  # how the official template writes calls and results
 
     @property
     def chat_template(self) -> str:  # type: ignore[override]  (built from the parts R1 changes)
         # One loop for both layouts: without tools, `ns` stays as it starts and the tool branches never run, so a
         # conversation without tools renders as the plain layout does.
-        return ("{{ bos_token }}" + TOOLS_STATE_JINJA + head_jinja(self.system_jinja) + "{% for message in messages %}"
-                "{% if message['role'] == 'user' %}{% set ns.in_outputs = false %}{{ '<｜User｜>' + " + USER_JINJA
-                + " }}" + calls_jinja(V3_EOS) + "{% elif message['role'] == 'assistant' %}"
+        return (PRELUDE_JINJA + "{{ bos_token }}" + TOOLS_STATE_JINJA + head_jinja(self.system_jinja)
+                + "{% for message in messages %}" + CONTENT_JINJA + "{% if message['role'] == 'user' %}"
+                "{% set ns.in_outputs = false %}{{ '<｜User｜>' + " + USER_JINJA + " }}"
+                + calls_jinja(V3_EOS, self.tool_layout) + "{% elif message['role'] == 'assistant' %}"
                 "{{ ('" + OUTPUTS_END + "' + " + self.outputs_reply_jinja + " if ns.in_outputs else '" + ASSISTANT
                 + "' + " + self.reply_jinja + ") + '" + V3_EOS + "' }}{% set ns.in_outputs = false %}"
-                + RESULT_JINJA + "{% endif %}{% endfor %}" + end_jinja(self.generation_prompt))
+                + result_jinja(self.tool_layout) + "{% endif %}{% endfor %}" + end_jinja(self.generation_prompt))
 
     def render(self, messages, add_generation_prompt=False):
         if has_tools(messages):  # the official template's tool-call layout (sft/tool_calls.py)
             return render_v3(messages, head=self.bos + with_tools(self.system(messages), messages), eos=V3_EOS,
                              generation_prompt=self.generation_prompt, add_generation_prompt=add_generation_prompt,
-                             user_text=user_text, reply=self.reply)
+                             user_text=user_text, reply=self.reply, layout=self.tool_layout)
         out: list[Segment] = [(self.bos + self.system(messages), False)]
         for i, m in enumerate(messages):
             if m["role"] == "user":
@@ -193,12 +213,13 @@ class R1(DeepSeekV3):
     is what the model is given when it writes that turn: a reply that opens with `<think>\n` after the generation
     prompt has it in the prompt, and each turn's reasoning is trained in an example that ends with it (`examples`).
     Our Jinja keeps the reasoning of a conversation's last message, which the official template deletes too:
-    prompts (ending with a user turn or tool results) render identically."""
+    prompts (ending with a user turn or tool results) render identically. Tool conversations take R1's own layout
+    (sft/tool_calls.py R1_CALLS), not the distills'."""
 
     name = "r1"
     generation_prompt = ASSISTANT + "<think>\n"
-    reply_jinja = ("(message['content'].split('</think>')[-1] if '</think>' in message['content'] and not loop.last "
-                   "else message['content'])")
+    reply_jinja = "(content.split('</think>')[-1] if '</think>' in content and not loop.last else content)"
+    tool_layout = R1_CALLS
 
     def reply(self, message, last, after_outputs=False):
         content = message["content"]
@@ -206,10 +227,8 @@ class R1(DeepSeekV3):
             return super().reply(message, last, after_outputs)
         if not last and THINK_END in content:  # context only: not what the model wrote
             return [(ASSISTANT + shown_answer(content) + V3_EOS, False)]
-        opens = self.generation_prompt[len(ASSISTANT):]  # what the generation prompt writes of the reply
-        prompt = ASSISTANT + opens if opens and content.startswith(opens) else ASSISTANT
-        rest = content[len(prompt) - len(ASSISTANT):] + V3_EOS
-        return [(prompt, False), (rest, not message.get(TRAINED_BEFORE))]
+        prompt, rest = split_opening(self.generation_prompt, content)  # `<think>\n` is prompt where it opens it
+        return [(prompt, False), (rest + V3_EOS, not message.get(TRAINED_BEFORE))]
 
     def examples(self, messages):
         """One example per answer whose reasoning later turns do not see (with reasoning, not right after tool
@@ -237,6 +256,7 @@ class R1Distill(R1):
 
     name = "r1_distill"
     system_jinja = "(" + SYSTEMS_JINJA + " | list | last) or ''"
+    tool_layout = V3_CALLS  # the distills' template writes calls and results as V3's does
 
     def system(self, messages: Messages) -> str:
         systems = [m["content"] for m in messages if m["role"] == "system"]
@@ -257,8 +277,7 @@ class R1DistillWithoutReasoning(R1Distill):
     name = "r1_distill_no_reasoning"  # its own name: sft/dataset.py's cache key holds the template's name
     generation_prompt = "<｜Assistant｜>"
 
-    reply_jinja = ("(message['content'].split('</think>')[-1].lstrip() if '</think>' in message['content'] else "
-                   "message['content'])")
+    reply_jinja = "(content.split('</think>')[-1].lstrip() if '</think>' in content else content)"
     outputs_reply_jinja = reply_jinja  # render strips every answer's reasoning, after tool results too
 
     def render(self, messages, add_generation_prompt=False):
@@ -276,11 +295,11 @@ class Alpaca(Template):
     # `input` (kept apart by the Alpaca reader) becomes the `### Input:` section; plain messages get the no-input
     # prompt. add_generation_prompt changes nothing: a user turn already ends with `### Response:`.
     chat_template = (
-        "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
-        "{{ " + repr(ALPACA_HEAD) + ".format(', paired with an input that provides further context' "
-        "if message['input'] else '') + '### Instruction:\\n' + message['content'] + '\\n\\n' }}"
+        PRELUDE_JINJA + "{{ bos_token }}{% for message in messages %}" + CONTENT_JINJA +
+        "{% if message['role'] == 'user' %}{{ " + repr(ALPACA_HEAD) + ".format(', paired with an input that "
+        "provides further context' if message['input'] else '') + '### Instruction:\\n' + content + '\\n\\n' }}"
         "{% if message['input'] %}{{ '### Input:\\n' + message['input'] + '\\n\\n' }}{% endif %}"
-        "{{ '### Response:' }}{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token }}"
+        "{{ '### Response:' }}{% elif message['role'] == 'assistant' %}{{ content + eos_token }}"
         "{% endif %}{% endfor %}")
 
     def render(self, messages, add_generation_prompt=False):

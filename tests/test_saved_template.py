@@ -1,13 +1,16 @@
 """A trained model carries the template it was trained with: the Jinja that training stores on the tokenizer it
 saves renders, after save_pretrained and a reload, exactly the text and the token ids that training used, for every
 built-in template, with the real DeepSeek tokenizer and the embedded tiny one; `--template auto` (what
-`python -m sft.chat` uses) finds that built-in again."""
+`python -m sft.chat` uses) finds that built-in again. It reads OpenAI-form messages as training's reader
+(sft/formats.py) does: `developer` is a system text, a list of text parts is its texts joined, other content refused."""
 
 from __future__ import annotations
 
 import pytest
 
 from conftest import DEEPSEEK_TOKENIZER, SHARED
+from sft.errors import DataError
+from sft.formats import messages_conversation
 from sft.templates import BUILTIN, chat_template_for_saving, get_template
 from sft.tokenization import tokenize_one
 
@@ -68,3 +71,49 @@ def test_the_model_own_template_is_kept(source):
     assert chat_template_for_saving("auto", tokenizer) is None  # auto -> the model's own: nothing to store
     tokenizer.chat_template = None
     assert chat_template_for_saving("auto", tokenizer) == BUILTIN["deepseek"]("", "").chat_template  # none: v1
+
+
+def text_parts(*texts: str) -> list[dict]:
+    return [{"type": "text", "text": t} for t in texts]
+
+
+# OpenAI-form messages as clients send them: a `developer` text (the reader's system), content as text parts.
+OPENAI_FORMS = [
+    [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": text_parts("2+", "2?")},
+     {"role": "assistant", "content": text_parts("4")}],
+    # system and developer texts mixed (V3 and R1 join them, the distills keep the last), empty part lists
+    [{"role": "system", "content": text_parts("First.")}, {"role": "user", "content": "Hi"},
+     {"role": "developer", "content": text_parts("Sec", "ond.")}, {"role": "assistant", "content": "Hello"},
+     {"role": "user", "content": []}, {"role": "assistant", "content": text_parts("<think>\nx\n</think>\n\n?")}],
+]
+
+
+@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize("name", list(BUILTIN))
+def test_saved_template_reads_developer_and_text_parts_as_training(source, name):
+    tokenizer = tokenizer_from(source)
+    template = get_template(name, tokenizer)
+    tokenizer.chat_template = chat_template_for_saving(name, tokenizer)
+    for messages in OPENAI_FORMS:
+        read = messages_conversation({"messages": messages}, "test")["messages"]
+        assert len(read) == len(messages) and any(m["role"] == "system" for m in read)
+        assert tokenizer.apply_chat_template(messages, tokenize=False) == template.text(read)
+        for n, message in enumerate(messages, 1):
+            if message["role"] == "user":
+                assert tokenizer.apply_chat_template(messages[:n], tokenize=False, add_generation_prompt=True) == \
+                    template.text(read[:n], add_generation_prompt=True)
+
+
+@pytest.mark.parametrize("content", [[{"type": "image_url", "image_url": {"url": "x.png"}}],
+                                     text_parts("a") + ["b"], {"type": "text", "text": "a"}, 7])
+@pytest.mark.parametrize("name", list(BUILTIN))
+def test_saved_template_refuses_content_the_reader_refuses(name, content):
+    from jinja2.exceptions import TemplateError
+
+    tokenizer = tokenizer_from("tiny")
+    tokenizer.chat_template = chat_template_for_saving(name, tokenizer)
+    messages = [{"role": "user", "content": content}, {"role": "assistant", "content": "ok"}]
+    with pytest.raises(DataError, match="must be a string"):
+        messages_conversation({"messages": messages}, "test")
+    with pytest.raises(TemplateError, match="content"):
+        tokenizer.apply_chat_template(messages, tokenize=False)

@@ -1,6 +1,6 @@
-"""Tool calls render byte for byte as DeepSeek-V3's and R1-Distill's own chat templates write them (rendered by
-transformers' own Jinja renderer, tokenized by a copy of the real tokenizer), with only the assistant's calls and
-answers trained.
+"""Tool calls render byte for byte as DeepSeek-V3's, R1-Distill's and DeepSeek-R1's own chat templates write them
+(rendered by transformers' own Jinja renderer, tokenized by a copy of the real tokenizer), with only the assistant's
+calls and answers trained.
 
 `apply_chat_template` itself cannot render those templates' tool calls in transformers 5: it drops every None value
 from the messages (transformers.utils.chat_template_utils._normalize_chat_messages), and the templates write calls
@@ -22,7 +22,7 @@ from sft.templates import chat_template_for_saving, get_template
 from sft.tokenization import IGNORE, tokenize_examples, tokenize_one
 from sft.tool_calls import TOOLS_ROLE, tool_definitions, tools_section
 from test_formats import OPENAI_TOOLS, WEATHER
-from test_reasoning import runs
+from test_reasoning import R1, runs
 from test_templates import DEEPSEEK_V3, R1_DISTILL, trained_runs
 
 pytestmark = needs_shared
@@ -63,9 +63,11 @@ ROUNDS = conversation({"tools": OPENAI_TOOLS["tools"], "messages": [
 
 
 def official(messages: list[dict]) -> list[dict]:
-    """What DeepSeek's template is given: calls with text None; since it writes no `tools`, our tools section as
-    part of the (last) system prompt, where we put it."""
-    out = [{**m, "content": None} if m.get("tool_calls") else dict(m) for m in messages if m["role"] != TOOLS_ROLE]
+    """What DeepSeek's template is given: calls without text as text None (text beside calls as given, which only
+    R1's template writes); since it writes no `tools`, our tools section as part of the (last) system prompt, where
+    we put it."""
+    out = [{**m, "content": m["content"] or None} if m.get("tool_calls") else dict(m)
+           for m in messages if m["role"] != TOOLS_ROLE]
     section = tools_section(tool_definitions(messages))
     systems = [m for m in out if m["role"] == "system"]
     if systems and section:
@@ -88,7 +90,7 @@ def tokenizers():
     from transformers import AutoTokenizer
 
     out = {}
-    for name, template in (("deepseek_v3", DEEPSEEK_V3), ("r1_distill", R1_DISTILL)):
+    for name, template in (("deepseek_v3", DEEPSEEK_V3), ("r1_distill", R1_DISTILL), ("r1", R1)):
         tok = AutoTokenizer.from_pretrained(DEEPSEEK_TOKENIZER)
         tok.add_special_tokens({"additional_special_tokens": SPECIAL})
         tok.eos_token = EOS
@@ -188,7 +190,8 @@ REASONING = {
 def expected_turns(tokenizer, messages: list[dict]) -> list[tuple[list[int], str]]:
     """Each assistant turn's context (ids) and trained text, from the official Jinja rendered directly: an answer
     follows the generation prompt the template writes after the conversation up to it (`<think>\\n` there is
-    context when the answer opens with it); a call follows the template's text up to it, as it writes calls."""
+    context when the answer opens with it); a call follows the template's text up to it, as it writes calls (and
+    `<think>\\n` there is context too where the text beside R1's first call opens with it)."""
     out = []
     for k, m in enumerate(messages):
         if m["role"] != "assistant":
@@ -197,6 +200,8 @@ def expected_turns(tokenizer, messages: list[dict]) -> list[tuple[list[int], str
             plain, full = (official_ids(tokenizer, messages[:n], text=True) for n in (k, k + 1))
             context = plain + "<｜Assistant｜>" if full.startswith(plain + "<｜Assistant｜>") else \
                 plain if full.startswith(plain) else plain.removesuffix("<｜tool▁outputs▁end｜>")
+            if context.endswith("<｜Assistant｜>") and full[len(context):].startswith(THINK):
+                context += THINK  # R1 writes the text beside a first call (its reasoning) where the prompt opens it
             target = full[len(context):]
         else:
             context = official_ids(tokenizer, messages[:k], add_generation_prompt=True, text=True)
@@ -213,8 +218,8 @@ def expected_turns(tokenizer, messages: list[dict]) -> list[tuple[list[int], str
 def test_r1_tool_turns_train_once_after_the_official_context(tokenizers, name, key):
     """Every call and answer is trained exactly once, after the tokens the official template gives the model for
     that turn (earlier reasoning deleted except right after tool results); one example per answer whose reasoning
-    later turns do not see, the last turn's aside. (One system text: R1 and the distills write it alike.)"""
-    tokenizer, messages = tokenizers["r1_distill"], REASONING[key]
+    later turns do not see, the last turn's aside. Each against its own official template."""
+    tokenizer, messages = tokenizers[name], REASONING[key]
     rows = tokenize_examples(messages, tokenizer=tokenizer, template=get_template(name, tokenizer), max_length=4096)
     seen = [(row["input_ids"][:start], tokenizer.decode(row["input_ids"][start:end]))
             for row in rows for start, end in runs(row)]
@@ -224,6 +229,69 @@ def test_r1_tool_turns_train_once_after_the_official_context(tokenizers, name, k
     assert len(rows) == len(hidden) + 1
     if not hidden:  # as before: one example, the official conversation token for token
         assert rows[0]["input_ids"] == official_ids(tokenizer, messages)
+
+
+def with_text(messages: list[dict], texts: dict[int, str]) -> list[dict]:
+    """Text beside calls, set by hand: the reader refuses it (sft/formats.py), but R1's own template writes it."""
+    return [{**m, "content": texts[k]} if k in texts else m for k, m in enumerate(messages)]
+
+
+# Where DeepSeek-R1's own template writes tool conversations otherwise than V3's and the distills': a turn's calls
+# end once (a single call too), results follow each other without a newline, a later round opens no
+# `<｜tool▁outputs▁begin｜>`, and the text beside the conversation's first call is written (a later call's dropped).
+R1_TOOL_CONVERSATIONS = {
+    "single_call": SINGLE,
+    "calls_in_one_turn": conversation({"system": "Be brief.", "tools": OPENAI_TOOLS["tools"], "messages": [
+        {"role": "user", "content": "東京, Oslo and Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [call("get_weather", f'{{"city": "{city}"}}')
+                                                              for city in ("東京", "Oslo", "Rome")]},
+        {"role": "tool", "content": "21°C"}, {"role": "tool", "content": "3°C"}, {"role": "tool", "content": "25°C"},
+        {"role": "assistant", "content": "Rome."}]}),
+    "rounds": ROUNDS,
+    # Reasoning beside the first call (after the generation prompt's `<think>\n`), and beside a later one.
+    "text_beside_calls": with_text(ROUNDS, {2: "<think>\nLook both up.\n</think>\n\n", 7: "<think>\nRome.\n</think>"}),
+    "text_beside_calls_no_think": with_text(SINGLE, {3: "Checking. "}),
+    "reasoning_in_answers": REASONING["mixed"],
+}
+
+
+@pytest.mark.parametrize("key", list(R1_TOOL_CONVERSATIONS))
+def test_r1_tool_conversations_equal_the_official_r1_template(tokenizers, key):
+    """`r1` writes DeepSeek-R1's own layout (not the distills'): the conversation token for token (its last
+    example: earlier reasoning deleted as the official template deletes it), every generation prompt after a
+    question or tool results, and each call and answer trained once after the official context for it."""
+    tokenizer, messages = tokenizers["r1"], R1_TOOL_CONVERSATIONS[key]
+    template = get_template("r1", tokenizer)
+    rows = tokenize_examples(messages, tokenizer=tokenizer, template=template, max_length=4096)
+    assert rows[-1]["input_ids"] == official_ids(tokenizer, messages)
+    for n in range(1, len(messages)):
+        if messages[n - 1]["role"] in ("user", "tool"):
+            assert template.text(messages[:n], add_generation_prompt=True) == official_ids(
+                tokenizer, messages[:n], add_generation_prompt=True, text=True)
+    seen = [(row["input_ids"][:start], tokenizer.decode(row["input_ids"][start:end]))
+            for row in rows for start, end in runs(row)]
+    assert seen == expected_turns(tokenizer, messages)
+    untrained = tokenizer.decode([t for t, label in zip(rows[-1]["input_ids"], rows[-1]["labels"]) if label == IGNORE])
+    assert tools_section(tool_definitions(messages)) in untrained
+    assert all(m["content"] in untrained for m in messages if m["role"] in ("user", "tool"))
+
+
+def test_r1_calls_and_results_are_written_as_the_official_r1_template_writes_them(tokenizers):
+    """The trained runs show R1's layout itself: every turn's calls end once with `<｜tool▁calls▁end｜>` + EOS, a
+    later turn's calls open with "\\n" alone, and the reasoning beside the first call is trained (after `<think>\\n`),
+    that beside a later call is not written at all."""
+    tokenizer = tokenizers["r1"]
+    rows = tokenize_examples(R1_TOOL_CONVERSATIONS["text_beside_calls"], tokenizer=tokenizer, max_length=4096,
+                             template=get_template("r1", tokenizer))
+    weather = "<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{{\"city\": \"{}\"}}\n```<｜tool▁call▁end｜>"
+    plain = "\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>{}\n```json\n{{}}\n```<｜tool▁call▁end｜>"
+    end = "<｜tool▁calls▁end｜>" + EOS
+    assert len(rows) == 1 and trained_runs(rows[0], tokenizer) == [
+        "Look both up.\n</think>\n\n<｜tool▁calls▁begin｜>" + weather.format("東京") + "\n" + weather.format("Oslo")
+        + end, "東京 21°C, Oslo 3°C." + EOS, "\n" + weather.format("Rome") + end,
+        "".join(plain.format(f) for f in "fgh") + end, "Rome 25°C." + EOS]
+    assert "Rome.\n</think>" not in tokenizer.decode(rows[0]["input_ids"])
+    assert "<｜tool▁output▁end｜><｜tool▁output▁begin｜>" in tokenizer.decode(rows[0]["input_ids"])
 
 
 def test_r1_answer_after_results_keeps_its_reasoning_in_later_turns(tokenizers):
@@ -340,6 +408,15 @@ USER_CONVERSATIONS = {
         {"role": "tool", "tool_call_id": "call_1", "content": "25°C"},
         {"role": "assistant", "content": "<think>\nWarm.\n</think>\n\nRome 25°C."},
         {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "Bye."}],
+    # As OpenAI clients also send them: a `developer` text (a system text), content as a list of text parts (none
+    # beside the calls), read as sft/formats.py reads them.
+    "developer_and_text_parts": [
+        {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Rome?"}]},
+        {"role": "assistant", "content": [], "tool_calls": [openai_call("get_weather", {"city": "Rome"}, 1)]},
+        {"role": "tool", "tool_call_id": "call_1", "content": [{"type": "text", "text": "25°C"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": "<think>\nWarm.\n</think>\n\nRome 25°C."}]},
+        {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "Bye."}],
     # Tool definitions and no call: still the tool layout, as in training (earlier reasoning deleted for R1).
     "no_call": [
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
@@ -385,33 +462,33 @@ def test_saved_template_renders_tool_conversations_as_training(saving_tokenizer,
     assert tokenizer.apply_chat_template(messages, tools=tools)["input_ids"] == row["input_ids"]
 
 
-@pytest.mark.parametrize("name, key", [(name, key) for name in ("r1", "r1_distill")
-                                       for key, m in USER_CONVERSATIONS.items()
-                                       if name == "r1_distill" or sum(x["role"] == "system" for x in m) < 2])
+@pytest.mark.parametrize("name", ["r1", "r1_distill"])
+@pytest.mark.parametrize("key", list(USER_CONVERSATIONS))
 def test_saved_r1_template_prompts_tool_conversations_as_the_official_one(tokenizers, saving_tokenizer, name, key):
-    """At inference the saved Jinja writes every prompt (after a question or tool results) as the official one
-    does, earlier reasoning deleted or kept where it does. R1 joins several system texts where the distill keeps
-    the last, so for r1 only conversations with one are compared to the distill's official Jinja."""
+    """At inference the saved Jinja writes every prompt (after a question or tool results) as its own official one
+    does (R1's layout for r1, the distills' for r1_distill), earlier reasoning deleted or kept where it does."""
     messages, tools = USER_CONVERSATIONS[key], OPENAI_TOOLS["tools"]
     saving_tokenizer.chat_template = chat_template_for_saving(name, saving_tokenizer)
     for n in range(1, len(messages) + 1):
         if messages[n - 1]["role"] in ("user", "tool"):
             assert saving_tokenizer.apply_chat_template(messages[:n], tools=tools, tokenize=False,
                                                         add_generation_prompt=True) == official_ids(
-                tokenizers["r1_distill"], as_trained(messages[:n], tools), add_generation_prompt=True, text=True)
+                tokenizers[name], as_trained(messages[:n], tools), add_generation_prompt=True, text=True)
 
 
-def test_saved_template_writes_tools_and_calls_as_the_training_layout(saving_tokenizer):
-    """What the test above compares is the tool layout itself: the tools section, each call, the results block."""
+@pytest.mark.parametrize("name, between", [("r1_distill", "\n"), ("r1", "")])
+def test_saved_template_writes_tools_and_calls_as_the_training_layout(saving_tokenizer, name, between):
+    """What the test above compares is the tool layout itself: the tools section, each call, the results block
+    (R1 writes results back to back, the distills a newline between them)."""
     tokenizer = saving_tokenizer
-    tokenizer.chat_template = chat_template_for_saving("r1", tokenizer)
+    tokenizer.chat_template = chat_template_for_saving(name, tokenizer)
     text = tokenizer.apply_chat_template(USER_CONVERSATIONS["calls_in_one_turn"][:4], tools=OPENAI_TOOLS["tools"],
                                          tokenize=False, add_generation_prompt=True)
     assert text == (tokenizer.bos_token + tools_section(OPENAI_TOOLS["tools"]) + "<｜User｜>東京 and Oslo?"
                     "<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n"
                     "```json\n{\"city\": \"東京\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>"
                     "get_weather\n```json\n{\"city\":\"Oslo\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>" + EOS +
-                    "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>21°C<｜tool▁output▁end｜>\n"
+                    "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>21°C<｜tool▁output▁end｜>" + between +
                     "<｜tool▁output▁begin｜>3°C<｜tool▁output▁end｜><｜tool▁outputs▁end｜>")
 
 
