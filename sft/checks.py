@@ -117,7 +117,7 @@ def qlora_implies_lora(o: Options) -> None:
 
 
 def qlora_needs(o: Options, m: Machine) -> None:
-    """--qlora: bitsandbytes' 4-bit kernels on a CUDA GPU, under DDP or FSDP (one GPU: no launcher needed)."""
+    """--qlora: bitsandbytes' 4-bit kernels on a CUDA GPU, under DDP (one GPU: no launcher needed); not FSDP."""
     if not qlora(o):
         return
     if not m.cuda:
@@ -128,13 +128,20 @@ def qlora_needs(o: Options, m: Machine) -> None:
     if o.model.tp_size > 1:
         raise ConfigError(f"--qlora with --tp_size {o.model.tp_size}: 4-bit weights cannot be split by tensor "
                           f"parallelism. Drop --tp_size: a 4-bit 7B base fits each 24 GB card "
-                          f"(accelerate_configs/ddp.yaml), or shard it with accelerate_configs/fsdp.yaml.")
+                          f"(accelerate_configs/ddp.yaml).")
+    if o.fsdp(m):
+        # Measured on two H200s (bench/RESULTS.md, run 20261201T1015Z-x2): FSDP+QLoRA trained, but the verified
+        # save refused its adapter: identical adapter and 4-bit bits, yet FSDP's forward gave other logits. Refused
+        # before loading rather than after hours of training.
+        raise ConfigError("--qlora under FSDP: on GPUs the adapter it trains does not reproduce the trained model "
+                          "(the verified final save refuses it; bench/RESULTS.md). Use accelerate_configs/ddp.yaml: "
+                          "each GPU holds the whole 4-bit base (~4 GiB for a 7B model), verified on 2 GPUs.")
     stage = o.zero_stage(m)
     if stage is not None and stage != "3":  # ZeRO-3: quantized_base_not_under_zero3
         raise ConfigError(f"--qlora with DeepSpeed ZeRO-{stage}: not supported (DeepSpeed's engine is not set up "
                           f"for 4-bit weights), and it would save nothing over DDP: ZeRO-{stage} shards the "
                           f"optimizer state, which under LoRA is the adapter's few MB. Use "
-                          f"accelerate_configs/ddp.yaml, or accelerate_configs/fsdp.yaml to shard the 4-bit base.")
+                          f"accelerate_configs/ddp.yaml.")
 
 
 def quantized_base_not_under_zero3(o: Options, m: Machine) -> None:
@@ -143,8 +150,7 @@ def quantized_base_not_under_zero3(o: Options, m: Machine) -> None:
     if qlora(o):
         raise ConfigError("--qlora with DeepSpeed ZeRO-3: our ZeRO-3 path partitions the weights as the model is "
                           "created, and 4-bit weights cannot be partitioned that way. Use DDP "
-                          "(accelerate_configs/ddp.yaml: a 4-bit 7B base fits each 24 GB card) or FSDP "
-                          "(accelerate_configs/fsdp.yaml: shards the 4-bit weights, stored as bf16).")
+                          "(accelerate_configs/ddp.yaml: a 4-bit 7B base fits each 24 GB card).")
     quantized = [k for k in ("load_in_4bit", "load_in_8bit") if getattr(o.model, k, False)]
     if quantized:
         raise ConfigError(f"--{quantized[0]} with DeepSpeed ZeRO-3: quantized base weights cannot be partitioned. "

@@ -286,7 +286,14 @@ CALIBRATION = {
     # sharded plans: the cache grows with the gathered buffers (FSDP's all-gather stream, DeepSpeed's side
     # streams), as a multiple of the transient gathered weights and gradients: fsdp from the two fused-loss
     # 1.3B rows (fsdp-1.3b-flex: 1.02 GiB over 0.62 GiB gathered), zero3 from the 4 ZeRO-3 offload rows.
-    "cache_per_gathered": {"fsdp": 1.64, "zero3": 2.5},
+    # zero3_moe: an MoE block is a ZeRO-3 leaf, gathered and freed whole (one large block the allocator reuses):
+    # from the two DeepSeek-V2-Lite rows (recipe-v2-lite-lora 0940Z: 2.86 GiB, moe-lora-offload-1 1015Z: 2.80 GiB
+    # over 2.14 GiB gathered).
+    "cache_per_gathered": {"fsdp": 1.64, "zero3": 2.5, "zero3_moe": 1.3},
+    # host RAM per byte offloaded: CPU Adam's fp32 state (masters, moments, gradients) and the offloaded 16-bit
+    # weights, fitted together on the 4 dense full-fine-tune offload rows (16P/world and 2P/world bytes per card:
+    # 215.7-215.9 GiB) and moe-lora-offload-1 (weights only: 48.2 GiB), with 8 GiB + 4 GiB per process on top.
+    "host_per_offloaded": {"optimizer": 1.79, "weights": 1.24},
     "cache_logits_share": 0.5,
     # the activations autograd keeps per layer (and the backward working set), against the count in
     # Shape.layer_activation_bytes: fitted on the LoRA rows of the current code (no peft input casts).
@@ -393,7 +400,7 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     phase_backward = gpu_state - state.gradients + grads_live + activations + transient
     phase_end = gpu_state + end_transient
     allocated = max(phase_backward, phase_end)
-    kind = strategy.sharded_kind
+    kind = "zero3_moe" if strategy.sharded_kind == "zero3" and shape.routed_experts else strategy.sharded_kind
     if kind in CALIBRATION["cache_per_gathered"]:
         cache = CALIBRATION["cache_per_gathered"][kind] * transient
     else:
@@ -403,7 +410,9 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     context = CALIBRATION["context_gib"][strategy.launcher] * GIB
     reserved = allocated + cache
     need = allocated + min(cache, CALIBRATION["cache_gib"]["none"] * GIB) + context
-    host = (8 + 4 * w.world) * GIB + 1.8 * state.host * w.world  # processes + offload (pinned buffers: x1.8)
+    pinned = CALIBRATION["host_per_offloaded"]  # processes + offloaded state with DeepSpeed's pinned buffers
+    host = (8 + 4 * w.world) * GIB + w.world * (pinned["optimizer"] * (state.host - state.host_weights)
+                                                 + pinned["weights"] * state.host_weights)
     parts = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer,
              "masters": state.masters, "buckets": state.buckets, "activations": activations,
              "lora_weights": kept_deltas, "transient": transient, "cache": cache, "context": context}
@@ -565,6 +574,8 @@ def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path = 
         # a step does 4N (LoRA) or 6N (full) FLOPs per token, plus 2N recomputed under checkpointing
         recompute = (4 + 2) / 4 if lora else (6 + 2) / 6
         scale = 1 / recompute if checkpointing else recompute
+        if want[0] == "zero3_offload":  # bound by the weights streamed from host RAM, not by the recomputed forward
+            scale = 1.0
         note = f" (no row with checkpointing {'on' if checkpointing else 'off'}: x{scale:.2f} for the recomputation)"
     if not found:  # nearest kind: FSDP's for the sharded strategies
         found, scale = [r for r in rows if kind(r)[0] == want[0]], 1.0

@@ -27,6 +27,7 @@ class StateBytes:
     masters: float = 0.0          # fp32 master copy kept apart from 16-bit working weights (DeepSpeed)
     buckets: float = 0.0          # DDP's gradient buckets (a second copy of the gradients)
     host: float = 0.0             # offloaded to host RAM (per card)
+    host_weights: float = 0.0     # of which the offloaded 16-bit weights (the rest: CPU Adam's fp32 state)
 
     @property
     def gpu(self) -> float:
@@ -130,10 +131,10 @@ class Strategy:
             host += masters + opt + trainable * 4 / world
             masters, opt = 0.0, 0.0
             grads = 0.0  # reduce-scattered straight into the host's fp32 partition
+        host_weights = 0.0
         if "weights" in self.offload:
-            host += weights
-            weights = 0.0
-        return StateBytes(weights, grads, opt, masters, buckets, host)
+            host, host_weights, weights = host + weights, weights, 0.0
+        return StateBytes(weights, grads, opt, masters, buckets, host, host_weights)
 
 
 def _c(*names: str) -> tuple[Callable, ...]:
@@ -153,7 +154,8 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in [
              precisions=("fp32_master",), note="optimizer state and gradients sharded (no QLoRA: sft/checks.py)",
              checks=_c(*COMMON, "deepspeed_json_agrees")),
     Strategy("fsdp", "accelerate_configs/fsdp.yaml", None, frozenset({"weights", "gradients", "optimizer"}),
-             frozenset(), "nccl", min_gpus=2, note="FSDP2, one shard unit per decoder layer",
+             frozenset(), "nccl", min_gpus=2, methods=("lora", "full"),  # no QLoRA: sft/checks.py qlora_needs
+             note="FSDP2, one shard unit per decoder layer",
              checks=_c(*COMMON, "sharding_needs_gpus"), sharded_kind="fsdp"),
     Strategy("zero3", "accelerate_configs/zero3.yaml", "ds_configs/zero3.json",
              frozenset({"weights", "gradients", "optimizer"}), frozenset(), "deepspeed", min_gpus=2,

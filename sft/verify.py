@@ -196,10 +196,129 @@ class SaveVerifier:
                 if _is_main():
                     error = self.reload_and_compare(model, base, path, input_ids, expected)
         error = _broadcast(error)
+        if error and self.lora and is_sharded(model):  # every rank: the explanation gathers shards
+            error = _broadcast(f"{error}; {self.explain_sharded(model, base, path, input_ids, expected)}")
         if error:
             what = "LoRA adapter" if self.lora else "model"
             raise SaveMismatchError(f"the {what} saved in {path} does not reproduce the trained model: {error}. "
                                     f"Do not use these files; the run's earlier checkpoints are untouched.")
+
+
+    def explain_sharded(self, model, base, path: Path, input_ids: torch.Tensor, expected: torch.Tensor) -> str:
+        """Which side of a failed sharded (FSDP) LoRA check differs, in words; called on every rank (it gathers).
+
+        A reload check compares two sides, and a mismatch alone does not say which is wrong: the file (the adapter
+        written is not the trained one), the in-memory forward (a forward that changes the model's state, or ranks
+        that hold different copies of the frozen base), or the reloaded base (QLoRA: other 4-bit bits or
+        quantization constants than the trained base's). Each is checked here, so one failed run tells."""
+        findings = [f"the in-memory forward {repeat_note(logits_of(model, input_ids), expected)}",
+                    f"across ranks {ranks_note(expected)}"]
+        trained = gathered_trainable(model)  # collective: every rank
+        base_bits = gathered_4bit_base(base)  # collective; {} without a 4-bit base
+        if _is_main():
+            findings.append(f"the saved adapter {adapter_note(trained, path)}")
+            if base_bits:
+                findings.append(f"the reloaded 4-bit base {self.base_note(base_bits, model, base)}")
+        return "diagnosis: " + "; ".join(findings)
+
+    def base_note(self, trained: dict, model, base) -> str:
+        """The trained 4-bit base (gathered) against the base quantized again as the check reloads it."""
+        dtype = next(p.dtype for p in base.parameters() if not p.requires_grad)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+        try:
+            reloaded = gathered_4bit_base(self.reload_base(device, dtype))
+        except Exception as e:  # noqa: BLE001 (an explanation must not hide the mismatch it explains)
+            return f"could not be reloaded for the comparison ({type(e).__name__}: {e})"
+        return tensors_note(trained, reloaded, "4-bit weights and quantization constants")
+
+    def reload_base(self, device: torch.device, dtype: torch.dtype):
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+        config = BitsAndBytesConfig.from_dict(dict(self.quantization or {}))
+        return AutoModelForCausalLM.from_pretrained(self.base_model, dtype=dtype, quantization_config=config,
+                                                    attn_implementation=self.attn_implementation,
+                                                    trust_remote_code=self.trust_remote_code, use_safetensors=True,
+                                                    device_map={"": device})
+
+
+def repeat_note(again: torch.Tensor, first: torch.Tensor) -> str:
+    diff = (again - first).abs().max().item()
+    if diff == 0:
+        return "is repeatable (a second forward gives the same logits)"
+    return f"is NOT repeatable: a second forward differs by {diff:.3g} (a forward changed the model's state)"
+
+
+def ranks_note(expected: torch.Tensor) -> str:
+    """Every rank computes the same gathered model: their logits must agree bit for bit."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return "nothing to compare (one process)"
+    reference = [expected if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(reference, src=0)
+    diffs = [None] * dist.get_world_size()
+    dist.all_gather_object(diffs, (expected - reference[0]).abs().max().item())
+    if not any(diffs):
+        return "the in-memory logits agree on every rank"
+    return "the in-memory logits DIFFER between ranks (largest difference from rank 0 per rank: " + \
+        ", ".join(f"{d:.3g}" for d in diffs) + "): the ranks do not compute the same model"
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
+
+
+def gathered_trainable(model) -> dict[str, torch.Tensor]:
+    """Every trainable (LoRA) weight, whole, on CPU; a collective under FSDP2 (every rank calls it)."""
+    return {name: _full(p).float().cpu() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def gathered_4bit_base(base) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
+    """bitsandbytes 4-bit layers: their packed weight bytes and quantization constants, whole, on CPU (a collective
+    under FSDP2). The constants live on the module (`quant_state`): FSDP2's parameters lose the Params4bit's."""
+    found = {}
+    for name, module in base.named_modules():
+        state = getattr(module, "quant_state", None)
+        weight = getattr(module, "weight", None)
+        if state is None or weight is None or not hasattr(state, "absmax"):
+            continue
+        name = name.replace(".base_layer", "")  # peft's wrapper: the reloaded plain base has no such level
+        found[f"{name}.weight"] = (_full(weight).contiguous().view(torch.uint8).cpu(), weight.dtype)
+        for key in ("absmax", "offset", "code"):  # the nested constants: absmax of absmax and its code
+            for owner, prefix in ((state, ""), (getattr(state, "state2", None), "state2.")):
+                value = getattr(owner, key, None)
+                if isinstance(value, torch.Tensor):
+                    found[f"{name}.weight.{prefix}{key}"] = (value.detach().float().cpu(), value.dtype)
+    return found
+
+
+def tensors_note(trained: dict, other: dict, what: str) -> str:
+    missing = sorted(set(trained) - set(other))
+    differ = [k for k in trained if k in other and not torch.equal(trained[k][0], other[k][0])]
+    if not missing and not differ:
+        return f"is the trained one ({len(trained)} tensors of {what}, equal bit for bit)"
+    return (f"DIFFERS from the trained one: {len(differ)} of {len(trained)} tensors of {what} differ"
+            + (f" (first: {differ[0]})" if differ else "") + (f", {len(missing)} missing (first: {missing[0]})"
+                                                              if missing else ""))
+
+
+def adapter_note(trained: dict[str, torch.Tensor], path: Path) -> str:
+    """The adapter file against the trained LoRA weights (peft saves them without the adapter's name)."""
+    from safetensors.torch import load_file
+
+    try:
+        saved = load_file(Path(path) / "adapter_model.safetensors")
+    except Exception as e:  # noqa: BLE001
+        return f"could not be read ({type(e).__name__}: {e})"
+    names = {k: k.replace(".default.", ".") for k in trained}
+    missing = [k for k, n in names.items() if n not in saved]
+    worst = max((float((saved[n].float() - trained[k]).abs().max()) for k, n in names.items() if n in saved),
+                default=0.0)
+    if not missing and worst == 0:
+        return f"holds exactly the trained LoRA weights ({len(trained)} tensors)"
+    return (f"DIFFERS from the trained LoRA weights: {len(missing)} of {len(trained)} missing, the others differ by "
+            f"up to {worst:.3g}" + (f" (first missing: {missing[0]})" if missing else ""))
 
 
 def compare(expected: torch.Tensor, got: torch.Tensor, dtype: torch.dtype, same_device: bool) -> str | None:
