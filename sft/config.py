@@ -16,6 +16,7 @@ from transformers import TrainingArguments
 from sft.argv import COMMON_TRAINING, Parser, apply_aliases, help_requested, short_help, unknown_options_message
 from sft.errors import ConfigError
 from sft.lowbit import SR_ADAMW
+from sft.recipe import load_recipe, recipe_to_argv
 
 OUR_OPTIMIZERS = (SR_ADAMW,)  # --optim values beyond transformers' own
 
@@ -196,47 +197,6 @@ HELP_GROUPS = [  # the one-screen --help: our options, then the TrainingArgument
     ("Training (transformers' TrainingArguments; --help all lists all)", SFTTrainingArguments,
      COMMON_TRAINING + ("activation_checkpointing_skip_layers",)),
 ]
-
-
-def recipe_to_argv(recipe: dict, path: str) -> list[str]:
-    """A YAML recipe's keys become command-line options, so both are parsed (and validated) the same way."""
-    argv = []
-    for key, value in recipe.items():
-        if not isinstance(key, str):
-            raise ConfigError(f"{path}: option names must be strings, got {key!r}.")
-        if key == "config":
-            raise ConfigError(f"{path}: a recipe cannot name another --config.")
-        if value is None:
-            continue
-        values = value if isinstance(value, list) else [value]
-        argv.append(f"--{key}")
-        for v in values:
-            argv.append(str(v).lower() if isinstance(v, bool) else _json_if_dict(v))
-    return argv
-
-
-def _json_if_dict(value) -> str:
-    import json
-
-    return json.dumps(value) if isinstance(value, dict) else str(value)
-
-
-def load_recipe(path: str) -> list[str]:
-    import yaml
-
-    try:
-        text = Path(path).read_text()
-    except OSError as e:
-        raise ConfigError(f"--config {path}: cannot read the file ({e.strerror}).") from None
-    try:
-        recipe = yaml.safe_load(text) or {}
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else path
-        raise ConfigError(f"{where}: invalid YAML ({getattr(e, 'problem', e)}).") from None
-    if not isinstance(recipe, dict):
-        raise ConfigError(f"{path}: a recipe must be a mapping of option: value, got {type(recipe).__name__}.")
-    return recipe_to_argv(recipe, path)
 
 
 def expand_argv(argv: list[str]) -> tuple[list[str], set[str]]:

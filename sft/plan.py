@@ -27,6 +27,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from sft.recipe import load_recipe
 from sft.strategies import PRECISION_OPTIONS, REPO, STRATEGIES, Setup, StateBytes, Strategy
 
 GIB = 2**30
@@ -443,8 +444,6 @@ def _arg(args: list[str], name: str, default=None):
 def row_options(row: dict) -> list[str]:
     """The sft/train.py options of a bench row: its recipe's (`--config recipes/<x>.yaml`, read from this checkout's
     recipes/, wherever the row ran) before its own."""
-    from sft.config import load_recipe  # transformers' import: only for --check
-
     args = shlex.split(row.get("train_args") or "")
     recipe = _arg(args, "--config")
     return (load_recipe(str(REPO / "recipes" / Path(recipe).name)) if recipe else []) + args
