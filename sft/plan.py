@@ -593,7 +593,8 @@ def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path = 
         bound = statistics.median(r["mfu"] for r in own)
         if bound < mfu:
             mfu = bound
-            why += f"; at most {bound:.1%}, this model's own sharded rows ({', '.join(sorted({r['name'] for r in own}))})"
+            names = ", ".join(sorted({r["name"] for r in own}))
+            why += f"; at most {bound:.1%}, this model's own sharded rows ({names})"
     return mfu, why
 
 
