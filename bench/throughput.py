@@ -171,6 +171,10 @@ MATRIX += [
     Row("moe-lora-offload", "lora", "zero3_offload", 0, model="deepseek-v2-lite", micro_batch=4, warmup=2, steps=4,
         profile_steps=0, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT),
         scaling_of="moe-lora-offload-1", timeout=420),
+    # ... with --chunked_loss at micro-batch 8 (no whole logits: what micro-batch 4 could not hold)
+    Row("moe-lora-offload-1-chunked", "lora", "zero3_offload", 1, model="deepseek-v2-lite", micro_batch=8, warmup=2,
+        steps=4, profile_steps=0, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT,
+                                        "--chunked_loss", "true"), timeout=420),
     # DeepSeek-V2-Lite on TWO 24 GiB cards: ZeRO-3 shards the bf16 base (micro-batch 4 ran out of memory: the
     # logits of MLA models are whole, no Liger; run 20261201T0930Z-x2)
     Row("moe-lora-z3-2", "lora", "zero3", 2, model="deepseek-v2-lite", micro_batch=1, grad_accum=4, warmup=2, steps=4,
@@ -208,8 +212,10 @@ GROUPS = {
     # two GPUs held to 24 GiB: V2-Lite sharded, DDP scaling of the LoRA plan, the recipes
     "x2": ["moe-lora-z3-2", "lora-1", "lora-ddp", "recipe-coder-lora", "recipe-r1-lora"],
     "recipes": ["recipe-coder-lora", "recipe-r1-lora", "recipe-v2-lite-lora"],
-    # not measured yet (2026-12-01): V2-Lite offload on 1 and 2 cards, --fp8 LoRA beside TRL in the same run
-    "next": ["moe-lora-offload-1", "moe-lora-offload", "lora-best-fp8", "lora-best", "trl-lora-best"],
+    # not measured yet (2026-12-01): V2-Lite offload on 1 and 2 cards and with --chunked_loss, --fp8 LoRA beside
+    # TRL in the same run
+    "next": ["moe-lora-offload-1", "moe-lora-offload-1-chunked", "moe-lora-offload", "lora-best-fp8", "lora-best",
+             "trl-lora-best"],
     # bench/run_matrix.sh's groups
     "lora": ["lora-1", "lora-ddp"], "lora-ckpt": ["lora-1-ckpt", "lora-ddp-ckpt"],
     "full": ["full-fsdp-4bit", "full-fsdp-8bit"], "full4": ["full-fsdp-4bit"], "full8": ["full-fsdp-8bit"],

@@ -201,6 +201,18 @@ def fp8_base_needs(o: Options, m: Machine) -> None:
         needs(o, m)
 
 
+def chunked_loss_combinations(o: Options, m: Machine) -> None:
+    """--chunked_loss replaces the loss that Liger's fused loss also replaces; under TP the lm_head is sharded."""
+    if not getattr(o.model, "chunked_loss", False):
+        return
+    if o.training.use_liger_kernel:
+        raise ConfigError("--chunked_loss with --use_liger_kernel: Liger's fused loss already avoids whole logits; "
+                          "keep one of the two.")
+    if o.model.tp_size > 1:
+        raise ConfigError("--chunked_loss with --tp_size: the lm_head's output is sharded across the TP ranks; "
+                          "drop --chunked_loss.")
+
+
 def processes_fit_gpus(o: Options, m: Machine) -> None:
     local = m.launch.processes_here(1)
     if m.cuda and local > m.gpus:
@@ -257,7 +269,8 @@ def launcher_agrees(o: Options, m: Machine) -> None:
 CHECKS: list[Callable[[Options, Machine], None]] = [
     our_option_values, partial_checkpointing, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
     quantized_base_not_under_zero3, qlora_needs, sharding_needs_gpus, attention_kernel_available, processes_fit_gpus,
-    tensor_parallel_combinations, liger_kernel_available, fp8_base_needs, deepspeed_json_agrees, launcher_agrees,
+    tensor_parallel_combinations, liger_kernel_available, fp8_base_needs, chunked_loss_combinations,
+    deepspeed_json_agrees, launcher_agrees,
 ]
 
 

@@ -59,6 +59,10 @@ class ModelArguments:
                 "input gradient), the adapter stays bf16. Needs compute capability 8.9+ (RTX 4090, H100, H200), "
                 "one process per GPU or DDP (not FSDP or DeepSpeed). Off by default: bench/fp8_check.py compares "
                 "its loss with bf16's."})
+    chunked_loss: bool = field(default=False, metadata={
+        "help": "The training loss from the last hidden states, 1024 labelled tokens at a time, each chunk's logits "
+                "recomputed in the backward: no [tokens x vocabulary] logits tensor (sft/chunked_loss.py). For "
+                "models without Liger's fused loss (DeepSeek-V2/V3); not with --use_liger_kernel or --tp_size."})
     attn_implementation: str = field(default="sdpa", metadata={
         "help": "Attention kernel: sdpa, eager, flex_attention, flash_attention_2 (needs flash-attn)."})
     trust_remote_code: bool = field(default=False, metadata={

@@ -135,6 +135,10 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
             from sft.fp8 import apply_fp8_base
 
             apply_fp8_base(model)
+    if model_args.chunked_loss:  # the training loss without whole logits (sft/chunked_loss.py)
+        from sft.chunked_loss import install_chunked_loss
+
+        install_chunked_loss(model)
     return model
 
 

@@ -1,0 +1,116 @@
+"""--chunked_loss: the training loss without whole logits gives the model's own loss and gradients (dense and MoE
+models, packed rows, LoRA, the Trainer's num_items_in_batch), leaves evaluation and generation alone, trains through
+the real entry point, and is refused where another path owns the loss."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import REPO, tiny_config
+from sft.chunked_loss import chunked_causal_lm_loss, install_chunked_loss
+from sft.config import ConfigError, parse_args, validate_setup
+from sft.machine import Launch, Machine
+
+DATA = str(REPO / "data" / "alpaca_demo.json")
+
+
+def tiny(model_type: str):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size=300), dtype=torch.float32).train()
+
+
+def packed_batch(vocab: int) -> dict:
+    """Two rows, each two packed documents (position_ids restart), prompts and padding labelled -100."""
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, vocab, (2, 24), generator=generator)
+    positions = torch.cat([torch.arange(10), torch.arange(14)]).repeat(2, 1)
+    labels = ids.clone()
+    labels[:, :4] = -100  # a prompt
+    labels[:, 10:13] = -100  # the second document's prompt
+    labels[1, 20:] = -100  # padding
+    return {"input_ids": ids, "position_ids": positions, "labels": labels}
+
+
+def loss_and_grads(model, batch: dict, **extra) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    loss = model(**batch, use_cache=False, **extra).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "deepseek_v2"])
+@pytest.mark.parametrize("num_items", [None, 40])
+def test_same_loss_and_gradients_as_the_models_own(model_type, num_items, monkeypatch):
+    import sft.chunked_loss
+
+    monkeypatch.setattr(sft.chunked_loss, "CHUNK_TOKENS", 7)  # several chunks, the last one short
+    model = tiny(model_type)
+    batch = packed_batch(model.config.vocab_size)
+    extra = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+    expected, expected_grads = loss_and_grads(model, batch, **extra)
+    install_chunked_loss(model)
+    got, grads = loss_and_grads(model, batch, **extra)
+    assert got == pytest.approx(expected.item(), rel=1e-5)
+    assert grads.keys() == expected_grads.keys() and "lm_head.weight" in grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_chunks_are_at_most_chunk_tokens_and_only_labelled_tokens():
+    seen = []
+    head = torch.nn.Linear(8, 11, bias=False)
+    head.register_forward_hook(lambda m, a, o: seen.append(a[0].shape[0]))
+    hidden = torch.randn(2, 9, 8, requires_grad=True)
+    labels = torch.randint(0, 11, (2, 9))
+    labels[0, :5] = -100
+    loss = chunked_causal_lm_loss(hidden, head, labels, chunk_tokens=4)
+    loss.backward()
+    labelled = int((torch.nn.functional.pad(labels, (0, 1), value=-100)[..., 1:] != -100).sum())
+    forward = seen[: len(seen) // 2]  # then the backward's recomputation, chunk by chunk
+    assert sum(forward) == labelled == 12 and max(forward) <= 4 and len(seen) == 2 * len(forward)
+
+
+def test_with_lora_evaluation_and_generation_keep_the_models_path():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    batch = packed_batch(model.config.vocab_size)
+    expected, expected_grads = loss_and_grads(model, batch)
+    install_chunked_loss(model)
+    got, grads = loss_and_grads(model, batch)
+    assert got == pytest.approx(expected.item(), rel=1e-5) and all("lora_" in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert model(**batch, use_cache=False).logits is None  # training: no logits
+    model.eval()
+    with torch.no_grad():
+        out = model(**batch, use_cache=False)
+    assert out.logits.shape == (2, 24, model.config.vocab_size) and out.loss is not None
+    assert model.generate(input_ids=batch["input_ids"][:1, :5], max_new_tokens=2, do_sample=False).shape == (1, 7)
+
+
+def machine() -> Machine:
+    return Machine(gpu_names=("NVIDIA GeForce RTX 4090",), gpu_memory_gib=(23.5,), bf16=True, host_ram_gib=64,
+                   host_ram_available_gib=60, launch=Launch(), packages=frozenset({"liger_kernel"}))
+
+
+def test_refused_beside_liger_and_tensor_parallel():
+    args = parse_args(["--model", "m", "--dataset", DATA, "--output_dir", "/nonexistent/out", "--chunked_loss",
+                       "true"])
+    validate_setup(*args, machine=machine())
+    args[3].use_liger_kernel = True
+    with pytest.raises(ConfigError, match="--chunked_loss with --use_liger_kernel"):
+        validate_setup(*args, machine=machine())
+
+
+def test_trains_through_the_entry_point(tmp_path, tiny_llama, capsys):
+    import sft.train
+
+    code = sft.train.main(["--model", str(tiny_llama), "--dataset", DATA, "--output_dir", str(tmp_path / "out"),
+                           "--max_steps", "2", "--per_device_train_batch_size", "2", "--max_length", "128",
+                           "--packing", "true", "--report_to", "none", "--save_strategy", "no", "--lora", "true",
+                           "--chunked_loss", "true", "--dataset_cache_dir", str(tmp_path / "cache")], save=False)
+    assert code == 0, capsys.readouterr().err[-2000:]
