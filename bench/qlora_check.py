@@ -410,9 +410,11 @@ def main(argv: list[str] | None = None) -> int:
         row = run(args, f"{args.shape}-{name}", model, qlora)
         if row:
             rows.append(row)
-    sharded = [] if args.cpu_smoke else [("qlora-ddp-2", "ddp", 2)] if gpus >= 2 else []
-    sharded += [] if args.cpu_smoke else {"one": [("qlora-fsdp-1", "fsdp", 1)], "no": [],
-                                          "two": [("qlora-fsdp-2", "fsdp", 2)] if gpus >= 2 else []}[args.fsdp]
+    sharded = []
+    if not args.cpu_smoke:
+        sharded += [("qlora-ddp-2", "ddp", 2)] if gpus >= 2 else []
+        sharded += [("qlora-fsdp-1", "fsdp", 1)] if args.fsdp == "one" else []
+        sharded += [("qlora-fsdp-2", "fsdp", 2)] if args.fsdp == "two" and gpus >= 2 else []
     for name, strategy, processes in sharded:
         row = run(args, f"{args.shape}-{name}", model, True, strategy=strategy, gpus=processes)
         if row:

@@ -18,6 +18,7 @@ for every row with a measured peak.
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import math
@@ -444,9 +445,14 @@ def _arg(args: list[str], name: str, default=None):
 def row_options(row: dict) -> list[str]:
     """The sft/train.py options of a bench row: its recipe's (`--config recipes/<x>.yaml`, read from this checkout's
     recipes/, wherever the row ran) before its own."""
-    args = shlex.split(row.get("train_args") or "")
+    return list(_options(row.get("train_args") or ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _options(train_args: str) -> tuple[str, ...]:  # every plan's estimate reads every row: parse each text once
+    args = shlex.split(train_args)
     recipe = _arg(args, "--config")
-    return (load_recipe(str(REPO / "recipes" / Path(recipe).name)) if recipe else []) + args
+    return tuple((load_recipe(str(REPO / "recipes" / Path(recipe).name)) if recipe else []) + args)
 
 
 def workload_of_row(row: dict) -> Workload:

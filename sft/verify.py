@@ -118,26 +118,29 @@ class SaveVerifier:
         return any(Path(path).glob(pattern))
 
     def reload(self, path: Path, dtype: torch.dtype, device: torch.device):
+        model = self.load_whole(self.base_model if self.lora else str(path), dtype, device)
+        if self.lora:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(path))
+        return model
+
+    def load_whole(self, source: str, dtype: torch.dtype, device: torch.device):
+        """A whole copy of the model (a LoRA run's base: quantized again as in training under QLoRA) in this
+        process, on `device`."""
         from transformers import AutoModelForCausalLM
 
         from sft.zero3 import zero3_init_disabled
 
-        source = self.base_model if self.lora else str(path)
         quantized = {}
         if self.lora and self.quantization:
             from transformers import BitsAndBytesConfig
 
             quantized = {"quantization_config": BitsAndBytesConfig.from_dict(dict(self.quantization))}
         with zero3_init_disabled():  # one process loads a whole copy: no zero.Init (the other ranks would not join)
-            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype,
-                                                         attn_implementation=self.attn_implementation,
-                                                         trust_remote_code=self.trust_remote_code,
-                                                         use_safetensors=True, device_map={"": device}, **quantized)
-        if self.lora:
-            from peft import PeftModel
-
-            model = PeftModel.from_pretrained(model, str(path))
-        return model
+            return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=self.attn_implementation,
+                                                        trust_remote_code=self.trust_remote_code, use_safetensors=True,
+                                                        device_map={"": device}, **quantized)
 
     def adapter_in_place(self, model, path: Path, input_ids: torch.Tensor) -> str | None:
         """Load the saved adapter beside the trained one on the same base; compare; remove it again."""
@@ -203,7 +206,6 @@ class SaveVerifier:
             raise SaveMismatchError(f"the {what} saved in {path} does not reproduce the trained model: {error}. "
                                     f"Do not use these files; the run's earlier checkpoints are untouched.")
 
-
     def explain_sharded(self, model, base, path: Path, input_ids: torch.Tensor, expected: torch.Tensor) -> str:
         """Which side of a failed sharded (FSDP) LoRA check differs, in words; called on every rank (it gathers).
 
@@ -218,28 +220,19 @@ class SaveVerifier:
         if _is_main():
             findings.append(f"the saved adapter {adapter_note(trained, path)}")
             if base_bits:
-                findings.append(f"the reloaded 4-bit base {self.base_note(base_bits, model, base)}")
+                findings.append(f"the reloaded 4-bit base {self.base_note(base_bits, base)}")
         return "diagnosis: " + "; ".join(findings)
 
-    def base_note(self, trained: dict, model, base) -> str:
+    def base_note(self, trained: dict, base) -> str:
         """The trained 4-bit base (gathered) against the base quantized again as the check reloads it."""
         dtype = next(p.dtype for p in base.parameters() if not p.requires_grad)
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
             torch.device("cpu")
         try:
-            reloaded = gathered_4bit_base(self.reload_base(device, dtype))
+            reloaded = gathered_4bit_base(self.load_whole(self.base_model, dtype, device))
         except Exception as e:  # noqa: BLE001 (an explanation must not hide the mismatch it explains)
             return f"could not be reloaded for the comparison ({type(e).__name__}: {e})"
         return tensors_note(trained, reloaded, "4-bit weights and quantization constants")
-
-    def reload_base(self, device: torch.device, dtype: torch.dtype):
-        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-
-        config = BitsAndBytesConfig.from_dict(dict(self.quantization or {}))
-        return AutoModelForCausalLM.from_pretrained(self.base_model, dtype=dtype, quantization_config=config,
-                                                    attn_implementation=self.attn_implementation,
-                                                    trust_remote_code=self.trust_remote_code, use_safetensors=True,
-                                                    device_map={"": device})
 
 
 def repeat_note(again: torch.Tensor, first: torch.Tensor) -> str:
