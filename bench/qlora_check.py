@@ -8,9 +8,9 @@ afterwards. One command; PASS/FAIL lines, one bench/results.jsonl row per traini
 Steps: build a random-init model of the shape (Llama architecture, bf16) and save it with save_pretrained, with
 the real DeepSeek-Coder tokenizer; train it twice with the same data and options (packing, --max_length, micro
 batch, --max_steps, activation checkpointing, --bf16), `--lora` then `--qlora`, each process's allocator capped
-at --mem_cap_gib (24 GB cards); with 2 GPUs visible also `--qlora` under accelerate_configs/ddp.yaml on both.
-FSDP+QLoRA is refused by sft/train.py (its adapter failed the verified save on two H200s: bench/RESULTS.md);
-`--fsdp two` (2 GPUs) or `--fsdp one` still launches it, to see the refusal or, with the check lifted, the failure.
+at --mem_cap_gib (24 GB cards); with 2 GPUs visible also `--qlora` under accelerate_configs/ddp.yaml on both;
+`--fsdp two` (2 GPUs) or `--fsdp one` (one process) also under accelerate_configs/fsdp.yaml (the 4-bit weights
+gathered as bytes: sft/fsdp.py qlora_policy; bench/fsdp_qlora_bytes.py shows why on a GPU).
 Numbers per run, as bench/train_throughput.py measures them (its callback, monitor and row): real tok/s over
 the steps after --warmup, loss first/last (must fall), peak reserved/allocated memory, nvidia-smi's peak. Then
 the QLoRA adapter: saved and verified by the run (training_complete.json), reloaded with plain peft onto the
@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mem_cap_gib", type=float, default=24.0, help="per-process allocator cap; 0: none")
     p.add_argument("--fsdp", choices=["no", "one", "two"], default="no",
                    help="also launch --qlora under accelerate_configs/fsdp.yaml, in one process or on 2 GPUs "
-                        "(sft/train.py refuses it: see the docstring)")
+                        "(see the docstring)")
     p.add_argument("--data", type=Path, default=first_existing(BENCHDATA / "alpaca_sample.json",
                                                                SHARED / "datasets" / "alpaca_sample.json"))
     p.add_argument("--tokenizer", type=Path, default=first_existing(

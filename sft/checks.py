@@ -117,7 +117,7 @@ def qlora_implies_lora(o: Options) -> None:
 
 
 def qlora_needs(o: Options, m: Machine) -> None:
-    """--qlora: bitsandbytes' 4-bit kernels on a CUDA GPU, under DDP (one GPU: no launcher needed); not FSDP."""
+    """--qlora: bitsandbytes' 4-bit kernels on a CUDA GPU, under DDP or FSDP (one GPU: no launcher needed)."""
     if not qlora(o):
         return
     if not m.cuda:
@@ -129,13 +129,6 @@ def qlora_needs(o: Options, m: Machine) -> None:
         raise ConfigError(f"--qlora with --tp_size {o.model.tp_size}: 4-bit weights cannot be split by tensor "
                           f"parallelism. Drop --tp_size: a 4-bit 7B base fits each 24 GB card "
                           f"(accelerate_configs/ddp.yaml).")
-    if o.fsdp(m):
-        # Measured on two H200s (bench/RESULTS.md, run 20261201T1015Z-x2): FSDP+QLoRA trained, but the verified
-        # save refused its adapter: identical adapter and 4-bit bits, yet FSDP's forward gave other logits. Refused
-        # before loading rather than after hours of training.
-        raise ConfigError("--qlora under FSDP: on GPUs the adapter it trains does not reproduce the trained model "
-                          "(the verified final save refuses it; bench/RESULTS.md). Use accelerate_configs/ddp.yaml: "
-                          "each GPU holds the whole 4-bit base (~4 GiB for a 7B model), verified on 2 GPUs.")
     stage = o.zero_stage(m)
     if stage is not None and stage != "3":  # ZeRO-3: quantized_base_not_under_zero3
         raise ConfigError(f"--qlora with DeepSpeed ZeRO-{stage}: not supported (DeepSpeed's engine is not set up "

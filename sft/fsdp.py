@@ -49,18 +49,69 @@ def fsdp_training_settings(training_args, lora: bool = False, launch: Launch | N
         print("FSDP: " + "; ".join(notes), flush=True)
 
 
-def fsdp_callbacks(launch: Launch | None = None) -> list:
-    """Trainer callbacks of FSDP runs (none otherwise): the embedding's backward without an all-gather."""
+def fsdp_callbacks(launch: Launch | None = None, qlora: bool = False) -> list:
+    """Trainer callbacks of FSDP runs (none otherwise): the embedding's backward without an all-gather; under
+    --qlora, the 4-bit weights all-gathered byte for byte."""
     if not fsdp_launched(launch):
         return []
     from transformers import TrainerCallback
+
+    class FourBitWeightsGatheredAsBytes(TrainerCallback):
+        def on_init_end(self, args, state, control, **kwargs):  # the Accelerator exists, the model is not wrapped
+            from accelerate.state import AcceleratorState
+
+            AcceleratorState().fsdp_plugin.mixed_precision_policy = qlora_policy()
+
+        def on_train_begin(self, args, state, control, model=None, **kwargs):  # wrapped, nothing gathered yet
+            unsafe = float_gathered_4bit_units(model)
+            if unsafe:
+                raise RuntimeError(f"FSDP + QLoRA: {len(unsafe)} FSDP units would all-gather 4-bit weights as "
+                                   f"floats, which rewrites some of their bits on GPUs ({', '.join(unsafe[:3])})")
 
     class EmbeddingBackwardWithoutAllGather(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             if skip_embedding_unshard_in_backward(model) and args.process_index == 0:
                 print("FSDP: the input embedding's backward runs without gathering its weight", flush=True)
 
-    return [EmbeddingBackwardWithoutAllGather()]
+    return [EmbeddingBackwardWithoutAllGather(), *([FourBitWeightsGatheredAsBytes()] if qlora else [])]
+
+
+def qlora_policy():
+    """FSDP2's mixed precision under --qlora: no cast in the all-gather (param_dtype None), gradients reduced in
+    fp32, the compute in bf16 all the same (bitsandbytes' compute dtype, and accelerate's autocast).
+
+    bitsandbytes stores the packed 4-bit values in bf16 tensors for FSDP, and those bytes are not numbers: some
+    pairs form NaN bit patterns. FSDP2 gathers a unit's parameters through one buffer; when they all share one
+    dtype (accelerate's policy casts all to bf16) it copies them as floats with torch._foreach_copy_, which on
+    CUDA writes every NaN as the one canonical NaN (pytorch issue 159333; CPU copies keep the bits). So the
+    4-bit base that FSDP+QLoRA computed with was not the one loaded, and the trained adapter failed its
+    verified save (bench/RESULTS.md, runs 0940Z-x2 and 1015Z-x2). When a unit's dtypes differ, FSDP2 copies raw
+    bytes (uint8): without the cast, each decoder layer's unit holds the fp32 adapter beside the bf16-stored
+    4-bit weights. bench/fsdp_qlora_bytes.py shows both on a GPU; float_gathered_4bit_units checks it."""
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+
+
+def float_gathered_4bit_units(model) -> list[str]:
+    """The FSDP units that hold bitsandbytes 4-bit weights and would all-gather them as floats: all their
+    parameters gathered in one dtype (the mixed precision policy's param_dtype, else each parameter's own)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    unsafe = []
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        for group in getattr(state, "_fsdp_param_groups", None) or [state._fsdp_param_group]:
+            if group is None or not any(type(p._module_info.module).__name__ == "Linear4bit"
+                                        for p in group.fsdp_params):
+                continue
+            dtypes = {group.mp_policy.param_dtype or p.sharded_param.dtype for p in group.fsdp_params}
+            if len(dtypes) == 1:
+                unsafe.append(name or "the root")
+    return unsafe
 
 
 def skip_embedding_unshard_in_backward(model) -> bool:

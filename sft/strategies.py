@@ -154,8 +154,7 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in [
              precisions=("fp32_master",), note="optimizer state and gradients sharded (no QLoRA: sft/checks.py)",
              checks=_c(*COMMON, "deepspeed_json_agrees")),
     Strategy("fsdp", "accelerate_configs/fsdp.yaml", None, frozenset({"weights", "gradients", "optimizer"}),
-             frozenset(), "nccl", min_gpus=2, methods=("lora", "full"),  # no QLoRA: sft/checks.py qlora_needs
-             note="FSDP2, one shard unit per decoder layer",
+             frozenset(), "nccl", min_gpus=2, note="FSDP2, one shard unit per decoder layer",
              checks=_c(*COMMON, "sharding_needs_gpus"), sharded_kind="fsdp"),
     Strategy("zero3", "accelerate_configs/zero3.yaml", "ds_configs/zero3.json",
              frozenset({"weights", "gradients", "optimizer"}), frozenset(), "deepspeed", min_gpus=2,

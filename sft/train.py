@@ -165,7 +165,8 @@ def train(run: Run, seams: Seams) -> int:
         *([LossSpikeLogger(training_args.loss_spike_factor)] if training_args.loss_spike_factor > 0 else []),
         *([PartialCheckpointing(skip)] if skip else []),
         *([MoeLoadLogger(balance)] if balance else []),  # MoE: aux loss, tokens per expert, imbalance
-        *fsdp_callbacks(),  # FSDP only: the embedding's backward without an all-gather
+        *fsdp_callbacks(qlora=lora_args.qlora),  # FSDP only: the embedding's backward without an all-gather;
+        # --qlora: the 4-bit weights gathered byte for byte
         GpuTelemetry(),  # per-GPU util, memory (nvidia-smi's count), temperature, power: NVML on a thread, rank 0
         EvalPerplexity(),  # eval_perplexity = exp(eval_loss)
         RunRecord(),  # last: trainer_log.jsonl as it goes; loss.png and all_results.json at the end (rank 0)

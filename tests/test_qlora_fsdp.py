@@ -119,3 +119,64 @@ def test_sharded_qlora_check_names_the_adapter_file(tmp_path):
     assert "the saved adapter DIFFERS from the trained LoRA weights" in message, message
     assert "the in-memory forward is repeatable" in message and "agree on every rank" in message, message
     assert "the reloaded 4-bit base is the trained one" in message, message
+
+
+# ---- the 4-bit bytes under FSDP2's all-gather (sft/fsdp.py qlora_policy) ----------------------------------------
+
+BYTES_WORKER = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from sft.fsdp import float_gathered_4bit_units, qlora_policy
+
+    # two ranks: FSDP2 skips the all-gather for one (torch 2.13)
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=int(sys.argv[2]), world_size=2)
+    copy = torch._foreach_copy_
+
+    def canonicalizing(dsts, srcs, *args, **kwargs):  # what CUDA's float copy does (pytorch issue 159333)
+        copy(dsts, srcs, *args, **kwargs)
+        for d in dsts:
+            if d.is_floating_point():
+                d.masked_fill_(torch.isnan(d), float("nan"))
+
+    torch._foreach_copy_ = canonicalizing
+    PATTERNS = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(-1, 1)
+
+    class Linear4bit(torch.nn.Module):  # bitsandbytes' packed 4-bit weight: bytes in a bf16 tensor
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(PATTERNS.clone(), requires_grad=False)
+
+    def gathered_bits_changed(policy, adapter):
+        layer = torch.nn.Module()
+        layer.packed, layer.norm = Linear4bit(), torch.nn.LayerNorm(8, dtype=torch.bfloat16).requires_grad_(False)
+        if adapter:
+            layer.lora = torch.nn.Linear(8, 8)  # fp32, trained
+        fully_shard(layer, mp_policy=policy)
+        unsafe = float_gathered_4bit_units(layer)
+        layer.unshard()
+        changed = int((layer.packed.weight.view(torch.int16) != PATTERNS.view(torch.int16)).sum())
+        return {"unsafe_units": len(unsafe), "changed": changed}
+
+    accelerate = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
+    print(json.dumps({"rank": dist.get_rank(), "accelerate": gathered_bits_changed(accelerate, True),
+                      "ours": gathered_bits_changed(qlora_policy(), True),
+                      "ours_without_adapter": gathered_bits_changed(qlora_policy(), False)}))
+""")
+
+
+def test_4bit_bytes_survive_the_all_gather(tmp_path):
+    """accelerate's FSDP2 policy casts every parameter to bf16 for the all-gather, so a unit gathers in one float
+    dtype and FSDP2 copies its bf16-stored 4-bit bytes as floats: CUDA's copy rewrites NaN bit patterns (emulated
+    here by a canonicalizing torch._foreach_copy_: on a CPU the bits survive). Under qlora_policy a layer's unit
+    mixes the fp32 adapter with the bf16 storage and FSDP2 gathers bytes; the guard names any unit that would
+    not (a unit of 4-bit weights without an adapter)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    workers = [subprocess.Popen([sys.executable, "-c", BYTES_WORKER, str(tmp_path / "rendezvous"), str(r)], env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outputs = [w.communicate(timeout=300) for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], [err[-3000:] for _, err in outputs]
+    result = json.loads(outputs[0][0].strip().splitlines()[-1])
+    assert result["accelerate"]["changed"] > 0 and result["accelerate"]["unsafe_units"] == 1, result
+    assert result["ours"] == {"unsafe_units": 0, "changed": 0}, result
+    assert result["ours_without_adapter"]["unsafe_units"] == 1, result
+    assert result["ours_without_adapter"]["changed"] > 0, result  # the guard's reason: uniform dtype, float copy

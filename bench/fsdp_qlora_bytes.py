@@ -1,0 +1,165 @@
+"""Why FSDP + QLoRA gave other logits on GPUs, and that the fix holds: one process, one CUDA GPU, a few seconds.
+
+bitsandbytes packs two 4-bit values per byte and, for FSDP, stores the bytes in bf16 tensors. Those bytes are
+not numbers: some pairs form bf16 NaN patterns. FSDP2 all-gathers a unit's parameters through one buffer; when
+all of them share one dtype it copies them as floats with torch._foreach_copy_, which on CUDA writes every NaN
+as the one canonical NaN (pytorch issue 159333; on CPU the bits survive, which is why CPU tests passed). Part
+of the 4-bit base changes at every all-gather. When a unit's dtypes differ, FSDP2 copies raw bytes (uint8).
+sft/fsdp.py's fix: no all-gather cast (`param_dtype=None`), so each layer's unit holds the fp32 adapter beside
+the bf16-stored 4-bit weights and is gathered as bytes.
+
+    python bench/fsdp_qlora_bytes.py --run_id R [--results bench/results.jsonl]   # starts its two ranks
+
+Checks (PASS/FAIL lines, exit status 1 on a FAIL): (1) the copies FSDP2 uses on every one of the 65,536 bf16
+bit patterns; (2) a tiny Llama with a 4-bit NF4 base (bf16 storage) and a LoRA adapter (B != 0), its logits
+under raw `fully_shard` (each decoder layer and the root) on two ranks (torch 2.13 skips the all-gather of one;
+NCCL with two GPUs, else gloo with both ranks on one GPU: the copies are the GPU's either way) against the same
+model unsharded, with
+accelerate's policy (param_dtype bf16) and with ours (param_dtype None, reduce fp32); (3) the same through
+sft.fsdp's own guard, which must refuse the unsafe layout and accept ours.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+FAILED: list[str] = []
+
+
+def report(name: str, ok: bool, detail: str) -> bool:
+    if os.environ.get("RANK", "0") == "0":
+        print(f"{'PASS' if ok else 'FAIL'} {name}: {detail}", flush=True)
+    if not ok:
+        FAILED.append(name)
+    return ok
+
+
+def bit_patterns() -> dict:
+    """Every bf16 bit pattern through the copies FSDP2 makes: which ones keep the bits."""
+    source = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).cuda()
+    changed = {}
+    for name, copy in {
+        "copy_": lambda dst: dst.copy_(source),
+        "_foreach_copy_ (bf16)": lambda dst: torch._foreach_copy_([dst], [source]),
+        "_foreach_copy_ (uint8 views)": lambda dst: torch._foreach_copy_([dst.view(torch.uint8)],
+                                                                         [source.view(torch.uint8)]),
+    }.items():
+        dst = torch.zeros_like(source)
+        copy(dst)
+        changed[name] = int((dst.view(torch.int16) != source.view(torch.int16)).sum())
+    return changed
+
+
+def tiny_base(path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=128)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+
+
+def qlora_model(base: Path):
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from sft.config import LoraArguments
+    from sft.model import attach_lora, qlora_quantization_kwargs
+
+    config = BitsAndBytesConfig(**qlora_quantization_kwargs(torch.bfloat16, torch.bfloat16, fsdp=True))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16, quantization_config=config,
+                                                 device_map={"": torch.cuda.current_device()})
+    torch.manual_seed(0)
+    model = attach_lora(model, LoraArguments(lora=True, lora_r=8, lora_dropout=0.0), False)
+    for name, p in model.named_parameters():  # B != 0: the adapter changes the logits
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05, generator=torch.Generator(device=p.device).manual_seed(len(name)))
+    return model
+
+
+@torch.no_grad()
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        return model(input_ids=ids, use_cache=False).logits.float()
+
+
+def shard(model, policy) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for module in list(model.modules()):
+        if type(module).__name__ == "LlamaDecoderLayer":
+            fully_shard(module, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--run_id", default="local")
+    p.add_argument("--results", type=Path, default=None, help="append one JSON row here")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if not args.worker:  # two ranks, then rank 0's verdict
+        import subprocess
+
+        return subprocess.call([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                                "--master_port", os.environ.get("MASTER_PORT", "29533"), __file__, "--worker",
+                                "--run_id", args.run_id, *(["--results", str(args.results)] if args.results else [])])
+    import torch.distributed as dist
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from sft.fsdp import float_gathered_4bit_units, qlora_policy
+
+    changed = bit_patterns()
+    report("bit_patterns/foreach_bf16", True, f"bf16 patterns changed by each copy: {changed}")
+    report("bit_patterns/bytes_exact", changed["_foreach_copy_ (uint8 views)"] == 0 and changed["copy_"] == 0,
+           "copy_ and a uint8 _foreach_copy_ keep every bit")
+
+    rank, gpus = int(os.environ["RANK"]), torch.cuda.device_count()
+    torch.cuda.set_device(rank % gpus)
+    backend = "nccl" if gpus >= 2 else "gloo"  # NCCL refuses two ranks on one GPU
+    dist.init_process_group(backend)
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(1)).cuda()
+    base = Path(tempfile.gettempdir()) / f"fsdp_qlora_bytes_{os.environ.get('MASTER_PORT', '29533')}"
+    if rank == 0:
+        tiny_base(base)
+    dist.barrier()
+    reference = logits(qlora_model(base), ids)
+    row = {"run_id": args.run_id, "bench": "fsdp_qlora_bytes", "gpu": torch.cuda.get_device_name(),
+           "ranks": 2, "backend": backend, "bf16_patterns_changed": changed}
+    policies = {"accelerate (param_dtype bf16)": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                                      reduce_dtype=torch.bfloat16),
+                "ours (param_dtype None, reduce fp32)": qlora_policy()}
+    for label, policy in policies.items():
+        model = qlora_model(base)
+        shard(model, policy)
+        unsafe = float_gathered_4bit_units(model)
+        diff = float((logits(model, ids) - reference).abs().max())
+        row[label] = {"max_abs_logit_diff": diff, "units_gathering_4bit_as_floats": len(unsafe)}
+        ours = label.startswith("ours")
+        report(f"fsdp/{'ours' if ours else 'accelerate'}", (diff < 1e-3) == ours,
+               f"max |logits - unsharded| = {diff:.3g} ({'must be' if ours else 'was'} ~0)")
+        report(f"guard/{'ours' if ours else 'accelerate'}", (not unsafe) == ours,
+               f"units that all-gather the 4-bit bytes as floats: {len(unsafe)}")
+        del model
+    dist.destroy_process_group()
+    row["passed"] = not FAILED
+    if rank != 0:
+        return 1 if FAILED else 0
+    if args.results:
+        with open(args.results, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+    return 1 if FAILED else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
