@@ -135,16 +135,27 @@ def gpus_have_peer_access() -> bool | None:
     return all(torch.cuda.can_device_access_peer(i, j) for i in range(n) for j in range(n) if i != j)
 
 
-def configure_nccl_env(launch: Launch | None = None) -> NcclDecision:
-    """Set NCCL_P2P_DISABLE / NCCL_IB_DISABLE for consumer cards. Call before TrainingArguments is built: that
-    starts the process group, and NCCL reads these when its communicators are created."""
-    launch = launch or this_launch()
+def nccl_decision(launch: Launch) -> NcclDecision:
+    """What this launch needs set for NCCL on the GPUs it sees (nothing for one process or one GPU)."""
     names = visible_gpu_names(launch)
     if len(names) < 2 or launch.world_size < 2:
         return NcclDecision()
     # Named consumer cards decide it already; otherwise ask CUDA whether every pair reaches each other.
     peer_access = None if any(is_consumer_gpu(n) for n in names) else gpus_have_peer_access()
-    decision = decide_nccl_env(names, peer_access, dict(launch.nccl))
+    return decide_nccl_env(names, peer_access, dict(launch.nccl))
+
+
+def nccl_given(launch: Launch) -> dict[str, str]:
+    """The NCCL variables as NCCL got them: the user's (read at launch) and those configure_nccl_env added (decided
+    again here: the same launch on the same GPUs decides the same)."""
+    return {**dict(launch.nccl), **nccl_decision(launch).env}
+
+
+def configure_nccl_env(launch: Launch | None = None) -> NcclDecision:
+    """Set NCCL_P2P_DISABLE / NCCL_IB_DISABLE for consumer cards. Call before TrainingArguments is built: that
+    starts the process group, and NCCL reads these when its communicators are created."""
+    launch = launch or this_launch()
+    decision = nccl_decision(launch)
     os.environ.update(decision.env)  # written for NCCL, which reads them when its communicators are created
     if decision.reasons and launch.first:
         for line in decision.reasons:
@@ -152,10 +163,11 @@ def configure_nccl_env(launch: Launch | None = None) -> NcclDecision:
     return decision
 
 
-def check_allreduce(numels: Sequence[int] = (1024, 4 * 1024 * 1024)) -> None:
+def check_allreduce(numels: Sequence[int] = (1024, 4 * 1024 * 1024), launch: Launch | None = None) -> None:
     """Sum known tensors over all ranks and compare with the exact answer (small integers: exact in fp32).
 
-    The large size makes NCCL take its bulk (ring/P2P) path, which is where broken peer-to-peer shows."""
+    The large size makes NCCL take its bulk (ring/P2P) path, which is where broken peer-to-peer shows. `launch`:
+    this process's when None (its GPUs and NCCL settings go into the error)."""
     import torch
     import torch.distributed as dist
 
@@ -176,15 +188,15 @@ def check_allreduce(numels: Sequence[int] = (1024, 4 * 1024 * 1024)) -> None:
             raise DistributedCheckError(
                 f"the all-reduce check failed on rank {rank} of {world}: {len(wrong)} of {numel} values wrong "
                 f"(e.g. index {i}: got {tensor[i].item():g}, expected {expected[i].item():g}). "
-                f"{_nccl_advice()}")
+                f"{nccl_advice(launch or this_launch())}")
         if device.type == "cuda":
             torch.cuda.synchronize()
 
 
-def _nccl_advice() -> str:
-    names = visible_gpu_names()
-    # What NCCL was given: the user's values or ours (configure_nccl_env writes them after the launch was read).
-    state = ", ".join(f"{v}={os.environ.get(v, 'unset')}" for v in NCCL_VARS)
+def nccl_advice(launch: Launch) -> str:
+    names = visible_gpu_names(launch)
+    given = nccl_given(launch)
+    state = ", ".join(f"{v}={given.get(v, 'unset')}" for v in NCCL_VARS)
     return (f"GPUs: {', '.join(names) or 'none seen by nvidia-smi'}; {state}. Communication between the GPUs "
             "returns wrong data, so training would silently learn nothing. On GeForce cards without peer-to-peer, "
             "launch with `NCCL_P2P_DISABLE=1 NCCL_IB_DISABLE=1 accelerate launch ...`, update the NVIDIA driver "
@@ -336,4 +348,4 @@ def preflight(model_args, lora_args, training_args, machine: Machine | None = No
     check_data_parallel(training_args, m.launch)
     one_gpu_per_process(training_args)
     check_offload_ram(model_args, lora_args, training_args, m)
-    check_allreduce()
+    check_allreduce(launch=m.launch)

@@ -24,10 +24,11 @@ bf16 base as any other (sft.verify checks it beside the trained one, on the same
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 from torch import nn
+
+from sft.machine import launch
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -49,7 +50,7 @@ def _compiled_quantize():
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows, compiled into one kernel per call on CUDA (amax, scale and cast fused: a read of x and a
     write of 1 byte per value); eager elsewhere (SFT_FP8_COMPILE=0 makes it eager on CUDA too)."""
-    if x.is_cuda and os.environ.get("SFT_FP8_COMPILE", "1") != "0":
+    if x.is_cuda and launch().fp8_compile:
         return _compiled_quantize()(x)
     return quantize_rows(x)
 
@@ -128,7 +129,7 @@ def use_fp8_base(model, device: torch.device | None = None) -> tuple[int, int]:
     from peft.tuners.lora import LoraLayer
 
     if device is None and torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        device = torch.device("cuda", launch().local_rank)
     converted = skipped = 0
     for module in model.modules():
         if not isinstance(module, LoraLayer) or type(module.base_layer) is not nn.Linear:
@@ -181,7 +182,6 @@ def fp8_base_needs(o, m) -> None:
 def apply_fp8_base(model) -> None:
     """The hook sft/model.py calls after attaching LoRA under --fp8: convert, and say what was converted."""
     from sft.errors import ConfigError
-    from sft.machine import launch
 
     why = fp8_missing_here()
     if why:  # normally refused before loading (fp8_base_needs); this guards callers that skip the checks

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 GIB = 2**30
 # Packages that options need and the install may lack: checks ask the Machine (tests describe them as data).
 OPTIONAL_PACKAGES = ("liger_kernel", "bitsandbytes", "torchao", "flash_attn", "flash_attn_interface")
+# Variables that send the hub's https requests through a proxy (its HTTP client reads them from the environment).
+PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 
 
 def _true(value: str | None) -> bool:
@@ -24,7 +26,8 @@ def _true(value: str | None) -> bool:
 @dataclass(frozen=True)
 class Launch:
     """The processes and what the launcher set up: torchrun sets the ranks, accelerate exports its config file's
-    settings as ACCELERATE_* variables (and sets ACCELERATE_DYNAMO_BACKEND even for one process)."""
+    settings as ACCELERATE_* variables (and sets ACCELERATE_DYNAMO_BACKEND even for one process). Also the other
+    variables the toolkit reads, so that no module reads the environment itself and tests describe them as data."""
 
     world_size: int = 1
     local_world_size: int | None = None           # LOCAL_WORLD_SIZE; None: not said (DeepSpeed's launcher sets none)
@@ -39,6 +42,12 @@ class Launch:
     gradient_accumulation_steps: int | None = None
     cuda_visible_devices: str | None = None       # CUDA_VISIBLE_DEVICES as the process was started with it
     nccl: tuple[tuple[str, str], ...] = ()         # the NCCL_* variables the user set (sft/distributed.py NCCL_VARS)
+    tensorboard_logging_dir: str | None = None    # TENSORBOARD_LOGGING_DIR: where the Trainer's TensorBoard logs go
+    fp8_compile: bool = True                      # SFT_FP8_COMPILE; "0": --fp8 quantizes eagerly on CUDA too
+    peft_input_cast: bool = False                 # SFT_PEFT_INPUT_CAST=1: keep peft's input casts (bench rows)
+    # HTTPS_PROXY, https_proxy, ALL_PROXY or all_proxy is set (only whether: a proxy URL may hold a password)
+    hub_proxied: bool = False
+    xdg_cache_home: str | None = None             # XDG_CACHE_HOME (unset: ~/.cache): where the tiny model is built
 
     @property
     def first(self) -> bool:
@@ -88,7 +97,12 @@ def read_launch(env: os._Environ | dict = os.environ) -> Launch:
                   mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", "no"),
                   gradient_accumulation_steps=int(accumulation) if accumulation else None,
                   cuda_visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
-                  nccl=tuple((k, v) for k, v in sorted(env.items()) if k.startswith("NCCL_")))
+                  nccl=tuple((k, v) for k, v in sorted(env.items()) if k.startswith("NCCL_")),
+                  tensorboard_logging_dir=env.get("TENSORBOARD_LOGGING_DIR") or None,
+                  fp8_compile=env.get("SFT_FP8_COMPILE", "1") != "0",
+                  peft_input_cast=env.get("SFT_PEFT_INPUT_CAST") == "1",
+                  hub_proxied=any(env.get(v) for v in PROXY_VARS),
+                  xdg_cache_home=env.get("XDG_CACHE_HOME") or None)
 
 
 @functools.lru_cache(maxsize=1)

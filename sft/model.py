@@ -60,7 +60,9 @@ def check_hub_model(repo_id: str, option: str) -> None:
                                  f"HF_HUB_OFFLINE=1 forbids downloading it. Download it once where there is network "
                                  f"(`hf download {repo_id}`), or give a local directory.")
     host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
-    if not any(os.environ.get(v) for v in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+    from sft.machine import launch
+
+    if not launch().hub_proxied:  # through a proxy, a direct connection test says nothing
         try:
             socket.create_connection((host, 443), timeout=3).close()
         except OSError as e:
@@ -294,7 +296,9 @@ def attach_lora(model, lora_args: LoraArguments, gradient_checkpointing: bool):
         raise ConfigError(f"--lora_target_modules {' '.join(lora_args.lora_target_modules)}: no module of "
                           f"{model.config.model_type} has that name. Its linear layers are named: "
                           f"{', '.join(linear_names(model))} (or give all-linear).") from None
-    if os.environ.get("SFT_PEFT_INPUT_CAST") != "1":  # "1": peft's own casts (bench/throughput.py's -peftcast rows)
+    from sft.machine import launch
+
+    if not launch().peft_input_cast:  # set: peft's own casts (bench/throughput.py's -peftcast rows)
         skip_input_casts_under_autocast(model)
     return model
 

@@ -14,6 +14,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from sft.machine import launch
+
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜pad｜>"
 VERSION = "1"  # bump when the recipe below changes, so cached builds are rebuilt
 # deepseek-llm-7b-chat's template (BOS, optional system text, `User: ...\n\nAssistant: ...<eos>`).
@@ -27,7 +29,7 @@ CHAT_TEMPLATE = (
 
 
 def default_dir() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    cache = Path(launch().xdg_cache_home or Path.home() / ".cache")
     return cache / "deepseek-sft" / f"tiny-deepseek-v{VERSION}"
 
 

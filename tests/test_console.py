@@ -53,7 +53,11 @@ def overview(tmp_path, lora: bool, **args) -> tuple[str, object]:
 
 
 def test_overview_of_a_full_fine_tune(tmp_path, monkeypatch):
-    monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)
+    import sft.console as console
+    from sft.machine import Launch
+
+    monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)  # transformers' TensorBoardCallback reads it
+    monkeypatch.setattr(console, "launch", lambda: Launch())  # ours, in the launch read once: not set either
     text, model = overview(tmp_path, lora=False)
     total = sum(p.numel() for p in model.parameters())
     from sft.console import count
@@ -68,6 +72,17 @@ def test_overview_of_a_full_fine_tune(tmp_path, monkeypatch):
     assert f"{out}  (the final model and tokenizer)" in text and "checkpoints  none (--save_strategy no)" in text
     assert f"tensorboard --logdir {out / 'runs'}" in text
     assert 8 <= len(text.splitlines()) <= 12, text
+
+
+def test_tensorboard_dir_is_the_launchs_setting_or_the_runs_folder(tmp_path, monkeypatch):
+    import sft.console as console
+    from sft.machine import Launch
+
+    monkeypatch.setattr(console, "launch", lambda: Launch())
+    assert console.tensorboard_dir(str(tmp_path), ["wandb"]) is None  # TensorBoard is not a logger of this run
+    assert console.tensorboard_dir(str(tmp_path), "tensorboard") == str(tmp_path.resolve() / "runs")
+    monkeypatch.setattr(console, "launch", lambda: Launch(tensorboard_logging_dir="~/tb"))
+    assert console.tensorboard_dir(str(tmp_path), ["tensorboard", "wandb"]) == os.path.expanduser("~/tb")
 
 
 def test_overview_counts_the_lora_adapter(tmp_path):

@@ -119,6 +119,33 @@ def test_the_launch_is_read_from_the_launchers_environment():
     assert deepspeed.local_world_size is None and deepspeed.processes_here(4) == 4 and deepspeed.first
 
 
+def test_the_toolkits_own_settings_are_read_with_the_launch():
+    """The other variables sft reads, read once into the Launch too (no module reads the environment itself)."""
+    from sft.machine import read_launch
+
+    unset = read_launch({})
+    assert (unset.tensorboard_logging_dir, unset.xdg_cache_home) == (None, None)
+    assert unset.fp8_compile and not unset.peft_input_cast and not unset.hub_proxied
+    launch = read_launch({"TENSORBOARD_LOGGING_DIR": "/tb", "XDG_CACHE_HOME": "/cache", "SFT_FP8_COMPILE": "0",
+                          "SFT_PEFT_INPUT_CAST": "1", "all_proxy": "socks5://proxy:1080"})
+    assert (launch.tensorboard_logging_dir, launch.xdg_cache_home) == ("/tb", "/cache")
+    assert not launch.fp8_compile and launch.peft_input_cast and launch.hub_proxied
+    empty = read_launch({"TENSORBOARD_LOGGING_DIR": "", "XDG_CACHE_HOME": "", "HTTPS_PROXY": ""})  # empty: unset
+    assert (empty.tensorboard_logging_dir, empty.xdg_cache_home, empty.hub_proxied) == (None, None, False)
+
+
+def test_the_allreduce_advice_names_the_nccl_settings_nccl_got(monkeypatch):
+    """The user's values from the launch and what configure_nccl_env added for consumer cards."""
+    import sft.distributed as distributed
+    from sft.machine import Launch
+
+    monkeypatch.setattr(distributed, "visible_gpu_names", lambda launch=None: ["NVIDIA GeForce RTX 4090"] * 2)
+    advice = distributed.nccl_advice(Launch(world_size=2, nccl=(("NCCL_P2P_DISABLE", "0"),)))
+    assert "GPUs: NVIDIA GeForce RTX 4090, NVIDIA GeForce RTX 4090; NCCL_P2P_DISABLE=0, NCCL_IB_DISABLE=1." in advice
+    alone = distributed.nccl_advice(Launch(world_size=1))  # one process: nothing added
+    assert "NCCL_P2P_DISABLE=unset, NCCL_IB_DISABLE=unset." in alone
+
+
 # ---- the all-reduce check, between two real gloo processes -----------------------------------------------------
 
 WORKER = textwrap.dedent("""

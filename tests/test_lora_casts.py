@@ -28,12 +28,11 @@ class CountFp32Copies(TorchDispatchMode):
 def lora_model(path, peft_casts: bool, monkeypatch):
     from transformers import AutoModelForCausalLM
 
+    from sft.machine import Launch
     from sft.model import attach_lora
 
-    if peft_casts:
-        monkeypatch.setenv("SFT_PEFT_INPUT_CAST", "1")
-    else:
-        monkeypatch.delenv("SFT_PEFT_INPUT_CAST", raising=False)
+    # SFT_PEFT_INPUT_CAST=1 or unset, as the launch read once says it (attach_lora asks sft.machine.launch)
+    monkeypatch.setattr("sft.machine.launch", lambda: Launch(peft_input_cast=peft_casts))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)  # bf16 frozen base, as on GPUs
     model = attach_lora(model, LoraArguments(lora=True, lora_dropout=0.0), False)
