@@ -163,6 +163,19 @@ MATRIX += [
         args=("--dtype", "bfloat16", *LIGER, *FLEX), optim=("--optim", "adamw_bf16_sr"), vs="trl-full"),
     Row("lora-best-fp8", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
         args=(*LIGER, "--lora_dropout", "0", *FLEX, "--fp8", "true"), vs="trl-lora-best"),
+    # --compile_layers (sft/regional_compile.py): each decoder layer compiled in place, Liger's fused loss only
+    Row("lora-best-compile", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
+        args=(*LIGER, "--lora_dropout", "0", *FLEX, "--compile_layers", "true"), vs="trl-lora-best", timeout=420),
+    Row("lora-best-fp8-compile", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
+        args=(*LIGER, "--lora_dropout", "0", *FLEX, "--fp8", "true", "--compile_layers", "true"),
+        vs="trl-lora-best", timeout=420),
+    Row("full-sr16-compile", "full", micro_batch=4, mem_cap_gib=0, warmup=3, precision="none",
+        args=("--dtype", "bfloat16", *LIGER, *FLEX, "--compile_layers", "true"), optim=("--optim", "adamw_bf16_sr"),
+        vs="trl-full", timeout=420),
+    # ... and the box's LoRA plan on one 24 GiB card (lora-1's options) with them
+    Row("lora-1-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--compile_layers", "true"), timeout=420),
+    Row("lora-1-fp8-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--fp8", "true", "--compile_layers", "true"),
+        timeout=420),
     # DeepSeek-V2-Lite on ONE 24 GiB card: its 29 GiB bf16 base only fits with the weights in host RAM (ZeRO-3
     # parameter offload; sft/plan.py's only plan that fits one card)
     Row("moe-lora-offload-1", "lora", "zero3_offload", 1, model="deepseek-v2-lite", micro_batch=4, warmup=2,
@@ -216,6 +229,9 @@ GROUPS = {
     # TRL in the same run
     "next": ["moe-lora-offload-1", "moe-lora-offload-1-chunked", "moe-lora-offload", "lora-best-fp8", "lora-best",
              "trl-lora-best"],
+    # --compile_layers beside the plain rows and TRL's best, same run (2026-12-01, evening)
+    "compile": ["lora-best-fp8-compile", "lora-best-compile", "lora-best", "trl-lora-best", "lora-best-fp8"],
+    "compile-full": ["full-sr16-compile", "full-sr16", "trl-full", "lora-1-fp8-compile", "lora-1-compile", "lora-1"],
     # bench/run_matrix.sh's groups
     "lora": ["lora-1", "lora-ddp"], "lora-ckpt": ["lora-1-ckpt", "lora-ddp-ckpt"],
     "full": ["full-fsdp-4bit", "full-fsdp-8bit"], "full4": ["full-fsdp-4bit"], "full8": ["full-fsdp-8bit"],

@@ -206,6 +206,23 @@ def chunked_loss_combinations(o: Options, m: Machine) -> None:
                           "drop --chunked_loss.")
 
 
+def compiled_layers_combinations(o: Options, m: Machine) -> None:
+    """--compile_layers compiles the layers in place; DeepSpeed's hooks and TP's DTensors are not measured with it,
+    and the Trainer's --torch_compile would compile the whole model around them."""
+    if not getattr(o.model, "compile_layers", False):
+        return
+    if o.training.torch_compile:
+        raise ConfigError("--compile_layers with --torch_compile: keep one (--compile_layers compiles each decoder "
+                          "layer once; --torch_compile the whole model, loss included).")
+    if o.zero_stage(m) is not None:
+        raise ConfigError(f"--compile_layers with DeepSpeed ZeRO-{o.zero_stage(m)}: not supported (its parameter "
+                          f"hooks are not tested with compiled layers). Drop --compile_layers, or use "
+                          f"accelerate_configs/fsdp.yaml or ddp.yaml.")
+    if o.model.tp_size > 1:
+        raise ConfigError("--compile_layers with --tp_size: not supported (the layers' weights are DTensors). Drop "
+                          "one of them.")
+
+
 def processes_fit_gpus(o: Options, m: Machine) -> None:
     local = m.launch.processes_here(1)
     if m.cuda and local > m.gpus:
@@ -263,7 +280,7 @@ CHECKS: list[Callable[[Options, Machine], None]] = [
     our_option_values, partial_checkpointing, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
     quantized_base_not_under_zero3, qlora_needs, sharding_needs_gpus, attention_kernel_available, processes_fit_gpus,
     tensor_parallel_combinations, liger_kernel_available, fp8_base_needs, chunked_loss_combinations,
-    deepspeed_json_agrees, launcher_agrees,
+    compiled_layers_combinations, deepspeed_json_agrees, launcher_agrees,
 ]
 
 
@@ -285,3 +302,7 @@ def apply_setup_defaults(o: Options, m: Machine) -> None:
         # every peft model: a walk of the autograd graph each step for nothing, since every adapter weight gets a
         # gradient every step (the bench's LoRA DDP rows have always run with it off). The user's value wins.
         t.ddp_find_unused_parameters = False
+    if getattr(o.model, "compile_layers", False) and t.use_liger_kernel and t.liger_kernel_config is None:
+        from sft.regional_compile import LIGER_WITH_COMPILED_LAYERS  # dynamo cannot trace Liger's in-layer kernels
+
+        t.liger_kernel_config = dict(LIGER_WITH_COMPILED_LAYERS)

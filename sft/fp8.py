@@ -49,8 +49,10 @@ def _compiled_quantize():
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows, compiled into one kernel per call on CUDA (amax, scale and cast fused: a read of x and a
-    write of 1 byte per value); eager elsewhere (SFT_FP8_COMPILE=0 makes it eager on CUDA too)."""
-    if x.is_cuda and launch().fp8_compile:
+    write of 1 byte per value); eager elsewhere (SFT_FP8_COMPILE=0 makes it eager on CUDA too). Inside a layer
+    that --compile_layers compiles, the plain ops are traced into the layer's graph, where inductor fuses them
+    with what produced x."""
+    if x.is_cuda and launch().fp8_compile and not torch.compiler.is_compiling():
         return _compiled_quantize()(x)
     return quantize_rows(x)
 

@@ -19,6 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Traine
 from sft.config import TINY_MODEL, LoraArguments, ModelArguments
 from sft.errors import ConfigError, ModelNotFoundError
 from sft.families import MLP_PROJECTIONS, family_of
+from sft.machine import launch
 from sft.moe import mark_moe_leaves
 
 
@@ -60,8 +61,6 @@ def check_hub_model(repo_id: str, option: str) -> None:
                                  f"HF_HUB_OFFLINE=1 forbids downloading it. Download it once where there is network "
                                  f"(`hf download {repo_id}`), or give a local directory.")
     host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
-    from sft.machine import launch
-
     if not launch().hub_proxied:  # through a proxy, a direct connection test says nothing
         try:
             socket.create_connection((host, 443), timeout=3).close()
@@ -141,6 +140,12 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
         from sft.chunked_loss import install_chunked_loss
 
         install_chunked_loss(model)
+    if model_args.compile_layers:  # last: the layers are compiled as they will run (sft/regional_compile.py)
+        from sft.regional_compile import compile_decoder_layers
+
+        compiled = compile_decoder_layers(model)
+        if launch().first:
+            print(f"Compiled: {compiled} decoder layers (torch.compile in place; the first step compiles)", flush=True)
     return model
 
 
@@ -189,7 +194,6 @@ def quantization(model_args: ModelArguments, lora_args: LoraArguments) -> dict:
     from transformers import BitsAndBytesConfig
 
     from sft.fsdp import fsdp_launched
-    from sft.machine import launch
 
     cuda = torch.cuda.is_available()
     weights = weights_dtype(model_args, True)
@@ -200,8 +204,6 @@ def quantization(model_args: ModelArguments, lora_args: LoraArguments) -> dict:
 
 
 def report_quantization(model) -> None:
-    from sft.machine import launch
-
     config = getattr(getattr(model, "hf_quantizer", None), "quantization_config", None)
     if config is None or not launch().first:
         return
@@ -240,7 +242,6 @@ def tensor_parallel(model_args: ModelArguments) -> dict:
 
 
 def report_zero3_partitioning(model) -> None:
-    from sft.machine import launch
     from sft.zero3 import zero3_partition_report
 
     report = zero3_partition_report(model)
@@ -296,8 +297,6 @@ def attach_lora(model, lora_args: LoraArguments, gradient_checkpointing: bool):
         raise ConfigError(f"--lora_target_modules {' '.join(lora_args.lora_target_modules)}: no module of "
                           f"{model.config.model_type} has that name. Its linear layers are named: "
                           f"{', '.join(linear_names(model))} (or give all-linear).") from None
-    from sft.machine import launch
-
     if not launch().peft_input_cast:  # set: peft's own casts (bench/throughput.py's -peftcast rows)
         skip_input_casts_under_autocast(model)
     return model

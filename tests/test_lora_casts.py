@@ -31,8 +31,8 @@ def lora_model(path, peft_casts: bool, monkeypatch):
     from sft.machine import Launch
     from sft.model import attach_lora
 
-    # SFT_PEFT_INPUT_CAST=1 or unset, as the launch read once says it (attach_lora asks sft.machine.launch)
-    monkeypatch.setattr("sft.machine.launch", lambda: Launch(peft_input_cast=peft_casts))
+    # SFT_PEFT_INPUT_CAST=1 or unset, as the launch read once says it (attach_lora asks it)
+    monkeypatch.setattr("sft.model.launch", lambda: Launch(peft_input_cast=peft_casts))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)  # bf16 frozen base, as on GPUs
     model = attach_lora(model, LoraArguments(lora=True, lora_dropout=0.0), False)

@@ -1,0 +1,112 @@
+"""--compile_layers: each decoder layer compiled in place gives the eager model's loss and gradients (LoRA, packed
+rows, activation checkpointing), one graph serves every layer, names and adapters stay as they were; the option is
+refused where it is not supported and keeps only Liger's fused loss beside it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import REPO, tiny_config
+from sft.config import ConfigError, LoraArguments, ModelArguments, parse_args, validate_setup
+from sft.machine import Launch, Machine
+
+DATA = str(REPO / "data" / "alpaca_demo.json")
+
+
+def packed_batch(vocab: int) -> dict:
+    """Two rows of two packed documents each (position_ids restart), a prompt and padding labelled -100."""
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (2, 32), generator=generator)
+    labels = ids.clone()
+    labels[:, :5] = -100
+    labels[1, 28:] = -100
+    return {"input_ids": ids, "labels": labels,
+            "position_ids": torch.cat([torch.arange(12), torch.arange(20)]).repeat(2, 1)}
+
+
+def loss_and_grads(model, batch: dict) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    loss = model(**batch, use_cache=False).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.fixture(scope="module")
+def four_layers(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("four-layers")
+    AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=300, num_hidden_layers=4)).save_pretrained(path)
+    return path
+
+
+@pytest.mark.slow
+def test_compiled_layers_train_as_the_eager_model(four_layers):
+    from torch._dynamo.utils import counters
+
+    from sft.model import load_model
+
+    def lora_model(compile_layers: bool):
+        torch.manual_seed(0)  # the same LoRA init
+        model = load_model(ModelArguments(model=str(four_layers), compile_layers=compile_layers),
+                           LoraArguments(lora=True, lora_dropout=0.0))
+        return model.train()
+
+    eager, compiled = lora_model(False), lora_model(True)
+    batch = packed_batch(eager.config.vocab_size)
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+    for checkpointing in (False, True):  # the Trainer's --activation_checkpointing: each layer recomputed in backward
+        if checkpointing:
+            for model in (eager, compiled):
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        expected, expected_grads = loss_and_grads(eager, batch)
+        got, grads = loss_and_grads(compiled, batch)
+        assert got == pytest.approx(expected, rel=1e-5), checkpointing
+        assert grads.keys() == expected_grads.keys() and any("lora_B" in n for n in grads)
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # The four layers share their graphs: one for the first layer, whose input (the frozen embedding's output) needs
+    # no gradient under LoRA, one for the other three; and the same again with checkpointing.
+    assert graphs[0] == 2 and graphs[1] - graphs[0] <= 2, graphs
+    assert compiled.state_dict().keys() == eager.state_dict().keys()  # saves and adapters see the same names
+
+
+def box(gpus: int = 1, **launch) -> Machine:
+    return Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * gpus, gpu_memory_gib=(23.5,) * gpus, bf16=True,
+                   host_ram_gib=64, host_ram_available_gib=60, launch=Launch(**launch),
+                   packages=frozenset({"liger_kernel"}))
+
+
+def parsed(*extra: str):
+    return parse_args(["--model", "m", "--dataset", DATA, "--output_dir", "/nonexistent/out", "--compile_layers",
+                       "true", *extra])
+
+
+def test_refused_where_it_is_not_supported():
+    with pytest.raises(ConfigError, match="--compile_layers with --torch_compile: keep one"):
+        validate_setup(*parsed("--torch_compile", "true"), machine=box())
+    with pytest.raises(ConfigError, match="--compile_layers with DeepSpeed ZeRO-3"):
+        validate_setup(*parsed("--lora"), machine=box(2, world_size=2, zero_stage="3"))
+    validate_setup(*parsed("--lora"), machine=box(2, world_size=2))  # DDP
+    validate_setup(*parsed(), machine=box(2, world_size=2, fsdp=True))  # FSDP
+
+
+def test_liger_keeps_only_its_fused_loss_unless_told_otherwise():
+    from sft.regional_compile import LIGER_WITH_COMPILED_LAYERS
+
+    def with_liger(args, config=None):  # parse_args checks against this CPU machine, which has no Liger: set after
+        args[3].use_liger_kernel, args[3].liger_kernel_config = True, config
+        validate_setup(*args, machine=box())
+        return args[3].liger_kernel_config
+
+    assert with_liger(parsed("--lora")) == LIGER_WITH_COMPILED_LAYERS
+    assert [k for k, on in LIGER_WITH_COMPILED_LAYERS.items() if on] == ["fused_linear_cross_entropy"]
+    assert with_liger(parsed("--lora"), {"rms_norm": True}) == {"rms_norm": True}  # the user's config wins
+    plain = parse_args(["--model", "m", "--dataset", DATA, "--output_dir", "/nonexistent/out", "--lora"])
+    assert with_liger(plain) is None  # without --compile_layers Liger is as transformers sets it
