@@ -5,6 +5,7 @@ line at the end, exit status 1 on a FAIL.
     python bench/fp8_check.py                       # both parts, one H200 or RTX 4090 (~10 min on one H200)
     python bench/fp8_check.py --part layers         # per-layer speed only (~1 min)
     python bench/fp8_check.py --part loss --seeds 3 --steps 50
+    python bench/fp8_check.py --part loss --candidate compile   # --compile_layers (bf16) against plain bf16
     python bench/fp8_check.py --cpu_smoke           # this script's plumbing on a CPU: tiny shapes, no verdict
 
 Layers: each projection shape of deepseek-llm-7b (q/k/v/o 4096x4096, gate/up 4096->11008, down 11008->4096), with
@@ -150,8 +151,14 @@ def _build(tokenizer_dir: str, path: str, num_layers: int, tiny: bool) -> None:
     build("fp8_check", tokenizer_dir, path)
 
 
+# The loss check's candidates, each against plain bf16 LoRA: FP8's base; --compile_layers in bf16; both (refused by
+# sft/train.py since it failed this check on an H200, run 20261201T2145Z-compile).
+CANDIDATES = {"fp8": ["--fp8", "true"], "compile": ["--compile_layers", "true"],
+              "fp8-compile": ["--fp8", "true", "--compile_layers", "true"]}
+
+
 def train(args, model: Path, seed: int, fp8: bool) -> dict:
-    out = args.workdir / f"{'fp8' if fp8 else 'bf16'}-seed{seed}"
+    out = args.workdir / f"{args.candidate if fp8 else 'bf16'}-seed{seed}"
     shutil.rmtree(out, ignore_errors=True)
     command = [sys.executable, str(REPO / "sft" / "train.py"), "--model", str(model), "--dataset", str(args.data),
                "--packing", "true", "--max_length", str(args.seq_len), "--per_device_train_batch_size",
@@ -160,11 +167,11 @@ def train(args, model: Path, seed: int, fp8: bool) -> dict:
                "--lora_dropout", "0", "--save_strategy", "no", "--eval_strategy", "no", "--report_to", "none",
                "--verify_saves", "final", "--seed", str(seed), "--output_dir", str(out),
                "--dataset_cache_dir", str(args.workdir / "dataset-cache"),
-               *([] if args.cpu_smoke else ["--bf16", "true"]), *(["--fp8", "true"] if fp8 else [])]
+               *([] if args.cpu_smoke else ["--bf16", "true"]), *(CANDIDATES[args.candidate] if fp8 else [])]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     started = time.time()
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
-    name = f"loss/{'fp8' if fp8 else 'bf16'}-seed{seed}/train"
+    name = f"loss/{args.candidate if fp8 else 'bf16'}-seed{seed}/train"
     if proc.returncode != 0:
         verdict(name, False, f"exit {proc.returncode}\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-25:]))
         return {}
@@ -218,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro_batch", type=int, default=4)
     p.add_argument("--learning_rate", type=float, default=2e-4)
     p.add_argument("--timeout", type=int, default=900, help="seconds per training run")
+    p.add_argument("--candidate", choices=sorted(CANDIDATES), default="fp8",
+                   help="the path checked against plain bf16 LoRA (its options: CANDIDATES)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/fp8_check"))
     p.add_argument("--data", type=Path, default=first_existing(BENCHDATA / "alpaca_sample.json",
                                                                 SHARED / "datasets" / "alpaca_sample.json"))

@@ -169,6 +169,11 @@ MATRIX += [
     Row("lora-best-fp8-compile", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
         args=(*LIGER, "--lora_dropout", "0", *FLEX, "--fp8", "true", "--compile_layers", "true"),
         vs="trl-lora-best", timeout=420),
+    # Liger's fused loss alone, no compile: tells lora-best-compile's loss difference from Liger's in-layer kernels
+    Row("lora-best-flce", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
+        args=(*LIGER, "--liger_kernel_config", json.dumps({"rope": False, "rms_norm": False, "swiglu": False,
+                                                             "cross_entropy": False, "fused_linear_cross_entropy": True}),
+              "--lora_dropout", "0", *FLEX), vs="trl-lora-best"),
     Row("full-sr16-compile", "full", micro_batch=4, mem_cap_gib=0, warmup=3, precision="none",
         args=("--dtype", "bfloat16", *LIGER, *FLEX, "--compile_layers", "true"), optim=("--optim", "adamw_bf16_sr"),
         vs="trl-full", timeout=420),
@@ -231,6 +236,9 @@ GROUPS = {
              "trl-lora-best"],
     # --compile_layers beside the plain rows and TRL's best, same run (2026-12-01, evening)
     "compile": ["lora-best-fp8-compile", "lora-best-compile", "lora-best", "trl-lora-best", "lora-best-fp8"],
+    # next GPU session: why lora-best-compile logged a lower loss with the same gradient norms (Liger's in-layer
+    # kernels or the compile?); then bench/fp8_check.py --part loss --candidate compile
+    "compile-check": ["lora-best-compile", "lora-best-flce", "lora-best"],
     "compile-full": ["full-sr16-compile", "full-sr16", "trl-full", "lora-1-fp8-compile", "lora-1-compile", "lora-1"],
     # bench/run_matrix.sh's groups
     "lora": ["lora-1", "lora-ddp"], "lora-ckpt": ["lora-1-ckpt", "lora-ddp-ckpt"],

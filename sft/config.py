@@ -7,6 +7,7 @@ YAML holds the same names; options given on the command line win over the recipe
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -180,6 +181,11 @@ class SFTTrainingArguments(TrainingArguments):
         "help": "Warn (and count in the `loss_spikes` log) when a logged loss exceeds this many times the "
                 "running mean; 0 turns it off."})
 
+    # transformers' own field is a dict that its parser cannot read from the command line: JSON here.
+    liger_kernel_config: dict | str | None = field(default=None, metadata={
+        "help": "Which Liger kernels --use_liger_kernel applies, as JSON, e.g. '{\"rms_norm\": false}' (keys: rope, "
+                "rms_norm, swiglu, cross_entropy, fused_linear_cross_entropy); default: all of the model's, or "
+                "only the fused loss under --compile_layers."})
     # A plain string (transformers' own field offers its OptimizerNames as the only choices): ours are added.
     optim: str = field(default=next(f.default for f in fields(TrainingArguments) if f.name == "optim"), metadata={
         "help": f"The optimizer: transformers' (adamw_torch_fused, adamw_torch_8bit, ...) or {SR_ADAMW} (bf16 "
@@ -189,12 +195,26 @@ class SFTTrainingArguments(TrainingArguments):
     def __post_init__(self):
         # transformers accepts only its own --optim names (OptimizerNames); ours pass through as plain strings
         # (sft/sr_adamw.py registers the Trainer's handler for them).
+        if isinstance(self.liger_kernel_config, str):
+            self.liger_kernel_config = liger_config_from_json(self.liger_kernel_config)
         ours = self.optim if self.optim in OUR_OPTIMIZERS else None
         if ours:
             self.optim = "adamw_torch"
         super().__post_init__()
         if ours:
             self.optim = ours
+
+
+def liger_config_from_json(text: str) -> dict[str, bool]:
+    try:
+        config = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"--liger_kernel_config {text}: not JSON ({e.msg}). Give an object, e.g. "
+                          f"'{{\"rms_norm\": false}}'.") from None
+    if not isinstance(config, dict) or not all(isinstance(v, bool) for v in config.values()):
+        raise ConfigError(f"--liger_kernel_config {text}: give a JSON object of kernel names and true/false, e.g. "
+                          f"'{{\"rms_norm\": false}}'.")
+    return config
 
 
 PARSER_TYPES = (ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments)

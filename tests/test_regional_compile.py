@@ -93,6 +93,8 @@ def test_refused_where_it_is_not_supported():
         validate_setup(*parsed("--torch_compile", "true"), machine=box())
     with pytest.raises(ConfigError, match="--compile_layers with DeepSpeed ZeRO-3"):
         validate_setup(*parsed("--lora"), machine=box(2, world_size=2, zero_stage="3"))
+    with pytest.raises(ConfigError, match="--fp8 with --compile_layers: on GPUs the compiled FP8 layers train wrongly"):
+        validate_setup(*parsed("--lora", "--fp8", "true"), machine=box())
     validate_setup(*parsed("--lora"), machine=box(2, world_size=2))  # DDP
     validate_setup(*parsed(), machine=box(2, world_size=2, fsdp=True))  # FSDP
 
@@ -100,13 +102,22 @@ def test_refused_where_it_is_not_supported():
 def test_liger_keeps_only_its_fused_loss_unless_told_otherwise():
     from sft.regional_compile import LIGER_WITH_COMPILED_LAYERS
 
-    def with_liger(args, config=None):  # parse_args checks against this CPU machine, which has no Liger: set after
-        args[3].use_liger_kernel, args[3].liger_kernel_config = True, config
+    def with_liger(args):  # parse_args checks against this CPU machine, which has no Liger: set after
+        args[3].use_liger_kernel = True
         validate_setup(*args, machine=box())
         return args[3].liger_kernel_config
 
     assert with_liger(parsed("--lora")) == LIGER_WITH_COMPILED_LAYERS
     assert [k for k, on in LIGER_WITH_COMPILED_LAYERS.items() if on] == ["fused_linear_cross_entropy"]
-    assert with_liger(parsed("--lora"), {"rms_norm": True}) == {"rms_norm": True}  # the user's config wins
+    given = parsed("--lora", "--liger_kernel_config", '{"rms_norm": true}')
+    assert with_liger(given) == {"rms_norm": True}  # the user's config wins
     plain = parse_args(["--model", "m", "--dataset", DATA, "--output_dir", "/nonexistent/out", "--lora"])
     assert with_liger(plain) is None  # without --compile_layers Liger is as transformers sets it
+
+
+def test_liger_kernel_config_is_json_on_the_command_line():
+    """transformers' own field is a dict its parser cannot read from argv (nor from a recipe's mapping)."""
+    with pytest.raises(ConfigError, match="--liger_kernel_config .rms: not JSON"):
+        parsed("--liger_kernel_config", "{rms")
+    with pytest.raises(ConfigError, match="give a JSON object of kernel names and true/false"):
+        parsed("--liger_kernel_config", '{"rms_norm": 1}')
