@@ -230,10 +230,10 @@ GROUPS = {
     # two GPUs held to 24 GiB: V2-Lite sharded, DDP scaling of the LoRA plan, the recipes
     "x2": ["moe-lora-z3-2", "lora-1", "lora-ddp", "recipe-coder-lora", "recipe-r1-lora"],
     "recipes": ["recipe-coder-lora", "recipe-r1-lora", "recipe-v2-lite-lora"],
-    # not measured yet (2026-12-01): V2-Lite offload on 1 and 2 cards and with --chunked_loss, --fp8 LoRA beside
-    # TRL in the same run
-    "next": ["moe-lora-offload-1", "moe-lora-offload-1-chunked", "moe-lora-offload", "lora-best-fp8", "lora-best",
-             "trl-lora-best"],
+    # not measured yet (2026-12-01): --fp8 LoRA beside TRL in the same run, the compiled-layers loss question,
+    # V2-Lite offload on 1 and 2 cards and with --chunked_loss
+    "next": ["lora-best-fp8", "lora-best", "trl-lora-best", "lora-best-compile", "lora-best-flce",
+             "moe-lora-offload-1", "moe-lora-offload-1-chunked", "moe-lora-offload"],
     # --compile_layers beside the plain rows and TRL's best, same run (2026-12-01, evening)
     "compile": ["lora-best-fp8-compile", "lora-best-compile", "lora-best", "trl-lora-best", "lora-best-fp8"],
     # next GPU session: why lora-best-compile logged a lower loss with the same gradient norms (Liger's in-layer

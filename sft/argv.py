@@ -116,7 +116,7 @@ class Parser(HfArgumentParser):
     """HfArgumentParser whose errors are one ConfigError line instead of argparse's usage block and exit."""
 
     def error(self, message: str):
-        raise ConfigError(f"{message}. `python sft/train.py --help` lists the options.")
+        raise ConfigError(f"{message.rstrip('.')}. `python sft/train.py --help` lists the options.")
 
 
 def known_options(parser: HfArgumentParser) -> list[str]:

@@ -121,3 +121,26 @@ def test_liger_kernel_config_is_json_on_the_command_line():
         parsed("--liger_kernel_config", "{rms")
     with pytest.raises(ConfigError, match="give a JSON object of kernel names and true/false"):
         parsed("--liger_kernel_config", '{"rms_norm": 1}')
+
+
+@pytest.mark.slow
+def test_deepseek_moe_layers_compile_to_the_same_loss_and_gradients():
+    """DeepSeek-V2's layers (MLA, a dense first layer, routed and shared experts): no graph break, one graph per
+    layer kind, the eager model's loss and gradients."""
+    from torch._dynamo.utils import counters
+    from transformers import AutoModelForCausalLM
+
+    from sft.regional_compile import compile_decoder_layers
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v2", vocab_size=300, num_hidden_layers=3)).train()
+    batch = packed_batch(model.config.vocab_size)
+    expected, expected_grads = loss_and_grads(model, batch)
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_decoder_layers(model) == 3
+    got, grads = loss_and_grads(model, batch)
+    assert got == pytest.approx(expected, rel=1e-5)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])

@@ -1,0 +1,130 @@
+"""--compile_layers against eager, one decoder stack, on a GPU (a minute): where do the compiled layers' loss and
+gradients leave the eager ones? On an H200, `--fp8 --compile_layers` trained with gradients 12x too small while
+eager `--fp8` and every CPU comparison agreed (bench/RESULTS.md, run 20261201T2145Z-compile); this finds the case.
+
+    python bench/compile_check.py                     # deepseek-llm-7b's layer shape, 2 layers, bf16 and fp8
+    python bench/compile_check.py --cpu_smoke         # the plumbing on a CPU: tiny shapes
+
+For each case (bf16 base, FP8 base; each eager, compiled as sft/regional_compile.py does, and compiled with
+inductor's epilogue fusion off), LoRA (r16, B nonzero so every adapter weight gets a gradient) on a random-init
+LlamaForCausalLM, one forward and backward of packed rows under bf16 autocast, the same batch and weights: the loss,
+the whole gradient's norm against the eager one's, the cosine of the two, and the worst tensor. The eager bf16 run
+is the reference; FP8 is also compared with eager FP8. PASS/FAIL per compiled case: gradient norm within 2% and
+cosine >= 0.99 of its eager twin. A JSON line at the end; exit status 1 on a FAIL.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def base_model(args):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = (dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, vocab_size=512)
+             if args.cpu_smoke else dict(hidden_size=4096, intermediate_size=11008, num_attention_heads=32,
+                                         num_key_value_heads=32, vocab_size=102400))
+    torch.manual_seed(0)
+    config = LlamaConfig(num_hidden_layers=args.layers, max_position_embeddings=4096, **shape)
+    return LlamaForCausalLM(config).to(args.device, torch.bfloat16)
+
+
+def lora_model(base, fp8: bool, compiled: bool, device):
+    from peft import LoraConfig, get_peft_model
+
+    from sft.fp8 import use_fp8_base
+    from sft.regional_compile import compile_decoder_layers
+
+    torch.manual_seed(1)
+    model = get_peft_model(copy.deepcopy(base), LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
+                                                           target_modules=LORA_TARGETS))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.02)
+    if fp8:
+        use_fp8_base(model, torch.device(device))
+    if compiled:
+        compile_decoder_layers(model)
+    return model.train()
+
+
+def batch(args, vocab: int) -> dict:
+    generator = torch.Generator().manual_seed(2)
+    rows, length = (2, 64) if args.cpu_smoke else (args.micro_batch, 2048)
+    ids = torch.randint(3, vocab, (rows, length), generator=generator)
+    labels = ids.clone()
+    labels[:, : length // 4] = -100  # a prompt
+    half = length // 2
+    positions = torch.cat([torch.arange(half), torch.arange(length - half)]).repeat(rows, 1)  # two packed documents
+    return {k: v.to(args.device) for k, v in dict(input_ids=ids, labels=labels, position_ids=positions).items()}
+
+
+def loss_and_grads(model, inputs: dict, device: str) -> tuple[float, dict[str, torch.Tensor]]:
+    with torch.autocast(device, dtype=torch.bfloat16):
+        loss = model(**inputs, use_cache=False).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def compare(grads: dict, reference: dict) -> dict:
+    flat = torch.cat([g.flatten() for g in grads.values()])
+    ref = torch.cat([reference[n].flatten() for n in grads])
+    errors = {n: ((g - reference[n]).norm() / reference[n].norm().clamp(min=1e-30)).item() for n, g in grads.items()}
+    worst = max(errors, key=errors.get)
+    return {"norm_ratio": (flat.norm() / ref.norm()).item(),
+            "cosine": torch.nn.functional.cosine_similarity(flat, ref, dim=0).item(),
+            "worst": worst.removeprefix("base_model.model."), "worst_error": errors[worst]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--micro_batch", type=int, default=2)
+    p.add_argument("--cpu_smoke", action="store_true")
+    args = p.parse_args(argv)
+    args.device = "cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda"
+    base = base_model(args)
+    inputs = batch(args, base.config.vocab_size)
+    results, grads, fails = {}, {}, []
+    cases = [("bf16", False, False, {}), ("bf16-compiled", False, True, {}),
+             ("bf16-compiled-no-epilogue-fusion", False, True, {"epilogue_fusion": False}),
+             ("fp8", True, False, {}), ("fp8-compiled", True, True, {}),
+             ("fp8-compiled-no-epilogue-fusion", True, True, {"epilogue_fusion": False})]
+    for name, fp8, compiled, inductor in cases:
+        if fp8 and args.device == "cpu" and not args.cpu_smoke:
+            continue
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(inductor):
+            model = lora_model(base, fp8, compiled, args.device)
+            loss, grads[name] = loss_and_grads(model, inputs, args.device)
+        row = {"loss": loss, **compare(grads[name], grads["bf16"])}
+        if compiled:
+            twin = name.split("-compiled")[0]
+            row["vs_eager_twin"] = compare(grads[name], grads[twin])
+            ok = abs(row["vs_eager_twin"]["norm_ratio"] - 1) <= 0.02 and row["vs_eager_twin"]["cosine"] >= 0.99
+            print(f"{'PASS' if ok else 'FAIL'} {name}: against {twin}: gradient norm x"
+                  f"{row['vs_eager_twin']['norm_ratio']:.4f}, cosine {row['vs_eager_twin']['cosine']:.5f}, worst "
+                  f"{row['vs_eager_twin']['worst']} ({row['vs_eager_twin']['worst_error']:.3f})", flush=True)
+            fails += [] if ok else [name]
+        print(f"{name}: loss {loss:.5f}; against bf16: gradient norm x{row['norm_ratio']:.4f}, cosine "
+              f"{row['cosine']:.5f}", flush=True)
+        results[name] = row
+        del model
+    print(json.dumps({"compile_check": results, "device": torch.cuda.get_device_name() if args.device == "cuda"
+                      else "cpu", "torch": torch.__version__, "fails": fails}), flush=True)
+    return 1 if fails else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
