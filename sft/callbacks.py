@@ -10,6 +10,7 @@ import torch
 from transformers import TrainerCallback
 
 from sft.console import run_overview, tensorboard_dir
+from sft.machine import Machine, machine
 
 # Dense bf16 matmul peak per GPU, FLOP/s. H200: measured on our lent machines (the ceiling MFU is quoted
 # against); the others are vendor datasheet figures (RTX 4090: tensor cores with fp32 accumulation).
@@ -17,12 +18,14 @@ PEAK_FLOPS = {"H200": 790e12, "H100": 790e12, "A100": 312e12, "RTX 4090": 165e12
               "L40S": 362e12, "A6000": 155e12}
 
 
-def peak_flops(override_tflops: float | None = None) -> float | None:
+def peak_flops(override_tflops: float | None = None, m: Machine | None = None) -> float | None:
+    """The bf16 peak of the GPU this process trains on (a local rank trains on cuda:local_rank), by its name."""
     if override_tflops:
         return override_tflops * 1e12
-    if not torch.cuda.is_available():
+    m = m or machine()
+    if not m.cuda:
         return None
-    name = torch.cuda.get_device_name()
+    name = m.gpu_names[min(m.launch.local_rank, m.gpus - 1)]
     return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
 
 

@@ -62,6 +62,7 @@ class Launch:
 class Machine:
     gpu_names: tuple[str, ...] = ()
     gpu_memory_gib: tuple[float, ...] = ()
+    gpu_uuids: tuple[str, ...] = ()               # NVML's names of the visible GPUs, in torch's order (telemetry)
     bf16: bool = False                            # every visible GPU computes in bf16 (Ampere or newer)
     host_ram_gib: float = 0.0                     # SFT_HOST_RAM_GIB when set (VMs whose RAM grows on demand)
     host_ram_available_gib: float = 0.0
@@ -105,6 +106,11 @@ def read_launch(env: os._Environ | dict = os.environ) -> Launch:
                   xdg_cache_home=env.get("XDG_CACHE_HOME") or None)
 
 
+def nvml_uuid(uuid: str) -> str:
+    """torch drops NVML's GPU- prefix on some versions; MIG instances keep theirs."""
+    return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
+
+
 @functools.lru_cache(maxsize=1)
 def launch() -> Launch:
     """This process's launch facts (environment only)."""
@@ -125,6 +131,7 @@ def machine() -> Machine:
         total = available = float(os.environ["SFT_HOST_RAM_GIB"])
     return Machine(gpu_names=tuple(p.name for p in properties),
                    gpu_memory_gib=tuple(p.total_memory / GIB for p in properties),
+                   gpu_uuids=tuple(nvml_uuid(str(p.uuid)) for p in properties),
                    bf16=bool(count) and torch.cuda.is_bf16_supported(), host_ram_gib=total,
                    host_ram_available_gib=available, launch=launch(),
                    packages=frozenset(p for p in OPTIONAL_PACKAGES if importlib.util.find_spec(p) is not None))

@@ -19,7 +19,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Traine
 from sft.config import TINY_MODEL, LoraArguments, ModelArguments
 from sft.errors import ConfigError, ModelNotFoundError
 from sft.families import MLP_PROJECTIONS, family_of
-from sft.machine import launch
+from sft.machine import Machine, launch, machine
 from sft.moe import mark_moe_leaves
 
 
@@ -102,12 +102,12 @@ def load_tokenizer(model_args: ModelArguments):
     return tokenizer
 
 
-def weights_dtype(model_args: ModelArguments, lora: bool) -> torch.dtype:
+def weights_dtype(model_args: ModelArguments, lora: bool, m: Machine | None = None) -> torch.dtype:
     """The dtype of the weights as loaded; under --qlora, of the weights that stay unquantized (embeddings, norms,
     lm_head) and of the 4-bit weights' storage under FSDP."""
     if model_args.dtype != "auto":
         return getattr(torch, model_args.dtype)
-    if lora and torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+    if lora and (m or machine()).bf16:
         return torch.bfloat16  # frozen base weights: bf16 loses nothing that training could have kept
     return torch.float32
 
@@ -195,11 +195,11 @@ def quantization(model_args: ModelArguments, lora_args: LoraArguments) -> dict:
 
     from sft.fsdp import fsdp_launched
 
-    cuda = torch.cuda.is_available()
-    weights = weights_dtype(model_args, True)
-    compute = qlora_compute_dtype(cuda, cuda and torch.cuda.is_bf16_supported(), weights)
+    m = machine()
+    weights = weights_dtype(model_args, True, m)
+    compute = qlora_compute_dtype(m.cuda, m.bf16, weights)
     config = BitsAndBytesConfig(**qlora_quantization_kwargs(weights, compute, fsdp_launched()))
-    device = launch().local_rank if cuda else "cpu"
+    device = m.launch.local_rank if m.cuda else "cpu"
     return {"quantization_config": config, "device_map": {"": device}}
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from sft.machine import Launch, launch as this_launch
+from sft.machine import Machine, machine as this_machine
 
 TRAINER_LOG = "trainer_log.jsonl"
 ALL_RESULTS = "all_results.json"
@@ -28,21 +28,16 @@ GIB = 2**30
 
 # ---- GPU telemetry -------------------------------------------------------------------------------------------------
 
-def visible_gpus(launch: Launch | None = None) -> list[str]:
+def visible_gpus(m: Machine | None = None) -> list[str]:
     """NVML UUIDs of the GPUs this node trains on, in torch's order. torch has already applied CUDA_VISIBLE_DEVICES
     (indices, UUIDs or MIG ids) while NVML numbers every GPU of the machine: a UUID names the same GPU in both.
     Under a launcher local rank r trains on cuda:r (the Trainer's device), so the node uses the first
     LOCAL_WORLD_SIZE visible GPUs; one process alone uses all it sees (the Trainer's DataParallel)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return []
-    count = torch.cuda.device_count()
-    launch = launch or this_launch()
-    if launch.world_size > 1:
-        count = min(count, launch.processes_here(count))
-    uuids = [str(torch.cuda.get_device_properties(i).uuid) for i in range(count)]
-    return [u if u.startswith(("GPU-", "MIG-")) else f"GPU-{u}" for u in uuids]  # torch drops NVML's prefix
+    m = m or this_machine()
+    count = m.gpus
+    if m.launch.world_size > 1:
+        count = min(count, m.launch.processes_here(count))
+    return list(m.gpu_uuids[:count])
 
 
 def memory_used(nvml, handle) -> float:

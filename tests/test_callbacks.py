@@ -43,3 +43,17 @@ def test_fsdp2_without_offload_is_not_described_as_offloading():
 
     assert not offloads_parameters(OffloadPolicy()) and not offloads_parameters(None)
     assert offloads_parameters(CPUOffloadPolicy()) and offloads_parameters(True)
+
+
+def test_the_peak_is_that_of_the_gpu_this_rank_trains_on():
+    """A machine described as data: local rank r trains on its node's GPU r; no GPU, no peak (no MFU)."""
+    from sft.callbacks import peak_flops
+    from sft.machine import Launch, Machine
+
+    mixed = ("NVIDIA H200", "NVIDIA GeForce RTX 4090")
+    node = lambda rank: Machine(gpu_names=mixed, gpu_memory_gib=(139.8, 23.5), launch=Launch(world_size=2,  # noqa
+                                                                                             local_rank=rank))
+    assert peak_flops(m=node(0)) == 790e12 and peak_flops(m=node(1)) == 165e12
+    assert peak_flops(m=Machine()) is None
+    assert peak_flops(312, m=Machine()) == 312e12  # the user's figure wins
+    assert peak_flops(m=Machine(gpu_names=("Some Future GPU",), gpu_memory_gib=(80.0,))) is None

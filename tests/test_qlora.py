@@ -128,6 +128,21 @@ def test_compute_dtype():
     assert qlora_compute_dtype(cuda=False, bf16=False, weights=torch.float32) == torch.float32
 
 
+def test_weights_dtype_follows_the_machines_bf16():
+    """--dtype auto: LoRA's frozen base in bf16 where the GPUs have it, fp32 otherwise and for full fine-tuning."""
+    from sft.config import ModelArguments
+    from sft.machine import Machine
+    from sft.model import weights_dtype
+
+    bf16_box = Machine(gpu_names=("NVIDIA GeForce RTX 4090",), gpu_memory_gib=(23.5,), bf16=True)
+    t4 = Machine(gpu_names=("Tesla T4",), gpu_memory_gib=(15.0,), bf16=False)
+    auto = ModelArguments(model="m")
+    assert weights_dtype(auto, True, bf16_box) == torch.bfloat16
+    assert weights_dtype(auto, False, bf16_box) == torch.float32  # fp32 masters for a full fine-tune
+    assert weights_dtype(auto, True, t4) == weights_dtype(auto, True, Machine()) == torch.float32
+    assert weights_dtype(ModelArguments(model="m", dtype="float16"), True, t4) == torch.float16
+
+
 def test_no_quantization_without_qlora():
     from sft.model import quantization
 

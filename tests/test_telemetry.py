@@ -113,24 +113,25 @@ def test_gpu_telemetry_samples_on_its_own_thread_and_logs_each_gpu(monkeypatch, 
     assert nvml.callers == {"gpu-telemetry"}  # never an NVML call on the training thread
 
 
-def test_the_gpus_a_node_trains_on(monkeypatch):
+def test_the_gpus_a_node_trains_on():
     """Under a launcher local rank r trains on cuda:r: the node's first LOCAL_WORLD_SIZE visible GPUs; a launcher
     that does not say (DeepSpeed's), or one process alone, uses every GPU it sees."""
-    from sft.machine import Launch
+    from sft.machine import Launch, Machine, nvml_uuid
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
-    uuids = ["GPU-a", "b", "c", "MIG-d"]  # torch drops NVML's GPU- prefix on some versions
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(uuid=uuids[i]))
-    assert telemetry.visible_gpus(Launch(world_size=4, local_world_size=2)) == ["GPU-a", "GPU-b"]
-    assert telemetry.visible_gpus(Launch(world_size=4)) == ["GPU-a", "GPU-b", "GPU-c", "MIG-d"]
-    assert telemetry.visible_gpus(Launch(world_size=1, local_world_size=1)) == ["GPU-a", "GPU-b", "GPU-c", "MIG-d"]
+    def node(**launch) -> Machine:  # four GPUs seen, as machine() reads them
+        uuids = tuple(nvml_uuid(u) for u in ["GPU-a", "b", "c", "MIG-d"])  # torch drops NVML's GPU- prefix at times
+        return Machine(gpu_names=("NVIDIA H200",) * 4, gpu_memory_gib=(139.8,) * 4, gpu_uuids=uuids,
+                       launch=Launch(**launch))
+
+    assert telemetry.visible_gpus(node(world_size=4, local_world_size=2)) == ["GPU-a", "GPU-b"]
+    assert telemetry.visible_gpus(node(world_size=4)) == ["GPU-a", "GPU-b", "GPU-c", "MIG-d"]
+    assert telemetry.visible_gpus(node(world_size=1, local_world_size=1)) == ["GPU-a", "GPU-b", "GPU-c", "MIG-d"]
+    assert telemetry.visible_gpus(Machine()) == []  # a machine without a CUDA GPU
 
 
 def test_gpu_telemetry_does_nothing_without_gpus_or_nvml(monkeypatch, capsys):
     state = rank0()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # a machine without a CUDA GPU
-    assert telemetry.visible_gpus() == []
+    monkeypatch.setattr(telemetry, "visible_gpus", lambda: [])  # a machine without a CUDA GPU
     no_gpu = GpuTelemetry()
     no_gpu.on_train_begin(CUDA, state, None)
     assert no_gpu.thread is None
