@@ -10,7 +10,8 @@ inductor's epilogue fusion off), LoRA (r16, B nonzero so every adapter weight ge
 LlamaForCausalLM, one forward and backward of packed rows under bf16 autocast, the same batch and weights: the loss,
 the whole gradient's norm against the eager one's, the cosine of the two, and the worst tensor. The eager bf16 run
 is the reference; FP8 is also compared with eager FP8. PASS/FAIL per compiled case: gradient norm within 2% and
-cosine >= 0.99 of its eager twin. A JSON line at the end; exit status 1 on a FAIL.
+cosine >= 0.99 of its eager twin. Then one Fp8Linear alone, compiled against eager (output and input gradient within
+1%): the FP8 matmul and its quantizations outside any layer. A JSON line at the end; exit status 1 on a FAIL.
 """
 
 from __future__ import annotations
@@ -87,6 +88,32 @@ def compare(grads: dict, reference: dict) -> dict:
             "worst": worst.removeprefix("base_model.model."), "worst_error": errors[worst]}
 
 
+def single_linear(args) -> dict:
+    """One Fp8Linear (4096 -> 11008, 2 x 2048 rows), forward and input gradient, torch.compiled against eager: the
+    FP8 matmul and its quantizations alone, outside any layer."""
+    from torch import nn
+
+    from sft.fp8 import Fp8Linear
+
+    torch.manual_seed(3)
+    k, n, rows = (64, 128, 256) if args.cpu_smoke else (4096, 11008, 4096)
+    layer = Fp8Linear(nn.Linear(k, n, bias=False).to(args.device, torch.bfloat16), torch.device(args.device))
+    x = torch.randn(rows, k, device=args.device, dtype=torch.bfloat16)
+    grad_out = torch.randn(rows, n, device=args.device, dtype=torch.bfloat16) * 1e-3
+
+    def run(fn):
+        inp = x.clone().requires_grad_()
+        out = fn(inp)
+        out.backward(grad_out)
+        return out.float(), inp.grad.float()
+
+    torch._dynamo.reset()
+    (out, grad), (out_c, grad_c) = run(layer), run(torch.compile(layer.forward))
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    return {"out_error": rel(out_c, out), "grad_error": rel(grad_c, grad),
+            "grad_norm_ratio": (grad_c.norm() / grad.norm()).item()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=2)
@@ -121,6 +148,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['cosine']:.5f}", flush=True)
         results[name] = row
         del model
+    if args.device == "cuda" or args.cpu_smoke:
+        results["fp8-linear"] = one = single_linear(args)
+        ok = one["out_error"] < 0.01 and one["grad_error"] < 0.01
+        print(f"{'PASS' if ok else 'FAIL'} fp8-linear compiled against eager: output {one['out_error']:.2e}, "
+              f"input gradient {one['grad_error']:.2e} apart (norm x{one['grad_norm_ratio']:.4f})", flush=True)
+        fails += [] if ok else ["fp8-linear"]
     print(json.dumps({"compile_check": results, "device": torch.cuda.get_device_name() if args.device == "cuda"
                       else "cpu", "torch": torch.__version__, "fails": fails}), flush=True)
     return 1 if fails else 0
