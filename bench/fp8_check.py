@@ -157,8 +157,10 @@ CANDIDATES = {"fp8": ["--fp8", "true"], "compile": ["--compile_layers", "true"],
               "fp8-compile": ["--fp8", "true", "--compile_layers", "true"]}
 
 
-def train(args, model: Path, seed: int, fp8: bool) -> dict:
-    out = args.workdir / f"{args.candidate if fp8 else 'bf16'}-seed{seed}"
+def train(args, model: Path, seed: int, candidate: bool) -> dict:
+    """One LoRA run: plain bf16, or with the --candidate's options."""
+    label = args.candidate if candidate else "bf16"
+    out = args.workdir / f"{label}-seed{seed}"
     shutil.rmtree(out, ignore_errors=True)
     command = [sys.executable, str(REPO / "sft" / "train.py"), "--model", str(model), "--dataset", str(args.data),
                "--packing", "true", "--max_length", str(args.seq_len), "--per_device_train_batch_size",
@@ -167,11 +169,11 @@ def train(args, model: Path, seed: int, fp8: bool) -> dict:
                "--lora_dropout", "0", "--save_strategy", "no", "--eval_strategy", "no", "--report_to", "none",
                "--verify_saves", "final", "--seed", str(seed), "--output_dir", str(out),
                "--dataset_cache_dir", str(args.workdir / "dataset-cache"),
-               *([] if args.cpu_smoke else ["--bf16", "true"]), *(CANDIDATES[args.candidate] if fp8 else [])]
+               *([] if args.cpu_smoke else ["--bf16", "true"]), *(CANDIDATES[args.candidate] if candidate else [])]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     started = time.time()
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
-    name = f"loss/{args.candidate if fp8 else 'bf16'}-seed{seed}/train"
+    name = f"loss/{label}-seed{seed}/train"
     if proc.returncode != 0:
         verdict(name, False, f"exit {proc.returncode}\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-25:]))
         return {}
@@ -187,7 +189,8 @@ def train(args, model: Path, seed: int, fp8: bool) -> dict:
 
 def loss(args) -> dict:
     model = build_model(args, args.workdir / "model")
-    runs = {(seed, fp8): train(args, model, seed, fp8) for seed in range(args.seeds) for fp8 in (False, True)}
+    runs = {(seed, candidate): train(args, model, seed, candidate) for seed in range(args.seeds)
+            for candidate in (False, True)}
     if not all(runs.values()):
         return {"runs": {f"{s}-{f}": r for (s, f), r in runs.items()}}
     tail = min(10, args.steps)
