@@ -373,6 +373,8 @@ def make_row(args, ranks: list[dict], monitor: Monitor, wall: float, cpu: bool) 
         "copy_share": r0.get("copy_share"),
         "compute_share": r0.get("compute_share"),
         "top_kernels": r0.get("top_kernels"),
+        "kernel_ms": r0.get("kernel_ms"),
+        "kernel_ms_total": r0.get("kernel_ms_total"),
         "step_s": r0.get("step_s"),
         "tokens_per_step": r0.get("tokens_per_step"),
         "callback_mfu": r0.get("callback_mfu"),
@@ -655,7 +657,11 @@ def profile_shares(prof, wall_us: float) -> dict:
     share = (lambda x: round(x / wall_us, 3) if wall_us else None)
     return {"comm_share": share(union(nccl)), "copy_share": share(union(copies)),
             "compute_share": share(union(compute)), "profiled_us": round(wall_us),
-            "top_kernels": [f"{share(us)} {name[:70]}" for name, us in top]}
+            "top_kernels": [f"{share(us)} {name[:70]}" for name, us in top],
+            # where a step's GPU time goes beyond the matmuls (the optimizer, norms, fused elementwise kernels)
+            "kernel_ms": {name[:80]: round(us / 1e3, 2)
+                          for name, us in sorted(kernel_us.items(), key=lambda kv: -kv[1])[:16]},
+            "kernel_ms_total": round(sum(kernel_us.values()) / 1e3, 1)}
 
 
 def union(intervals: list[tuple[float, float]]) -> float:

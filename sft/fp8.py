@@ -57,10 +57,18 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(x)
 
 
+@torch.library.custom_op("sft::fp8_scaled_mm", mutates_args=())
 def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
     """(a * a_scale) @ (b_t * b_scale^T)^T in bf16: a [M, K] e4m3 row-major, b_t [N, K] e4m3 row-major (so its
-    transpose is the column-major operand _scaled_mm wants), scales [M, 1] and [1, N]."""
+    transpose is the column-major operand _scaled_mm wants), scales [M, 1] and [1, N]. An op of its own, opaque to
+    torch.compile: inside --compile_layers' graphs inductor calls this kernel as it is instead of lowering
+    `_scaled_mm` itself, and still fuses the quantizations around it."""
     return torch._scaled_mm(a, b_t.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
+
+
+@scaled_matmul.register_fake
+def _scaled_matmul_shape(a, a_scale, b_t, b_scale):
+    return a.new_empty((a.shape[0], b_t.shape[0]), dtype=torch.bfloat16)
 
 
 class Fp8FrozenMatmul(torch.autograd.Function):

@@ -28,15 +28,23 @@ import torch.fx.experimental._config
 
 
 MASK32 = 0xFFFFFFFF
-HASH_MULTIPLIER = 0x45D9F3B  # below 2**31: a 32-bit value times it stays below 2**63 (no int64 overflow anywhere)
+HASH_MULTIPLIER = 0x45D9F3B
+
+
+def wrap32(x):
+    """x modulo 2**32: Python ints need it; int32 tensors wrap by themselves (two's complement), which gives the
+    same 32 bits."""
+    return x & MASK32 if isinstance(x, int) else x
 
 
 def hash32(x):
-    """A 32-bit integer hash (two multiply-xorshift rounds; every input bit reaches every output bit), in int64
-    arithmetic on values below 2**32: the same bits on every backend, eager or compiled (and for Python ints)."""
-    x = ((x >> 16) ^ x) * HASH_MULTIPLIER & MASK32
-    x = ((x >> 16) ^ x) * HASH_MULTIPLIER & MASK32
-    return (x >> 16) ^ x
+    """A 32-bit integer hash (two multiply-xorshift rounds; every input bit reaches every output bit), on Python
+    ints in [0, 2**32) and on int32 tensors holding the same bits: the same bits on every backend, eager or
+    compiled. int32, not int64: on a GPU a 64-bit multiply is several 32-bit ones, and the update below hashes
+    every element twice. The `& 0xFFFF` makes the shift logical (int32's is arithmetic)."""
+    x = wrap32((((x >> 16) & 0xFFFF) ^ x) * HASH_MULTIPLIER)
+    x = wrap32((((x >> 16) & 0xFFFF) ^ x) * HASH_MULTIPLIER)
+    return ((x >> 16) & 0xFFFF) ^ x
 
 
 def key_of(*numbers: int) -> int:
@@ -45,6 +53,11 @@ def key_of(*numbers: int) -> int:
     for n in numbers:
         key = hash32((key ^ (n & MASK32)) + 0x9E3779B9 & MASK32)
     return key
+
+
+def as_int32(n: int) -> int:
+    """An unsigned 32-bit value as the int32 with the same bits (what an int32 tensor can hold)."""
+    return n - (1 << 32) if n >= 1 << 31 else n
 
 
 def round_to_bf16(x: torch.Tensor, random16: torch.Tensor) -> torch.Tensor:
@@ -66,19 +79,19 @@ def adamw_update(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp
     an fp32 rounding or two, tests/test_sr_adamw.py), then each result stored as its tensor's dtype.
     `hyper`: fp32 [1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / bias_correction1,
     sqrt(bias_correction2), eps], computed in double on the host as torch.optim.AdamW does;
-    `keys`: int64 [this step's two keys, the global index of element 0 (FSDP2 shards), unused]."""
+    `keys`: int32 [this step's two keys (as_int32), the global index of element 0 (FSDP2 shards), unused]."""
     decay, one_minus_beta1, beta2, one_minus_beta2, step_size, correction2_sqrt, eps = hyper[:7].unbind()
-    index = torch.arange(p.numel(), device=p.device, dtype=torch.int64) + keys[2]
-    h1 = hash32((index ^ keys[0]) & MASK32)
-    h2 = hash32((index ^ keys[1]) & MASK32)
+    index = torch.arange(p.numel(), device=p.device, dtype=torch.int32) + keys[2]
+    h1 = hash32(index ^ keys[0])
+    h2 = hash32(index ^ keys[1])
     param = p.float() * decay
     g = grad.float()
     m = exp_avg.float().lerp(g, one_minus_beta1)
     v = exp_avg_sq.float() * beta2 + one_minus_beta2 * g * g
     param = param - step_size * m / (v.sqrt() / correction2_sqrt + eps)
-    write(p, param, (h1 & 0xFFFF).to(torch.int32))
-    write(exp_avg, m, (h1 >> 16).to(torch.int32))
-    write(exp_avg_sq, v, (h2 & 0xFFFF).to(torch.int32))
+    write(p, param, h1 & 0xFFFF)
+    write(exp_avg, m, (h1 >> 16) & 0xFFFF)
+    write(exp_avg_sq, v, h2 & 0xFFFF)
 
 
 _compiled = None
@@ -157,17 +170,19 @@ class AdamWBf16SR(torch.optim.Optimizer):
                 local, offset = local_and_offset(p.detach())
                 if local.numel() == 0:
                     continue
+                if p.numel() >= 1 << 31:  # the element index is int32 (hash32)
+                    raise ValueError(f"adamw_bf16_sr: a parameter of {p.numel()} values; at most 2**31 - 1")
                 states = [flat(local_and_offset(state[key])[0]) for key in ("exp_avg", "exp_avg_sq")]
                 work.append((local.device, flat(local), local_and_offset(p.grad)[0].reshape(-1), states,
                              [1 - lr * group["weight_decay"], 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** step),
                               math.sqrt(1 - beta2 ** step), group["eps"]],
-                             [key_of(self.seed, step, index, 0), key_of(self.seed, step, index, 1), offset]))
+                             [as_int32(key_of(self.seed, step, index, 0)), as_int32(key_of(self.seed, step, index, 1)), offset]))
         for device in {w[0] for w in work}:  # one host->device copy of all scalars and keys per device and step
             mine = [w for w in work if w[0] == device]
-            # Rows of 32 bytes (16-byte aligned views: inductor would copy misaligned ones) after an unused row 0
-            # (a view at storage offset 0 would get a graph of its own: dynamo specializes 0).
+            # Rows of 32 and 16 bytes (16-byte aligned views: inductor would copy misaligned ones) after an unused
+            # row 0 (a view at storage offset 0 would get a graph of its own: dynamo specializes 0).
             hyper = torch.tensor([[0.0] * 8] + [w[4] + [0.0] for w in mine], dtype=torch.float32)
-            keys = torch.tensor([[0] * 4] + [w[5] + [0] for w in mine], dtype=torch.int64)
+            keys = torch.tensor([[0] * 4] + [w[5] + [0] for w in mine], dtype=torch.int32)
             hyper, keys = hyper.to(device, non_blocking=True), keys.to(device, non_blocking=True)
             update = self._update_function(device)
             # Without duck sizing, a view's offset that happens to equal some size is not taken for a relation

@@ -155,13 +155,15 @@ def train(run: Run, seams: Seams) -> int:
                              model_args.attn_implementation, model_args.trust_remote_code)
     resume_command = command_with(run.argv, resume_from_checkpoint="true")
     skip = training_args.activation_checkpointing_skip_layers  # spare memory: fewer layers recomputed
+    # NaN/inf loss or gradient: stop (or skip the step) before the weights take it
+    guard = NonFiniteGuard(training_args.nan_policy, lambda: newest_complete(training_args.output_dir), resume_command)
     callbacks = [
         RunOverview(model, train_data, model_args.model),  # the first screen, at train begin (rank 0)
         ThroughputCallback(flops_per_token(model, lora_args.lora), peak_flops()),  # real tok/s, MFU, memory
         *seams.callbacks,
         checkpoint_callback(training_args, verifier),  # verified, complete-marked, rotated checkpoints
         CompleteRunCheck(),  # a resumed run already at its last step trains no step past it
-        NonFiniteGuard(training_args.nan_policy, lambda: newest_complete(training_args.output_dir), resume_command),
+        guard,
         *([LossSpikeLogger(training_args.loss_spike_factor)] if training_args.loss_spike_factor > 0 else []),
         *([PartialCheckpointing(skip)] if skip else []),
         *([MoeLoadLogger(balance)] if balance else []),  # MoE: aux loss, tokens per expert, imbalance
@@ -181,6 +183,7 @@ def train(run: Run, seams: Seams) -> int:
         processing_class=tokenizer,
         callbacks=callbacks,
     )
+    guard.watch_clipping(trainer.accelerator)  # the NaN check reads the clipping's norm, not every gradient again
     if balance:
         add_aux_loss(trainer, balance)  # the routers' load-balancing loss joins the training loss
     if trainer.pop_callback(TensorBoardCallback):  # after ours, so that it logs what ours adds

@@ -36,7 +36,8 @@ class PoisonWeight(TrainerCallback):
 
 
 class PoisonGradient(TrainerCallback):
-    """Test-only: at step `at`, one gradient element becomes inf; records the weights around that step."""
+    """Test-only: at step `at`, one gradient element becomes inf in the backward (as an overflow would: before
+    the Trainer clips); records the weights around that step."""
 
     def __init__(self, at: int):
         self.at = at
@@ -45,10 +46,13 @@ class PoisonGradient(TrainerCallback):
     def on_step_begin(self, args, state, control, model=None, **kwargs):
         if state.global_step + 1 == self.at:
             self.before = {n: p.detach().clone() for n, p in model.named_parameters()}
+            target = next(p for p in model.parameters() if p.requires_grad)
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-        if state.global_step + 1 == self.at:
-            next(p for p in model.parameters() if p.grad is not None).grad.view(-1)[0] = float("inf")
+            def poison(p):
+                p.grad.view(-1)[0] = float("inf")
+                handle.remove()
+
+            handle = target.register_post_accumulate_grad_hook(poison)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         if state.global_step == self.at:
@@ -88,6 +92,32 @@ def test_skip_policy_drops_the_step_and_goes_on(tmp_path, tiny_llama):
     assert is_complete(out, FINAL_MARKER)
     assert max(tensorboard_scalars(out / "runs", "train/skipped_steps")) == 1
     assert tensorboard_scalars(out / "runs", "train/loss_spikes")  # the spike count reaches TensorBoard
+
+
+def test_the_check_reads_the_clippings_norm_and_else_the_gradients():
+    """The Trainer's clipping has the total norm at hand: the guard looks at that (here a NaN norm beside finite
+    gradients, so that the test tells which one was read); a step without it (no clipping seen) reads the
+    gradients. Under DeepSpeed the clipping is not watched (its engine has stepped by then)."""
+    model = torch.nn.Linear(2, 2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    accelerator = SimpleNamespace(distributed_type="NO", clip_grad_norm_=lambda params, max_norm: torch.tensor(math.nan))
+    guard = NonFiniteGuard("stop", lambda: None, "")
+    guard.watch_clipping(accelerator)
+    args, state = SimpleNamespace(fp16=False), SimpleNamespace(global_step=2)
+    assert math.isnan(accelerator.clip_grad_norm_(model.parameters(), 1.0))  # what the Trainer gets is unchanged
+    with pytest.raises(NonFiniteError, match="step 3"):
+        guard.on_pre_optimizer_step(args, state, None, model=model)
+    guard.on_pre_optimizer_step(args, state, None, model=model)  # no clipping since: the finite gradients pass
+    model.weight.grad[0, 0] = math.inf
+    with pytest.raises(NonFiniteError):
+        guard.on_pre_optimizer_step(args, state, None, model=model)
+
+    from accelerate.utils import DistributedType
+
+    deepspeed = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, clip_grad_norm_=print)
+    guard.watch_clipping(deepspeed)
+    assert deepspeed.clip_grad_norm_ is print
 
 
 def test_guard_without_gradients_checks_the_logs():

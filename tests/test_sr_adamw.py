@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from sft.sr_adamw import AdamWBf16SR, hash32, key_of, round_to_bf16
+from sft.sr_adamw import AdamWBf16SR, as_int32, hash32, key_of, round_to_bf16
 
 
 @pytest.fixture(autouse=True)
@@ -29,16 +29,25 @@ def bf16_neighbours(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return down, up
 
 
+def test_hash_on_int32_tensors_gives_the_bits_of_the_python_hash():
+    """The update hashes int32 tensors (wrapping multiplies, arithmetic shifts masked); the host hashes Python
+    ints. Both must give the same 32 bits, also for inputs with the top bit set."""
+    values = [0, 1, 2**16 - 1, 2**31 - 1, 2**31, 2**32 - 1] + [key_of(3, n) for n in range(200)]
+    got = hash32(torch.tensor([as_int32(v) for v in values], dtype=torch.int32))
+    assert got.dtype == torch.int32
+    assert got.tolist() == [as_int32(hash32(v)) for v in values]
+
+
 def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
     """Each rounding is one of the two bf16 neighbours; averaged over 4000 draws of the hash it is the fp32 value
     (within 5 standard errors of the rounding's own variance, per value)."""
     x = torch.randn(500, generator=torch.Generator().manual_seed(0)) * torch.logspace(-6, 3, 500)
     down, up = bf16_neighbours(x)
     draws = 4000
-    index = torch.arange(x.numel(), dtype=torch.int64)
+    index = torch.arange(x.numel(), dtype=torch.int32)
     total = torch.zeros_like(x, dtype=torch.float64)
     for draw in range(draws):
-        random16 = (hash32((index ^ key_of(7, draw)) & 0xFFFFFFFF) & 0xFFFF).to(torch.int32)
+        random16 = hash32(index ^ as_int32(key_of(7, draw))) & 0xFFFF
         rounded = round_to_bf16(x, random16).float()
         assert bool(((rounded == down) | (rounded == up)).all())
         total += rounded.double()
