@@ -6,6 +6,7 @@ line at the end, exit status 1 on a FAIL.
     python bench/fp8_check.py --part layers         # per-layer speed only (~1 min)
     python bench/fp8_check.py --part loss --seeds 3 --steps 50
     python bench/fp8_check.py --part loss --candidate compile   # --compile_layers (bf16) against plain bf16
+    python bench/fp8_check.py --part loss --candidate fp8,fp8-compile   # several, sharing the bf16 runs
     python bench/fp8_check.py --cpu_smoke           # this script's plumbing on a CPU: tiny shapes, no verdict
 
 Layers: each projection shape of deepseek-llm-7b (q/k/v/o 4096x4096, gate/up 4096->11008, down 11008->4096), with
@@ -157,9 +158,8 @@ CANDIDATES = {"fp8": ["--fp8", "true"], "compile": ["--compile_layers", "true"],
               "fp8-compile": ["--fp8", "true", "--compile_layers", "true"]}
 
 
-def train(args, model: Path, seed: int, candidate: bool) -> dict:
-    """One LoRA run: plain bf16, or with the --candidate's options."""
-    label = args.candidate if candidate else "bf16"
+def train(args, model: Path, seed: int, label: str) -> dict:
+    """One LoRA run: plain bf16 (label "bf16"), or with a candidate's options."""
     out = args.workdir / f"{label}-seed{seed}"
     shutil.rmtree(out, ignore_errors=True)
     command = [sys.executable, str(REPO / "sft" / "train.py"), "--model", str(model), "--dataset", str(args.data),
@@ -169,7 +169,7 @@ def train(args, model: Path, seed: int, candidate: bool) -> dict:
                "--lora_dropout", "0", "--save_strategy", "no", "--eval_strategy", "no", "--report_to", "none",
                "--verify_saves", "final", "--seed", str(seed), "--output_dir", str(out),
                "--dataset_cache_dir", str(args.workdir / "dataset-cache"),
-               *([] if args.cpu_smoke else ["--bf16", "true"]), *(CANDIDATES[args.candidate] if candidate else [])]
+               *([] if args.cpu_smoke else ["--bf16", "true"]), *CANDIDATES.get(label, [])]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     started = time.time()
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -188,30 +188,34 @@ def train(args, model: Path, seed: int, candidate: bool) -> dict:
 
 
 def loss(args) -> dict:
+    """Each seed's bf16 run once, then each candidate's run of that seed; a verdict per candidate."""
     model = build_model(args, args.workdir / "model")
-    runs = {(seed, candidate): train(args, model, seed, candidate) for seed in range(args.seeds)
-            for candidate in (False, True)}
+    labels = ["bf16", *args.candidates]
+    runs = {(seed, label): train(args, model, seed, label) for seed in range(args.seeds) for label in labels}
     if not all(runs.values()):
-        return {"runs": {f"{s}-{f}": r for (s, f), r in runs.items()}}
+        return {"runs": {f"{s}-{label}": r for (s, label), r in runs.items()}}
     tail = min(10, args.steps)
     window = {key: statistics.fmean(run["losses"][-tail:]) for key, run in runs.items()}
-    bf16 = [window[(s, False)] for s in range(args.seeds)]
-    fp8 = [window[(s, True)] for s in range(args.seeds)]
+    bf16 = [window[(s, "bf16")] for s in range(args.seeds)]
     spread = max(bf16) - min(bf16)
-    twins = [abs(window[(s, True)] - window[(s, False)]) for s in range(args.seeds)]
-    speed = [runs[(s, True)]["tokens_per_second"] / runs[(s, False)]["tokens_per_second"]
-             for s in range(args.seeds) if runs[(s, False)]["tokens_per_second"]]
-    summary = {"tail_steps": tail, "bf16_tail_loss": bf16, "fp8_tail_loss": fp8, "bf16_spread": spread,
-               "same_seed_diff": twins, "mean_diff": abs(statistics.fmean(fp8) - statistics.fmean(bf16)),
-               "fp8_over_bf16_tok_s": speed, "runs": {f"{s}-{'fp8' if f else 'bf16'}": r for (s, f), r in runs.items()}}
-    print(f"last-{tail}-step mean loss: bf16 {[round(x, 4) for x in bf16]} (spread {spread:.4f}), "
-          f"fp8 {[round(x, 4) for x in fp8]}; same-seed differences {[round(x, 4) for x in twins]}; "
-          f"FP8 tok/s over bf16: {[round(x, 3) for x in speed]}", flush=True)
-    if not args.cpu_smoke:
-        verdict("loss/same_seed_within_spread", max(twins) <= spread,
-                f"largest same-seed difference {max(twins):.4f} against the bf16 seed spread {spread:.4f}")
-        verdict("loss/mean_within_spread", summary["mean_diff"] <= spread,
-                f"FP8 mean - bf16 mean = {summary['mean_diff']:.4f} against the spread {spread:.4f}")
+    summary = {"tail_steps": tail, "bf16_tail_loss": bf16, "bf16_spread": spread,
+               "runs": {f"{s}-{label}": r for (s, label), r in runs.items()}}
+    for candidate in args.candidates:
+        mine = [window[(s, candidate)] for s in range(args.seeds)]
+        twins = [abs(window[(s, candidate)] - window[(s, "bf16")]) for s in range(args.seeds)]
+        speed = [runs[(s, candidate)]["tokens_per_second"] / runs[(s, "bf16")]["tokens_per_second"]
+                 for s in range(args.seeds) if runs[(s, "bf16")]["tokens_per_second"]]
+        mean_diff = abs(statistics.fmean(mine) - statistics.fmean(bf16))
+        summary[candidate] = {"tail_loss": mine, "same_seed_diff": twins, "mean_diff": mean_diff,
+                              "over_bf16_tok_s": speed}
+        print(f"last-{tail}-step mean loss: bf16 {[round(x, 4) for x in bf16]} (spread {spread:.4f}), "
+              f"{candidate} {[round(x, 4) for x in mine]}; same-seed differences {[round(x, 4) for x in twins]}; "
+              f"tok/s over bf16: {[round(x, 3) for x in speed]}", flush=True)
+        if not args.cpu_smoke:
+            verdict(f"loss/{candidate}/same_seed_within_spread", max(twins) <= spread,
+                    f"largest same-seed difference {max(twins):.4f} against the bf16 seed spread {spread:.4f}")
+            verdict(f"loss/{candidate}/mean_within_spread", mean_diff <= spread,
+                    f"{candidate} mean - bf16 mean = {mean_diff:.4f} against the spread {spread:.4f}")
     return summary
 
 
@@ -228,8 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro_batch", type=int, default=4)
     p.add_argument("--learning_rate", type=float, default=2e-4)
     p.add_argument("--timeout", type=int, default=900, help="seconds per training run")
-    p.add_argument("--candidate", choices=sorted(CANDIDATES), default="fp8",
-                   help="the path checked against plain bf16 LoRA (its options: CANDIDATES)")
+    p.add_argument("--candidate", default="fp8",
+                   help=f"the paths checked against plain bf16 LoRA, comma-separated, the bf16 runs shared: "
+                        f"{', '.join(sorted(CANDIDATES))} (their options: CANDIDATES)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/fp8_check"))
     p.add_argument("--data", type=Path, default=first_existing(BENCHDATA / "alpaca_sample.json",
                                                                 SHARED / "datasets" / "alpaca_sample.json"))
@@ -238,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu_smoke", action="store_true", help="plumbing only: tiny shapes, 2 steps, 1 seed, no --fp8 "
                                                             "runs' verdicts (no FP8 GPU)")
     args = p.parse_args(argv)
+    args.candidates = args.candidate.split(",")
+    unknown = set(args.candidates) - set(CANDIDATES)
+    if unknown:
+        p.error(f"--candidate {','.join(sorted(unknown))}: choose from {', '.join(sorted(CANDIDATES))}")
     if args.cpu_smoke:
         args.steps, args.seeds, args.seq_len, args.micro_batch, args.layers = 2, 1, 256, 2, 1
         args.warmup, args.iters = 1, 2
@@ -250,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error("no data/tokenizer: carry .benchdata, or give --data and --tokenizer")
         if args.cpu_smoke:  # --fp8 refuses a CPU: the bf16 run's plumbing only
             model = build_model(args, args.workdir / "model")
-            summary["loss"] = {"bf16": train(args, model, 0, False)}
+            summary["loss"] = {"bf16": train(args, model, 0, "bf16")}
         else:
             summary["loss"] = loss(args)
     print(json.dumps({"fp8_check": summary, "fails": FAILS}), flush=True)
