@@ -49,45 +49,62 @@ def _compiled_quantize():
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows, compiled into one kernel per call on CUDA (amax, scale and cast fused: a read of x and a
-    write of 1 byte per value); eager elsewhere (SFT_FP8_COMPILE=0 makes it eager on CUDA too). Inside a layer
-    that --compile_layers compiles, the plain ops are traced into the layer's graph, where inductor fuses them
-    with what produced x."""
-    if x.is_cuda and launch().fp8_compile and not torch.compiler.is_compiling():
+    write of 1 byte per value); eager elsewhere (SFT_FP8_COMPILE=0 makes it eager on CUDA too). It runs inside
+    the ops below, so also under --compile_layers it is this kernel, called at run time."""
+    if x.is_cuda and launch().fp8_compile:
         return _compiled_quantize()(x)
     return quantize_rows(x)
 
 
-@torch.library.custom_op("sft::fp8_scaled_mm", mutates_args=())
 def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
     """(a * a_scale) @ (b_t * b_scale^T)^T in bf16: a [M, K] e4m3 row-major, b_t [N, K] e4m3 row-major (so its
-    transpose is the column-major operand _scaled_mm wants), scales [M, 1] and [1, N]. An op of its own, opaque to
-    torch.compile: inside --compile_layers' graphs inductor calls this kernel as it is instead of lowering
-    `_scaled_mm` itself, and still fuses the quantizations around it."""
+    transpose is the column-major operand _scaled_mm wants), scales [M, 1] and [1, N]."""
     return torch._scaled_mm(a, b_t.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
 
 
-@scaled_matmul.register_fake
-def _scaled_matmul_shape(a, a_scale, b_t, b_scale):
-    return a.new_empty((a.shape[0], b_t.shape[0]), dtype=torch.bfloat16)
+def quantized_matmul(a: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+    """a [M, K] (bf16/fp32) @ the e4m3 b_t [N, K]^T: a quantized per row as it comes, then the FP8 matmul."""
+    q, scale = quantize(a)
+    return scaled_matmul(q, scale, b_t, b_scale)
 
 
-class Fp8FrozenMatmul(torch.autograd.Function):
-    """y = x @ W^T for a frozen W held twice in e4m3 (see the module docstring); a gradient for x only."""
+# The forward and the input gradient are ops of their own, opaque to torch.compile, with their autograd formula
+# registered: under --compile_layers inductor calls them as they are and compiles what lies between them. Traced
+# instead (an autograd.Function inside the compiled layer), the input gradient came out zero on an H200
+# (bench/compile_check.py, run 20261202T0020Z-A) while CPU compiles were exact.
+@torch.library.custom_op("sft::fp8_linear", mutates_args=())
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_t: torch.Tensor,
+               weight_t_scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ W^T in bf16, W held as `weight` [N, K] (its gradient path as `weight_t` [K, N])."""
+    return quantized_matmul(x, weight, weight_scale)
 
-    @staticmethod
-    def forward(ctx, x, weight, weight_scale, weight_t, weight_t_scale):
-        ctx.shape, ctx.dtype = x.shape, x.dtype
-        ctx.save_for_backward(weight_t, weight_t_scale)  # references to the layer's constants, no copies
-        q, scale = quantize(x.reshape(-1, x.shape[-1]))
-        out = scaled_matmul(q, scale, weight, weight_scale)
-        return out.view(*x.shape[:-1], weight.shape[0]).to(x.dtype)
 
-    @staticmethod
-    def backward(ctx, grad_out):
-        weight_t, weight_t_scale = ctx.saved_tensors
-        q, scale = quantize(grad_out.reshape(-1, grad_out.shape[-1]))
-        grad_x = scaled_matmul(q, scale, weight_t, weight_t_scale)
-        return grad_x.view(ctx.shape).to(ctx.dtype), None, None, None, None
+@torch.library.custom_op("sft::fp8_linear_input_grad", mutates_args=())
+def fp8_linear_input_grad(grad_out: torch.Tensor, weight_t: torch.Tensor, weight_t_scale: torch.Tensor) -> torch.Tensor:
+    """grad_x = grad_out [M, N] @ W, through the transposed copy."""
+    return quantized_matmul(grad_out, weight_t, weight_t_scale)
+
+
+@fp8_linear.register_fake
+def _fp8_linear_shape(x, weight, weight_scale, weight_t, weight_t_scale):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+
+
+@fp8_linear_input_grad.register_fake
+def _fp8_linear_input_grad_shape(grad_out, weight_t, weight_t_scale):
+    return grad_out.new_empty((grad_out.shape[0], weight_t.shape[0]), dtype=torch.bfloat16)
+
+
+def _keep_for_backward(ctx, inputs, output):
+    ctx.save_for_backward(inputs[3], inputs[4])  # the transposed copy and its scales: references, no copies
+
+
+def _fp8_linear_backward(ctx, grad_out):
+    weight_t, weight_t_scale = ctx.saved_tensors
+    return fp8_linear_input_grad(grad_out.contiguous(), weight_t, weight_t_scale), None, None, None, None
+
+
+fp8_linear.register_autograd(_fp8_linear_backward, setup_context=_keep_for_backward)
 
 
 class Fp8Linear(nn.Module):
@@ -109,7 +126,8 @@ class Fp8Linear(nn.Module):
                                                                   requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = Fp8FrozenMatmul.apply(x, self.weight, self.weight_scale, self.weight_t, self.weight_t_scale)
+        out = fp8_linear(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale, self.weight_t,
+                         self.weight_t_scale).view(*x.shape[:-1], self.out_features).to(x.dtype)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def _apply(self, fn, recurse=True):
