@@ -221,12 +221,6 @@ def compiled_layers_combinations(o: Options, m: Machine) -> None:
     if o.model.tp_size > 1:
         raise ConfigError("--compile_layers with --tp_size: not supported (the layers' weights are DTensors). Drop "
                           "one of them.")
-    if getattr(o.model, "fp8", False):
-        # Measured on an H200 (bench/RESULTS.md, run 20261201T2145Z-compile): 1.5x faster than --fp8 alone, but its
-        # gradients were 12x smaller than bf16's and its loss over 50 steps 0.49 above (seed spread 0.05), while
-        # eager --fp8 stayed within 0.0002 of bf16. Equal on CPU: a GPU compile path, not yet found.
-        raise ConfigError("--fp8 with --compile_layers: on GPUs the compiled FP8 layers train wrongly (their "
-                          "gradients came out 12x too small on an H200; bench/RESULTS.md). Keep one of the two.")
 
 
 def processes_fit_gpus(o: Options, m: Machine) -> None:

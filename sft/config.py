@@ -68,7 +68,7 @@ class ModelArguments:
         "help": "torch.compile each decoder layer in place (one compile shared by all layers; the first step "
                 "compiles, later runs reuse inductor's cache): inductor fuses norms, RoPE, SwiGLU and LoRA's adds "
                 "between the matmuls. With --use_liger_kernel only Liger's fused loss stays on. Single GPU, DDP or "
-                "FSDP; not DeepSpeed, --tp_size, --fp8 or the Trainer's --torch_compile."})
+                "FSDP; with --fp8 too; not DeepSpeed, --tp_size or the Trainer's --torch_compile."})
     attn_implementation: str = field(default="sdpa", metadata={
         "help": "Attention kernel: sdpa, eager, flex_attention, flash_attention_2 (needs flash-attn)."})
     trust_remote_code: bool = field(default=False, metadata={

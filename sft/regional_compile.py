@@ -4,8 +4,7 @@ Every decoder layer of a model has the same code, so dynamo traces one and the o
 weights are inputs of it, not constants): a compile of one layer instead of the whole model, and no graph breaks at
 the loss, the data collator or the Trainer's own code. Inductor then fuses what runs between the matmuls of a layer
 (RMSNorm, RoPE, SwiGLU, the residual adds, LoRA's scaling and add) into a few kernels, in the forward and in the
-backward. Not with --fp8: on an H200 the compiled FP8 layers trained with gradients 12x too small (bench/RESULTS.md),
-so sft/checks.py refuses the two together.
+backward. With --fp8 the FP8 matmuls are custom ops inside the graph (sft/fp8.py), called as they are.
 
 In place (`module.compile()`, not `torch.compile(module)`): parameter names, state dicts, peft's adapter lookups
 and the hooks FSDP2 adds later stay as they were, so saves, verified reloads and resumes see the model they know.

@@ -331,3 +331,13 @@ def test_moe_rows_carry_the_routers_numbers_of_the_last_step_that_logged_them(tm
                    '"moe/load_imbalance_max": 2.5}\n{"step": 2, "train_runtime": 5.0}\n')
     assert train_throughput.expert_load(log) == {"moe/idle_experts": 1, "moe/load_imbalance_max": 2.5}
     assert train_throughput.expert_load(tmp_path / "missing.jsonl") is None
+
+
+def test_kernel_table_adds_up_kernels_whose_cut_names_agree():
+    """Templated kernel names share their first 80 characters: their times add up under the cut name (a dict
+    comprehension would keep only the last one, as the first version of this table did)."""
+    from train_throughput import top_kernel_ms
+
+    long = "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
+    table = top_kernel_ms({long + "A": 30_000.0, long + "B": 5_000.0, "gemm": 20_000.0, "small": 1.0}, 2)
+    assert table == {long[:80]: 35.0, "gemm": 20.0}

@@ -93,8 +93,6 @@ def test_refused_where_it_is_not_supported():
         validate_setup(*parsed("--torch_compile", "true"), machine=box())
     with pytest.raises(ConfigError, match="--compile_layers with DeepSpeed ZeRO-3"):
         validate_setup(*parsed("--lora"), machine=box(2, world_size=2, zero_stage="3"))
-    with pytest.raises(ConfigError, match="--fp8 with --compile_layers: on GPUs the compiled FP8 layers train wrongly"):
-        validate_setup(*parsed("--lora", "--fp8", "true"), machine=box())
     validate_setup(*parsed("--lora"), machine=box(2, world_size=2))  # DDP
     validate_setup(*parsed(), machine=box(2, world_size=2, fsdp=True))  # FSDP
 
