@@ -176,7 +176,7 @@ class AdamWBf16SR(torch.optim.Optimizer):
                 work.append((local.device, flat(local), local_and_offset(p.grad)[0].reshape(-1), states,
                              [1 - lr * group["weight_decay"], 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** step),
                               math.sqrt(1 - beta2 ** step), group["eps"]],
-                             [as_int32(key_of(self.seed, step, index, 0)), as_int32(key_of(self.seed, step, index, 1)), offset]))
+                             [*(as_int32(key_of(self.seed, step, index, which)) for which in (0, 1)), offset]))
         for device in {w[0] for w in work}:  # one host->device copy of all scalars and keys per device and step
             mine = [w for w in work if w[0] == device]
             # Rows of 32 and 16 bytes (16-byte aligned views: inductor would copy misaligned ones) after an unused
