@@ -230,9 +230,10 @@ GROUPS = {
     # two GPUs held to 24 GiB: V2-Lite sharded, DDP scaling of the LoRA plan, the recipes
     "x2": ["moe-lora-z3-2", "lora-1", "lora-ddp", "recipe-coder-lora", "recipe-r1-lora"],
     "recipes": ["recipe-coder-lora", "recipe-r1-lora", "recipe-v2-lite-lora"],
-    # not measured yet (2026-12-01): --fp8 LoRA beside TRL in the same run, the compiled-layers loss question,
-    # V2-Lite offload on 1 and 2 cards and with --chunked_loss
-    "next": ["lora-best-fp8", "lora-best", "trl-lora-best", "lora-best-compile", "lora-best-flce",
+    # not measured yet (2026-12-02): the fixed --fp8 --compile_layers beside TRL in the same run (TRL first: its
+    # first step compiled for 224 s on a fresh machine, run 20261202T0020Z-A), the compiled-layers loss question,
+    # the full fine-tune's kernel table; then V2-Lite offload on 1 and 2 cards and with --chunked_loss
+    "next": ["trl-lora-best", "lora-best-fp8-compile", "lora-best-flce", "lora-best", "full-sr16", "trl-full",
              "moe-lora-offload-1", "moe-lora-offload-1-chunked", "moe-lora-offload"],
     # --compile_layers beside the plain rows and TRL's best, same run (2026-12-01, evening)
     "compile": ["lora-best-fp8-compile", "lora-best-compile", "lora-best", "trl-lora-best", "lora-best-fp8"],
