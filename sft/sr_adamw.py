@@ -161,7 +161,9 @@ class AdamWBf16SR(torch.optim.Optimizer):
                 if p.grad is None:
                     continue
                 state = self.state[p]
-                if not state:
+                if not state:  # its first step (a resume loads the states): its size is checked once
+                    if p.numel() >= 1 << 31:  # the element index is int32 (hash32)
+                        raise ValueError(f"adamw_bf16_sr: a parameter of {p.numel()} values; at most 2**31 - 1")
                     state["step"] = torch.tensor(0.0)
                     for key in ("exp_avg", "exp_avg_sq"):
                         state[key] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
@@ -170,8 +172,6 @@ class AdamWBf16SR(torch.optim.Optimizer):
                 local, offset = local_and_offset(p.detach())
                 if local.numel() == 0:
                     continue
-                if p.numel() >= 1 << 31:  # the element index is int32 (hash32)
-                    raise ValueError(f"adamw_bf16_sr: a parameter of {p.numel()} values; at most 2**31 - 1")
                 states = [flat(local_and_offset(state[key])[0]) for key in ("exp_avg", "exp_avg_sq")]
                 work.append((local.device, flat(local), local_and_offset(p.grad)[0].reshape(-1), states,
                              [1 - lr * group["weight_decay"], 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** step),
