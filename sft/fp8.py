@@ -50,7 +50,7 @@ def _compiled_quantize():
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows, compiled into one kernel per call on CUDA (amax, scale and cast fused: a read of x and a
     write of 1 byte per value); eager elsewhere (SFT_FP8_COMPILE=0 makes it eager on CUDA too). It runs inside
-    the ops below, so also under --compile_layers it is this kernel, called at run time."""
+    the eager ops below; under --compile_layers the quantization is traced into the layer instead."""
     if x.is_cuda and launch().fp8_compile:
         return _compiled_quantize()(x)
     return quantize_rows(x)
@@ -68,10 +68,22 @@ def quantized_matmul(a: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor) 
     return scaled_matmul(q, scale, b_t, b_scale)
 
 
-# The forward and the input gradient are ops of their own, opaque to torch.compile, with their autograd formula
-# registered: under --compile_layers inductor calls them as they are and compiles what lies between them. Traced
+# The FP8 matmuls are ops of their own, opaque to torch.compile, with their autograd formulas registered. Traced
 # instead (an autograd.Function inside the compiled layer), the input gradient came out zero on an H200
 # (bench/compile_check.py, run 20261202T0020Z-A) while CPU compiles were exact.
+#
+# Two forms of the same layer. Eager: `sft::fp8_linear` quantizes inside its forward and its backward, with the
+# compiled quantize kernel. Under --compile_layers: the quantization is traced beside the op, so inductor fuses it
+# into the kernel that makes the activation (RMSNorm, SwiGLU) and computes it once for q/k/v and for gate/up, which
+# read the same input (the graph's common-subexpression pass); `sft::fp8_linear_quantized` takes x beside its
+# quantized form only so that its formula can give x its gradient, and that formula quantizes grad_out in traced
+# code too (AOTAutograd traces it into the backward graph), leaving the matmuls opaque.
+@torch.library.custom_op("sft::fp8_matmul", mutates_args=())
+def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+    """scaled_matmul as an op opaque to torch.compile."""
+    return scaled_matmul(a, a_scale, b_t, b_scale)
+
+
 @torch.library.custom_op("sft::fp8_linear", mutates_args=())
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_t: torch.Tensor,
                weight_t_scale: torch.Tensor) -> torch.Tensor:
@@ -85,18 +97,38 @@ def fp8_linear_input_grad(grad_out: torch.Tensor, weight_t: torch.Tensor, weight
     return quantized_matmul(grad_out, weight_t, weight_t_scale)
 
 
-@fp8_linear.register_fake
+@torch.library.custom_op("sft::fp8_linear_quantized", mutates_args=())
+def fp8_linear_quantized(x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                         weight_scale: torch.Tensor, weight_t: torch.Tensor,
+                         weight_t_scale: torch.Tensor) -> torch.Tensor:
+    """fp8_linear with x quantized by the caller (x_q, x_scale = quantize_rows(x)); x itself is not read."""
+    return scaled_matmul(x_q, x_scale, weight, weight_scale)
+
+
+def _matmul_shape(a, a_scale, b_t, b_scale):
+    return a.new_empty((a.shape[0], b_t.shape[0]), dtype=torch.bfloat16)
+
+
 def _fp8_linear_shape(x, weight, weight_scale, weight_t, weight_t_scale):
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
 
 
-@fp8_linear_input_grad.register_fake
-def _fp8_linear_input_grad_shape(grad_out, weight_t, weight_t_scale):
+def _input_grad_shape(grad_out, weight_t, weight_t_scale):
     return grad_out.new_empty((grad_out.shape[0], weight_t.shape[0]), dtype=torch.bfloat16)
 
 
-def _keep_for_backward(ctx, inputs, output):
-    ctx.save_for_backward(inputs[3], inputs[4])  # the transposed copy and its scales: references, no copies
+def _quantized_shape(x, x_q, x_scale, weight, weight_scale, weight_t, weight_t_scale):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+
+
+fp8_matmul.register_fake(_matmul_shape)
+fp8_linear.register_fake(_fp8_linear_shape)
+fp8_linear_input_grad.register_fake(_input_grad_shape)
+fp8_linear_quantized.register_fake(_quantized_shape)
+
+
+def _keep_transposed_copy(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[-2:])  # the transposed copy and its scales: references, no copies
 
 
 def _fp8_linear_backward(ctx, grad_out):
@@ -104,7 +136,21 @@ def _fp8_linear_backward(ctx, grad_out):
     return fp8_linear_input_grad(grad_out.contiguous(), weight_t, weight_t_scale), None, None, None, None
 
 
-fp8_linear.register_autograd(_fp8_linear_backward, setup_context=_keep_for_backward)
+def _fp8_linear_quantized_backward(ctx, grad_out):
+    weight_t, weight_t_scale = ctx.saved_tensors
+    q, scale = quantize_rows(grad_out)
+    return fp8_matmul(q, scale, weight_t, weight_t_scale), None, None, None, None, None, None
+
+
+fp8_linear.register_autograd(_fp8_linear_backward, setup_context=_keep_transposed_copy)
+fp8_linear_quantized.register_autograd(_fp8_linear_quantized_backward, setup_context=_keep_transposed_copy)
+
+
+def fp8_linear_traced(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_t: torch.Tensor,
+                      weight_t_scale: torch.Tensor) -> torch.Tensor:
+    """fp8_linear's form for code torch.compile traces: the quantization in the graph, the matmul opaque."""
+    x_q, x_scale = quantize_rows(x.detach())
+    return fp8_linear_quantized(x, x_q, x_scale, weight, weight_scale, weight_t, weight_t_scale)
 
 
 class Fp8Linear(nn.Module):
@@ -126,8 +172,9 @@ class Fp8Linear(nn.Module):
                                                                   requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = fp8_linear(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale, self.weight_t,
-                         self.weight_t_scale).view(*x.shape[:-1], self.out_features).to(x.dtype)
+        linear = fp8_linear_traced if torch.compiler.is_compiling() else fp8_linear
+        out = linear(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale, self.weight_t,
+                     self.weight_t_scale).view(*x.shape[:-1], self.out_features).to(x.dtype)
         return out if self.bias is None else out + self.bias.to(out.dtype)
 
     def _apply(self, fn, recurse=True):

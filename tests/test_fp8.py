@@ -105,6 +105,43 @@ def test_lora_on_the_fp8_base_trains_saves_only_the_adapter_and_verifies(tmp_pat
     assert model(input_ids=ids, labels=ids, use_cache=False).loss.item() == loss.item()
 
 
+def test_a_compiled_layer_quantizes_a_shared_input_once_and_gives_the_eager_gradients():
+    """Under torch.compile the quantization is traced beside the FP8 matmul (sft/fp8.py fp8_linear_traced): q/k/v
+    read one quantized input and gate/up another (4 quantizations in the forward of a layer, not 7), and the
+    loss and every adapter gradient are eager's. The first decoder layer's input needs no gradient (frozen
+    embeddings), so its backward quantizes 4 output gradients (o, gate, up, down), not 7."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    counts = []
+
+    def count_quantizations(graph, example_inputs):
+        counts.append(sum(node.target is torch.ops.aten.amax.default for node in graph.graph.nodes))
+        return make_boxed_func(graph)
+
+    backend = aot_autograd(fw_compiler=count_quantizations, bw_compiler=count_quantizations,
+                           partition_fn=min_cut_rematerialization_partition)  # inductor's partitioner: CSE on
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    grads = []
+    for compiled in (False, True):
+        model = tiny_lora_model()
+        for name, p in model.named_parameters():
+            if "lora_B" in name:  # nonzero, so every adapter weight gets a gradient
+                torch.nn.init.normal_(p, std=0.02, generator=torch.Generator().manual_seed(len(name)))
+        use_fp8_base(model)
+        if compiled:
+            torch._dynamo.reset()
+            layer = model.base_model.model.model.layers[0]
+            layer.compile(backend=backend, fullgraph=True)
+        model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert counts == [4, 4]
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) == 28
+    for name, grad in grads[0].items():
+        assert torch.equal(grads[1][name], grad), name
+
+
 def test_layers_whose_shape_fp8_cannot_take_stay_bf16():
     from peft import LoraConfig, get_peft_model
 
