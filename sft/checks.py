@@ -306,3 +306,15 @@ def apply_setup_defaults(o: Options, m: Machine) -> None:
         from sft.regional_compile import LIGER_WITH_COMPILED_LAYERS  # dynamo cannot trace Liger's in-layer kernels
 
         t.liger_kernel_config = dict(LIGER_WITH_COMPILED_LAYERS)
+    if liger_loss_on_labels_fits(o, m):  # the same fused loss, the labelled tokens only (sft/chunked_loss.py)
+        t.liger_kernel_config = {**(t.liger_kernel_config or {}), "fused_linear_cross_entropy": False}
+        t.liger_loss_on_labels = True
+
+
+def liger_loss_on_labels_fits(o: Options, m: Machine) -> bool:
+    """Where Liger's own fused loss would run: not when your --liger_kernel_config turns it off, not with label
+    smoothing (the Trainer then needs logits), and not under ZeRO-3, whose lm_head weight is whole only inside
+    the lm_head's own forward (Liger's own loss reads it the same way, unchanged here)."""
+    t = o.training
+    return (t.use_liger_kernel and (t.liger_kernel_config or {}).get("fused_linear_cross_entropy", True)
+            and not t.label_smoothing_factor and o.zero_stage(m) != "3" and o.model.tp_size == 1)

@@ -10,11 +10,19 @@ recomputed in the backward (torch.utils.checkpoint) instead of kept: at most one
 the model's own (tests/test_chunked_loss.py): the labels shifted by one, -100 left out, the sum divided by the
 Trainer's `num_items_in_batch` (the accumulated batch's label count) or by this batch's count.
 
+Under --use_liger_kernel the same forward computes the loss with Liger's fused linear cross-entropy, also on the
+labelled tokens only (`liger_causal_lm_loss`; sft/checks.py apply_setup_defaults switches Liger's own fused loss
+off, which projects every token): a prompt's tokens carry no label, and in the bench's Alpaca packs that is most
+of them: the lm_head's three matmuls took 33 ms of a 0.61 s step of a 7B full fine-tune on an H200 where TRL's
+SFTTrainer, which projects only the labelled tokens, spent 11 ms (run 20261202T0245Z-E, bench/RESULTS.md).
+
 Training forwards only; evaluation, generation and the verified saves' forwards (no labels, or not training) take
 the model's own path and get logits.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -25,30 +33,58 @@ IGNORE = -100
 CHUNK_TOKENS = 1024  # one chunk's fp32 logits: 0.4 GB at a 102,400-token vocabulary
 
 
+LossFn = Callable[[torch.Tensor, torch.nn.Module, torch.Tensor, "torch.Tensor | int | None"], torch.Tensor]
+
+
+def labelled_tokens(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden states whose next token has a label, and those labels (labels shifted by one, -100 left out)."""
+    targets = F.pad(labels, (0, 1), value=IGNORE)[..., 1:].reshape(-1).to(hidden.device)
+    keep = targets != IGNORE
+    return hidden.reshape(-1, hidden.shape[-1])[keep], targets[keep]
+
+
+def per_item(total: torch.Tensor, count: int, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
+    """The summed loss over the Trainer's `num_items_in_batch` (the accumulated batch's label count), else over this
+    batch's own count."""
+    if num_items_in_batch is None:
+        return total / max(count, 1)
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
 def chunked_causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor,
                            num_items_in_batch: torch.Tensor | int | None = None,
                            chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
     """transformers' ForCausalLMLoss (shift, ignore -100, sum / num_items_in_batch or mean) without whole logits."""
-    targets = F.pad(labels, (0, 1), value=IGNORE)[..., 1:].reshape(-1).to(hidden.device)
-    keep = targets != IGNORE
-    states, targets = hidden.reshape(-1, hidden.shape[-1])[keep], targets[keep]
-    total = hidden.new_zeros((), dtype=torch.float32)
+    states, targets = labelled_tokens(hidden, labels)
+    total = hidden.sum() * 0.0  # a batch without labels still gives a loss with a graph (a zero gradient)
     for start in range(0, targets.numel(), chunk_tokens):
         end = start + chunk_tokens
         total = total + checkpoint(_chunk_loss, lm_head, states[start:end], targets[start:end], use_reentrant=False)
-    if num_items_in_batch is None:
-        return total / keep.sum().clamp(min=1)
-    if torch.is_tensor(num_items_in_batch):
-        num_items_in_batch = num_items_in_batch.to(total.device)
-    return total / num_items_in_batch
+    return per_item(total, targets.numel(), num_items_in_batch)
 
 
 def _chunk_loss(lm_head: torch.nn.Module, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(lm_head(states).float(), targets, reduction="sum")
 
 
-def install_chunked_loss(model) -> None:
-    """Give the causal-LM model (under a peft wrapper too) a forward that computes its training loss in chunks."""
+def liger_causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor,
+                         num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+    """The same loss through Liger's fused linear cross-entropy (its Triton kernels: GPU only), which projects the
+    labelled tokens a chunk at a time and computes their gradient in the forward."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    states, targets = labelled_tokens(hidden, labels)
+    if targets.numel() == 0:
+        return hidden.sum() * 0.0
+    total = liger_fused_linear_cross_entropy(states, lm_head.weight, targets, bias=lm_head.bias, reduction="sum")
+    return per_item(total, targets.numel(), num_items_in_batch)
+
+
+def install_chunked_loss(model, loss: LossFn = chunked_causal_lm_loss) -> None:
+    """Give the causal-LM model (under a peft wrapper too) a forward that computes its training loss with `loss`
+    from the last hidden states."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
     own = inner.forward
 
@@ -57,7 +93,7 @@ def install_chunked_loss(model) -> None:
             return own(*args, labels=labels, num_items_in_batch=num_items_in_batch, logits_to_keep=logits_to_keep,
                        **kwargs)
         outputs = inner.model(*args, **kwargs)
-        loss = chunked_causal_lm_loss(outputs.last_hidden_state, inner.lm_head, labels, num_items_in_batch)
-        return CausalLMOutputWithPast(loss=loss, past_key_values=getattr(outputs, "past_key_values", None))
+        value = loss(outputs.last_hidden_state, inner.lm_head, labels, num_items_in_batch)
+        return CausalLMOutputWithPast(loss=value, past_key_values=getattr(outputs, "past_key_values", None))
 
     inner.forward = forward

@@ -186,6 +186,9 @@ class SFTTrainingArguments(TrainingArguments):
         "help": "Which Liger kernels --use_liger_kernel applies, as JSON, e.g. '{\"rms_norm\": false}' (keys: rope, "
                 "rms_norm, swiglu, cross_entropy, fused_linear_cross_entropy); default: all of the model's, or "
                 "only the fused loss under --compile_layers."})
+    # Not an option: set by sft/checks.py apply_setup_defaults where Liger's fused loss runs on the labelled tokens
+    # only (sft/chunked_loss.py liger_causal_lm_loss) instead of Liger's own, which projects every token.
+    liger_loss_on_labels: bool = field(default=False, init=False)
     # A plain string (transformers' own field offers its OptimizerNames as the only choices): ours are added.
     optim: str = field(default=next(f.default for f in fields(TrainingArguments) if f.name == "optim"), metadata={
         "help": f"The optimizer: transformers' (adamw_torch_fused, adamw_torch_8bit, ...) or {SR_ADAMW} (bf16 "

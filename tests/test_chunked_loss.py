@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import REPO, tiny_config
-from sft.chunked_loss import chunked_causal_lm_loss, install_chunked_loss
+from sft.chunked_loss import chunked_causal_lm_loss, install_chunked_loss, liger_causal_lm_loss
 from sft.config import ConfigError, parse_args, validate_setup
 from sft.machine import Launch, Machine
 
@@ -73,6 +73,48 @@ def test_chunks_are_at_most_chunk_tokens_and_only_labelled_tokens():
     assert sum(forward) == labelled == 12 and max(forward) <= 4 and len(seen) == 2 * len(forward)
 
 
+@pytest.fixture
+def liger_reference(monkeypatch):
+    """Liger's fused linear cross-entropy is Triton (GPU only): here a reference with its signature and reduction
+    stands in, recording how many rows it was given, so the test sees what our code hands it."""
+    import sys
+    import types
+
+    rows = []
+
+    def liger_fused_linear_cross_entropy(input, weight, target, bias=None, reduction="mean", **_):
+        rows.append(input.shape[0])
+        logits = input.float() @ weight.float().t() + (0 if bias is None else bias.float())
+        return torch.nn.functional.cross_entropy(logits, target, reduction=reduction)
+
+    functional = types.ModuleType("liger_kernel.transformers.functional")
+    functional.liger_fused_linear_cross_entropy = liger_fused_linear_cross_entropy
+    for name in ("liger_kernel", "liger_kernel.transformers"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", functional)
+    return rows
+
+
+@pytest.mark.parametrize("num_items", [None, 40])
+def test_liger_loss_on_the_labelled_tokens_is_the_models_own(num_items, liger_reference):
+    model = tiny("llama")
+    batch = packed_batch(model.config.vocab_size)
+    extra = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+    expected, expected_grads = loss_and_grads(model, batch, **extra)
+    install_chunked_loss(model, liger_causal_lm_loss)
+    got, grads = loss_and_grads(model, batch, **extra)
+    labelled = int((torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[..., 1:] != -100).sum())
+    assert liger_reference == [labelled] and labelled < batch["labels"].numel()  # prompts and padding left out
+    assert got == pytest.approx(expected.item(), rel=1e-5)
+    assert grads.keys() == expected_grads.keys() and "lm_head.weight" in grads
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+    hidden = torch.randn(1, 4, model.config.hidden_size, requires_grad=True)
+    none = liger_causal_lm_loss(hidden, model.lm_head, torch.full((1, 4), -100))  # a batch without labels
+    none.backward()
+    assert none.item() == 0.0 and bool((hidden.grad == 0).all()) and liger_reference == [labelled]
+
+
 def test_with_lora_evaluation_and_generation_keep_the_models_path():
     from peft import LoraConfig, get_peft_model
 
@@ -104,6 +146,24 @@ def test_refused_beside_liger_and_tensor_parallel():
     args[3].use_liger_kernel = True
     with pytest.raises(ConfigError, match="--chunked_loss with --use_liger_kernel"):
         validate_setup(*args, machine=machine())
+
+
+def test_liger_runs_its_fused_loss_on_the_labelled_tokens_where_its_own_would_run():
+    from dataclasses import replace
+
+    def liger_setup(*extra: str, launch: Launch = Launch()) -> tuple[dict | None, bool]:
+        args = parse_args(["--model", "m", "--dataset", DATA, "--output_dir", "/nonexistent/out", *extra])
+        args[3].use_liger_kernel = True  # parse_args checks against this CPU machine, which has no Liger
+        validate_setup(*args, machine=replace(machine(), launch=launch))
+        return args[3].liger_kernel_config, args[3].liger_loss_on_labels
+
+    assert liger_setup() == ({"fused_linear_cross_entropy": False}, True)  # Liger's other kernels as it sets them
+    assert liger_setup("--liger_kernel_config", '{"rms_norm": false}') == (
+        {"rms_norm": False, "fused_linear_cross_entropy": False}, True)
+    off = '{"fused_linear_cross_entropy": false}'
+    assert liger_setup("--liger_kernel_config", off) == ({"fused_linear_cross_entropy": False}, False)  # yours
+    assert liger_setup("--label_smoothing_factor", "0.1") == (None, False)  # the Trainer's smoothing needs logits
+    assert liger_setup(launch=Launch(zero_stage="3", world_size=2)) == (None, False)  # Liger's own under ZeRO-3
 
 
 def test_trains_through_the_entry_point(tmp_path, tiny_llama, capsys):

@@ -98,19 +98,21 @@ def test_refused_where_it_is_not_supported():
 
 
 def test_liger_keeps_only_its_fused_loss_unless_told_otherwise():
+    """Under --compile_layers Liger runs its fused loss alone, and that on the labelled tokens only
+    (sft/chunked_loss.py: Liger's own forward is switched off for it)."""
     from sft.regional_compile import LIGER_WITH_COMPILED_LAYERS
 
     def with_liger(args):  # parse_args checks against this CPU machine, which has no Liger: set after
         args[3].use_liger_kernel = True
         validate_setup(*args, machine=box())
-        return args[3].liger_kernel_config
+        return args[3].liger_kernel_config, args[3].liger_loss_on_labels
 
-    assert with_liger(parsed("--lora")) == LIGER_WITH_COMPILED_LAYERS
     assert [k for k, on in LIGER_WITH_COMPILED_LAYERS.items() if on] == ["fused_linear_cross_entropy"]
+    assert with_liger(parsed("--lora")) == ({**LIGER_WITH_COMPILED_LAYERS, "fused_linear_cross_entropy": False}, True)
     given = parsed("--lora", "--liger_kernel_config", '{"rms_norm": true}')
-    assert with_liger(given) == {"rms_norm": True}  # the user's config wins
+    assert with_liger(given) == ({"rms_norm": True, "fused_linear_cross_entropy": False}, True)  # yours wins
     plain = parse_args(["--model", "m", "--dataset", DATA, "--output_dir", "/nonexistent/out", "--lora"])
-    assert with_liger(plain) is None  # without --compile_layers Liger is as transformers sets it
+    assert with_liger(plain) == ({"fused_linear_cross_entropy": False}, True)  # Liger's layer kernels as it sets
 
 
 def test_liger_kernel_config_is_json_on_the_command_line():
