@@ -3,14 +3,19 @@ gradients leave the eager ones? On an H200, `--fp8 --compile_layers` trained wit
 eager `--fp8` and every CPU comparison agreed (bench/RESULTS.md, run 20261201T2145Z-compile); this finds the case.
 
     python bench/compile_check.py                     # deepseek-llm-7b's layer shape, 2 layers, bf16 and fp8
+    python bench/compile_check.py --attn flex_attention   # the bench rows' attention (GPU only: its backward)
     python bench/compile_check.py --cpu_smoke         # the plumbing on a CPU: tiny shapes
 
 For each case (bf16 base, FP8 base; each eager, compiled as sft/regional_compile.py does, and compiled with
 inductor's epilogue fusion off), LoRA (r16, B nonzero so every adapter weight gets a gradient) on a random-init
 LlamaForCausalLM, one forward and backward of packed rows under bf16 autocast, the same batch and weights: the loss,
 the whole gradient's norm against the eager one's, the cosine of the two, and the worst tensor. The eager bf16 run
-is the reference; FP8 is also compared with eager FP8. PASS/FAIL per compiled case: gradient norm within 2% and
-cosine >= 0.99 of its eager twin. Then one Fp8Linear alone, compiled against eager (output and input gradient within
+is the reference; FP8 is also compared with eager FP8. PASS/FAIL per compiled case: gradient norm within 2% of
+its eager twin's, and as close to the eager bf16 gradient as its twin is (cosine at most 0.005 below the twin's; for
+bf16-compiled, whose twin is the reference, >= 0.995). Not the cosine between the twins: since the quantization is
+traced into the compiled layer (f2e0b11) it quantizes the fp32 values inductor keeps between fused ops where eager
+quantizes them rounded to bf16, and FP8's rounding of two such inputs differs by FP8's own noise (run
+20261202T0230Z-D: twins 0.9885 apart, each 0.9714/0.9716 from bf16, the single layer exact). Then one Fp8Linear alone, compiled against eager (output and input gradient within
 1%): the FP8 matmul and its quantizations outside any layer. A JSON line at the end; exit status 1 on a FAIL.
 --only fp8 runs the FP8 cases alone (beside the eager bf16 reference).
 
@@ -45,6 +50,7 @@ def base_model(args):
                                          num_key_value_heads=32, vocab_size=102400))
     torch.manual_seed(0)
     config = LlamaConfig(num_hidden_layers=args.layers, max_position_embeddings=4096, **shape)
+    config._attn_implementation = args.attn
     return LlamaForCausalLM(config).to(args.device, torch.bfloat16)
 
 
@@ -67,14 +73,15 @@ def lora_model(base, fp8: bool, compiled: bool, device):
     return model.train()
 
 
-def batch(args, vocab: int) -> dict:
-    generator = torch.Generator().manual_seed(2)
+def batch(args, vocab: int, first: float = 0.5, seed: int = 2) -> dict:
+    """Packed rows of two documents each (position_ids restart where the second begins, at `first` of the row)."""
+    generator = torch.Generator().manual_seed(seed)
     rows, length = (2, 64) if args.cpu_smoke else (args.micro_batch, 2048)
     ids = torch.randint(3, vocab, (rows, length), generator=generator)
     labels = ids.clone()
     labels[:, : length // 4] = -100  # a prompt
-    half = length // 2
-    positions = torch.cat([torch.arange(half), torch.arange(length - half)]).repeat(rows, 1)  # two packed documents
+    cut = int(length * first)
+    positions = torch.cat([torch.arange(cut), torch.arange(length - cut)]).repeat(rows, 1)
     return {k: v.to(args.device) for k, v in dict(input_ids=ids, labels=labels, position_ids=positions).items()}
 
 
@@ -127,10 +134,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro_batch", type=int, default=2)
     p.add_argument("--cpu_smoke", action="store_true")
     p.add_argument("--only", choices=["all", "fp8"], default="all")
+    p.add_argument("--attn", default="sdpa", help="the attention: sdpa, or flex_attention (the bench rows' and the "
+                                                  "planner's), whose document masks change with every batch")
     args = p.parse_args(argv)
     args.device = "cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda"
     base = base_model(args)
-    inputs = batch(args, base.config.vocab_size)
+    inputs, earlier = batch(args, base.config.vocab_size), batch(args, base.config.vocab_size, first=0.3, seed=5)
     results, grads, fails = {}, {}, []
     cases = [("bf16", False, False, {}), ("bf16-compiled", False, True, {}),
              ("bf16-compiled-no-epilogue-fusion", False, True, {"epilogue_fusion": False}),
@@ -142,15 +151,19 @@ def main(argv: list[str] | None = None) -> int:
         torch._dynamo.reset()
         with torch._inductor.config.patch(inductor):
             model = lora_model(base, fp8, compiled, args.device)
+            loss_and_grads(model, earlier, args.device)  # a batch of other document boundaries first: a
+            model.zero_grad(set_to_none=True)            # compiled layer must not keep the first batch's mask
             loss, grads[name] = loss_and_grads(model, inputs, args.device)
         row = {"loss": loss, **compare(grads[name], grads["bf16"])}
         if compiled:
             twin = name.split("-compiled")[0]
             row["vs_eager_twin"] = compare(grads[name], grads[twin])
-            ok = abs(row["vs_eager_twin"]["norm_ratio"] - 1) <= 0.02 and row["vs_eager_twin"]["cosine"] >= 0.99
+            ok = (abs(row["vs_eager_twin"]["norm_ratio"] - 1) <= 0.02
+                  and row["cosine"] >= results[twin]["cosine"] - 0.005)
             print(f"{'PASS' if ok else 'FAIL'} {name}: against {twin}: gradient norm x"
                   f"{row['vs_eager_twin']['norm_ratio']:.4f}, cosine {row['vs_eager_twin']['cosine']:.5f}, worst "
-                  f"{row['vs_eager_twin']['worst']} ({row['vs_eager_twin']['worst_error']:.3f})", flush=True)
+                  f"{row['vs_eager_twin']['worst']} ({row['vs_eager_twin']['worst_error']:.3f}); cosine to bf16 "
+                  f"{row['cosine']:.5f} against the twin's {results[twin]['cosine']:.5f}", flush=True)
             fails += [] if ok else [name]
         print(f"{name}: loss {loss:.5f}; against bf16: gradient norm x{row['norm_ratio']:.4f}, cosine "
               f"{row['cosine']:.5f}", flush=True)

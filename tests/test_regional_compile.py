@@ -144,3 +144,30 @@ def test_deepseek_moe_layers_compile_to_the_same_loss_and_gradients():
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
+def test_under_flex_attention_compiled_layers_follow_each_batchs_document_mask():
+    """flex_attention's mask follows the documents of each batch: a compiled layer must not keep the first one's.
+    Forward only (flex_attention has no backward on CPU); bench/compile_check.py --attn flex_attention trains."""
+    from transformers import AutoModelForCausalLM
+
+    from sft.regional_compile import compile_decoder_layers
+
+    torch.manual_seed(0)
+    config = tiny_config("llama", vocab_size=256)
+    config._attn_implementation = "flex_attention"
+    eager = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    compiled = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    compiled.load_state_dict(eager.state_dict())
+    torch._dynamo.reset()
+    compile_decoder_layers(compiled)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 256, (2, 64), generator=generator)
+    losses = []
+    for cut in (32, 10, 50):
+        batch = {"input_ids": ids, "labels": ids,
+                 "position_ids": torch.cat([torch.arange(cut), torch.arange(64 - cut)]).repeat(2, 1)}
+        with torch.no_grad():
+            losses.append([eager(**batch, use_cache=False).loss.item(), compiled(**batch, use_cache=False).loss.item()])
+    assert all(mine == pytest.approx(want, rel=1e-5) for want, mine in losses), losses
+    assert len({round(want, 6) for want, _ in losses}) == 3  # the cut changes the loss: the mask is in effect
