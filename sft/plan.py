@@ -477,10 +477,12 @@ def bench_rows(path: Path = RESULTS) -> list[dict]:
 
 def measured_rows(path: Path = RESULTS) -> list[dict]:
     """The GPU rows of our own training code (the peers' offload recipe runs it too; TRL's rows do not), less those
-    of --compile_layers, which the planner does not plan (its compiled kernels keep other buffers: +6 GiB measured
-    at micro-batch 8)."""
+    of --compile_layers and of a --liger_kernel_config of their own, which the planner does not plan (compiled
+    kernels keep other buffers: +6 GiB measured at micro-batch 8; eager layers without Liger's RMSNorm and SwiGLU
+    keep theirs: +21 GiB, lora-best-flce of run 20261202T0245Z-E)."""
+    unplanned = ("--compile_layers", "--liger_kernel_config")
     return [r for r in bench_rows(path) if r.get("gpu") and r.get("peak_mem_gib") and r.get("model") in BENCH_SHAPES
-            and r.get("peer", "ours") != "trl" and "--compile_layers" not in (r.get("train_args") or "")]
+            and r.get("peer", "ours") != "trl" and not any(o in (r.get("train_args") or "") for o in unplanned)]
 
 
 def smi_of_row(row: dict, rows: list[dict]) -> tuple[float | None, str]:
