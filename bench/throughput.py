@@ -174,6 +174,13 @@ MATRIX += [
         args=(*LIGER, "--liger_kernel_config", json.dumps({"rope": False, "rms_norm": False, "swiglu": False,
                                                              "cross_entropy": False, "fused_linear_cross_entropy": True}),
               "--lora_dropout", "0", *FLEX), vs="trl-lora-best"),
+    # The compiled layers' lower loss without flex_attention: the compiled and eager rows with sdpa (run
+    # 20261202T0245Z-E ruled out Liger's in-layer kernels; without Liger and with sdpa the 50-step losses agree)
+    Row("lora-best-sdpa", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
+        args=(*LIGER, "--lora_dropout", "0", "--attn_implementation", "sdpa"), vs="trl-lora-best"),
+    Row("lora-best-compile-sdpa", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
+        args=(*LIGER, "--lora_dropout", "0", "--attn_implementation", "sdpa", "--compile_layers", "true"),
+        vs="trl-lora-best", timeout=420),
     Row("full-sr16-compile", "full", micro_batch=4, mem_cap_gib=0, warmup=3, precision="none",
         args=("--dtype", "bfloat16", *LIGER, *FLEX, "--compile_layers", "true"), optim=("--optim", "adamw_bf16_sr"),
         vs="trl-full", timeout=420),
@@ -230,16 +237,17 @@ GROUPS = {
     # two GPUs held to 24 GiB: V2-Lite sharded, DDP scaling of the LoRA plan, the recipes
     "x2": ["moe-lora-z3-2", "lora-1", "lora-ddp", "recipe-coder-lora", "recipe-r1-lora"],
     "recipes": ["recipe-coder-lora", "recipe-r1-lora", "recipe-v2-lite-lora"],
-    # not measured yet (2026-12-02): the fixed --fp8 --compile_layers beside TRL in the same run (TRL first: its
-    # first step compiled for 224 s on a fresh machine, run 20261202T0020Z-A), the compiled-layers loss question,
-    # the full fine-tune's kernel table; then V2-Lite offload on 1 and 2 cards and with --chunked_loss
-    "next": ["trl-lora-best", "lora-best-fp8-compile", "lora-best-flce", "lora-best", "full-sr16", "trl-full",
-             "moe-lora-offload-1", "moe-lora-offload-1-chunked", "moe-lora-offload"],
+    # not measured yet (2026-12-02, 03:00): LoRA after Liger's loss moved to the labelled tokens (7ba8f75) beside
+    # TRL (TRL first: its first step compiles for ~220 s on a fresh machine), the full fine-tune again, the
+    # compiled-layers loss question with sdpa; then V2-Lite offload on 1 and 2 cards and with --chunked_loss
+    "next": ["trl-lora-best", "lora-best-fp8-compile", "full-sr16", "trl-full", "lora-best-compile-sdpa",
+             "lora-best-sdpa", "moe-lora-offload-1", "moe-lora-offload-1-chunked", "moe-lora-offload"],
     # --compile_layers beside the plain rows and TRL's best, same run (2026-12-01, evening)
     "compile": ["lora-best-fp8-compile", "lora-best-compile", "lora-best", "trl-lora-best", "lora-best-fp8"],
-    # next GPU session: why lora-best-compile logged a lower loss with the same gradient norms (Liger's in-layer
-    # kernels or the compile?); then bench/fp8_check.py --part loss --candidate compile
-    "compile-check": ["lora-best-compile", "lora-best-flce", "lora-best"],
+    # why lora-best-compile logged a lower loss with the same gradient norms: not Liger's in-layer kernels
+    # (lora-best-flce = lora-best, run 20261202T0245Z-E); flex_attention's masks (the sdpa twins), with
+    # bench/compile_check.py --attn flex_attention
+    "compile-check": ["lora-best-compile", "lora-best-compile-sdpa", "lora-best-sdpa", "lora-best"],
     "compile-full": ["full-sr16-compile", "full-sr16", "trl-full", "lora-1-fp8-compile", "lora-1-compile", "lora-1"],
     # bench/run_matrix.sh's groups
     "lora": ["lora-1", "lora-ddp"], "lora-ckpt": ["lora-1-ckpt", "lora-ddp-ckpt"],
