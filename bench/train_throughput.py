@@ -377,6 +377,7 @@ def make_row(args, ranks: list[dict], monitor: Monitor, wall: float, cpu: bool) 
         "kernel_ms_total": r0.get("kernel_ms_total"),
         "step_s": r0.get("step_s"),
         "tokens_per_step": r0.get("tokens_per_step"),
+        "first_step_s": r0.get("first_step_s"),
         "callback_mfu": r0.get("callback_mfu"),
         "measured_steps": r0.get("measured_steps"),
         "loss_first_last": r0.get("loss_first_last"),
@@ -615,6 +616,9 @@ def _bench_callback(spec: dict, rank: int):
                       "real_tok_s": tokens / seconds if seconds else 0.0,
                       "step_s": round(seconds / len(measured), 3) if measured else None,
                       "tokens_per_step": round(tokens / len(measured)) if measured else None,
+                      # the first step's seconds: its compile (cold or warm cache) and the first batch, what a
+                      # user's first run waits for before the steady rate
+                      "first_step_s": round(self.steps[0][2], 1) if self.steps else None,
                       "callback_mfu": self.callback_mfu,
                       "loss_first_last": ([self.logged_losses[0], self.logged_losses[-1]] if self.logged_losses
                                           else None),

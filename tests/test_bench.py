@@ -234,6 +234,7 @@ def test_cpu_smoke_runs_ours_and_trl_end_to_end(tmp_path):
         assert row["measured_steps"] == 2 and row["real_tok_s"] > 0 and row["host_ram_gib"] > 0
         assert row["tokens_per_step"] > 0.5 * 2 * 256  # packed rows are mostly real tokens, on both sides
         assert row["loss_first_last"][0] > 5  # a random model on a 32k vocabulary
+        assert 0 < row["first_step_s"] < 600  # the first step's wait (compile and first batch) is in the row
     assert "tiny-lora / trl-tiny-lora: " in proc.stdout
 
 
