@@ -314,7 +314,7 @@ def apply_setup_defaults(o: Options, m: Machine) -> None:
 def liger_loss_on_labels_fits(o: Options, m: Machine) -> bool:
     """Where Liger's own fused loss would run: not when your --liger_kernel_config turns it off, not with label
     smoothing (the Trainer then needs logits), and not under ZeRO-3, whose lm_head weight is whole only inside
-    the lm_head's own forward (Liger's own loss reads it the same way, unchanged here)."""
+    the lm_head's own forward: there Liger's own loss stays as it was."""
     t = o.training
     return (t.use_liger_kernel and (t.liger_kernel_config or {}).get("fused_linear_cross_entropy", True)
             and not t.label_smoothing_factor and o.zero_stage(m) != "3" and o.model.tp_size == 1)

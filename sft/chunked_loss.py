@@ -53,12 +53,19 @@ def per_item(total: torch.Tensor, count: int, num_items_in_batch: torch.Tensor |
     return total / num_items_in_batch
 
 
+def no_label_loss(hidden: torch.Tensor) -> torch.Tensor:
+    """A batch without labels: a zero loss that still has a graph, so its backward runs (and gives zeros)."""
+    return hidden.sum() * 0.0
+
+
 def chunked_causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor,
                            num_items_in_batch: torch.Tensor | int | None = None,
                            chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
     """transformers' ForCausalLMLoss (shift, ignore -100, sum / num_items_in_batch or mean) without whole logits."""
     states, targets = labelled_tokens(hidden, labels)
-    total = hidden.sum() * 0.0  # a batch without labels still gives a loss with a graph (a zero gradient)
+    if targets.numel() == 0:
+        return no_label_loss(hidden)
+    total = hidden.new_zeros((), dtype=torch.float32)
     for start in range(0, targets.numel(), chunk_tokens):
         end = start + chunk_tokens
         total = total + checkpoint(_chunk_loss, lm_head, states[start:end], targets[start:end], use_reentrant=False)
@@ -77,7 +84,7 @@ def liger_causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels:
 
     states, targets = labelled_tokens(hidden, labels)
     if targets.numel() == 0:
-        return hidden.sum() * 0.0
+        return no_label_loss(hidden)
     total = liger_fused_linear_cross_entropy(states, lm_head.weight, targets, bias=lm_head.bias, reduction="sum")
     return per_item(total, targets.numel(), num_items_in_batch)
 

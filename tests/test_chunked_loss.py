@@ -109,10 +109,12 @@ def test_liger_loss_on_the_labelled_tokens_is_the_models_own(num_items, liger_re
     assert grads.keys() == expected_grads.keys() and "lm_head.weight" in grads
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
-    hidden = torch.randn(1, 4, model.config.hidden_size, requires_grad=True)
-    none = liger_causal_lm_loss(hidden, model.lm_head, torch.full((1, 4), -100))  # a batch without labels
-    none.backward()
-    assert none.item() == 0.0 and bool((hidden.grad == 0).all()) and liger_reference == [labelled]
+    for loss_fn in (liger_causal_lm_loss, chunked_causal_lm_loss):  # a batch without labels: a zero gradient
+        hidden = torch.randn(1, 4, model.config.hidden_size, requires_grad=True)
+        none = loss_fn(hidden, model.lm_head, torch.full((1, 4), -100))
+        none.backward()
+        assert none.item() == 0.0 and bool((hidden.grad == 0).all())
+    assert liger_reference == [labelled]  # Liger's kernel is not called without labels
 
 
 def test_with_lora_evaluation_and_generation_keep_the_models_path():
