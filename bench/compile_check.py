@@ -138,6 +138,10 @@ def main(argv: list[str] | None = None) -> int:
                                                   "planner's), whose document masks change with every batch")
     args = p.parse_args(argv)
     args.device = "cpu" if args.cpu_smoke or not torch.cuda.is_available() else "cuda"
+    if args.attn == "flex_attention" and args.device == "cpu":
+        print("error: --attn flex_attention needs a GPU (flex_attention has no backward on CPU); drop --attn or "
+              "run on a GPU.", file=sys.stderr)
+        return 2
     base = base_model(args)
     inputs, earlier = batch(args, base.config.vocab_size), batch(args, base.config.vocab_size, first=0.3, seed=5)
     results, grads, fails = {}, {}, []
