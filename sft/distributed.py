@@ -36,6 +36,33 @@ def is_first_process() -> bool:
     return this_launch().first
 
 
+# How long a rank other than the first waits before it leaves with an error of its own (see report_error).
+OTHER_RANK_WAIT_S = 10.0
+
+
+def report_error(error, first: bool | None = None) -> None:
+    """Say a UserFacingError once. Every rank of a launch usually raises the same one (the options, the data), and
+    the first process prints it; the others wait before they leave, since a launcher stops every rank as soon as one
+    fails, and a rank that left first could take the first process's line with it (seen in CI: a refusal under
+    accelerate launch with no `error:` line). When the first process did not fail, the launcher does not stop this
+    rank during the wait, and it prints its own error after it."""
+    from sft.errors import NothingToDo
+
+    text = str(error) if isinstance(error, NothingToDo) else f"error: {error}"
+    if is_first_process() if first is None else first:
+        print(text, file=sys.stderr, flush=True)
+        return
+    if error.exit_code == 0:  # nothing to do: a launcher waits for every rank, none stops the others
+        return
+    import time
+
+    try:
+        time.sleep(OTHER_RANK_WAIT_S)
+    except KeyboardInterrupt:  # the launcher stopping this rank after the first one left: its line is out
+        return
+    print(f"{text} (rank {this_launch().rank})", file=sys.stderr, flush=True)
+
+
 def end_process_group() -> bool:
     """Destroy the process group before the interpreter exits: a live one is torn down by destructors at exit,
     which can abort a finished run ("terminate called without an active exception", seen with gloo).

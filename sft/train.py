@@ -35,7 +35,8 @@ from sft.checkpoints import (CompleteRunCheck, ReachedEnd, checkpoint_callback, 
 from sft.chunked_loss import install_chunked_loss, liger_causal_lm_loss
 from sft.config import is_demo_output, parse_args
 from sft.dataset import prepare, read_datasets
-from sft.distributed import configure_nccl_env, exit_process, is_first_process, on_main_process, preflight
+from sft.distributed import (configure_nccl_env, exit_process, is_first_process, on_main_process, preflight,
+                             report_error)
 from sft.errors import NothingToDo, UserFacingError
 from sft.fsdp import consolidate_fsdp_saves, fsdp_callbacks, fsdp_training_settings
 from sft.guards import LossSpikeLogger, NonFiniteGuard
@@ -92,8 +93,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None, model_fac
     except UserFacingError as e:
         if debug:
             raise
-        if is_first_process():
-            print(str(e) if isinstance(e, NothingToDo) else f"error: {e}", file=sys.stderr, flush=True)
+        report_error(e)  # once, from the first process; the other ranks leave after it
         return e.exit_code
     except KeyboardInterrupt as interrupt:
         ignore_further_interrupts()

@@ -681,3 +681,32 @@ def test_exit_process_ends_the_group_runs_atexit_and_keeps_the_code(tmp_path):
     assert result.returncode == 3, result.stderr[-2000:]
     assert result.stdout.strip() == "trained" and marker.read_text() == "atexit ran"
     assert "terminate called" not in result.stderr
+
+
+def test_an_error_is_said_once_by_the_first_process_and_by_a_rank_that_failed_alone(monkeypatch, capsys):
+    """The first process prints a refusal at once; another rank waits (the launcher, seeing the first one fail,
+    stops it during the wait: nothing more is printed) and prints its own only when the wait ends (it failed
+    alone). A run with nothing to do is said by the first process only."""
+    import time
+
+    import sft.distributed
+    from sft.distributed import report_error
+    from sft.errors import ConfigError, NothingToDo
+
+    waits = []
+    monkeypatch.setattr(sft.distributed, "OTHER_RANK_WAIT_S", 0.01)
+    report_error(ConfigError("--bf16 needs a GPU"), first=True)
+    assert capsys.readouterr().err == "error: --bf16 needs a GPU\n"
+    report_error(ConfigError("--dataset x: no such file"), first=False)
+    assert capsys.readouterr().err == "error: --dataset x: no such file (rank 0)\n"  # this test's launch: rank 0
+
+    def stopped(seconds):  # the launcher's SIGTERM arrives as KeyboardInterrupt (sft/interrupts.py)
+        waits.append(seconds)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(time, "sleep", stopped)
+    report_error(ConfigError("--bf16 needs a GPU"), first=False)
+    report_error(NothingToDo("the run is complete"), first=False)
+    assert capsys.readouterr().err == "" and waits == [0.01]
+    report_error(NothingToDo("the run is complete"), first=True)
+    assert capsys.readouterr().err == "the run is complete\n"
