@@ -15,8 +15,9 @@ its eager twin's, and as close to the eager bf16 gradient as its twin is (cosine
 bf16-compiled, whose twin is the reference, >= 0.995). Not the cosine between the twins: since the quantization is
 traced into the compiled layer (f2e0b11) it quantizes the fp32 values inductor keeps between fused ops where eager
 quantizes them rounded to bf16, and FP8's rounding of two such inputs differs by FP8's own noise (run
-20261202T0230Z-D: twins 0.9885 apart, each 0.9714/0.9716 from bf16, the single layer exact). Then one Fp8Linear alone, compiled against eager (output and input gradient within
-1%): the FP8 matmul and its quantizations outside any layer. A JSON line at the end; exit status 1 on a FAIL.
+20261202T0230Z-D: twins 0.9885 apart, each 0.9714/0.9716 from bf16, the single layer exact). Then one Fp8Linear
+alone, compiled against eager (output and input gradient within 1%): the FP8 matmul and its quantizations outside
+any layer. A JSON line at the end; exit status 1 on a FAIL.
 --only fp8 runs the FP8 cases alone (beside the eager bf16 reference).
 
 Run 20261202T0020Z-A (H200, torch 2.11) found it: with the FP8 matmul an autograd.Function traced into the compiled

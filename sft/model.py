@@ -136,10 +136,6 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
             from sft.fp8 import apply_fp8_base
 
             apply_fp8_base(model)
-    if model_args.chunked_loss:  # the training loss without whole logits (sft/chunked_loss.py)
-        from sft.chunked_loss import install_chunked_loss
-
-        install_chunked_loss(model)
     if model_args.compile_layers:  # last: the layers are compiled as they will run (sft/regional_compile.py)
         from sft.regional_compile import compile_decoder_layers
 

@@ -32,7 +32,7 @@ from transformers.integrations import TensorBoardCallback
 from sft.callbacks import RunOverview, ThroughputCallback, flops_per_token, peak_flops
 from sft.checkpoints import (CompleteRunCheck, ReachedEnd, checkpoint_callback, command_with, complete_run_message,
                              newest_complete, resolve_resume, run_is_finished, save_final)
-from sft.chunked_loss import install_chunked_loss, liger_causal_lm_loss
+from sft.chunked_loss import chunked_causal_lm_loss, install_chunked_loss, liger_causal_lm_loss
 from sft.config import is_demo_output, parse_args
 from sft.dataset import prepare, read_datasets
 from sft.distributed import (configure_nccl_env, exit_process, is_first_process, on_main_process, preflight,
@@ -148,8 +148,12 @@ def train(run: Run, seams: Seams) -> int:
     prepare_optimizer(training_args.optim)  # ours (adamw_bf16_sr) registered; torchao low-bit AdamW patched
     set_seed(training_args.seed)  # the LoRA init happens before the Trainer seeds: make it follow --seed too
     model = load_model(model_args, lora_args, training_args.activation_checkpointing, seams.model_factory)
-    if training_args.liger_loss_on_labels:  # Liger's fused loss over the labelled tokens only (sft/chunked_loss.py)
-        install_chunked_loss(model, liger_causal_lm_loss)
+    # The training loss from the labelled tokens' hidden states (sft/chunked_loss.py): Liger's fused kernel where
+    # Liger's own would run (apply_setup_defaults), torch chunks under --chunked_loss (refused beside Liger).
+    loss = (liger_causal_lm_loss if training_args.liger_loss_on_labels
+            else chunked_causal_lm_loss if model_args.chunked_loss else None)
+    if loss:
+        install_chunked_loss(model, loss)
     # The Trainer copies args.use_cache onto the config it saves: keep the base's (the Collator turns the cache off
     # in every training forward, where it would let packed documents attend to each other).
     training_args.use_cache = model.config.use_cache
