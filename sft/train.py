@@ -50,6 +50,7 @@ from sft.moe import MoeLoadLogger, add_aux_loss, install_moe
 from sft.packing import Collator
 from sft.plan import prediction_line
 from sft.run_lock import RunLock
+from sft.sr_adamw import fold_clipping
 from sft.telemetry import EvalPerplexity, GpuTelemetry, RunRecord, run_summary
 from sft.templates import chat_template_for_saving
 from sft.tensor_parallel import TensorParallelTrainer, check_tensor_parallel
@@ -190,6 +191,7 @@ def train(run: Run, seams: Seams) -> int:
         processing_class=tokenizer,
         callbacks=callbacks,
     )
+    fold_clipping(trainer)  # adamw_bf16_sr: the clipping's scaling done in the optimizer's pass over the gradients
     guard.watch_clipping(trainer.accelerator)  # the NaN check reads the clipping's norm, not every gradient again
     if balance:
         add_aux_loss(trainer, balance)  # the routers' load-balancing loss joins the training loss

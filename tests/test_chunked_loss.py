@@ -117,6 +117,24 @@ def test_liger_loss_on_the_labelled_tokens_is_the_models_own(num_items, liger_re
     assert liger_reference == [labelled]  # Liger's kernel is not called without labels
 
 
+def test_liger_chunks_are_the_fewest_of_at_most_chunk_tokens_rows():
+    """Our chunk_mem_const under Liger's chunk rule (its default of 1 gave 256 rows for 4,000 tokens at the 7B
+    shape): at most CHUNK_TOKENS rows a chunk where a constant allows it, and one constant more would exceed it; one
+    chunk for few tokens."""
+    from sft.chunked_loss import CHUNK_TOKENS, liger_chunk_mem_const, liger_chunk_rows
+
+    assert liger_chunk_rows(4000, 4096, 102400, 1) == 256 and liger_chunk_rows(700, 4096, 102400, 25) == 700
+    for hidden, vocab in ((4096, 102400), (3584, 152064), (2048, 102400), (7168, 129280), (64, 300)):
+        for tokens in (700, 1500, 4000, 8086, 16000):
+            constant = liger_chunk_mem_const(tokens, hidden, vocab)
+            rows = liger_chunk_rows(tokens, hidden, vocab, constant)
+            bigger = liger_chunk_rows(tokens, hidden, vocab, constant + 1)
+            assert rows <= CHUNK_TOKENS or constant == 1, (hidden, vocab, tokens, constant)  # 1: Liger's default
+            assert bigger > CHUNK_TOKENS or constant >= vocab / hidden, (hidden, vocab, tokens, constant)
+            assert rows >= min(tokens, CHUNK_TOKENS // 4), (hidden, vocab, tokens, rows)
+    assert liger_chunk_rows(4000, 4096, 102400, liger_chunk_mem_const(4000, 4096, 102400)) == 1024
+
+
 def test_with_lora_evaluation_and_generation_keep_the_models_path():
     from peft import LoraConfig, get_peft_model
 

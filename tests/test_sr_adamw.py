@@ -224,6 +224,87 @@ def test_resumed_trainer_run_equals_the_uninterrupted_one(tmp_path):
     assert not torch.equal(next(whole.parameters()), next(LlamaForCausalLM(config).to(torch.bfloat16).parameters()))
 
 
+def test_folded_clipping_equals_clip_grad_norm_then_the_step():
+    """clip_gradients + step == torch.nn.utils.clip_grad_norm_ + step: bit for bit on fp32 weights (the same fp32
+    product; and clipping changed them), within a bf16 rounding on bf16 ones (clip_grad_norm_ rounds the scaled
+    bf16 gradient, ours keeps it fp32); the gradients themselves are left as they were, and the coefficient is used by one step only."""
+    def run(dtype, folded, max_norm):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(n, dtype=dtype)) for n in (300, 77)]
+        optimizer = AdamWBf16SR(params, lr=1e-2, weight_decay=0.1)
+        norms = []
+        for step in range(3):
+            for i, p in enumerate(params):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + i)).to(dtype)
+            raw = [p.grad.clone() for p in params]
+            if folded:
+                norms.append(optimizer.clip_gradients(params, max_norm))
+                assert all(torch.equal(p.grad, r) for p, r in zip(params, raw))  # not scaled here
+            else:
+                norms.append(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            optimizer.step()
+            assert optimizer.clip_coefficient is None
+        return params, norms
+
+    results = {}
+    for max_norm in (0.5, float("inf")):  # clipping every step; the norm alone
+        plain, plain_norms = run(torch.float32, False, max_norm)
+        folded, folded_norms = results[max_norm] = run(torch.float32, True, max_norm)
+        assert all(torch.equal(a, b) for a, b in zip(plain, folded)) and plain_norms == folded_norms
+    assert min(results[0.5][1]) > 0.5 and not torch.equal(results[0.5][0][0], results[float("inf")][0][0])
+    plain, _ = run(torch.bfloat16, False, 0.5)
+    folded, _ = run(torch.bfloat16, True, 0.5)
+    for a, b in zip(plain, folded):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-3)
+    sharded = AdamWBf16SR([torch.nn.Parameter(torch.zeros(2))])
+    assert sharded.clip_gradients([], 1.0) is None  # no gradients (or DTensor ones): clip the usual way
+
+
+def test_the_trainer_clips_in_the_update_and_trains_as_with_clip_grad_norm(tmp_path, monkeypatch):
+    """Through the HF Trainer (fp32 tiny Llama, a --max_grad_norm that clips every step): with fold_clipping the
+    gradients are never scaled by torch's clipping, the logged grad_norm and the weights equal the unfolded run's,
+    and the NaN guard still reads the norm."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer
+
+    from sft.config import SFTTrainingArguments
+    from sft.guards import NonFiniteGuard
+    from sft.lowbit import prepare_optimizer
+    from sft.sr_adamw import fold_clipping
+
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (12, 16),
+                                                                        generator=torch.Generator().manual_seed(0))]
+    import torch.nn.utils.clip_grad as clip_grad
+
+    scaled = []  # the calls of clip_grad_norm_'s scaling pass over the gradients
+    scale = clip_grad._clip_grads_with_norm_
+    monkeypatch.setattr(clip_grad, "_clip_grads_with_norm_", lambda *a, **k: scaled.append(1) or scale(*a, **k))
+
+    def train(output_dir, folded):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config)
+        args = SFTTrainingArguments(output_dir=str(output_dir), optim="adamw_bf16_sr", use_cpu=True, report_to="none",
+                                    max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, max_grad_norm=0.1,
+                                    logging_steps=1, save_strategy="no", seed=0)
+        prepare_optimizer(args.optim)
+        guard = NonFiniteGuard()
+        trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[guard])
+        if folded:
+            fold_clipping(trainer)
+        guard.watch_clipping(trainer.accelerator)
+        scaled.clear()
+        trainer.train()
+        norms = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
+        return list(model.parameters()), norms, len(scaled), guard.checked_gradients
+
+    plain, plain_norms, plain_scaled, _ = train(tmp_path / "plain", False)
+    folded, folded_norms, folded_scaled, checked = train(tmp_path / "folded", True)
+    assert plain_scaled == 3 and folded_scaled == 0 and checked
+    assert folded_norms == plain_norms and min(plain_norms) > 0.1  # every step clipped
+    assert all(torch.equal(a, b) for a, b in zip(plain, folded))
+
+
 FSDP_WORKER = textwrap.dedent("""
     import json, sys, torch, torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
