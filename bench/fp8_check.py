@@ -154,8 +154,11 @@ def _build(tokenizer_dir: str, path: str, num_layers: int, tiny: bool) -> None:
 
 # The loss check's candidates, each against plain bf16 LoRA: FP8's base; --compile_layers in bf16; both (refused by
 # sft/train.py since it failed this check on an H200, run 20261201T2145Z-compile).
+# fp32 (fp32 base, no autocast) is a reference rather than a candidate: where the bf16 paths part, which one it
+# follows (the compiled layers' lower loss of the bench's LoRA rows at a learning rate of 1e-5).
 CANDIDATES = {"fp8": ["--fp8", "true"], "compile": ["--compile_layers", "true"],
-              "fp8-compile": ["--fp8", "true", "--compile_layers", "true"]}
+              "fp8-compile": ["--fp8", "true", "--compile_layers", "true"],
+              "fp32": ["--bf16", "false", "--dtype", "float32"]}
 
 
 def train(args, model: Path, seed: int, label: str) -> dict:
