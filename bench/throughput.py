@@ -169,6 +169,11 @@ MATRIX += [
     Row("lora-best-fp8-compile", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
         args=(*LIGER, "--lora_dropout", "0", *FLEX, "--fp8", "true", "--compile_layers", "true"),
         vs="trl-lora-best", timeout=420),
+    # ... with inductor rounding its fused intermediates to bf16 as eager does (the compiled layers then give the
+    # eager run's losses: run 20261202T0728Z-emulatecheck): what that costs in speed
+    Row("lora-best-fp8-compile-eagerround", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
+        args=(*LIGER, "--lora_dropout", "0", *FLEX, "--fp8", "true", "--compile_layers", "true"),
+        env=(("TORCHINDUCTOR_EMULATE_PRECISION_CASTS", "1"),), vs="trl-lora-best", timeout=420),
     # Liger's fused loss alone, no compile: tells lora-best-compile's loss difference from Liger's in-layer kernels
     Row("lora-best-flce", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
         args=(*LIGER, "--liger_kernel_config", json.dumps({"rope": False, "rms_norm": False, "swiglu": False,
@@ -237,11 +242,11 @@ GROUPS = {
     # two GPUs held to 24 GiB: V2-Lite sharded, DDP scaling of the LoRA plan, the recipes
     "x2": ["moe-lora-z3-2", "lora-1", "lora-ddp", "recipe-coder-lora", "recipe-r1-lora"],
     "recipes": ["recipe-coder-lora", "recipe-r1-lora", "recipe-v2-lite-lora"],
-    # not measured yet (2026-12-02, 03:00): LoRA after Liger's loss moved to the labelled tokens (7ba8f75) beside
-    # TRL (TRL first: its first step compiles for ~220 s on a fresh machine), the full fine-tune again, the
-    # compiled-layers loss question with sdpa; then V2-Lite offload on 1 and 2 cards and with --chunked_loss
-    "next": ["trl-lora-best", "lora-best-fp8-compile", "full-sr16", "trl-full", "lora-best-compile-sdpa",
-             "lora-best-sdpa", "moe-lora-offload-1", "moe-lora-offload-1-chunked", "moe-lora-offload"],
+    # not measured yet (2026-12-02, 08:00): the compiled layers rounding as eager does (their speed), beside the
+    # plain compiled row and TRL (TRL first: its first step compiles for ~240 s on a fresh machine); then V2-Lite
+    # offload on 1 and 2 cards and with --chunked_loss
+    "next": ["trl-lora-best", "lora-best-fp8-compile", "lora-best-fp8-compile-eagerround", "full-sr16", "trl-full",
+             "moe-lora-offload-1", "moe-lora-offload-1-chunked", "moe-lora-offload"],
     # --compile_layers beside the plain rows and TRL's best, same run (2026-12-01, evening)
     "compile": ["lora-best-fp8-compile", "lora-best-compile", "lora-best", "trl-lora-best", "lora-best-fp8"],
     # why lora-best-compile logged a lower loss with the same gradient norms: not Liger's in-layer kernels
