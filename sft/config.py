@@ -200,12 +200,28 @@ class SFTTrainingArguments(TrainingArguments):
         # (sft/sr_adamw.py registers the Trainer's handler for them).
         if isinstance(self.liger_kernel_config, str):
             self.liger_kernel_config = liger_config_from_json(self.liger_kernel_config)
+        check_optimizer_name(str(getattr(self.optim, "value", self.optim)))
         ours = self.optim if self.optim in OUR_OPTIMIZERS else None
         if ours:
             self.optim = "adamw_torch"
         super().__post_init__()
         if ours:
             self.optim = ours
+
+
+def check_optimizer_name(name: str) -> None:
+    """An --optim that names no optimizer, as one line with the closest names (transformers' own error lists 40
+    names without ours, and its text mentions bf16 when the typo does)."""
+    import difflib
+
+    from transformers.training_args import OptimizerNames
+
+    names = [o.value for o in OptimizerNames] + list(OUR_OPTIMIZERS)
+    if name in names:
+        return
+    close = difflib.get_close_matches(name, names, n=3)
+    raise ConfigError(f"--optim {name!r} is no optimizer" + (f"; did you mean {' or '.join(close)}?" if close else ".")
+                      + f" The names: {', '.join(names)}.")
 
 
 def liger_config_from_json(text: str) -> dict[str, bool]:
@@ -353,7 +369,9 @@ def validate(model_args: ModelArguments, data_args: DataArguments, lora_args: Lo
 # ---- combinations that need the hardware, the launcher or the DeepSpeed config (sft/config.py's last checks) --
 
 def training_arguments_message(message: str) -> str:
-    if "bf16" in message:
+    if "at most one of fp16 and bf16" in message.lower():
+        return "--bf16 and --fp16 together: give one of them (--bf16 on GPUs that have it, else --fp16)."
+    if "support bf16" in message:
         return ("--bf16: this machine has no bf16 support (it needs an Ampere or newer GPU). Drop --bf16 to train "
                 "in fp32, or use --fp16 on an older GPU.")
     return f"invalid training options: {message}"

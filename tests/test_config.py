@@ -114,6 +114,21 @@ def test_our_options():
     parse("--loss_spike_factor", "0")
 
 
+def test_an_optimizer_typo_names_the_optimizers_not_bf16():
+    # transformers' own error for --optim adamw_bf16 mentions bf16, which was taken for "no bf16 on this machine"
+    message = refused("--optim", "adamw_bf16")
+    assert message.startswith("--optim 'adamw_bf16' is no optimizer; did you mean adamw_bf16_sr") and "support" not in message
+    assert "adamw_torch_fused" in refused("--optim", "adamw_torch_fuse")
+    parse("--optim", "adamw_bf16_sr")
+
+
+def test_bf16_and_fp16_together_say_so():
+    from sft.config import training_arguments_message
+
+    assert training_arguments_message("At most one of fp16 and bf16 can be True, but not both").startswith(
+        "--bf16 and --fp16 together")
+
+
 def test_train_prints_one_line_and_exits_2(capsys, tmp_path):
     from sft.train import main
 
