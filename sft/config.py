@@ -333,6 +333,9 @@ def validate(model_args: ModelArguments, data_args: DataArguments, lora_args: Lo
         raise ConfigError(f"--oasst_threads {data_args.oasst_threads!r}: use best or all.")
     if not 0 <= data_args.eval_split < 1:
         raise ConfigError(f"--eval_split {data_args.eval_split}: give a fraction in [0, 1).")
+    if training_args.eval_strategy != "no" and not (data_args.eval_dataset or data_args.eval_split):
+        raise ConfigError(f"--eval_strategy {training_args.eval_strategy.value} needs held-out data: add --eval_dataset "
+                          f"FILE or --eval_split 0.05 (a share of the training data), or --eval_strategy no.")
     if data_args.max_length < 8:
         raise ConfigError(f"--max_length {data_args.max_length} is too short; give at least 8 tokens.")
     if model_args.dtype not in ("auto", "bfloat16", "float16", "float32"):

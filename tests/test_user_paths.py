@@ -263,6 +263,17 @@ def test_bad_values_and_unknown_names_are_one_line():
         parse_args(["--lora_rnk", "8"])
 
 
+def test_evaluation_without_held_out_data_is_refused_before_loading():
+    # was: the Trainer's ValueError traceback after the model had loaded
+    base = ["--model", "m", "--dataset", DATA, "--output_dir", "/nonexistent/out"]
+    with pytest.raises(ConfigError, match="--eval_strategy steps needs held-out data.*--eval_split 0.05"):
+        parse_args([*base, "--eval_strategy", "steps"])
+    with pytest.raises(ConfigError, match="--eval_strategy epoch needs held-out data"):
+        parse_args(["--eval_split", "0"])  # the demo evaluates every epoch
+    parse_args([*base, "--eval_strategy", "steps", "--eval_split", "0.1"])
+    parse_args([*base, "--eval_strategy", "steps", "--eval_dataset", DATA])
+
+
 def test_help_is_one_screen_and_help_all_lists_everything():
     def help_text(*flags):
         result = subprocess.run([sys.executable, str(REPO / "sft" / "train.py"), *flags], capture_output=True,
