@@ -16,7 +16,7 @@ import socket
 import time
 from pathlib import Path
 
-from sft.errors import RunLockedError
+from sft.errors import ConfigError, RunLockedError
 
 LOCK_NAME = ".run.lock"
 
@@ -54,9 +54,20 @@ class RunLock:
         self.created_dir = False
 
     def acquire(self) -> str | None:
-        """Take the lock; -> a message when a stale lock was taken over. Raises RunLockedError if held."""
+        """Take the lock; -> a message when a stale lock was taken over. Raises RunLockedError if held, and
+        ConfigError where the directory cannot be created or written (read-only, a file, no permission, full)."""
         self.created_dir = not self.path.parent.exists()  # then removed again if the run leaves nothing in it
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            return self._take()
+        except OSError as e:
+            blocker = next((p for p in (self.path.parent, *self.path.parent.parents) if p.exists()), None)
+            why = (f"{blocker} is a file, not a directory" if blocker and not blocker.is_dir()
+                   else f"{e.strerror or e}: {e.filename or self.path.parent}")
+            raise ConfigError(f"--output_dir {self.path.parent}: cannot write there ({why}); nothing was trained. "
+                              f"Give an --output_dir you can write to.") from None
+
+    def _take(self) -> str | None:
         note = None
         for _ in range(3):
             if self._create():

@@ -147,6 +147,27 @@ def test_lock_refuses_a_second_run_and_takes_over_a_stale_one(tmp_path, capsys):
         RunLock(tmp_path).acquire()
 
 
+def test_an_output_directory_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, capsys):
+    # was: FileExistsError / OSError(EROFS) tracebacks from the lock's mkdir
+    from sft.train import main
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    base = ["--model", "m", "--dataset", DATA, "--report_to", "none"]
+    assert main([*base, "--output_dir", str(a_file / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: --output_dir {a_file / 'run'}: cannot write there ({a_file} is a file, not a directory); "
+                   f"nothing was trained. Give an --output_dir you can write to.")
+    assert a_file.read_text() == "mine"
+
+    def read_only(*args, **kwargs):
+        raise OSError(30, "Read-only file system", str(tmp_path / "ro" / LOCK_NAME))
+
+    monkeypatch.setattr(os, "open", read_only)
+    with pytest.raises(ConfigError, match=r"cannot write there \(Read-only file system: .*\.run\.lock\)"):
+        RunLock(tmp_path / "ro").acquire()
+
+
 def wait_for(condition, timeout: float, every: float = 0.2) -> bool:
     deadline = time.time() + timeout
     while time.time() < deadline:
