@@ -25,6 +25,7 @@ non-tensor objects): resume DeepSpeed runs only from checkpoints you wrote yours
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -37,7 +38,7 @@ from pathlib import Path
 from transformers import TrainerCallback
 
 from sft.config import resume_requested
-from sft.errors import ConfigError, NothingToDo
+from sft.errors import ConfigError, NothingToDo, OutOfSpaceError
 
 MARKER = "checkpoint_complete.json"
 FINAL_MARKER = "training_complete.json"  # written after the final model was saved and verified
@@ -309,6 +310,30 @@ def resolve_resume(training_args, argv: list[str] | None = None, disposable: boo
         print(f"Resuming from {checkpoint}" + (" (the newest complete checkpoint)." if value.lower() in TRUE
                                                else "."), flush=True)
     return str(checkpoint)
+
+
+def out_of_space(error: BaseException, output_dir: str | Path, argv: list[str] | None) -> OutOfSpaceError | None:
+    """A failure because the output directory's filesystem is full: ENOSPC/EDQUOT anywhere in the chain, or any
+    failure while less than 64 MiB is left there (torch.save reports a full disk as "unexpected pos", safetensors
+    as StorageFull). -> the error to report (what is kept, how to resume), else None."""
+    seen, full = error, False
+    while seen is not None and not full:
+        full = isinstance(seen, OSError) and seen.errno in (errno.ENOSPC, errno.EDQUOT)
+        seen = seen.__cause__ or seen.__context__
+    try:
+        free = shutil.disk_usage(output_dir).free
+    except OSError:
+        return None
+    if not (full or free < 64 * 2**20):
+        return None
+    newest = newest_complete(output_dir)
+    kept = (f"the newest complete checkpoint, {newest}, is intact" if newest else
+            "no checkpoint was complete yet, so a resumed run starts from the beginning")
+    return OutOfSpaceError(f"no space left in {output_dir} ({free / 2**20:.0f} MiB free): the run stopped while "
+                           f"writing there ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
+                           f"Nothing complete was lost: {kept}; a half-written checkpoint is ignored, and removed "
+                           f"on resume. Free some space (or keep fewer checkpoints: --save_total_limit) and resume "
+                           f"with: {command_with(argv, resume_from_checkpoint='true')}")
 
 
 class ReachedEnd(Exception):

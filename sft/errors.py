@@ -46,6 +46,13 @@ class SaveMismatchError(UserFacingError, RuntimeError):
     exit_code = 1
 
 
+class OutOfSpaceError(UserFacingError):
+    """The output directory's disk (or quota) filled up while the run wrote to it; the message says what is kept and
+    how to resume."""
+
+    exit_code = 1
+
+
 class Interrupted(UserFacingError):
     """Ctrl-C (SIGINT) or SIGTERM, e.g. the launcher ended: training stops at the next safe point."""
 

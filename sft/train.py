@@ -31,7 +31,7 @@ from transformers.integrations import TensorBoardCallback
 
 from sft.callbacks import RunOverview, ThroughputCallback, flops_per_token, peak_flops
 from sft.checkpoints import (CompleteRunCheck, ReachedEnd, checkpoint_callback, command_with, complete_run_message,
-                             newest_complete, resolve_resume, run_is_finished, save_final)
+                             newest_complete, out_of_space, resolve_resume, run_is_finished, save_final)
 from sft.chunked_loss import chunked_causal_lm_loss, install_chunked_loss, liger_causal_lm_loss
 from sft.config import is_demo_output, parse_args
 from sft.dataset import prepare, read_datasets
@@ -96,6 +96,12 @@ def main(argv: list[str] | None = None, callbacks: list | None = None, model_fac
             raise
         report_error(e)  # once, from the first process; the other ranks leave after it
         return e.exit_code
+    except Exception as failure:  # a full disk: one line with what is kept and how to resume (--debug: raised)
+        full = out_of_space(failure, run.output_dir, run.argv) if run.output_dir and not debug else None
+        if full is None:
+            raise
+        report_error(full)
+        return full.exit_code
     except KeyboardInterrupt as interrupt:
         ignore_further_interrupts()
         if is_first_process():

@@ -127,6 +127,35 @@ def test_finished_runs_resume_to_nothing_and_an_unfinished_final_save_is_complet
     assert is_complete(out, FINAL_MARKER) and model.exists() and not (out / "checkpoint-5").exists()
 
 
+def test_a_full_disk_stops_with_one_line_and_the_checkpoint_to_resume(tmp_path, tiny_llama, capsys, monkeypatch):
+    # was: torch.save's "unexpected pos" (or safetensors' StorageFull) traceback, exit 1, nothing said of what was kept
+    import errno
+
+    from transformers import TrainerCallback
+
+    from sft.checkpoints import out_of_space
+    from sft.train import main
+
+    class DiskFillsAtStep3(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 3:
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    args = small_run(tiny_llama, out, cache)
+    assert main(args, callbacks=[DiskFillsAtStep3()]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: no space left in {out} (") and "\n" not in err and "Traceback" not in err
+    assert f"the newest complete checkpoint, {out / 'checkpoint-2'}, is intact" in err
+    assert err.endswith("--resume_from_checkpoint true") and is_complete(out / "checkpoint-2")
+    assert not (out / LOCK_NAME).exists()
+    # torch.save says "unexpected pos" on a full disk: what is left there decides
+    torn = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 5312 vs 5204")
+    assert out_of_space(torn, out, args) is None
+    monkeypatch.setattr("shutil.disk_usage", lambda path: type("Usage", (), {"free": 2**20})())
+    assert "(1 MiB free)" in str(out_of_space(torn, out, args))
+
+
 # ---- 4. one run per output directory ---------------------------------------------------------------------------
 
 def test_lock_refuses_a_second_run_and_takes_over_a_stale_one(tmp_path, capsys):
