@@ -312,6 +312,81 @@ def resolve_resume(training_args, argv: list[str] | None = None, disposable: boo
     return str(checkpoint)
 
 
+def check_resume_matches(checkpoint: str | None, model_args, lora_args, argv: list[str] | None) -> None:
+    """A checkpoint resumes only into the training that wrote it: a LoRA adapter with --lora and the same rank,
+    alpha and targets; a full fine-tune without --lora, from a model of the same shape. Checked before any model
+    loads (the Trainer would fail after loading it, on sizes or optimizer groups, or, for another --lora_alpha,
+    go on training the old weights at another scale)."""
+    if checkpoint is None:
+        return
+    path = Path(checkpoint)
+    adapter, config = _json_or_none(path / "adapter_config.json"), _json_or_none(path / "config.json")
+    if adapter is None and config is None:
+        return  # a layout we do not read (e.g. DeepSpeed's or FSDP's shards alone): the Trainer checks it
+    lora = lora_args.lora or lora_args.qlora
+    start_over = "or train these options from the start in another --output_dir"
+    if adapter is not None and not lora:
+        raise ConfigError(f"--resume_from_checkpoint {path} holds a LoRA adapter, and this run trains every weight "
+                          f"(no --lora). Resume it as it was trained: `{command_with(argv, lora='true')}`, "
+                          f"{start_over}.")
+    if adapter is None:
+        if lora:
+            as_trained = {"lora": "false", **({"qlora": "false"} if lora_args.qlora else {})}
+            raise ConfigError(f"--resume_from_checkpoint {path} holds a full fine-tune (every weight), and this run "
+                              f"trains a LoRA adapter. Resume it as it was trained: "
+                              f"`{command_with(argv, **as_trained)}`, {start_over}.")
+        from sft.model import load_config
+
+        ours = load_config(model_args).to_dict()
+        shape = [f"{key} {config[key]} (--model {model_args.model}: {ours.get(key)})" for key in
+                 ("model_type", "hidden_size", "num_hidden_layers", "intermediate_size")
+                 if key in config and config[key] != ours.get(key)]
+        if shape:
+            raise ConfigError(f"--resume_from_checkpoint {path} was trained from another model: its "
+                              f"{', '.join(shape)}. Resume it with the --model it was trained from, {start_over}.")
+        return
+    from sft.model import planned_lora_config
+
+    try:
+        planned = planned_lora_config(model_args, lora_args)
+    except (KeyError, ValueError):  # a model type transformers cannot build weightless: rank and alpha only
+        planned = None
+    differ = {option: (adapter.get(key), getattr(planned, key, None) if planned else getattr(lora_args, option))
+              for key, option in (("r", "lora_r"), ("lora_alpha", "lora_alpha"))}
+    differ = {option: pair for option, pair in differ.items() if pair[0] != pair[1]}
+    words = [f"--{option} {saved} (this run: {given})" for option, (saved, given) in differ.items()]
+    targets = {}
+    for key in ("target_modules", "target_parameters") if planned else ():
+        saved, given = (_names(adapter.get(key), key), _names(getattr(planned, key, None), key))
+        if saved != given:
+            targets[key] = saved
+            words.append(f"{key} {', '.join(sorted(saved)) or 'none'} (this run: {', '.join(sorted(given)) or 'none'})")
+    if not words:
+        return
+    fix = (f"`{command_with(argv, **{option: str(saved) for option, (saved, _) in differ.items()})}`" if not targets
+           else "the same options, with " + " ".join(
+               [f"--{option} {saved}" for option, (saved, _) in differ.items()]
+               + [f"--lora_target_modules {' '.join(sorted(targets[key]))}" if key == "target_modules" else
+                  "the --lora_experts (or --lora_target_modules) it had" for key in targets]))
+    raise ConfigError(f"--resume_from_checkpoint {path} holds a LoRA adapter trained with {'; '.join(words)}. A "
+                      f"checkpoint resumes only with the adapter it was trained with. Resume it as it was trained: "
+                      f"{fix}, {start_over}.")
+
+
+def _names(targets, key: str) -> set[str]:
+    """peft's targets as a set; modules by their last name (peft writes all-linear's as full paths)."""
+    names = [targets] if isinstance(targets, str) else targets or []
+    return {name.rsplit(".", 1)[-1] if key == "target_modules" else name for name in names}
+
+
+def _json_or_none(path: Path) -> dict | None:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def out_of_space(error: BaseException, output_dir: str | Path, argv: list[str] | None) -> OutOfSpaceError | None:
     """A failure because the output directory's filesystem is full: ENOSPC/EDQUOT anywhere in the chain, or any
     failure while less than 64 MiB is left there (torch.save reports a full disk as "unexpected pos", safetensors

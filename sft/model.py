@@ -306,13 +306,18 @@ def linear_names(model) -> list[str]:
 def check_lora_targets(model_args: ModelArguments, lora_args: LoraArguments) -> None:
     """User-given LoRA targets (and --lora_experts) must fit this model: checked on a weightless (meta) copy built
     from the config, before anything loads."""
-    if not (lora_args.lora and (lora_args.lora_target_modules or lora_args.lora_experts)):
-        return
+    if lora_args.lora and (lora_args.lora_target_modules or lora_args.lora_experts):
+        planned_lora_config(model_args, lora_args)
+
+
+def planned_lora_config(model_args: ModelArguments, lora_args: LoraArguments):
+    """The LoraConfig this run attaches, its targets resolved as peft resolves them, from a weightless (meta) copy
+    of the model built from its config: nothing loads."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     config = load_config(model_args)
     with torch.device("meta"):
-        attach_lora(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config), lora_args, False)
+        return attach_lora(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config), lora_args, False).peft_config["default"]
 
 
 def _cast_unless_autocast(self, x, dtype: torch.dtype):

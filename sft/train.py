@@ -30,8 +30,9 @@ from transformers import Trainer, set_seed
 from transformers.integrations import TensorBoardCallback
 
 from sft.callbacks import RunOverview, ThroughputCallback, flops_per_token, peak_flops
-from sft.checkpoints import (CompleteRunCheck, ReachedEnd, checkpoint_callback, command_with, complete_run_message,
-                             newest_complete, out_of_space, resolve_resume, run_is_finished, save_final)
+from sft.checkpoints import (CompleteRunCheck, ReachedEnd, check_resume_matches, checkpoint_callback, command_with,
+                             complete_run_message, newest_complete, out_of_space, resolve_resume, run_is_finished,
+                             save_final)
 from sft.chunked_loss import chunked_causal_lm_loss, install_chunked_loss, liger_causal_lm_loss
 from sft.config import is_demo_output, parse_args
 from sft.dataset import prepare, read_datasets
@@ -131,6 +132,7 @@ def train(run: Run, seams: Seams) -> int:
     resolve_model_path(model_args.model)  # a missing directory or unreachable hub id: seconds, not a minute
     check_tensor_parallel(model_args, training_args.world_size, resume)  # the model's heads; the checkpoint's TP
     check_lora_targets(model_args, lora_args)  # user-named targets exist in the model (weightless copy)
+    check_resume_matches(resume, model_args, lora_args, run.argv)  # the checkpoint's LoRA or full model, its shape
     conversations = read_datasets(data_args, training_args.seed)  # bad data stops here, before any model
     tokenizer = load_tokenizer(model_args)
     if is_first_process():  # a template, EOS or RoPE scaling that this DeepSeek family does not use

@@ -156,6 +156,41 @@ def test_a_full_disk_stops_with_one_line_and_the_checkpoint_to_resume(tmp_path, 
     assert "(1 MiB free)" in str(out_of_space(torn, out, args))
 
 
+def test_resuming_with_other_lora_or_model_options_is_refused_before_loading(tmp_path, tiny_llama):
+    # was: size-mismatch or optimizer-group tracebacks after the model loaded, and another --lora_alpha silently
+    # went on training the old adapter at another scale
+    from sft.checkpoints import check_resume_matches
+    from sft.model import planned_lora_config
+
+    def check(checkpoint, *extra):
+        argv = ["--model", str(tiny_llama), "--dataset", DATA, "--output_dir", str(tmp_path), *extra]
+        model_args, _, lora_args, _ = parse_args(argv)
+        check_resume_matches(str(checkpoint), model_args, lora_args, argv)
+
+    lora = tmp_path / "checkpoint-2"
+    lora.mkdir()
+    planned_lora_config(*parse_args(["--model", str(tiny_llama), "--dataset", DATA, "--lora"])[0:3:2]).save_pretrained(lora)
+    check(lora, "--lora")
+    check(lora, "--lora", "--lora_target_modules", "all-linear", "--lora_dropout", "0")  # the same adapter
+    with pytest.raises(ConfigError, match=r"holds a LoRA adapter, and this run trains every weight.*--lora true`"):
+        check(lora)
+    with pytest.raises(ConfigError, match=r"trained with --lora_r 16 \(this run: 4\).*--lora_r 16`"):
+        check(lora, "--lora", "--lora_r", "4")
+    with pytest.raises(ConfigError, match=r"--lora_alpha 32 \(this run: 64\)"):
+        check(lora, "--lora", "--lora_alpha", "64")
+    with pytest.raises(ConfigError, match=r"\(this run: q_proj, v_proj\).*--lora_target_modules down_proj gate_proj"):
+        check(lora, "--lora", "--lora_target_modules", "q_proj", "v_proj")
+    full = tmp_path / "checkpoint-4"
+    full.mkdir()
+    (full / "config.json").write_text((tiny_llama / "config.json").read_text())
+    check(full)
+    with pytest.raises(ConfigError, match=r"holds a full fine-tune.*--lora false`"):
+        check(full, "--lora")
+    (full / "config.json").write_text(json.dumps({"model_type": "qwen2", "hidden_size": 64}))
+    with pytest.raises(ConfigError, match=r"trained from another model: its model_type qwen2"):
+        check(full)
+
+
 # ---- 4. one run per output directory ---------------------------------------------------------------------------
 
 def test_lock_refuses_a_second_run_and_takes_over_a_stale_one(tmp_path, capsys):
