@@ -10,7 +10,6 @@ token) is printed as it is, followed by a note on stderr.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -71,7 +70,9 @@ def reply(model, tokenizer, template, messages: list[dict], max_new_tokens: int,
 def main(argv: list[str] | None = None) -> int:
     from sft.templates import TEMPLATE_NAMES
 
-    parser = argparse.ArgumentParser(prog="python -m sft.chat", description=__doc__.split("\n\n")[0])
+    from sft.argv import ToolParser
+
+    parser = ToolParser(prog="python -m sft.chat", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a trained output directory (model or LoRA adapter)")
     parser.add_argument("--prompt", help="ask one question, print the answer and exit")
     parser.add_argument("--system", help="a system prompt")
@@ -81,9 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     args = parser.parse_args(argv)
     path = Path(args.model)
-    if not (path / "config.json").is_file() and not (path / "adapter_config.json").is_file():
-        print(f"error: {path} holds no model (config.json) or adapter (adapter_config.json).", file=sys.stderr)
-        return 2
+    from sft.checkpoints import check_trained_dir
+    from sft.errors import UserFacingError
+
+    try:
+        check_trained_dir(path)
+    except UserFacingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
 
     from sft.templates import get_template
 

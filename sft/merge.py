@@ -7,26 +7,39 @@ The merged model is checked against the adapter on a fixed batch before anything
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m sft.merge", description=__doc__.split("\n\n")[0])
+    from sft.argv import ToolParser
+
+    parser = ToolParser(prog="python -m sft.merge", description=__doc__.split("\n\n")[0])
     parser.add_argument("adapter", help="directory of the trained adapter (the training --output_dir)")
     parser.add_argument("output", help="directory for the merged model")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="dtype of the saved merged weights (merging itself runs in float32)")
     args = parser.parse_args(argv)
     adapter, output = Path(args.adapter), Path(args.output)
-    if not (adapter / "adapter_config.json").is_file():
-        print(f"error: {adapter} holds no adapter_config.json: give the output directory of a --lora run.",
-              file=sys.stderr)
+    from sft.checkpoints import check_trained_dir
+    from sft.errors import UserFacingError
+
+    try:
+        check_trained_dir(adapter, adapter_only=True)
+    except UserFacingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        print(f"error: {output} exists and is {'a file' if not output.is_dir() else 'not empty'}; choose a new "
+              f"directory.", file=sys.stderr)
         return 2
-    if output.exists() and any(output.iterdir()):
-        print(f"error: {output} exists and is not empty; choose a new directory.", file=sys.stderr)
+    created = not output.exists()
+    try:  # before anything loads: a place the merged model cannot be written is said now
+        output.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        print(f"error: cannot create {output} ({e.strerror}: {e.filename}); choose a directory you can write to.",
+              file=sys.stderr)
         return 2
 
     import torch
@@ -48,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         got = merged(input_ids=probe, use_cache=False).logits
     error = ((got - expected).norm() / expected.norm()).item()
     if error > 1e-4:
+        if created:
+            output.rmdir()
         print(f"error: the merged model's logits differ from the adapter's (relative error {error:.2e}); "
               "nothing was written.", file=sys.stderr)
         return 1

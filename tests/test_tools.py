@@ -66,3 +66,45 @@ def test_merge_refuses_a_directory_without_adapter(tmp_path, capsys):
 def test_chat_answers_one_prompt(trained_adapter, capsys):
     assert chat.main([str(trained_adapter), "--prompt", "What is the capital of Peru?", "--max_new_tokens", "8"]) == 0
     assert capsys.readouterr().out.strip()  # some reply, rendered with the training template
+
+
+def test_chat_and_merge_say_what_a_directory_is_instead_of_a_traceback(trained_adapter, tiny_llama, tmp_path, capsys):
+    """Each was a traceback (or argparse's usage block): one `error:` line, exit code 2, before anything loads."""
+    import json
+    import shutil
+
+    from sft.checkpoints import mark_complete
+
+    def refused(tool, *argv) -> str:
+        try:
+            code = tool.main(list(argv))
+        except SystemExit as e:  # argparse's errors exit
+            code = e.code
+        assert code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and "\n" not in err and "Traceback" not in err, err
+        return err
+
+    assert "unrecognized arguments: --bad" in refused(chat, str(trained_adapter), "--bad")
+    assert "unrecognized arguments: --bad" in refused(merge, "a", "b", "--bad")
+    (tmp_path / "junk").mkdir()
+    (tmp_path / "junk" / "config.json").write_text("{")
+    assert "its config.json is not readable JSON" in refused(chat, str(tmp_path / "junk"))
+    (tmp_path / "config-only").mkdir()
+    shutil.copy(tiny_llama / "config.json", tmp_path / "config-only")
+    assert "holds a config.json but no weights" in refused(chat, str(tmp_path / "config-only"))
+    assert "a full model, not a LoRA adapter" in refused(merge, str(tiny_llama), str(tmp_path / "m"))
+    unfinished = tmp_path / "unfinished"  # a run stopped before its final save: its checkpoint is named
+    shutil.copytree(trained_adapter, unfinished / "checkpoint-2", ignore=shutil.ignore_patterns("checkpoint-*"))
+    mark_complete(unfinished / "checkpoint-2")
+    assert f"give the newest complete one, {unfinished / 'checkpoint-2'}" in refused(chat, str(unfinished))
+    moved = tmp_path / "moved-base"  # an adapter whose base is gone
+    shutil.copytree(trained_adapter, moved)
+    config = json.loads((moved / "adapter_config.json").read_text())
+    (moved / "adapter_config.json").write_text(json.dumps({**config, "base_model_name_or_path": str(tmp_path / "gone")}))
+    assert "whose base cannot be loaded" in refused(chat, str(moved), "--prompt", "hi")
+    assert "whose base cannot be loaded" in refused(merge, str(moved), str(tmp_path / "m"))
+    (tmp_path / "a-file").write_text("x")
+    assert "is a file" in refused(merge, str(trained_adapter), str(tmp_path / "a-file"))
+    assert not (tmp_path / "m").exists()
+
