@@ -142,7 +142,10 @@ def unknown_options_message(unknown: list[str], parser: HfArgumentParser, ours: 
         close = (difflib.get_close_matches(name, preferred, n=1, cutoff=0.75)
                  or difflib.get_close_matches(name, everything, n=1))
         parts.append(name + (f" (did you mean {close[0]}?)" if close else ""))
-    return (f"unknown option(s): {', '.join(parts) or ' '.join(unknown)}. "
+    if not parts:  # values without an option: a list given to an option that takes one value
+        return (f"unexpected value(s) {' '.join(unknown)}: an option takes one value unless it takes a list "
+                f"(--dataset a.json b.json; in a recipe, dataset: [a.json, b.json]).")
+    return (f"unknown option(s): {', '.join(parts)}. "
             f"`python sft/train.py --help` lists the options (`--help all`: every one).")
 
 

@@ -247,10 +247,11 @@ HELP_GROUPS = [  # the one-screen --help: our options, then the TrainingArgument
 ]
 
 
-def expand_argv(argv: list[str]) -> tuple[list[str], set[str]]:
+def expand_argv(argv: list[str]) -> tuple[list[str], set[str], list[tuple[str, list[str]]]]:
     """Recipe first, then the command line (the last value of an option wins); other trainers' names become ours;
-    the demo fills only what the user left out. -> (argv, the option names the user gave)."""
-    recipe: list[str] = []
+    the demo fills only what the user left out. -> (argv, the option names the user gave, each recipe's path and
+    options: to name the file that holds a bad one)."""
+    recipes: list[tuple[str, list[str]]] = []
     rest: list[str] = []
     it = iter(argv)
     for arg in it:
@@ -258,15 +259,31 @@ def expand_argv(argv: list[str]) -> tuple[list[str], set[str]]:
             path = arg.split("=", 1)[1] if "=" in arg else next(it, None)
             if not path:
                 raise ConfigError("--config needs the path of a recipe YAML file.")
-            recipe += load_recipe(path)
+            recipes.append((path, apply_aliases(load_recipe(path))))
         else:
             rest.append(arg)
-    argv = apply_aliases(recipe + rest)
+    argv = [a for _, options in recipes for a in options] + apply_aliases(rest)
     given = {a.split("=", 1)[0][2:].replace("-", "_") for a in argv if a.startswith("--")}
     if "model" not in given and "dataset" not in given:
         demo = {k: v for k, v in DEMO.items() if k not in given and not given.intersection(DEMO_YIELDS_TO.get(k, ()))}
         argv = recipe_to_argv(demo, "demo") + argv
-    return argv, given
+    return argv, given, recipes
+
+
+def recipe_error(parser: Parser, recipes: list[tuple[str, list[str]]]) -> ConfigError | None:
+    """The recipe that holds an unknown option or a bad value, named: its errors read like the command line's."""
+    for path, options in recipes:
+        try:
+            unknown = parser.parse_known_args(options)[1]
+        except ConfigError as e:
+            return ConfigError(f"{path}: {e}")
+        if unknown:
+            return ConfigError(f"{path}: {unknown_options_message(unknown, parser, our_option_names())}")
+    return None
+
+
+def our_option_names() -> list[str]:
+    return [f.name for cls in PARSER_TYPES[:3] for f in fields(cls)] + list(SFTTrainingArguments.__annotations__)
 
 
 def is_demo_output(model_args: ModelArguments, training_args) -> bool:
@@ -286,19 +303,19 @@ def parse_args(argv: list[str] | None = None, data_only: bool = False):
     if wanted:
         print(parser.format_help() if wanted == "all" else short_help(HELP_GROUPS))
         raise SystemExit(0)
-    argv, given = expand_argv(argv)
+    argv, given, recipes = expand_argv(argv)
     if data_only:
         argv += ["--bf16", "false", "--fp16", "false"]  # the last value wins; TrainingArguments checks the hardware
     try:
         *parsed, unknown = parser.parse_args_into_dataclasses(
             args=argv, look_for_args_file=False, return_remaining_strings=True)
-    except ConfigError:
-        raise
+    except ConfigError as e:
+        raise recipe_error(parser, recipes) or e from None
     except ValueError as e:  # TrainingArguments.__post_init__ rejects some combinations itself
         raise ConfigError(training_arguments_message(str(e))) from None
     if unknown:
-        ours = [f.name for cls in PARSER_TYPES[:3] for f in fields(cls)] + list(SFTTrainingArguments.__annotations__)
-        raise ConfigError(unknown_options_message(unknown, parser, ours))
+        raise recipe_error(parser, recipes) or ConfigError(unknown_options_message(unknown, parser,
+                                                                                   our_option_names()))
     model_args, data_args, lora_args, training_args = parsed
     if training_args.plan not in ("no", "auto"):
         raise ConfigError(f"--plan {training_args.plan!r}: use auto (or no).")

@@ -50,3 +50,21 @@ def test_unknown_option_in_recipe_is_an_error(tmp_path):
     recipe.write_text("model: x\ndataset: a.json\nlearning_rat: 1e-4\n")
     with pytest.raises(ConfigError, match="--learning_rat .did you mean --learning_rate"):
         parse_args(["--config", str(recipe)])
+
+
+def test_a_bad_recipe_line_names_the_recipe(tmp_path):
+    # was: the same words as a command-line error, so the user looked for --lora_rnk on the command line; and a list
+    # given to a one-value option said "unknown option(s): 2"
+    def refused(text: str, *extra: str) -> str:
+        recipe = tmp_path / "recipe.yaml"
+        recipe.write_text(f"model: x\ndataset: a.json\n{text}\n")
+        with pytest.raises(ConfigError) as e:
+            parse_args(["--config", str(recipe), *extra])
+        return str(e.value)
+
+    recipe = str(tmp_path / "recipe.yaml")
+    assert refused("lora_rnk: 8").startswith(f"{recipe}: unknown option(s): --lora_rnk (did you mean --lora_r?)")
+    assert refused("lora: maybe").startswith(f"{recipe}: argument --lora: Truthy value expected")
+    assert refused("max_steps: [1, 2]").startswith(f"{recipe}: unexpected value(s) 2: an option takes one value")
+    assert refused("cutoff_len: 64", "--lora_rnk", "8").startswith("unknown option(s): --lora_rnk")  # the command line's
+    assert refused("lora_r: 8", "--max_steps", "3", "4").startswith("unexpected value(s) 4")
