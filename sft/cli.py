@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 TRAIN_SCRIPT = str(Path(__file__).resolve().parent / "train.py")
+REPO_CONFIGS = Path(__file__).resolve().parent.parent / "accelerate_configs"
 # accelerate launch's options that `deepseek-sft train` takes (value-taking: True); everything else is training's.
 LAUNCH_OPTIONS = {"--config_file": True, "--num_processes": True, "--num_machines": True, "--machine_rank": True,
                   "--main_process_ip": True, "--main_process_port": True, "--gpu_ids": True, "--multi_gpu": False,
@@ -60,7 +61,20 @@ def launch_training(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the failure is reported by rank 0
-    args = launch_command_parser().parse_args([*launch, TRAIN_SCRIPT, *rest])
+    config = None
+    for i, option in enumerate(launch):
+        if option.split("=")[0] == "--config_file":
+            config = option.split("=", 1)[1] if "=" in option else (launch[i + 1:i + 2] or [""])[0]
+    if config is not None and not Path(config).is_file():
+        ours = REPO_CONFIGS / Path(config).name
+        hint = (f"; did you mean {ours}?" if ours.is_file() else
+                f"; the strategies' configs are in {REPO_CONFIGS}: {', '.join(sorted(p.name for p in REPO_CONFIGS.glob('*.yaml')))}.")
+        print(f"error: --config_file {config}: no such file{hint}" if config else
+              f"error: --config_file needs a file{hint}", file=sys.stderr)
+        return 2
+    parser = launch_command_parser()
+    parser.error = _launch_option_error  # one line, not accelerate's 60-line usage block
+    args = parser.parse_args([*launch, TRAIN_SCRIPT, *rest])
     try:
         launch_command(args)
     except subprocess.CalledProcessError as e:
@@ -71,6 +85,11 @@ def launch_training(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def _launch_option_error(message: str):
+    print(f"error: {message} (launch options: {' '.join(LAUNCH_OPTIONS)}; `deepseek-sft train --help`)", file=sys.stderr)
+    raise SystemExit(2)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -385,3 +385,20 @@ def test_deepseek_sft_train_exits_with_our_code_and_nothing_more(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines == [f"error: --model {tmp_path / 'missing'}: no such directory ({tmp_path / 'missing'}). Give a "
                      f"local model directory or a hub id such as deepseek-ai/deepseek-llm-7b-base."], result.stderr
+
+
+def test_deepseek_sft_train_launch_errors_are_one_line(capsys, tmp_path, monkeypatch):
+    # was: accelerate's 60-line usage block for a bad launch option, a FileNotFoundError traceback for a missing
+    # --config_file (e.g. accelerate_configs/ddp.yaml typed outside the repository)
+    from sft.cli import REPO_CONFIGS, main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "--config_file", "accelerate_configs/ddp.yaml", "--model", "m"]) == 2
+    assert capsys.readouterr().err == (f"error: --config_file accelerate_configs/ddp.yaml: no such file; did you "
+                                       f"mean {REPO_CONFIGS / 'ddp.yaml'}?\n")
+    assert main(["train", "--config_file=nope.yaml"]) == 2
+    assert "the strategies' configs are in" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as bad:
+        main(["train", "--num_processes", "two", "--model", "m"])
+    err = capsys.readouterr().err
+    assert bad.value.code == 2 and err.startswith("error: argument --num_processes") and err.count("\n") == 1
