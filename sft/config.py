@@ -372,6 +372,17 @@ def validate(model_args: ModelArguments, data_args: DataArguments, lora_args: Lo
         optimizer_kwargs(dict(pairs), training_args.seed)
     if lora_args.lora and lora_args.lora_r <= 0:
         raise ConfigError(f"--lora_r {lora_args.lora_r}: the rank must be positive.")
+    for option, value, fits, wanted in (  # else a traceback once the model has loaded, or a run that trains nothing
+            ("per_device_train_batch_size", training_args.per_device_train_batch_size, lambda v: v >= 1, "1 or more"),
+            ("per_device_eval_batch_size", training_args.per_device_eval_batch_size, lambda v: v >= 1, "1 or more"),
+            ("gradient_accumulation_steps", training_args.gradient_accumulation_steps, lambda v: v >= 1, "1 or more"),
+            ("learning_rate", training_args.learning_rate, lambda v: v >= 0, "0 or more, e.g. 2e-4"),
+            ("lora_dropout", lora_args.lora_dropout, lambda v: 0 <= v < 1, "a probability in [0, 1)")):
+        if not fits(value):
+            raise ConfigError(f"--{option} {value}: give {wanted}.")
+    if training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
+        raise ConfigError(f"--num_train_epochs {training_args.num_train_epochs:g} without a positive --max_steps "
+                          f"trains nothing: give --num_train_epochs (e.g. 3) or --max_steps (e.g. 1000).")
     if data_args.packing and model_args.attn_implementation not in ("sdpa", "eager", "flex_attention",
                                                                    "flash_attention_2", "flash_attention_3"):
         raise ConfigError(f"--packing needs an attention that separates packed documents by position_ids "

@@ -129,6 +129,18 @@ def test_bf16_and_fp16_together_say_so():
         "--bf16 and --fp16 together")
 
 
+def test_numbers_that_cannot_train_are_refused_before_loading():
+    # were tracebacks once the model had loaded (batch size 0, accumulation 0, a negative learning rate, a dropout
+    # over 1) or a run that saved the untrained model as its result (no steps, no epochs)
+    assert refused("--per_device_train_batch_size", "0") == "--per_device_train_batch_size 0: give 1 or more."
+    assert refused("--gradient_accumulation_steps", "0") == "--gradient_accumulation_steps 0: give 1 or more."
+    assert refused("--learning_rate", "-1").startswith("--learning_rate -1.0: give 0 or more")
+    assert refused("--lora", "--lora_dropout", "1.5") == "--lora_dropout 1.5: give a probability in [0, 1)."
+    assert "trains nothing" in refused("--max_steps", "0", "--num_train_epochs", "0")
+    parse("--max_steps", "5", "--num_train_epochs", "0")
+    parse("--max_steps", "0", "--learning_rate", "0")
+
+
 def test_train_prints_one_line_and_exits_2(capsys, tmp_path):
     from sft.train import main
 
