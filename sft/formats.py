@@ -87,6 +87,11 @@ def iter_records(spec: str, skip_bad: bool = False) -> Iterator[tuple[Any, str]]
         yield from _iter_hub(spec)
         return
     path = Path(spec)
+    if path.is_dir():  # e.g. a downloaded hub dataset: its files, which --dataset takes several of
+        files = sorted(str(f) for f in path.rglob("*") if f.suffix.lower() in LOCAL_SUFFIXES)
+        raise DataError(f"{spec}: a directory; --dataset takes data files" + (
+            f", e.g. {' '.join(files[:3])}{' ...' if len(files) > 3 else ''} ({len(files)} in it)." if files else
+            " (.json, .jsonl, .parquet or .csv), and it holds none."))
     if not path.is_file():
         raise DataError(f"{spec}: no such file. Give a .json, .jsonl, .parquet or .csv file, or a hub dataset name.")
     suffix = path.suffix.lower()

@@ -386,3 +386,14 @@ def test_train_entry_point_prints_one_line_exit_2_no_traceback(tmp_path, capsys)
     assert err.count("\n") == 0 and "Traceback" not in err
     assert err.startswith(f"error: {bad}:2: field 'output' must be a string") and "--skip_bad_records" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_directory_given_as_dataset_names_its_data_files(tmp_path):
+    # was: "<dir>: no such file", for a directory the user can see (e.g. a hub dataset downloaded as files)
+    (tmp_path / "data").mkdir()
+    write_jsonl(tmp_path / "data" / "train.jsonl", ALPACA)
+    with pytest.raises(DataError, match=rf"a directory; --dataset takes data files, e.g. {tmp_path}/data/train.jsonl"):
+        read(tmp_path)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"\(.json, .jsonl, .parquet or .csv\), and it holds none"):
+        read(tmp_path / "empty")
