@@ -294,10 +294,21 @@ def resolve_resume(training_args, argv: list[str] | None = None, disposable: boo
         if not checkpoint.is_dir():
             raise ConfigError(f"--resume_from_checkpoint {value}: no such directory. Give a checkpoint-N directory "
                               f"or `true` for the newest complete one in --output_dir.")
+        inside = None if is_complete(checkpoint) else newest_complete(checkpoint)
+        if inside:  # a run's output directory given for one of its checkpoints
+            raise ConfigError(f"--resume_from_checkpoint {value} is a run's output directory, not a checkpoint. Its "
+                              f"newest complete checkpoint: "
+                              f"`{command_with(argv, resume_from_checkpoint=str(inside))}`.")
+        if not is_complete(checkpoint) and not (CHECKPOINT_RE.match(checkpoint.name) or
+                                                (checkpoint / "trainer_state.json").exists()):
+            raise ConfigError(f"--resume_from_checkpoint {value} is not a checkpoint (no trainer_state.json): give "
+                              f"a checkpoint-N directory that a run wrote, or `true` for the newest complete one in "
+                              f"--output_dir.")
         if not is_complete(checkpoint):
             newest = newest_complete(checkpoint.parent)
             hint = (f" The newest complete one there is {newest}: "
-                    f"{command_with(argv, resume_from_checkpoint=str(newest))}" if newest else "")
+                    f"{command_with(argv, resume_from_checkpoint=str(newest))}" if newest else
+                    " No complete checkpoint is beside it: start the run over, without --resume_from_checkpoint.")
             raise ConfigError(f"--resume_from_checkpoint {value}: this checkpoint has no {MARKER} (or its files "
                               f"changed since), so it was left half-written by an interrupted run.{hint}")
     steps = trained_steps(checkpoint)

@@ -86,6 +86,23 @@ def test_rerun_into_a_run_stops_with_the_commands(tmp_path):
     assert checkpoint_dirs(tmp_path) == []
 
 
+def test_resume_from_what_is_no_checkpoint_says_what_it_is(tmp_path):
+    # was: "this checkpoint has no checkpoint_complete.json ... half-written by an interrupted run" for a run's
+    # output directory given instead of its checkpoint, and for a directory that never was a checkpoint
+    run = tmp_path / "run"
+    fake_checkpoint(run, 4)
+    argv = ["--model", "m", "--output_dir", str(run)]
+    with pytest.raises(ConfigError, match=r"is a run's output directory, not a checkpoint.*checkpoint-4`"):
+        resolve_resume(args_for(run, str(run)), argv)
+    (tmp_path / "notes").mkdir()
+    with pytest.raises(ConfigError, match=r"is not a checkpoint \(no trainer_state.json\)"):
+        resolve_resume(args_for(run, str(tmp_path / "notes")), argv)
+    alone = fake_checkpoint(tmp_path / "other", 2, complete=False)
+    with pytest.raises(ConfigError, match="half-written.*start the run over, without --resume_from_checkpoint"):
+        resolve_resume(args_for(run, str(alone)), argv)
+    assert is_complete(run / "checkpoint-4")
+
+
 def test_command_replaces_earlier_values():
     argv = ["--model", "m", "--resume_from_checkpoint", "out/checkpoint-2", "--lora"]
     assert command_with(argv, resume_from_checkpoint="true") == \
