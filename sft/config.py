@@ -20,6 +20,7 @@ from sft.lowbit import SR_ADAMW
 from sft.recipe import load_recipe, recipe_to_argv
 
 OUR_OPTIMIZERS = (SR_ADAMW,)  # --optim values beyond transformers' own
+ATTENTIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 REPO = Path(__file__).resolve().parent.parent
 TINY_MODEL = "tiny-deepseek"  # the embedded default, built from its config by sft/tiny.py
@@ -383,6 +384,13 @@ def validate(model_args: ModelArguments, data_args: DataArguments, lora_args: Lo
     if training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
         raise ConfigError(f"--num_train_epochs {training_args.num_train_epochs:g} without a positive --max_steps "
                           f"trains nothing: give --num_train_epochs (e.g. 3) or --max_steps (e.g. 1000).")
+    attention = model_args.attn_implementation
+    if attention not in ATTENTIONS and "/" not in attention and not attention.startswith("paged|"):  # hub kernels pass
+        import difflib
+
+        close = difflib.get_close_matches(attention, ATTENTIONS, n=1)
+        raise ConfigError(f"--attn_implementation {attention!r}" + (f": did you mean {close[0]}?" if close else ":")
+                          + f" use one of {', '.join(ATTENTIONS)} (or a hub kernel, e.g. kernels-community/flash-attn).")
     if data_args.packing and model_args.attn_implementation not in ("sdpa", "eager", "flex_attention",
                                                                    "flash_attention_2", "flash_attention_3"):
         raise ConfigError(f"--packing needs an attention that separates packed documents by position_ids "

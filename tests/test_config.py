@@ -141,6 +141,14 @@ def test_numbers_that_cannot_train_are_refused_before_loading():
     parse("--max_steps", "0", "--learning_rate", "0")
 
 
+def test_an_attention_that_does_not_exist_is_refused_before_loading():
+    # was: transformers' ValueError traceback once the data was prepared and the model loading
+    assert refused("--attn_implementation", "flash_attention2").startswith(
+        "--attn_implementation 'flash_attention2': did you mean flash_attention_2? use one of sdpa, eager")
+    assert "use one of" in refused("--attn_implementation", "foo")
+    parse("--attn_implementation", "eager")
+
+
 def test_train_prints_one_line_and_exits_2(capsys, tmp_path):
     from sft.train import main
 
