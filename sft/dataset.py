@@ -268,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     except UserFacingError as e:  # bad options, data, a model that cannot be found
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
+    except KeyboardInterrupt:
+        print("\nstopped (Ctrl-C) while preparing the data; nothing half-written was cached (a cache entry is "
+              "written whole or not at all): run the same command again.", file=sys.stderr)
+        return 130
     print(summary)
     return 0
 

@@ -8,6 +8,7 @@ The merged model is checked against the adapter on a fixed batch before anything
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -66,10 +67,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: the merged model's logits differ from the adapter's (relative error {error:.2e}); "
               "nothing was written.", file=sys.stderr)
         return 1
-    merged.to(getattr(torch, args.dtype)).save_pretrained(output)
-    tokenizer_source = adapter if (adapter / "tokenizer_config.json").is_file() else \
-        resolve_model_path(tuned.peft_config["default"].base_model_name_or_path)
-    AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(output)
+    try:
+        merged.to(getattr(torch, args.dtype)).save_pretrained(output)
+        tokenizer_source = adapter if (adapter / "tokenizer_config.json").is_file() else \
+            resolve_model_path(tuned.peft_config["default"].base_model_name_or_path)
+        AutoTokenizer.from_pretrained(tokenizer_source).save_pretrained(output)
+    except KeyboardInterrupt:  # a half-written model must not pass for a merged one (output was empty before)
+        for path in [output] if created else list(output.iterdir()):
+            if path.is_dir():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+        print(f"\nstopped (Ctrl-C) while writing {output}: the partial model was removed, the adapter is untouched. "
+              f"Run the same command again.", file=sys.stderr)
+        return 130
     print(f"Merged model ({args.dtype}, logits match the adapter: relative error {error:.1e}): {output}")
     return 0
 

@@ -108,3 +108,27 @@ def test_chat_and_merge_say_what_a_directory_is_instead_of_a_traceback(trained_a
     assert "is a file" in refused(merge, str(trained_adapter), str(tmp_path / "a-file"))
     assert not (tmp_path / "m").exists()
 
+
+
+def test_ctrl_c_in_merge_and_data_leaves_nothing_half_written(trained_adapter, tiny_llama, tmp_path, capsys,
+                                                               monkeypatch):
+    # was: a KeyboardInterrupt traceback, and merge left a half-written model that looked like a merged one
+    from transformers import PreTrainedModel
+
+    from sft import dataset
+
+    def interrupted_save(self, directory, *args, **kwargs):
+        (tmp_path / "merged" / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(PreTrainedModel, "save_pretrained", interrupted_save)
+    assert merge.main([str(trained_adapter), str(tmp_path / "merged")]) == 130
+    assert "stopped (Ctrl-C) while writing" in capsys.readouterr().err and not (tmp_path / "merged").exists()
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dataset, "prepare", interrupted)
+    assert dataset.main(["--model", str(tiny_llama), "--dataset", str(REPO / "data" / "alpaca_demo.json"),
+                         "--dataset_cache_dir", str(tmp_path / "cache")]) == 130
+    assert capsys.readouterr().err.strip().startswith("stopped (Ctrl-C) while preparing the data")
