@@ -16,7 +16,7 @@ from transformers import TrainingArguments
 
 from sft.argv import COMMON_TRAINING, Parser, apply_aliases, help_requested, short_help, unknown_options_message
 from sft.errors import ConfigError
-from sft.lowbit import SR_ADAMW
+from sft.lowbit import LOW_BIT_OPTIMIZERS, SR_ADAMW
 from sft.recipe import load_recipe, recipe_to_argv
 
 OUR_OPTIMIZERS = (SR_ADAMW,)  # --optim values beyond transformers' own
@@ -225,6 +225,21 @@ def check_optimizer_name(name: str) -> None:
                       + f" The names: {', '.join(names)}.")
 
 
+def check_low_bit_args(optim: str, args: dict[str, str]) -> None:
+    """torchao's AdamW 8/4-bit through transformers takes block_size and bf16_stochastic_round, ignores any other
+    key in silence (a misspelt bf16_stochastic_round would train without it) and fails on a bad value only once
+    the model has loaded."""
+    known = {"block_size", "bf16_stochastic_round"}
+    if set(args) - known:
+        raise ConfigError(f"--optim {optim}: unknown --optim_args {', '.join(sorted(set(args) - known))} (known: "
+                          f"{', '.join(sorted(known))}).")
+    rounding = args.get("bf16_stochastic_round", "false").lower()
+    if rounding not in ("y", "yes", "t", "true", "on", "1", "n", "no", "f", "false", "off", "0"):
+        raise ConfigError(f"--optim_args bf16_stochastic_round={args['bf16_stochastic_round']}: give True or False.")
+    if not args.get("block_size", "1").isdigit() or int(args.get("block_size", "1")) < 1:
+        raise ConfigError(f"--optim_args block_size={args['block_size']}: give a positive whole number (e.g. 128).")
+
+
 def liger_config_from_json(text: str) -> dict[str, bool]:
     try:
         config = json.loads(text)
@@ -364,13 +379,16 @@ def validate(model_args: ModelArguments, data_args: DataArguments, lora_args: Lo
     if model_args.fp8 and lora_args.qlora:
         raise ConfigError("--fp8 with --qlora: the base is already 4-bit (bitsandbytes computes it in bf16); use "
                           "one of them.")
-    if training_args.optim == SR_ADAMW:  # its --optim_args, now rather than when the Trainer builds it
+    if training_args.optim in (SR_ADAMW, *LOW_BIT_OPTIMIZERS):  # --optim_args now, not once the model has loaded
         from sft.sr_adamw import optimizer_kwargs
 
         pairs = [kv.split("=", 1) for kv in (training_args.optim_args or "").replace(" ", "").split(",") if kv]
         if any(len(pair) != 2 for pair in pairs):
             raise ConfigError(f"--optim_args {training_args.optim_args!r}: give key=value pairs, comma-separated.")
-        optimizer_kwargs(dict(pairs), training_args.seed)
+        if training_args.optim == SR_ADAMW:
+            optimizer_kwargs(dict(pairs), training_args.seed)
+        else:
+            check_low_bit_args(getattr(training_args.optim, "value", training_args.optim), dict(pairs))
     if lora_args.lora and lora_args.lora_r <= 0:
         raise ConfigError(f"--lora_r {lora_args.lora_r}: the rank must be positive.")
     for option, value, fits, wanted in (  # else a traceback once the model has loaded, or a run that trains nothing

@@ -149,6 +149,17 @@ def test_an_attention_that_does_not_exist_is_refused_before_loading():
     parse("--attn_implementation", "eager")
 
 
+def test_torchao_optim_args_are_checked_before_loading():
+    # bf16_stochastic_round=maybe was a ValueError traceback once the model had loaded; a misspelt key was ignored
+    assert refused("--optim", "adamw_torch_4bit", "--optim_args", "bf16_stochastic_round=maybe") == \
+        "--optim_args bf16_stochastic_round=maybe: give True or False."
+    assert refused("--optim", "adamw_torch_8bit", "--optim_args", "bf16_stochastic_rounding=True") == (
+        "--optim adamw_torch_8bit: unknown --optim_args bf16_stochastic_rounding (known: bf16_stochastic_round, "
+        "block_size).")
+    assert "positive whole number" in refused("--optim", "adamw_torch_8bit", "--optim_args", "block_size=x")
+    parse("--optim", "adamw_torch_8bit", "--optim_args", "bf16_stochastic_round=True,block_size=128")
+
+
 def test_train_prints_one_line_and_exits_2(capsys, tmp_path):
     from sft.train import main
 
