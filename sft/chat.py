@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     args = parser.parse_args(argv)
     path = Path(args.model)
-    from sft.checkpoints import check_trained_dir
+    from sft.trained_dirs import check_trained_dir
     from sft.errors import UserFacingError
 
     try:

@@ -331,7 +331,7 @@ def check_resume_matches(checkpoint: str | None, model_args, lora_args, argv: li
     if checkpoint is None:
         return
     path = Path(checkpoint)
-    adapter, config = _json_or_none(path / "adapter_config.json"), _json_or_none(path / "config.json")
+    adapter, config = read_json_object(path / "adapter_config.json"), read_json_object(path / "config.json")
     if adapter is None and config is None:
         return  # a layout we do not read (e.g. DeepSpeed's or FSDP's shards alone): the Trainer checks it
     lora = lora_args.lora or lora_args.qlora
@@ -390,49 +390,7 @@ def _names(targets, key: str) -> set[str]:
     return {name.rsplit(".", 1)[-1] if key == "target_modules" else name for name in names}
 
 
-def check_trained_dir(path: Path, adapter_only: bool = False) -> None:
-    """What sft.chat and sft.merge are given must be a saved model or LoRA adapter (an output directory or one of its
-    checkpoints) whose base can be loaded; else a UserFacingError that says what it is and what to give instead."""
-    from sft.errors import ModelNotFoundError
-    from sft.model import resolve_model_path
-
-    adapter, config = _json_or_none(path / "adapter_config.json"), _json_or_none(path / "config.json")
-    if adapter is None and (adapter_only or config is None):
-        files = ("adapter_config.json",) if adapter_only else ("adapter_config.json", "config.json")
-        if not path.is_dir():
-            found = "no such directory" if not path.exists() else "a file, not a directory"
-        elif any((path / name).exists() for name in files):
-            found = f"its {' or '.join(name for name in files if (path / name).exists())} is not readable JSON"
-        elif adapter_only and config is not None:
-            found = "a full model, not a LoRA adapter (it needs no merge)"
-        else:
-            found = f"it holds no {' or '.join(files)}"
-        newest = newest_complete(path) if path.is_dir() else None
-        hint = (f"it holds checkpoints of a run that did not finish: give the newest complete one, {newest}" if newest
-                else f"give the --output_dir of a finished {'--lora ' if adapter_only else ''}run, or one of its "
-                     f"checkpoint-N directories")
-        raise ConfigError(f"{path}: {found}; {hint}.")
-    if adapter is not None:
-        if "peft_type" not in adapter:
-            raise ConfigError(f"{path}/adapter_config.json is not a peft adapter's config (no peft_type).")
-        base, where = adapter.get("base_model_name_or_path"), path / "adapter_config.json"
-        if not base:
-            raise ConfigError(f"{where} names no base model (base_model_name_or_path): set it to the base's "
-                              f"directory or hub id.")
-        try:
-            resolve_model_path(str(base), "its base model")
-        except ModelNotFoundError as e:
-            raise ModelNotFoundError(f"{path} is a LoRA adapter whose base cannot be loaded ({str(e).split('. ')[0]}). "
-                                     f"Make the base available there (put it back, or download it), or set "
-                                     f"base_model_name_or_path in {where} to where it is now.") from None
-    weights = "adapter_model.safetensors" if adapter is not None else "*.safetensors"
-    if not any(path.glob(weights)):
-        raise ConfigError(f"{path} holds a {'adapter_config' if adapter is not None else 'config'}.json but no "
-                          f"weights ({weights}): a save that did not finish, or only a config. Give a finished "
-                          f"run's --output_dir or a complete checkpoint-N.")
-
-
-def _json_or_none(path: Path) -> dict | None:
+def read_json_object(path: Path) -> dict | None:
     try:
         value = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="dtype of the saved merged weights (merging itself runs in float32)")
     args = parser.parse_args(argv)
     adapter, output = Path(args.adapter), Path(args.output)
-    from sft.checkpoints import check_trained_dir
+    from sft.trained_dirs import check_trained_dir
     from sft.errors import UserFacingError
 
     try:

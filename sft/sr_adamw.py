@@ -244,7 +244,10 @@ def optimizer_kwargs(optim_args: dict[str, str], seed: int) -> dict:
         raise ConfigError(f"--optim_args seed={optim_args['seed']}: give a whole number")
     kwargs: dict = {"seed": int(optim_args.get("seed", seed)), "state_dtype": optim_args.get("state_dtype", "bfloat16")}
     if "compile" in optim_args:
-        kwargs["compile"] = optim_args["compile"].lower() in ("1", "true", "yes")
+        value = optim_args["compile"].lower()
+        if value not in ("1", "true", "yes", "0", "false", "no"):
+            raise ConfigError(f"--optim_args compile={optim_args['compile']}: give true or false")
+        kwargs["compile"] = value in ("1", "true", "yes")
     return kwargs
 
 

@@ -181,7 +181,8 @@ def test_optim_name_parses_and_the_trainer_builds_it(tmp_path):
     assert not rounds_stochastically("adamw_torch_fused", None)
     assert rounds_stochastically("adamw_torch_8bit", "bf16_stochastic_round=True")
     for optim_args, message in (("state_dtype=float16", "state_dtype=float16: use bfloat16"),
-                                ("block_size=128", "unknown --optim_args block_size"), ("seed", "key=value")):
+                                ("block_size=128", "unknown --optim_args block_size"), ("seed", "key=value"),
+                                ("compile=maybe", "compile=maybe: give true or false")):
         with pytest.raises(ConfigError, match=message):  # while parsing, before any model loads
             parse_args(["--optim", "adamw_bf16_sr", "--optim_args", optim_args])
     args.optim_args = "block_size=128"
