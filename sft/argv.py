@@ -27,7 +27,7 @@ class Alias:
     value: Callable[[str], list[str]] | None = None  # their value -> our option's values ([] drops the option)
 
 
-def _split_list(value: str) -> list[str]:
+def split_names(value: str) -> list[str]:
     """LLaMA-Factory's `lora_target: q_proj,v_proj` (and `all`) -> our list of module names."""
     names = [v.strip() for v in value.replace(",", " ").split() if v.strip()]
     return ["all-linear"] if names == ["all"] else names
@@ -55,7 +55,7 @@ ALIASES: dict[str, Alias] = {
     "sequence_len": Alias("max_length", "Axolotl"),
     "max_seq_length": Alias("max_length", "TRL < 0.20"),
     "lora_rank": Alias("lora_r", "LLaMA-Factory"),
-    "lora_target": Alias("lora_target_modules", "LLaMA-Factory", _split_list),
+    "lora_target": Alias("lora_target_modules", "LLaMA-Factory", split_names),
     "finetuning_type": Alias("lora", "LLaMA-Factory", _method),
     "adapter": Alias("lora", "Axolotl", _method),
     "micro_batch_size": Alias("per_device_train_batch_size", "Axolotl"),

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from transformers import TrainingArguments
 
-from sft.argv import COMMON_TRAINING, Parser, apply_aliases, help_requested, short_help, unknown_options_message
+from sft.argv import (COMMON_TRAINING, Parser, apply_aliases, help_requested, short_help, split_names,
+                      unknown_options_message)
 from sft.errors import ConfigError
 from sft.lowbit import LOW_BIT_OPTIMIZERS, SR_ADAMW
 from sft.recipe import load_recipe, recipe_to_argv
@@ -99,6 +100,10 @@ class LoraArguments:
         "help": "DeepSeek-V2/V3 (MoE): also adapt the routed experts (LoRA on the fused expert weights). Without "
                 "it a MoE LoRA adapts the MLA projections, the dense layers' MLP and the shared experts; the "
                 "router is never adapted."})
+
+    def __post_init__(self):
+        if self.lora_target_modules:  # `q_proj, v_proj` (one YAML string, as LLaMA-Factory writes it) or `all`
+            self.lora_target_modules = [name for value in self.lora_target_modules for name in split_names(value)]
 
 
 @dataclass

@@ -68,3 +68,16 @@ def test_a_bad_recipe_line_names_the_recipe(tmp_path):
     assert refused("max_steps: [1, 2]").startswith(f"{recipe}: unexpected value(s) 2: an option takes one value")
     assert refused("cutoff_len: 64", "--lora_rnk", "8").startswith("unknown option(s): --lora_rnk")  # the command line's
     assert refused("lora_r: 8", "--max_steps", "3", "4").startswith("unexpected value(s) 4")
+
+
+def test_lora_target_modules_as_one_comma_separated_string(tmp_path):
+    """`lora_target_modules: q_proj, v_proj` (a YAML string, as LLaMA-Factory writes its targets) and
+    `--lora_target_modules q_proj,v_proj` are two module names, not one; `all` is every linear layer."""
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("model: some/model\ndataset: a.json\nlora: true\nlora_target_modules: q_proj, v_proj\n")
+    assert parse_args(["--config", str(recipe)])[2].lora_target_modules == ["q_proj", "v_proj"]
+    lora_args = parse_args(["--model", "m", "--dataset", "a.json", "--lora", "--lora_target_modules", "q_proj,v_proj",
+                            "o_proj"])[2]
+    assert lora_args.lora_target_modules == ["q_proj", "v_proj", "o_proj"]
+    assert parse_args(["--model", "m", "--dataset", "a.json", "--lora_target_modules", "all"])[2].lora_target_modules \
+        == ["all-linear"]
