@@ -842,6 +842,21 @@ def prediction_line(plan: Plan) -> str:
             f"{p.reserved_gib:.1f} GiB reserved by PyTorch), ~{plan.tok_s:,.0f} tok/s")
 
 
+def nothing_planned_line(model: str, lora: bool, machine=None) -> str:
+    """`--plan auto` that set nothing: why, in one line for the run's first screen (`machine`: this one when None)."""
+    from sft.machine import machine as this_machine
+
+    m = machine or this_machine()
+    if not m.cuda:
+        return "Plan (--plan auto): nothing set: this machine has no CUDA GPU (the planner plans GPUs); the options " \
+               "stay as given."
+    gpus = max(1, m.launch.world_size if m.launch.launched else m.gpus)
+    mem = min(m.gpu_memory_gib) if m.gpu_memory_gib else 24.0
+    return (f"Plan (--plan auto): nothing set: no plan fits {gpus} x {mem:.0f} GiB; the options stay as given. "
+            f"`python -m sft.plan --model {model} --gpus {gpus} --gpu_mem {mem:.0f}{' --lora' if lora else ''}` says "
+            f"why each does not fit.")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Command line
 

@@ -49,7 +49,7 @@ from sft.model import (PartialCheckpointing, check_lora_targets, load_config, lo
                        record_quantized_base, resolve_model_path)
 from sft.moe import MoeLoadLogger, add_aux_loss, install_moe
 from sft.packing import Collator
-from sft.plan import prediction_line
+from sft.plan import nothing_planned_line, prediction_line
 from sft.run_lock import RunLock
 from sft.sr_adamw import fold_clipping
 from sft.telemetry import EvalPerplexity, GpuTelemetry, RunRecord, run_summary
@@ -151,6 +151,8 @@ def train(run: Run, seams: Seams) -> int:
         if planned:
             print(f"Plan (--plan auto) set: {' '.join(f'--{k} {v}' for k, v in planned[0].items()) or 'nothing'}\n"
                   f"{prediction_line(planned[1])}", flush=True)
+        elif training_args.plan == "auto":
+            print(nothing_planned_line(model_args.model, lora_args.lora), flush=True)
         print(f"Loading model: {model_args.model}", flush=True)
 
     fsdp_training_settings(training_args, lora_args.lora)  # activation checkpointing; sharded gradients

@@ -139,6 +139,18 @@ def test_plan_auto_through_the_command_line():
         parse_args(["--model", "m", "--dataset", data, "--plan", "sometimes"])
 
 
+def test_plan_auto_that_sets_nothing_says_why():
+    """No GPU, or no plan that fits: one line on the first screen instead of silence."""
+    from sft.machine import Machine
+
+    cpu = Machine(gpu_names=(), gpu_memory_gib=(), bf16=False, host_ram_gib=32, host_ram_available_gib=30)
+    assert "no CUDA GPU" in plan.nothing_planned_line("deepseek-llm-7b", False, cpu)
+    small = Machine(gpu_names=("NVIDIA GeForce GTX 1080",) * 3, gpu_memory_gib=(8.0,) * 3, bf16=False, host_ram_gib=16,
+                    host_ram_available_gib=12)
+    line = plan.nothing_planned_line("deepseek-llm-7b", True, small)
+    assert "no plan fits 3 x 8 GiB" in line and "python -m sft.plan --model deepseek-llm-7b --gpus 3 --gpu_mem 8 --lora" in line
+
+
 def test_host_ram_of_the_offload_rows_within_10_percent():
     """Host RAM (RSS summed over the launch's processes) predicted against measured where the planner's estimate
     decides something: the offload plans. Rows without offload are not checked: the same configuration measured
