@@ -193,6 +193,10 @@ MATRIX += [
     Row("lora-1-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--compile_layers", "true"), timeout=420),
     Row("lora-1-fp8-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--fp8", "true", "--compile_layers", "true"),
         timeout=420),
+    # ... and with DDP on every GPU (issue 15: the box's LoRA scaling >= 0.95 N)
+    Row("lora-ddp-fp8-compile", "lora", "ddp", 0, micro_batch=4,
+        args=(*LORA_FAST, *NO_UNUSED, "--fp8", "true", "--compile_layers", "true"), scaling_of="lora-1-fp8-compile",
+        timeout=420),
     # DeepSeek-V2-Lite on ONE 24 GiB card: its 29 GiB bf16 base only fits with the weights in host RAM (ZeRO-3
     # parameter offload; sft/plan.py's only plan that fits one card)
     Row("moe-lora-offload-1", "lora", "zero3_offload", 1, model="deepseek-v2-lite", micro_batch=4, warmup=2,
@@ -241,6 +245,9 @@ GROUPS = {
     "moe": ["moe-lora", "trl-moe-lora"],
     # two GPUs held to 24 GiB: V2-Lite sharded, DDP scaling of the LoRA plan, the recipes
     "x2": ["moe-lora-z3-2", "lora-1", "lora-ddp", "recipe-coder-lora", "recipe-r1-lora"],
+    # issue 15 on two or three GPUs held to 24 GiB: the LoRA plan's DDP scaling, the full plan on a fresh machine
+    # against the peers' offload recipe (run with --fresh_cache)
+    "box": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit", "peer-mb1"],
     "recipes": ["recipe-coder-lora", "recipe-r1-lora", "recipe-v2-lite-lora"],
     # not measured yet (2026-12-02, 08:00): the compiled layers rounding as eager does (their speed), beside the
     # plain compiled row and TRL (TRL first: its first step compiles for ~240 s on a fresh machine); then V2-Lite
