@@ -7,7 +7,6 @@ use; a bad value is one `error:` line, never argparse's usage block.
 
 from __future__ import annotations
 
-import argparse
 import difflib
 import os
 import sys
@@ -118,13 +117,6 @@ class Parser(HfArgumentParser):
 
     def error(self, message: str):
         raise ConfigError(f"{message.rstrip('.')}. `python sft/train.py --help` lists the options.")
-
-
-class ToolParser(argparse.ArgumentParser):
-    """argparse for the user tools (sft.chat, sft.merge): an error is one line and exit code 2, not a usage block."""
-
-    def error(self, message: str):
-        self.exit(2, f"error: {message} ({self.prog} --help)\n")
 
 
 def known_options(parser: HfArgumentParser) -> list[str]:

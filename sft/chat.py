@@ -70,7 +70,7 @@ def reply(model, tokenizer, template, messages: list[dict], max_new_tokens: int,
 def main(argv: list[str] | None = None) -> int:
     from sft.templates import TEMPLATE_NAMES
 
-    from sft.argv import ToolParser
+    from sft.console import ToolParser
 
     parser = ToolParser(prog="python -m sft.chat", description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a trained output directory (model or LoRA adapter)")

@@ -19,6 +19,7 @@ of the same libraries still show.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import shlex
@@ -195,3 +196,11 @@ def closing_lines(output_dir: str, lora: bool, tensorboard: str | None) -> str:
     if tensorboard:
         lines.append(f"  tensorboard --logdir {shlex.quote(tensorboard)}")
     return "\n".join(lines)
+
+
+class ToolParser(argparse.ArgumentParser):
+    """argparse for the user tools (sft.chat, sft.merge, sft.plan): an error is one line and exit code 2, not a
+    usage block."""
+
+    def error(self, message: str):
+        self.exit(2, f"error: {message} ({self.prog} --help)\n")

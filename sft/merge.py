@@ -14,7 +14,7 @@ from pathlib import Path
 
 
 def main(argv: list[str] | None = None) -> int:
-    from sft.argv import ToolParser
+    from sft.console import ToolParser
 
     parser = ToolParser(prog="python -m sft.merge", description=__doc__.split("\n\n")[0])
     parser.add_argument("adapter", help="directory of the trained adapter (the training --output_dir)")

@@ -28,6 +28,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from sft.console import ToolParser
 from sft.recipe import load_recipe
 from sft.strategies import PRECISION_OPTIONS, REPO, STRATEGIES, Setup, StateBytes, Strategy
 
@@ -779,6 +780,11 @@ def shown_gib(plan: Plan) -> float:
     return min(plan.prediction.smi_gib, plan.machine_card)
 
 
+def cards(m) -> tuple[int, float]:
+    """The GPUs a plan is for (the launch's processes, else the machine's) and the smallest one's GiB."""
+    return max(1, m.launch.world_size if m.launch.launched else m.gpus), min(m.gpu_memory_gib or (24.0,))
+
+
 def fill_options(model_args, lora_args, data_args, training_args, machine=None, given: set[str] | None = None):
     """`sft/train.py --plan auto`: set the strategy options the planner predicts, leaving every option the user
     gave (`given`: option names) alone. -> (what was set {name: value}, the chosen Plan or None).
@@ -789,8 +795,7 @@ def fill_options(model_args, lora_args, data_args, training_args, machine=None, 
     m = machine or this_machine()
     if not m.cuda:
         return {}, None  # nothing to plan without GPUs: the options stay as given
-    gpus = max(1, m.launch.world_size if m.launch.launched else m.gpus)
-    mem = min(m.gpu_memory_gib) if m.gpu_memory_gib else 24.0
+    gpus, mem = cards(m)
     peak = next((v for k, v in __import__("sft.callbacks", fromlist=["PEAK_FLOPS"]).PEAK_FLOPS.items()
                  if m.gpu_names and k in m.gpu_names[0]), 165e12)
     shape = resolve_shape(model_args.model)
@@ -850,8 +855,7 @@ def nothing_planned_line(model: str, lora: bool, machine=None) -> str:
     if not m.cuda:
         return "Plan (--plan auto): nothing set: this machine has no CUDA GPU (the planner plans GPUs); the options " \
                "stay as given."
-    gpus = max(1, m.launch.world_size if m.launch.launched else m.gpus)
-    mem = min(m.gpu_memory_gib) if m.gpu_memory_gib else 24.0
+    gpus, mem = cards(m)
     return (f"Plan (--plan auto): nothing set: no plan fits {gpus} x {mem:.0f} GiB; the options stay as given. "
             f"`python -m sft.plan --model {model} --gpus {gpus} --gpu_mem {mem:.0f}{' --lora' if lora else ''}` says "
             f"why each does not fit.")
@@ -860,13 +864,8 @@ def nothing_planned_line(model: str, lora: bool, machine=None) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # Command line
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        self.exit(2, f"error: {message} (python -m sft.plan --help)\n")
-
-
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="deepseek-sft plan", description="Predict GPU memory, host RAM and speed of every "
+    p = ToolParser(prog="deepseek-sft plan", description="Predict GPU memory, host RAM and speed of every "
                 "strategy x checkpointing x micro-batch for a model on this box, and recommend the fastest "
                 "plan that fits.", epilog="Offline for the built-in DeepSeek shapes: " + ", ".join(SHAPES) + ".")
     p.add_argument("--model", help="hub id, local directory (config.json) or family name")
