@@ -6,7 +6,7 @@ eager `--fp8` and every CPU comparison agreed (bench/RESULTS.md, run 20261201T21
     python bench/compile_check.py --attn flex_attention   # the bench rows' attention (GPU only: its backward)
     python bench/compile_check.py --cpu_smoke         # the plumbing on a CPU: tiny shapes
 
-For each case (bf16 base, FP8 base; each eager, compiled as sft/regional_compile.py does, and compiled with
+For each case (bf16 base, FP8 base; each eager, compiled as sft/speed/regional_compile.py does, and compiled with
 inductor's epilogue fusion off), LoRA (r16, B nonzero so every adapter weight gets a gradient) on a random-init
 LlamaForCausalLM, one forward and backward of packed rows under bf16 autocast, the same batch and weights: the loss,
 the whole gradient's norm against the eager one's, the cosine of the two, and the worst tensor. The eager bf16 run
@@ -23,7 +23,7 @@ any layer. A JSON line at the end; exit status 1 on a FAIL.
 Run 20261202T0020Z-A (H200, torch 2.11) found it: with the FP8 matmul an autograd.Function traced into the compiled
 layer, the single compiled Fp8Linear gave the right output and an input gradient of zero, whether inductor lowered
 `_scaled_mm` itself or called it as an opaque op, and whether the quantization was fused or opaque (gradient norm
-x0.18 over two layers). sft/fp8.py now makes the forward and the input gradient custom ops with their autograd
+x0.18 over two layers). sft/speed/fp8.py now makes the forward and the input gradient custom ops with their autograd
 formula registered.
 """
 
@@ -58,8 +58,8 @@ def base_model(args):
 def lora_model(base, fp8: bool, compiled: bool, device):
     from peft import LoraConfig, get_peft_model
 
-    from sft.fp8 import use_fp8_base
-    from sft.regional_compile import compile_decoder_layers
+    from sft.speed.fp8 import use_fp8_base
+    from sft.speed.regional_compile import compile_decoder_layers
 
     torch.manual_seed(1)
     model = get_peft_model(copy.deepcopy(base), LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
@@ -108,7 +108,7 @@ def single_linear(args) -> dict:
     FP8 matmul and its quantizations alone, outside any layer."""
     from torch import nn
 
-    from sft.fp8 import Fp8Linear
+    from sft.speed.fp8 import Fp8Linear
 
     torch.manual_seed(3)
     k, n, rows = (64, 128, 256) if args.cpu_smoke else (4096, 11008, 4096)

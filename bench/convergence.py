@@ -8,18 +8,18 @@ same batches in the same order, with the same LR schedule, in one process, one v
   ref        fp32 weights, torch AdamW (fused), bf16 autocast                    the reference
   ref-seed1  the same with seed + 1 (another init and data order)             the seed-to-seed noise
   sr8        bf16 weights, torchao 8-bit AdamW, bf16 stochastic rounding      --optim adamw_torch_8bit
-  sr4        the same with 4-bit states (block 128, as sft/plan.py gives it)  --optim adamw_torch_4bit
+  sr4        the same with 4-bit states (block 128, as sft/plan/planner.py gives it)  --optim adamw_torch_4bit
   sr16       bf16 weights, bf16 states, stochastic rounding (torchao _AdamW)
   sr16ours   the same with ours (bf16 states rounded stochastically too)  --optim adamw_bf16_sr
   bf16plain  bf16 weights, torch AdamW (fused): what TRL does                 the negative control
   fp8        fp32 weights, torchao float8 training (tensorwise) on every Linear but lm_head, bf16 autocast
   fp8rw      the same with the rowwise recipe
 
-The optimizers are built as our trainer builds them: `sft.lowbit.prepare_optimizer` (torchao patches), then
+The optimizers are built as our trainer builds them: `sft.speed.lowbit.prepare_optimizer` (torchao patches), then
 transformers' `Trainer.get_optimizer_cls_and_kwargs` and its weight-decay grouping. A new optimizer is one entry in
 OPTIMIZERS (by name) and one in VARIANTS.
 
-Data: ../shared/datasets (alpaca_sample.json, oasst1_sample.jsonl) read by sft.formats (an OASST tree: one
+Data: ../shared/datasets (alpaca_sample.json, oasst1_sample.jsonl) read by sft.data.formats (an OASST tree: one
 document, each message once), each conversation rendered as plain text (turns joined by a blank line) + EOS.
 Every 10th document (file order, fixed whatever the seed) is held out for eval; the rest is concatenated and cut
 into rows of --seq_len, shuffled per epoch by the seed. 303,832 tokens in all, 269 training rows and 26 eval rows
@@ -97,13 +97,13 @@ def decay_groups(model, weight_decay: float) -> list[dict]:
 
 
 def trainer_optimizer(optim: str, optim_args: str | None = None) -> OptimizerFactory:
-    """What `sft/train.py --optim OPTIM --optim_args ARGS` builds: sft.lowbit's patches, then the Trainer's class and
+    """What `sft/train.py --optim OPTIM --optim_args ARGS` builds: sft.speed.lowbit's patches, then the Trainer's class and
     keyword arguments for that name."""
     def build(model, hp: Hyper):
         from transformers import Trainer
 
-        from sft.config import SFTTrainingArguments as TrainingArguments  # ours: it also takes adamw_bf16_sr
-        from sft.lowbit import prepare_optimizer
+        from sft.options.arguments import SFTTrainingArguments as TrainingArguments  # ours: it also takes adamw_bf16_sr
+        from sft.speed.lowbit import prepare_optimizer
 
         prepare_optimizer(optim)
         with tempfile.TemporaryDirectory() as tmp:
@@ -128,7 +128,7 @@ OPTIMIZERS: dict[str, OptimizerFactory] = {
     "adamw_torch_8bit+sr": trainer_optimizer("adamw_torch_8bit", "bf16_stochastic_round=True"),
     "adamw_torch_4bit+sr": trainer_optimizer("adamw_torch_4bit", "bf16_stochastic_round=True,block_size=128"),
     "torchao_adamw_bf16+sr": torchao_adamw_sr,
-    "adamw_bf16_sr": trainer_optimizer("adamw_bf16_sr"),  # ours: sft/sr_adamw.py
+    "adamw_bf16_sr": trainer_optimizer("adamw_bf16_sr"),  # ours: sft/speed/sr_adamw.py
 }
 
 
@@ -171,8 +171,8 @@ def documents(data_dir: Path, max_docs: int | None) -> list[str]:
     """Plain-text documents of both files, in file order: a conversation's turns joined by a blank line. An OASST
     tree becomes one document: our reader gives every root-to-leaf thread of it, and each message is kept once, so
     no text is repeated, within the training data or across the train/eval boundary."""
-    from sft.formats import ReadOptions, read_conversations
-    from sft.templates import user_text
+    from sft.data.formats import ReadOptions, read_conversations
+    from sft.data.templates import user_text
 
     docs = []
     for name in DATA_FILES:

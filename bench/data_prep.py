@@ -4,8 +4,8 @@ Both sides start from the same records in memory and end with packed training ro
 document boundaries) of at most --max_length tokens, with the DeepSeek-Coder chat template (the tokenizer's own),
 assistant-only labels, best-fit-decreasing packing and 2 worker processes:
 
-- ours: records -> conversations (sft.formats) -> template + tokenize + mask (sft.tokenization, datasets.map)
-  -> pack (sft.packing), i.e. what `sft.dataset.prepare` runs, without its cache;
+- ours: records -> conversations (sft.data.formats) -> template + tokenize + mask (sft.data.tokenization, datasets.map)
+  -> pack (sft.data.packing), i.e. what `sft.data.dataset.prepare` runs, without its cache;
 - TRL: records -> `messages` -> `SFTTrainer._prepare_dataset` with SFTConfig(packing=True, max_length=...,
   assistant_only_loss=True, dataset_num_proc=2): the preparation SFTTrainer.__init__ runs before training. It needs
   `{% generation %}` markers for assistant_only_loss, so it gets the same template with those markers added (the
@@ -48,8 +48,8 @@ def with_generation_markers(template: str) -> str:
 def trl_messages(records: list) -> list[dict]:
     """Alpaca records as TRL's conversational rows: the conversations our reader makes of them (an Alpaca input
     joins its instruction; placeholders dropped), as `messages` (also bench/train_throughput.py's TRL rows)."""
-    from sft.formats import alpaca_conversation
-    from sft.templates import user_text
+    from sft.data.formats import alpaca_conversation
+    from sft.data.templates import user_text
 
     return [{"messages": [{"role": m["role"], "content": user_text(m) if m["role"] == "user" else m["content"]}
                           for m in alpaca_conversation(r, "")["messages"]]} for r in records]
@@ -73,14 +73,14 @@ def distinct_copy(record: dict, i: int, period: int) -> dict:
 
 
 def ours_prepare(records: list, tokenizer, max_length: int, num_proc: int):
-    from sft.config import DataArguments
-    from sft.dataset import finish, tokenize
-    from sft.formats import ReadOptions, ReadStats, convert_records
-    from sft.templates import get_template
+    from sft.options.arguments import DataArguments
+    from sft.data.dataset import finish, tokenize
+    from sft.data.formats import ReadOptions, ReadStats, convert_records
+    from sft.data.templates import get_template
 
     args = DataArguments(dataset=["bench"], template="deepseek_coder", max_length=max_length, packing=True,
                          num_proc=num_proc)
-    # What the reader does with the records of a file (sft.formats.read_conversations), from memory.
+    # What the reader does with the records of a file (sft.data.formats.read_conversations), from memory.
     conversations = convert_records(((r, f"bench:{i}") for i, r in enumerate(records)), "alpaca", ReadStats(),
                                     ReadOptions())
     template = get_template(args.template, tokenizer)
@@ -163,7 +163,7 @@ def main() -> None:
         sample, tokenize=False)
 
     messages = trl_messages(records)
-    import sft.dataset  # noqa: F401  (imports are not preparation: both sides import before the clock starts)
+    import sft.data.dataset  # noqa: F401  (imports are not preparation: both sides import before the clock starts)
     import trl
 
     our_times, trl_times, our_cpu, trl_cpu = [], [], [], []

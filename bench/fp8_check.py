@@ -1,4 +1,4 @@
-"""`--fp8` (sft/fp8.py: LoRA's frozen base in FP8) on one FP8 GPU: per-layer speed, then the loss over 50 steps
+"""`--fp8` (sft/speed/fp8.py: LoRA's frozen base in FP8) on one FP8 GPU: per-layer speed, then the loss over 50 steps
 against the bf16 path's own seed-to-seed spread, through our real entry point. PASS/FAIL lines, a JSON summary
 line at the end, exit status 1 on a FAIL.
 
@@ -81,7 +81,7 @@ def layers(args) -> dict:
     import torch
     from torch import nn
 
-    from sft.fp8 import Fp8Linear, _compiled_quantize
+    from sft.speed.fp8 import Fp8Linear, _compiled_quantize
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     shapes = [("tiny", 64, 128)] if args.cpu_smoke else SHAPES_7B

@@ -5,7 +5,7 @@ not numbers: some pairs form bf16 NaN patterns. FSDP2 all-gathers a unit's param
 all of them share one dtype it copies them as floats with torch._foreach_copy_, which on CUDA writes every NaN
 as the one canonical NaN (pytorch issue 159333; on CPU the bits survive, which is why CPU tests passed). Part
 of the 4-bit base changes at every all-gather. When a unit's dtypes differ, FSDP2 copies raw bytes (uint8).
-sft/fsdp.py's fix: no all-gather cast (`param_dtype=None`), so each layer's unit holds the fp32 adapter beside
+sft/parallel/fsdp.py's fix: no all-gather cast (`param_dtype=None`), so each layer's unit holds the fp32 adapter beside
 the bf16-stored 4-bit weights and is gathered as bytes.
 
     python bench/fsdp_qlora_bytes.py --run_id R [--results bench/results.jsonl]   # starts its two ranks
@@ -16,7 +16,7 @@ under raw `fully_shard` (each decoder layer and the root) on two ranks (torch 2.
 NCCL with two GPUs, else gloo with both ranks on one GPU: the copies are the GPU's either way) against the same
 model unsharded, with
 accelerate's policy (param_dtype bf16) and with ours (param_dtype None, reduce fp32); (3) the same through
-sft.fsdp's own guard, which must refuse the unsafe layout and accept ours.
+sft.parallel.fsdp's own guard, which must refuse the unsafe layout and accept ours.
 """
 
 from __future__ import annotations
@@ -72,8 +72,8 @@ def tiny_base(path: Path) -> None:
 def qlora_model(base: Path):
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from sft.config import LoraArguments
-    from sft.model import attach_lora, qlora_quantization_kwargs
+    from sft.options.arguments import LoraArguments
+    from sft.model.loading import attach_lora, qlora_quantization_kwargs
 
     config = BitsAndBytesConfig(**qlora_quantization_kwargs(torch.bfloat16, torch.bfloat16, fsdp=True))
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16, quantization_config=config,
@@ -116,7 +116,7 @@ def main() -> int:
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from sft.fsdp import float_gathered_4bit_units, qlora_policy
+    from sft.parallel.fsdp import float_gathered_4bit_units, qlora_policy
 
     changed = bit_patterns()
     report("bit_patterns/foreach_bf16", True, f"bf16 patterns changed by each copy: {changed}")

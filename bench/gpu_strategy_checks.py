@@ -48,7 +48,7 @@ def build_model(path: Path, small: bool) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
 
-    from sft.tiny import ensure_tiny_model
+    from sft.model.tiny import ensure_tiny_model
 
     if (path / "config.json").exists():
         return path
@@ -331,7 +331,7 @@ def run_tp(args, model: Path, work: Path, port: int) -> None:
     if check_training(name, rc, log, out, args, "tp", seconds):
         saved = check_save(name, out, "tp", False, model)
         # transformers checkpoints only the weights of a model sharded at load time; sft adds the sharded
-        # training state (sft/tensor_parallel.py), which the resume below reads
+        # training state (sft/parallel/tensor_parallel.py), which the resume below reads
         checkpoints = sorted(out.glob("checkpoint-*"))
         resumable = [c.name for c in checkpoints if (c / "tp_state").is_dir() and (c / "scheduler.pt").is_file()]
         report(f"{name}/resumable_checkpoints", bool(checkpoints) and len(resumable) == len(checkpoints),

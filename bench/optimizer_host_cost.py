@@ -5,7 +5,7 @@ that what is timed is the per-call cost, not the arithmetic.
     python bench/optimizer_host_cost.py            # CPU or GPU; prints ms per step for each
 
 Why: on an H200 the full fine-tune with adamw_bf16_sr took 27 ms more per step than TRL's plain bf16 AdamW with the
-same matmul time (bench/RESULTS.md, run 20261201T2200Z-compile-full). sft/guards.py's NaN check reads the gradients'
+same matmul time (bench/RESULTS.md, run 20261201T2200Z-compile-full). sft/safety/guards.py's NaN check reads the gradients'
 norm on the host right before the optimizer step, so the GPU waits while the host issues that step: a host-bound
 step shows up whole.
 """
@@ -20,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sft.sr_adamw import AdamWBf16SR  # noqa: E402
+from sft.speed.sr_adamw import AdamWBf16SR  # noqa: E402
 
 
 def ms_per_step(optimizer, device: str, steps: int = 20) -> float:

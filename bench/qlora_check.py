@@ -10,11 +10,11 @@ the real DeepSeek-Coder tokenizer; train it twice with the same data and options
 batch, --max_steps, activation checkpointing, --bf16), `--lora` then `--qlora`, each process's allocator capped
 at --mem_cap_gib (24 GB cards); with 2 GPUs visible also `--qlora` under accelerate_configs/ddp.yaml on both;
 `--fsdp two` (2 GPUs) or `--fsdp one` (one process) also under accelerate_configs/fsdp.yaml (the 4-bit weights
-gathered as bytes: sft/fsdp.py qlora_policy; bench/fsdp_qlora_bytes.py shows why on a GPU).
+gathered as bytes: sft/parallel/fsdp.py qlora_policy; bench/fsdp_qlora_bytes.py shows why on a GPU).
 Numbers per run, as bench/train_throughput.py measures them (its callback, monitor and row): real tok/s over
 the steps after --warmup, loss first/last (must fall), peak reserved/allocated memory, nvidia-smi's peak. Then
 the QLoRA adapter: saved and verified by the run (training_complete.json), reloaded with plain peft onto the
-4-bit base (as trained) and onto the UNQUANTIZED base (what users load), merged with `python -m sft.merge`
+4-bit base (as trained) and onto the UNQUANTIZED base (what users load), merged with `python -m sft.tools.merge`
 (fp32, onto the unquantized base), and the merged model's logits compared with the adapter's on the
 unquantized base (equal up to rounding) and on the 4-bit base (the quantization error).
 
@@ -236,7 +236,7 @@ def worker(spec: dict, argv: list[str]) -> int:
         if spec["mem_cap_gib"]:  # emulate a 24 GB card: the allocator refuses beyond the cap
             total = torch.cuda.get_device_properties(local).total_memory
             torch.cuda.set_per_process_memory_fraction(min(1.0, spec["mem_cap_gib"] * GIB / total), local)
-    import sft.distributed
+    import sft.parallel.distributed
     import sft.train
 
     base = _bench_callback(spec, rank)
@@ -257,11 +257,11 @@ def worker(spec: dict, argv: list[str]) -> int:
                 Path(spec["out"], "losses.json").write_text(json.dumps(self.losses))
 
     code = sft.train.main(argv, callbacks=[KeepLosses()])
-    sft.distributed.end_process_group()
+    sft.parallel.distributed.end_process_group()
     return code
 
 
-# ---- the adapter afterwards: plain peft on the 4-bit and the unquantized base, sft.merge -----------------------
+# ---- the adapter afterwards: plain peft on the 4-bit and the unquantized base, sft.tools.merge -----------------------
 
 def probe_batch(args):
     """Two real rows of the data, tokenized: 2 x 64 tokens."""
@@ -285,7 +285,7 @@ def adapter_checks(args, name: str, adapter: Path, model: Path, quantized: bool)
     from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from sft.model import qlora_quantization_kwargs
+    from sft.model.loading import qlora_quantization_kwargs
 
     cuda = torch.cuda.is_available()
     device = {"": 0 if cuda else "cpu"}
@@ -327,8 +327,8 @@ def adapter_checks(args, name: str, adapter: Path, model: Path, quantized: bool)
                f"{found['adapter_effect_rel']:.2%}")
     merged_dir = args.workdir / f"{name}-merged"
     shutil.rmtree(merged_dir, ignore_errors=True)
-    log(f"{name}: python -m sft.merge (fp32, on the unquantized base)")
-    merge = subprocess.run([sys.executable, "-m", "sft.merge", str(adapter), str(merged_dir), "--dtype", "float32"],
+    log(f"{name}: python -m sft.tools.merge (fp32, on the unquantized base)")
+    merge = subprocess.run([sys.executable, "-m", "sft.tools.merge", str(adapter), str(merged_dir), "--dtype", "float32"],
                            cwd=REPO, capture_output=True, text=True, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     said = [line for line in (merge.stdout + merge.stderr).splitlines() if line.startswith(("Merged", "error"))]
     if not report(f"{name}/merge", merge.returncode == 0, said[-1] if said else f"exit {merge.returncode}"):

@@ -1,4 +1,4 @@
-"""`--optim adamw_bf16_sr` (sft/sr_adamw.py) on one GPU: its step time against plain bf16 fused AdamW (what TRL's
+"""`--optim adamw_bf16_sr` (sft/speed/sr_adamw.py) on one GPU: its step time against plain bf16 fused AdamW (what TRL's
 full fine-tune runs) and torchao's 8-bit AdamW with stochastic rounding (our plan until now), over the parameters of
 deepseek-llm-7b's shape; and on the GPU the compiled update against the eager one (bit for bit) and the tiny
 updates that plain bf16 AdamW drops. PASS/FAIL lines, a JSON line at the end, exit status 1 on a FAIL.
@@ -66,7 +66,7 @@ def step_time(make, params, grads, warmup: int, iters: int) -> tuple[float, floa
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from sft.sr_adamw import AdamWBf16SR
+    from sft.speed.sr_adamw import AdamWBf16SR
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=30, help="decoder layers (deepseek-llm-7b: 30)")
@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from torchao.optim import AdamW8bit
 
-        from sft.lowbit import prepare_optimizer
+        from sft.speed.lowbit import prepare_optimizer
 
         prepare_optimizer("adamw_torch_8bit")
         makers["torchao_8bit_sr"] = lambda ps: AdamW8bit(ps, lr=1e-5, weight_decay=0.1, bf16_stochastic_round=True)

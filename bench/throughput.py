@@ -119,7 +119,7 @@ MATRIX = [
 # Which LoRA plan is fastest on one 24 GB card (formerly bench/lora_variants.sh): each variant on one GPU
 # (lora-1-<variant>) and with DDP on every GPU (lora-ddp-<variant>, scaling against the 1-GPU row); Liger, no LoRA
 # dropout, 8,192 tokens per optimizer step per GPU (16,384 for mb8). <variant>-peftcast: with peft's own fp32 casts
-# of the LoRA inputs (which sft skips under autocast; sft/model.py). The old script ran a wave of 1-GPU rows side by
+# of the LoRA inputs (which sft skips under autocast; sft/model/loading.py). The old script ran a wave of 1-GPU rows side by
 # side (one per GPU); here every row runs alone.
 VARIANTS = {
     "sdpa-mb1": (1, 4, ("--attn_implementation", "sdpa")),
@@ -158,12 +158,12 @@ MATRIX += [
     Row("trl-moe-lora", "lora", peer="trl", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
         args=trl_args("sdpa", "bfloat16", 4, 2048)),
     Row("qlora-1", "qlora", micro_batch=4, args=("--lora_dropout", "0", *FLEX, *CKPT)),
-    # the levers (sft/sr_adamw.py, sft/fp8.py) against the same TRL rows
+    # the levers (sft/speed/sr_adamw.py, sft/speed/fp8.py) against the same TRL rows
     Row("full-sr16", "full", micro_batch=4, mem_cap_gib=0, warmup=3, precision="none",
         args=("--dtype", "bfloat16", *LIGER, *FLEX), optim=("--optim", "adamw_bf16_sr"), vs="trl-full"),
     Row("lora-best-fp8", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
         args=(*LIGER, "--lora_dropout", "0", *FLEX, "--fp8", "true"), vs="trl-lora-best"),
-    # --compile_layers (sft/regional_compile.py): each decoder layer compiled in place, Liger's fused loss only
+    # --compile_layers (sft/speed/regional_compile.py): each decoder layer compiled in place, Liger's fused loss only
     Row("lora-best-compile", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
         args=(*LIGER, "--lora_dropout", "0", *FLEX, "--compile_layers", "true"), vs="trl-lora-best", timeout=420),
     Row("lora-best-fp8-compile", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
@@ -198,7 +198,7 @@ MATRIX += [
         args=(*LORA_FAST, *NO_UNUSED, "--fp8", "true", "--compile_layers", "true"), scaling_of="lora-1-fp8-compile",
         timeout=420),
     # DeepSeek-V2-Lite on ONE 24 GiB card: its 29 GiB bf16 base only fits with the weights in host RAM (ZeRO-3
-    # parameter offload; sft/plan.py's only plan that fits one card)
+    # parameter offload; sft/plan/planner.py's only plan that fits one card)
     Row("moe-lora-offload-1", "lora", "zero3_offload", 1, model="deepseek-v2-lite", micro_batch=4, warmup=2,
         steps=4, profile_steps=0, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT), timeout=420),
     # ... and on every GPU (the recipe's plan on 2-3 cards): the weights stream from host RAM to each GPU

@@ -22,14 +22,14 @@ tokenize -> pack to --seq_len) and Trainer callbacks, through main's seams (no m
 `--peer trl`: each rank builds TRL 1.16's SFTTrainer from the options after `--` (HfArgumentParser(SFTConfig)) on
 the same data file, tokenizer (its chat template with TRL's `{% generation %}` markers: the same text) and model
 (random_init of the same config, with SFTConfig's model_init_kwargs: attn_implementation, dtype); LoRA rows get
-our LoRA (r 16, alpha 32, dropout 0, our targets for the family: sft.model.lora_targets), and the same clock.
+our LoRA (r 16, alpha 32, dropout 0, our targets for the family: sft.model.loading.lora_targets), and the same clock.
 Every rank's PyTorch allocator is capped (torch.cuda.set_per_process_memory_fraction) to emulate 24 GB cards.
 
 Numbers, the same for both peers: real tokens/s = the Trainer's non-padding token count (summed over ranks) over
 the measured optimizer steps' time (after --warmup steps; step end to step end); MFU = real tok/s x F /
 (peak x GPUs) with F = 6N (full) or 4N (LoRA, QLoRA), N = the matmul parameters one token passes through, from the
 config (matmul_params: lm_head included, input embeddings not; for MoE the active experts only), peak 790 TFLOP/s
-per H200 (sft.callbacks.PEAK_FLOPS). Attention-score FLOPs and recomputation are not counted. TRL rows get this
+per H200 (sft.report.callbacks.PEAK_FLOPS). Attention-score FLOPs and recomputation are not counted. TRL rows get this
 same formula: TRL 1.16's SFTTrainer logs no MFU, and the FLOP count in trl/trainer/utils.py (compute_flops_per_token,
 used by its experimental trainers only) differs: 3x the forward for LoRA too, attention scores over the full
 length (for the 7B shape at 2048 tokens 1.078 x 6N), 989 TFLOP/s for an H200, and a DeepSeek-V2 config makes it
@@ -159,7 +159,7 @@ class Monitor(threading.Thread):
         self.index: dict[str, int] = {}  # UUID -> NVML index (what nvidia-smi shows)
         self.stop = threading.Event()
         self.handles = {}
-        from sft.telemetry import memory_used  # nvidia-smi's count (NVML v2)
+        from sft.report.telemetry import memory_used  # nvidia-smi's count (NVML v2)
 
         self.memory_used = memory_used
         try:
@@ -327,7 +327,7 @@ def error_line(tail: str) -> str:
 
 
 def make_row(args, ranks: list[dict], monitor: Monitor, wall: float, cpu: bool) -> dict:
-    from sft.callbacks import PEAK_FLOPS
+    from sft.report.callbacks import PEAK_FLOPS
 
     r0 = next(r for r in ranks if r["rank"] == 0)
     flops = (6 if args.method == "full" else 4) * matmul_params(MODELS[args.model])
@@ -392,7 +392,7 @@ def make_row(args, ranks: list[dict], monitor: Monitor, wall: float, cpu: bool) 
 
 
 def expert_load(log: Path) -> dict | None:
-    """MoE rows: the routers' numbers of the last step that logged them (sft/moe.py's MoeLoadLogger writes them to
+    """MoE rows: the routers' numbers of the last step that logged them (sft/model/moe.py's MoeLoadLogger writes them to
     the run's trainer_log.jsonl after the callbacks that a bench clock could read them from)."""
     if not log.is_file():
         return None
@@ -469,7 +469,7 @@ def trl_train_args(args, cpu: bool) -> list[str]:
 def worker(spec: dict, train_argv: list[str]) -> int:
     import torch
 
-    import sft.distributed
+    import sft.parallel.distributed
 
     rank = int(os.environ.get("RANK", 0))
     local = int(os.environ.get("LOCAL_RANK", 0))
@@ -486,7 +486,7 @@ def worker(spec: dict, train_argv: list[str]) -> int:
 
         factory = None if needs_weights(argparse.Namespace(**spec)) else random_init
         code = sft.train.main(train_argv, callbacks=[clock], model_factory=factory, save=False)
-    sft.distributed.end_process_group()
+    sft.parallel.distributed.end_process_group()
     return code
 
 
@@ -536,8 +536,8 @@ def trl_lora(model):
     config for TRL."""
     from peft import LoraConfig
 
-    from sft.config import LoraArguments
-    from sft.model import lora_targets
+    from sft.options.arguments import LoraArguments
+    from sft.model.loading import lora_targets
 
     ours = LoraArguments(lora=True, lora_dropout=0.0)
     modules, parameters = lora_targets(model, ours)

@@ -1,10 +1,10 @@
 """`deepseek-sft`: one command for the toolkit, in the same flag style as training.
 
     deepseek-sft train [launch options] [training options]   # = accelerate launch sft/train.py ..., see below
-    deepseek-sft data [training options]                      # = python -m sft.dataset: prepare, summarise, masks
-    deepseek-sft chat OUTPUT_DIR [--prompt TEXT]              # = python -m sft.chat
-    deepseek-sft merge ADAPTER_DIR OUTPUT_DIR [--dtype bfloat16]  # = python -m sft.merge
-    deepseek-sft plan --model M [--gpus 3 --gpu_mem 24 --lora]  # = python -m sft.plan: which strategy fits
+    deepseek-sft data [training options]                      # = python -m sft.data.dataset: prepare, summarise, masks
+    deepseek-sft chat OUTPUT_DIR [--prompt TEXT]              # = python -m sft.tools.chat
+    deepseek-sft merge ADAPTER_DIR OUTPUT_DIR [--dtype bfloat16]  # = python -m sft.tools.merge
+    deepseek-sft plan --model M [--gpus 3 --gpu_mem 24 --lora]  # = python -m sft.plan.planner: which strategy fits
 
 `train` runs accelerate's own launcher in this process, so that the launch is exactly `accelerate launch`'s, but
 exits with the training's exit code and nothing more: `accelerate launch` itself follows every failed run (even
@@ -98,16 +98,16 @@ def main(argv: list[str] | None = None) -> int:
     if command == "train":
         return launch_training(rest)
     if command == "data":
-        from sft.dataset import main as data
+        from sft.data.dataset import main as data
         return data(rest)
     if command == "chat":
-        from sft.chat import main as chat
+        from sft.tools.chat import main as chat
         return chat(rest)
     if command == "merge":
-        from sft.merge import main as merge
+        from sft.tools.merge import main as merge
         return merge(rest)
     if command == "plan":
-        from sft.plan import main as plan
+        from sft.plan.planner import main as plan
         return plan(rest)
     print(USAGE, file=sys.stderr if command not in ("-h", "--help") else sys.stdout)
     if command in ("-h", "--help"):

@@ -1,6 +1,6 @@
 """The machine and the launch, read once: GPUs, bf16, host RAM, processes and what the launcher set up.
 
-Checks (sft/checks.py) and plans take a `Machine` as plain data, so a test describes a 3 x 24 GB box, or a CPU
+Checks (sft/options/checks.py) and plans take a `Machine` as plain data, so a test describes a 3 x 24 GB box, or a CPU
 laptop, without patching torch or the environment. `launch()` reads only the environment (cheap, usable before
 torch is imported); `machine()` adds what torch and psutil say.
 """
@@ -41,7 +41,7 @@ class Launch:
     mixed_precision: str = "no"                   # ACCELERATE_MIXED_PRECISION
     gradient_accumulation_steps: int | None = None
     cuda_visible_devices: str | None = None       # CUDA_VISIBLE_DEVICES as the process was started with it
-    nccl: tuple[tuple[str, str], ...] = ()         # the NCCL_* variables the user set (sft/distributed.py NCCL_VARS)
+    nccl: tuple[tuple[str, str], ...] = ()         # the NCCL_* variables the user set (sft/parallel/distributed.py NCCL_VARS)
     tensorboard_logging_dir: str | None = None    # TENSORBOARD_LOGGING_DIR: where the Trainer's TensorBoard logs go
     fp8_compile: bool = True                      # SFT_FP8_COMPILE; "0": --fp8 quantizes eagerly on CUDA too
     peft_input_cast: bool = False                 # SFT_PEFT_INPUT_CAST=1: keep peft's input casts (bench rows)

@@ -21,41 +21,41 @@ from pathlib import Path
 if __package__ in (None, ""):  # `python sft/train.py` from a checkout: make the `sft` package importable
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
-from sft.console import closing_lines, quiet_imports, quiet_libraries, tensorboard_dir  # noqa: E402
+from sft.report.console import closing_lines, quiet_imports, quiet_libraries, tensorboard_dir  # noqa: E402
 
-quiet_imports()  # before transformers: importing it loads torchao, a Trainer loads deepspeed (sft/console.py)
+quiet_imports()  # before transformers: importing it loads torchao, a Trainer loads deepspeed (sft/report/console.py)
 
 import torch
 from transformers import Trainer, set_seed
 from transformers.integrations import TensorBoardCallback
 
-from sft.callbacks import RunOverview, ThroughputCallback, flops_per_token, peak_flops
-from sft.checkpoints import (CompleteRunCheck, ReachedEnd, check_resume_matches, checkpoint_callback, command_with,
+from sft.report.callbacks import RunOverview, ThroughputCallback, flops_per_token, peak_flops
+from sft.safety.checkpoints import (CompleteRunCheck, ReachedEnd, check_resume_matches, checkpoint_callback, command_with,
                              complete_run_message, newest_complete, out_of_space, resolve_resume, run_is_finished,
                              save_final)
-from sft.chunked_loss import chunked_causal_lm_loss, install_chunked_loss, liger_causal_lm_loss
-from sft.config import is_demo_output, parse_args
-from sft.dataset import prepare, read_datasets
-from sft.distributed import (configure_nccl_env, exit_process, is_first_process, on_main_process, preflight,
+from sft.speed.chunked_loss import chunked_causal_lm_loss, install_chunked_loss, liger_causal_lm_loss
+from sft.options.arguments import is_demo_output, parse_args
+from sft.data.dataset import prepare, read_datasets
+from sft.parallel.distributed import (configure_nccl_env, exit_process, is_first_process, on_main_process, preflight,
                              report_error)
 from sft.errors import NothingToDo, UserFacingError
-from sft.fsdp import consolidate_fsdp_saves, fsdp_callbacks, fsdp_training_settings
-from sft.guards import LossSpikeLogger, NonFiniteGuard
-from sft.interrupts import end_with_launcher, exit_code, ignore_further_interrupts, leave_now, signal_name, \
+from sft.parallel.fsdp import consolidate_fsdp_saves, fsdp_callbacks, fsdp_training_settings
+from sft.safety.guards import LossSpikeLogger, NonFiniteGuard
+from sft.safety.interrupts import end_with_launcher, exit_code, ignore_further_interrupts, leave_now, signal_name, \
     stop_on_sigterm
-from sft.lowbit import prepare_optimizer
-from sft.families import check_family
-from sft.model import (PartialCheckpointing, check_lora_targets, load_config, load_model, load_tokenizer,
+from sft.speed.lowbit import prepare_optimizer
+from sft.model.families import check_family
+from sft.model.loading import (PartialCheckpointing, check_lora_targets, load_config, load_model, load_tokenizer,
                        record_quantized_base, resolve_model_path)
-from sft.moe import MoeLoadLogger, add_aux_loss, install_moe
-from sft.packing import Collator
-from sft.plan import nothing_planned_line, prediction_line
-from sft.run_lock import RunLock
-from sft.sr_adamw import fold_clipping
-from sft.telemetry import EvalPerplexity, GpuTelemetry, RunRecord, run_summary
-from sft.templates import chat_template_for_saving
-from sft.tensor_parallel import TensorParallelTrainer, check_tensor_parallel
-from sft.verify import make_verifier
+from sft.model.moe import MoeLoadLogger, add_aux_loss, install_moe
+from sft.data.packing import Collator
+from sft.plan.planner import nothing_planned_line, prediction_line
+from sft.safety.run_lock import RunLock
+from sft.speed.sr_adamw import fold_clipping
+from sft.report.telemetry import EvalPerplexity, GpuTelemetry, RunRecord, run_summary
+from sft.data.templates import chat_template_for_saving
+from sft.parallel.tensor_parallel import TensorParallelTrainer, check_tensor_parallel
+from sft.safety.verify import make_verifier
 
 
 @dataclass
@@ -159,7 +159,7 @@ def train(run: Run, seams: Seams) -> int:
     prepare_optimizer(training_args.optim)  # ours (adamw_bf16_sr) registered; torchao low-bit AdamW patched
     set_seed(training_args.seed)  # the LoRA init happens before the Trainer seeds: make it follow --seed too
     model = load_model(model_args, lora_args, training_args.activation_checkpointing, seams.model_factory)
-    # The training loss from the labelled tokens' hidden states (sft/chunked_loss.py): Liger's fused kernel where
+    # The training loss from the labelled tokens' hidden states (sft/speed/chunked_loss.py): Liger's fused kernel where
     # Liger's own would run (apply_setup_defaults), torch chunks under --chunked_loss (refused beside Liger).
     loss = (liger_causal_lm_loss if training_args.liger_loss_on_labels
             else chunked_causal_lm_loss if model_args.chunked_loss else None)
@@ -222,7 +222,7 @@ def train(run: Run, seams: Seams) -> int:
     if seams.save:
         consolidate_fsdp_saves(trainer)  # FSDP: one consolidated safetensors model, not shards
         if main_process:
-            record_quantized_base(model, training_args.output_dir)  # --qlora: the 4-bit base, for sft.merge
+            record_quantized_base(model, training_args.output_dir)  # --qlora: the 4-bit base, for sft.tools.merge
         save_final(trainer, training_args.output_dir, verifier)  # model or adapter + tokenizer, reloaded, checked
 
     if main_process:

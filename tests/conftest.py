@@ -41,7 +41,7 @@ def save_tiny_model(path: Path, model_type: str = "llama", tokenizer_dir: Path |
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sft.tiny import ensure_tiny_model
+    from sft.model.tiny import ensure_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir or ensure_tiny_model())
     config = tiny_config(model_type, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,

@@ -101,12 +101,12 @@ def test_report_gives_ratios_against_the_best_peer_row_and_the_vs_row(tmp_path, 
 
 def test_the_seams_of_sft_train_build_the_model_add_callbacks_and_skip_the_save(tmp_path, capsys):
     """The bench's way in: a model factory (random weights from a config-only directory), an extra callback, no
-    final save; sft.train's and sft.model's own names stay as they are."""
-    import sft.model
+    final save; sft.train's and sft.model.loading's own names stay as they are."""
+    import sft.model.loading
     import sft.train
     from transformers import TrainerCallback
 
-    original = sft.model.AutoModelForCausalLM.from_pretrained
+    original = sft.model.loading.AutoModelForCausalLM.from_pretrained
     model = bench.model_dir(bench.parser().parse_args(
         ["--run_id", "t", "--name", "seam", "--model", "tiny", "--out", str(tmp_path), "--data", "-",
          "--tokenizer", str(_tiny_tokenizer())]))
@@ -133,7 +133,7 @@ def test_the_seams_of_sft_train_build_the_model_add_callbacks_and_skip_the_save(
     assert calls and calls[0][0] == str(model) and str(calls[0][1]) == "torch.float32"  # LoRA on CPU: fp32 base
     assert Steps.seen == [1, 2]
     assert not any(out.glob("*.safetensors")) and "Saved" not in capsys.readouterr().out
-    assert sft.model.AutoModelForCausalLM.from_pretrained == original
+    assert sft.model.loading.AutoModelForCausalLM.from_pretrained == original
 
 
 def test_monitor_quotes_the_gpus_the_ranks_ran_on_not_the_first_n(monkeypatch):
@@ -256,8 +256,8 @@ def test_qlora_check_cpu_smoke_writes_its_row_and_checks_the_adapter(tmp_path):
 def test_tensor_parallel_rows_load_real_weights_with_tp_size(tmp_path):
     """TP rows cannot use the random-init factory (transformers shards a TP model while reading its files): the
     row's model directory holds random weights that sft's real loader reads, and sft gets --tp_size N."""
-    from sft.config import ModelArguments, LoraArguments
-    from sft.model import load_model
+    from sft.options.arguments import ModelArguments, LoraArguments
+    from sft.model.loading import load_model
 
     common = ["--run_id", "t", "--model", "tiny", "--out", str(tmp_path), "--data", "d.json",
               "--tokenizer", str(_tiny_tokenizer())]
@@ -276,20 +276,20 @@ def test_tensor_parallel_rows_load_real_weights_with_tp_size(tmp_path):
 
 
 def _tiny_tokenizer() -> Path:
-    from sft.tiny import ensure_tiny_model
+    from sft.model.tiny import ensure_tiny_model
 
     return ensure_tiny_model()
 
 
 def _parse(*extra: str):
-    from sft.config import parse_args
+    from sft.options.arguments import parse_args
 
     return parse_args(["--dataset", str(REPO / "data" / "alpaca_demo.json"), "--output_dir", "/tmp/sft-bench-test",
                        *extra])
 
 
 def test_full_fine_tune_in_bf16_needs_a_stochastic_rounding_optimizer():
-    from sft.config import ConfigError
+    from sft.options.arguments import ConfigError
 
     with pytest.raises(ConfigError, match="plain bf16 AdamW"):
         _parse("--dtype", "bfloat16")
@@ -311,7 +311,7 @@ def test_torchao_states_get_a_float32_appearance_and_still_update_bf16_weights()
     import torch
     from torchao.optim import AdamW8bit
 
-    from sft.lowbit import patch_torchao_state_dtype
+    from sft.speed.lowbit import patch_torchao_state_dtype
 
     patch_torchao_state_dtype()
     assert patch_torchao_state_dtype() == []  # idempotent

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from sft.callbacks import ThroughputCallback
+from sft.report.callbacks import ThroughputCallback
 
 
 def logged(model, tokens_counted: int, busy_s: float, world_size: int) -> dict:
@@ -39,7 +39,7 @@ def test_fsdp2_without_offload_is_not_described_as_offloading():
     first screen said "parameters offloaded to CPU" for every FSDP2 run (seen on an H200)."""
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
-    from sft.callbacks import offloads_parameters
+    from sft.report.callbacks import offloads_parameters
 
     assert not offloads_parameters(OffloadPolicy()) and not offloads_parameters(None)
     assert offloads_parameters(CPUOffloadPolicy()) and offloads_parameters(True)
@@ -47,7 +47,7 @@ def test_fsdp2_without_offload_is_not_described_as_offloading():
 
 def test_the_peak_is_that_of_the_gpu_this_rank_trains_on():
     """A machine described as data: local rank r trains on its node's GPU r; no GPU, no peak (no MFU)."""
-    from sft.callbacks import peak_flops
+    from sft.report.callbacks import peak_flops
     from sft.machine import Launch, Machine
 
     mixed = ("NVIDIA H200", "NVIDIA GeForce RTX 4090")

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import REPO
-from sft.config import ConfigError, LoraArguments, ModelArguments, parse_args
-from sft.model import PartialCheckpointing, load_model
+from sft.options.arguments import ConfigError, LoraArguments, ModelArguments, parse_args
+from sft.model.loading import PartialCheckpointing, load_model
 
 
 def test_last_layers_leave_checkpointing_and_gradients_do_not_change(tiny_llama):

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from conftest import REPO, tiny_config
-from sft.chunked_loss import chunked_causal_lm_loss, install_chunked_loss, liger_causal_lm_loss
-from sft.config import ConfigError, parse_args, validate_setup
+from sft.speed.chunked_loss import chunked_causal_lm_loss, install_chunked_loss, liger_causal_lm_loss
+from sft.options.arguments import ConfigError, parse_args, validate_setup
 from sft.machine import Launch, Machine
 
 DATA = str(REPO / "data" / "alpaca_demo.json")
@@ -44,9 +44,9 @@ def loss_and_grads(model, batch: dict, **extra) -> tuple[torch.Tensor, dict[str,
 @pytest.mark.parametrize("model_type", ["llama", "deepseek_v2"])
 @pytest.mark.parametrize("num_items", [None, 40])
 def test_same_loss_and_gradients_as_the_models_own(model_type, num_items, monkeypatch):
-    import sft.chunked_loss
+    import sft.speed.chunked_loss
 
-    monkeypatch.setattr(sft.chunked_loss, "CHUNK_TOKENS", 7)  # several chunks, the last one short
+    monkeypatch.setattr(sft.speed.chunked_loss, "CHUNK_TOKENS", 7)  # several chunks, the last one short
     model = tiny(model_type)
     batch = packed_batch(model.config.vocab_size)
     extra = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
@@ -121,7 +121,7 @@ def test_liger_chunks_are_the_fewest_of_at_most_chunk_tokens_rows():
     """Our chunk_mem_const under Liger's chunk rule (its default of 1 gave 256 rows for 4,000 tokens at the 7B
     shape): at most CHUNK_TOKENS rows a chunk where a constant allows it, and one constant more would exceed it; one
     chunk for few tokens."""
-    from sft.chunked_loss import CHUNK_TOKENS, liger_chunk_mem_const, liger_chunk_rows
+    from sft.speed.chunked_loss import CHUNK_TOKENS, liger_chunk_mem_const, liger_chunk_rows
 
     assert liger_chunk_rows(4000, 4096, 102400, 1) == 256 and liger_chunk_rows(700, 4096, 102400, 25) == 700
     for hidden, vocab in ((4096, 102400), (3584, 152064), (2048, 102400), (7168, 129280), (64, 300)):

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from conftest import REPO
-from sft.config import ConfigError, parse_args, validate, validate_setup
+from sft.options.arguments import ConfigError, parse_args, validate, validate_setup
 from sft.machine import Launch, Machine
 
 DATA = str(REPO / "data" / "alpaca_demo.json")
@@ -123,7 +123,7 @@ def test_an_optimizer_typo_names_the_optimizers_not_bf16():
 
 
 def test_bf16_and_fp16_together_say_so():
-    from sft.config import training_arguments_message
+    from sft.options.arguments import training_arguments_message
 
     assert training_arguments_message("At most one of fp16 and bf16 can be True, but not both").startswith(
         "--bf16 and --fp16 together")
@@ -185,7 +185,7 @@ def test_tensor_parallel_needs_gpus():
 
 def test_tensor_parallel_checkpoints_skip_the_trainers_optimizer_saving():
     """transformers' Trainer refuses checkpoints with its own optimizer state for a model sharded at load time
-    (seen on GPUs): a TP run sets save_only_model, and sft/tensor_parallel.py saves the optimizer state itself."""
+    (seen on GPUs): a TP run sets save_only_model, and sft/parallel/tensor_parallel.py saves the optimizer state itself."""
     def tp_validated(*extra: str, liger: bool = False):
         model_args, data_args, lora_args, training_args = parse(*extra)  # parsed without GPUs, then "on 2 GPUs"
         model_args.tp_size, training_args.use_liger_kernel = 2, liger
@@ -204,7 +204,7 @@ def test_tensor_parallel_checkpoints_skip_the_trainers_optimizer_saving():
 
 def test_every_check_is_named_and_takes_the_machine_as_data():
     """One function per rule, in one list; each refuses on a machine described as data, none reads torch."""
-    from sft.checks import CHECKS
+    from sft.options.checks import CHECKS
 
     assert len({c.__name__ for c in CHECKS}) == len(CHECKS) >= 10
     laptop, box3 = box(0), box(3, world_size=3, local_world_size=3)

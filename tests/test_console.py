@@ -36,8 +36,8 @@ def overview(tmp_path, lora: bool, **args) -> tuple[str, object]:
     import datasets
     from transformers import Trainer, TrainingArguments
 
-    from sft.callbacks import RunOverview
-    from sft.packing import Collator
+    from sft.report.callbacks import RunOverview
+    from sft.data.packing import Collator
 
     model = tiny_model(lora)
     rows = datasets.Dataset.from_list([{"input_ids": list(range(1, n)), "labels": list(range(1, n))}
@@ -53,14 +53,14 @@ def overview(tmp_path, lora: bool, **args) -> tuple[str, object]:
 
 
 def test_overview_of_a_full_fine_tune(tmp_path, monkeypatch):
-    import sft.console as console
+    import sft.report.console as console
     from sft.machine import Launch
 
     monkeypatch.delenv("TENSORBOARD_LOGGING_DIR", raising=False)  # transformers' TensorBoardCallback reads it
     monkeypatch.setattr(console, "launch", lambda: Launch())  # ours, in the launch read once: not set either
     text, model = overview(tmp_path, lora=False)
     total = sum(p.numel() for p in model.parameters())
-    from sft.console import count
+    from sft.report.console import count
 
     assert text.splitlines()[0] == "Training on 1 process(es) (no parallelism) on CPU"
     assert f"tiny-llama: LlamaForCausalLM, {count(total)} parameters" in text and "precision    float32 weights" in text
@@ -75,7 +75,7 @@ def test_overview_of_a_full_fine_tune(tmp_path, monkeypatch):
 
 
 def test_tensorboard_dir_is_the_launchs_setting_or_the_runs_folder(tmp_path, monkeypatch):
-    import sft.console as console
+    import sft.report.console as console
     from sft.machine import Launch
 
     monkeypatch.setattr(console, "launch", lambda: Launch())
@@ -92,7 +92,7 @@ def test_overview_counts_the_lora_adapter(tmp_path):
     # q_proj (64 -> 64) and v_proj (64 -> 32, 2 KV heads of 16) in 2 layers, rank 4: A is r x in, B is out x r.
     trainable = 2 * (4 * 64 + 64 * 4 + 4 * 64 + 32 * 4)
     assert sum(p.numel() for p in model.parameters() if p.requires_grad) == trainable
-    from sft.console import count
+    from sft.report.console import count
 
     assert f"LoRA r=4: {count(trainable)} trainable parameters ({100 * trainable / total:.2g}% of {count(total)})" \
         in text
@@ -113,7 +113,7 @@ def test_overview_counts_the_lora_adapter(tmp_path):
 def test_strategy_is_read_from_accelerate_state(monkeypatch, kind, plugin, label):
     from accelerate.utils import DistributedType
 
-    from sft.callbacks import describe_strategy
+    from sft.report.callbacks import describe_strategy
 
     state = SimpleNamespace(distributed_type=DistributedType[kind], **plugin)
     monkeypatch.setattr("accelerate.state.is_initialized", lambda: True)
@@ -123,23 +123,23 @@ def test_strategy_is_read_from_accelerate_state(monkeypatch, kind, plugin, label
 
 
 def test_closing_lines_full_and_lora(tmp_path):
-    from sft.console import closing_lines
+    from sft.report.console import closing_lines
 
     out = tmp_path / "my run"
     full = closing_lines(str(out), lora=False, tensorboard=str(out / "runs"))
     assert f"Saved model and tokenizer: {out}" in full
-    assert f"python -m sft.chat '{out}' --prompt" in full
+    assert f"python -m sft.tools.chat '{out}' --prompt" in full
     assert f"tensorboard --logdir '{out / 'runs'}'" in full and f"TensorBoard logs: {out / 'runs'}" in full
-    assert "sft.merge" not in full
+    assert "sft.tools.merge" not in full
     lora = closing_lines(str(out), lora=True, tensorboard=None)
     assert f"Saved LoRA adapter and tokenizer: {out}" in lora
-    assert f"python -m sft.merge '{out}' '{out}-merged'" in lora
+    assert f"python -m sft.tools.merge '{out}' '{out}-merged'" in lora
     assert "tensorboard" not in lora.lower()
 
 
 def test_filters_drop_only_the_known_messages(capsys):
     """Each filter is narrow: the known message goes, another message of the same logger still shows."""
-    from sft.console import quiet_imports
+    from sft.report.console import quiet_imports
 
     quiet_imports()
     handler = logging.StreamHandler(sys.stderr)
@@ -188,11 +188,11 @@ def test_quiet_libraries_silences_importing_and_building_a_trainer(tmp_path):
     """What every run does: import transformers' Trainer (torchao), build a Trainer (deepspeed through accelerate),
     load and save a model, tokenize with datasets."""
     code = f"""
-from sft.console import quiet_libraries
+from sft.report.console import quiet_libraries
 quiet_libraries()
 import datasets, torch
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
-from sft.tiny import ensure_tiny_model
+from sft.model.tiny import ensure_tiny_model
 model = AutoModelForCausalLM.from_pretrained(ensure_tiny_model())
 rows = datasets.Dataset.from_list([{{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}}] * 4)
 rows = rows.map(lambda row: row, desc="Tokenizing")
@@ -221,5 +221,5 @@ def test_a_run_shows_the_overview_and_the_next_commands_and_no_noise(tmp_path, t
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Training on 1 process(es) (no parallelism) on CPU" in result.stdout, result.stdout
     assert "LoRA r=16:" in result.stdout and "1 optimizer step (--max_steps)" in result.stdout
-    assert f"python -m sft.merge {out} {out}-merged" in result.stdout, result.stdout
+    assert f"python -m sft.tools.merge {out} {out}-merged" in result.stdout, result.stdout
     assert not [line for line in result.stderr.splitlines() if any(word in line for word in NOISE)], result.stderr

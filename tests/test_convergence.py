@@ -73,7 +73,7 @@ def test_tiny_run_trains_and_reports(tmp_path, monkeypatch):
 @pytest.mark.slow
 @needs_shared
 def test_tiny_run_of_the_torchao_optimizers(tmp_path):
-    """sr8, sr4 and sr16 train through sft.lowbit's patches and the Trainer's lookup, from the same bf16 init."""
+    """sr8, sr4 and sr16 train through sft.speed.lowbit's patches and the Trainer's lookup, from the same bf16 init."""
     rows = run_tiny(tmp_path, "ref,sr8,sr4,sr16", subprocess_eager=True)
     built = [r["optimizer_built"] for r in rows[1:]]
     assert built == ["torchao.optim.adam.AdamW8bit(bf16_stochastic_round=True, block_size=256)",
@@ -85,7 +85,7 @@ def test_tiny_run_of_the_torchao_optimizers(tmp_path):
 
 
 def test_optimizers_are_the_ones_sft_builds():
-    """Through sft.lowbit + the Trainer's own lookup: the class, the stochastic rounding, the block size, the decay
+    """Through sft.speed.lowbit + the Trainer's own lookup: the class, the stochastic rounding, the block size, the decay
     groups (no decay on norms)."""
     torch = pytest.importorskip("torch")
     pytest.importorskip("torchao")
@@ -119,7 +119,7 @@ def test_compare_marks_one_percent_against_ref_and_records_the_seed_spread():
 
 @needs_shared
 def test_oasst_trees_become_one_document_each_with_every_message_once(tmp_path):
-    from sft.formats import ReadOptions, read_conversations
+    from sft.data.formats import ReadOptions, read_conversations
 
     docs = convergence.documents(SHARED / "datasets", None)
     threads, _ = read_conversations(str(SHARED / "datasets" / "oasst1_sample.jsonl"), None,

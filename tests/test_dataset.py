@@ -1,5 +1,5 @@
 """Preparation end to end: summary, multi-process tokenization equal to one process, the cache reused by a second
-run, and `python -m sft.dataset` auditing masks before any model is loaded."""
+run, and `python -m sft.data.dataset` auditing masks before any model is loaded."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import json
 import pytest
 
 from conftest import ALPACA_SAMPLE, DEEPSEEK_TOKENIZER, OASST_SAMPLE, needs_shared
-from sft import dataset as data_module
-from sft.config import DataArguments
-from sft.dataset import prepare, read_datasets
+from sft.data import dataset as data_module
+from sft.options.arguments import DataArguments
+from sft.data.dataset import prepare, read_datasets
 
 pytestmark = needs_shared
 
@@ -77,7 +77,7 @@ def test_two_processes_give_the_same_rows_as_one(tmp_path, tokenizer, monkeypatc
 
 
 def test_show_masks_standalone_prints_marked_examples_before_any_model(tmp_path, capsys):
-    from sft.dataset import main
+    from sft.data.dataset import main
 
     data = tmp_path / "chat.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "Capital of France?"},

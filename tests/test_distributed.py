@@ -33,13 +33,13 @@ EXTENSIONS = os.environ.get("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch
     ("NVIDIA H200", False), ("NVIDIA A100-SXM4-80GB", False), ("NVIDIA RTX A6000", False),
     ("NVIDIA RTX 6000 Ada Generation", False), ("NVIDIA L40S", False)])
 def test_consumer_gpu_by_name(name, consumer):
-    from sft.distributed import is_consumer_gpu
+    from sft.parallel.distributed import is_consumer_gpu
 
     assert is_consumer_gpu(name) is consumer
 
 
 def test_nccl_env_for_three_4090s():
-    from sft.distributed import decide_nccl_env
+    from sft.parallel.distributed import decide_nccl_env
 
     decision = decide_nccl_env(["NVIDIA GeForce RTX 4090"] * 3, peer_access=None, env={})
     assert decision.env == {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
@@ -47,7 +47,7 @@ def test_nccl_env_for_three_4090s():
 
 
 def test_nccl_env_left_alone_on_datacentre_gpus_and_single_gpu():
-    from sft.distributed import decide_nccl_env
+    from sft.parallel.distributed import decide_nccl_env
 
     assert decide_nccl_env(["NVIDIA H200"] * 2, peer_access=True, env={}).env == {}
     assert decide_nccl_env(["NVIDIA GeForce RTX 4090"], peer_access=None, env={}).env == {}  # nothing to talk to
@@ -55,7 +55,7 @@ def test_nccl_env_left_alone_on_datacentre_gpus_and_single_gpu():
 
 def test_nccl_env_when_peer_access_is_missing():
     """A card the name table does not know, but torch.cuda.can_device_access_peer says no: same treatment."""
-    from sft.distributed import decide_nccl_env
+    from sft.parallel.distributed import decide_nccl_env
 
     decision = decide_nccl_env(["NVIDIA RTX A4000"] * 2, peer_access=False, env={})
     assert decision.env == {"NCCL_P2P_DISABLE": "1", "NCCL_IB_DISABLE": "1"}
@@ -63,7 +63,7 @@ def test_nccl_env_when_peer_access_is_missing():
 
 
 def test_nccl_env_keeps_what_the_user_set():
-    from sft.distributed import decide_nccl_env
+    from sft.parallel.distributed import decide_nccl_env
 
     decision = decide_nccl_env(["NVIDIA GeForce RTX 4090"] * 2, peer_access=None, env={"NCCL_P2P_DISABLE": "0"})
     assert decision.env == {"NCCL_IB_DISABLE": "1"}
@@ -72,7 +72,7 @@ def test_nccl_env_keeps_what_the_user_set():
 
 def test_configure_nccl_env_sets_the_process_environment(monkeypatch, capsys):
     """The launch is data (sft.machine.Launch); what is decided is written to the environment, for NCCL."""
-    import sft.distributed as distributed
+    import sft.parallel.distributed as distributed
     from sft.machine import Launch
 
     monkeypatch.setattr(distributed, "visible_gpu_names", lambda launch=None: ["NVIDIA GeForce RTX 4090"] * 3)
@@ -96,7 +96,7 @@ def test_configure_nccl_env_sets_the_process_environment(monkeypatch, capsys):
 def test_visible_gpu_names_follow_cuda_visible_devices(monkeypatch):
     import accelerate.utils.environment as environment
 
-    from sft.distributed import visible_gpu_names
+    from sft.parallel.distributed import visible_gpu_names
     from sft.machine import Launch
 
     monkeypatch.setattr(environment, "get_gpu_info", lambda: (["GPU A", "GPU B", "GPU C"], 3))
@@ -136,7 +136,7 @@ def test_the_toolkits_own_settings_are_read_with_the_launch():
 
 def test_the_allreduce_advice_names_the_nccl_settings_nccl_got(monkeypatch):
     """The user's values from the launch and what configure_nccl_env added for consumer cards."""
-    import sft.distributed as distributed
+    import sft.parallel.distributed as distributed
     from sft.machine import Launch
 
     monkeypatch.setattr(distributed, "visible_gpu_names", lambda launch=None: ["NVIDIA GeForce RTX 4090"] * 2)
@@ -151,7 +151,7 @@ def test_the_allreduce_advice_names_the_nccl_settings_nccl_got(monkeypatch):
 WORKER = textwrap.dedent("""
     import os, sys
     import torch.distributed as dist
-    from sft.distributed import DistributedCheckError, check_allreduce
+    from sft.parallel.distributed import DistributedCheckError, check_allreduce
     dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=int(sys.argv[2]), world_size=2)
     if sys.argv[3] == "zeros" and dist.get_rank() == 1:
         real = dist.all_reduce
@@ -193,8 +193,8 @@ def test_processes_without_a_backend_are_refused():
     would each train alone (and log twice the loss). Seen on this box; now a clear error."""
     from accelerate.utils import DistributedType
 
-    from sft.config import ConfigError
-    from sft.distributed import check_data_parallel
+    from sft.options.arguments import ConfigError
+    from sft.parallel.distributed import check_data_parallel
     from sft.machine import Launch
 
     def args(world_size, kind):
@@ -214,7 +214,7 @@ def test_one_process_trains_on_one_gpu(capsys):
     """A single process on a multi-GPU machine (python sft/train.py, single_gpu.yaml) would otherwise get
     nn.DataParallel over every GPU and twice the batch: seen on two H200s, where a one-GPU reference run read 4 rows
     per step at --per_device_train_batch_size 2."""
-    from sft.distributed import one_gpu_per_process
+    from sft.parallel.distributed import one_gpu_per_process
 
     class Arguments(SimpleNamespace):  # TrainingArguments' n_gpu reads _n_gpu
         n_gpu = property(lambda self: self._n_gpu)
@@ -247,7 +247,7 @@ def host(ram_gib: float, available_gib: float | None = None, **launch):
 
 
 def model_args(path, **kw):
-    from sft.config import LoraArguments, ModelArguments
+    from sft.options.arguments import LoraArguments, ModelArguments
 
     return ModelArguments(model=str(path)), LoraArguments(**kw)
 
@@ -257,7 +257,7 @@ def test_parameter_count_from_the_config_alone(tiny_llama):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
-    from sft.distributed import count_parameters
+    from sft.parallel.distributed import count_parameters
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
     total, trainable = count_parameters(*model_args(tiny_llama))
@@ -278,8 +278,8 @@ def deepseek_7b_config(path: Path) -> Path:
 
 
 def test_offload_plan_of_a_7b_model_is_refused_on_a_small_machine(tmp_path):
-    from sft.config import ConfigError
-    from sft.distributed import check_offload_ram
+    from sft.options.arguments import ConfigError
+    from sft.parallel.distributed import check_offload_ram
 
     path = deepseek_7b_config(tmp_path / "7b")
     margs, largs = model_args(path)
@@ -296,7 +296,7 @@ def test_offload_plan_of_a_7b_model_is_refused_on_a_small_machine(tmp_path):
 def test_offload_ram_can_be_given_for_machines_whose_ram_grows(tmp_path, monkeypatch, capsys):
     """SFT_HOST_RAM_GIB replaces what psutil reports, in the Machine read once (sft/machine.py)."""
     import sft.machine
-    from sft.distributed import check_offload_ram
+    from sft.parallel.distributed import check_offload_ram
 
     path = deepseek_7b_config(tmp_path / "7b")
     monkeypatch.setenv("SFT_HOST_RAM_GIB", "256")
@@ -313,7 +313,7 @@ def test_offload_ram_can_be_given_for_machines_whose_ram_grows(tmp_path, monkeyp
 
 
 def test_offload_plan_that_fits_passes_and_lora_needs_little(tmp_path, capsys):
-    from sft.distributed import GIB, check_offload_ram
+    from sft.parallel.distributed import GIB, check_offload_ram
 
     path = deepseek_7b_config(tmp_path / "7b")
     estimate = check_offload_ram(*model_args(path, lora=True), offload_args("zero3_offload.json"), host(64, 60))
@@ -327,7 +327,7 @@ def test_offload_plan_that_fits_passes_and_lora_needs_little(tmp_path, capsys):
 def test_offload_plan_share_per_machine(tmp_path):
     """Over two machines each holds half of the ZeRO partitions; a launcher that does not say how many processes
     run here (DeepSpeed's sets no LOCAL_WORLD_SIZE) counts as one machine."""
-    from sft.distributed import estimate_offload
+    from sft.parallel.distributed import estimate_offload
     from sft.machine import Launch
 
     path = deepseek_7b_config(tmp_path / "7b")
@@ -451,7 +451,7 @@ FSDP_LORA_WORKER = textwrap.dedent("""
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    from sft.fsdp import remove_checkpoint_wrappers
+    from sft.parallel.fsdp import remove_checkpoint_wrappers
 
     dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=int(sys.argv[2]), world_size=2)
     torch.manual_seed(0)
@@ -513,7 +513,7 @@ def test_fsdp_training_settings(monkeypatch, capsys):
     gradients sharded (sync_each_batch) unless the user chose otherwise. Without FSDP nothing changes."""
     from transformers.trainer_pt_utils import AcceleratorConfig
 
-    from sft.fsdp import fsdp_training_settings
+    from sft.parallel.fsdp import fsdp_training_settings
     from sft.machine import Launch
 
     def args(**kw):
@@ -546,7 +546,7 @@ def test_zero3_init_can_be_switched_off_for_a_one_process_reload():
     from transformers.integrations import is_deepspeed_zero3_enabled
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
-    from sft.zero3 import zero3_init_disabled
+    from sft.parallel.zero3 import zero3_init_disabled
 
     config = HfDeepSpeedConfig(json.loads((DS_CONFIGS / "zero3.json").read_text()))  # sets the global
     try:
@@ -659,7 +659,7 @@ def test_zero3_lora_adapter_is_complete_and_resumes(tmp_path, tiny_llama):
 EXIT_AFTER_A_GROUP = """
 import atexit, sys
 import torch.distributed as dist
-from sft.distributed import exit_process
+from sft.parallel.distributed import exit_process
 dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
 atexit.register(lambda: open(sys.argv[1], "w").write("atexit ran"))
 print("trained", flush=True)
@@ -689,18 +689,18 @@ def test_an_error_is_said_once_by_the_first_process_and_by_a_rank_that_failed_al
     alone). A run with nothing to do is said by the first process only."""
     import time
 
-    import sft.distributed
-    from sft.distributed import report_error
+    import sft.parallel.distributed
+    from sft.parallel.distributed import report_error
     from sft.errors import ConfigError, NothingToDo
 
     waits = []
-    monkeypatch.setattr(sft.distributed, "OTHER_RANK_WAIT_S", 0.01)
+    monkeypatch.setattr(sft.parallel.distributed, "OTHER_RANK_WAIT_S", 0.01)
     report_error(ConfigError("--bf16 needs a GPU"), first=True)
     assert capsys.readouterr().err == "error: --bf16 needs a GPU\n"
     report_error(ConfigError("--dataset x: no such file"), first=False)
     assert capsys.readouterr().err == "error: --dataset x: no such file (rank 0)\n"  # this test's launch: rank 0
 
-    def stopped(seconds):  # the launcher's SIGTERM arrives as KeyboardInterrupt (sft/interrupts.py)
+    def stopped(seconds):  # the launcher's SIGTERM arrives as KeyboardInterrupt (sft/safety/interrupts.py)
         waits.append(seconds)
         raise KeyboardInterrupt
 

@@ -7,9 +7,9 @@ import torch
 
 from conftest import save_tiny_model
 from test_moe_lora import expected as moe_expected
-from sft.config import LoraArguments, ModelArguments
-from sft.families import FAMILIES
-from sft.model import load_model
+from sft.options.arguments import LoraArguments, ModelArguments
+from sft.model.families import FAMILIES
+from sft.model.loading import load_model
 
 
 def adapted(model) -> set[str]:
@@ -57,14 +57,14 @@ def test_lora_targets_survive_save_and_reload(tmp_path, model_type):
 # ---- presets per released model: identify, check_family, strategy, R1 without reasoning --------------------------
 
 from conftest import DEEPSEEK_TOKENIZER, needs_shared, tiny_config  # noqa: E402
-from sft.families import (VARIANTS, R1DistillWithoutReasoning, check_family, family_template, identify,  # noqa: E402
+from sft.model.families import (VARIANTS, R1DistillWithoutReasoning, check_family, family_template, identify,  # noqa: E402
                           parameter_count, strategy, strip_reasoning)
 
 
 def tiny_tokenizer():
     from transformers import AutoTokenizer
 
-    from sft.tiny import ensure_tiny_model
+    from sft.model.tiny import ensure_tiny_model
 
     return AutoTokenizer.from_pretrained(ensure_tiny_model())
 
@@ -175,13 +175,13 @@ def test_strategy_on_three_24gb_cards(model, lora, config):
 
 
 def test_strategy_is_the_planners_choice():
-    """One memory model: the family table's strategy is the planner's best plan for the box (sft/plan.py), host RAM
+    """One memory model: the family table's strategy is the planner's best plan for the box (sft/plan/planner.py), host RAM
     included; a config that the planner has no built-in shape for is read through its config (no weights)."""
     from transformers import AutoConfig
 
-    from sft import plan
-    from sft.families import recommended_strategy
-    from sft.strategies import STRATEGIES
+    from sft.plan import planner as plan
+    from sft.model.families import recommended_strategy
+    from sft.parallel.strategies import STRATEGIES
 
     for name in ("deepseek-llm-7b", "deepseek-v2-lite"):
         best = plan.best_plan(plan.enumerate_plans(plan.SHAPES[name], plan.Box(3, 24, 512.0), "lora"))
@@ -199,7 +199,7 @@ def test_parameter_count_from_a_config_reads_no_weights():
 
 
 def test_r1_without_reasoning_renders_answers_only_and_saves_matching_jinja():
-    from sft.templates import R1Distill
+    from sft.data.templates import R1Distill
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
                 {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n4"},
@@ -207,7 +207,7 @@ def test_r1_without_reasoning_renders_answers_only_and_saves_matching_jinja():
     assert strip_reasoning("<think>\nx\n</think>\n\nanswer") == "answer" and strip_reasoning("plain") == "plain"
     bos, eos = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
     keep, drop = R1Distill(bos, eos), R1DistillWithoutReasoning(bos, eos)
-    # the reasoning is trained (its opening `<think>\n` is the generation prompt's, so prompt: sft/templates.py)
+    # the reasoning is trained (its opening `<think>\n` is the generation prompt's, so prompt: sft/data/templates.py)
     assert "add them\n</think>" in "".join(t for ex in keep.examples(messages) for t, trained in ex if trained)
     trained = [t for t, is_trained in drop.render(messages) if is_trained]
     assert trained == ["4" + eos, "6" + eos]

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from conftest import OASST_SAMPLE, needs_shared
-from sft.config import DataArguments
-from sft.dataset import read_datasets
-from sft.formats import DataError, ReadOptions, read_conversations
+from sft.options.arguments import DataArguments
+from sft.data.dataset import read_datasets
+from sft.data.formats import DataError, ReadOptions, read_conversations
 
 
 def write_jsonl(path: Path, records: list) -> Path:

@@ -1,4 +1,4 @@
-"""sft/fp8.py: `--fp8` under LoRA, the frozen base's linear layers in FP8. torch 2.13's CPU build runs
+"""sft/speed/fp8.py: `--fp8` under LoRA, the frozen base's linear layers in FP8. torch 2.13's CPU build runs
 `torch._scaled_mm` on float8 with rowwise scales, so the real autograd function runs here; the GPU's kernels and
 speed are bench/fp8_check.py's."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from sft.fp8 import E4M3, E4M3_MAX, Fp8Linear, quantize_rows, use_fp8_base
+from sft.speed.fp8 import E4M3, E4M3_MAX, Fp8Linear, quantize_rows, use_fp8_base
 
 
 def test_quantize_rows_error_bound_zero_rows_and_extremes():
@@ -70,12 +70,12 @@ def tiny_lora_model():
 
 def test_lora_on_the_fp8_base_trains_saves_only_the_adapter_and_verifies(tmp_path):
     """peft's LoRA layers with Fp8Linear bases: the adapter gets gradients, the loss stays near the bf16 base's,
-    the saved adapter holds LoRA weights only, sft.verify's in-place check accepts it, and a cast of the whole
+    the saved adapter holds LoRA weights only, sft.safety.verify's in-place check accepts it, and a cast of the whole
     model (DeepSpeed's engine does .bfloat16()) leaves the FP8 weights intact."""
     from safetensors.torch import load_file
 
-    from sft.callbacks import flops_per_token
-    from sft.verify import SaveVerifier
+    from sft.report.callbacks import flops_per_token
+    from sft.safety.verify import SaveVerifier
 
     model = tiny_lora_model()
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
@@ -106,7 +106,7 @@ def test_lora_on_the_fp8_base_trains_saves_only_the_adapter_and_verifies(tmp_pat
 
 
 def test_a_compiled_layer_quantizes_a_shared_input_once_and_gives_the_eager_gradients():
-    """Under torch.compile the quantization is traced beside the FP8 matmul (sft/fp8.py fp8_linear_traced): q/k/v
+    """Under torch.compile the quantization is traced beside the FP8 matmul (sft/speed/fp8.py fp8_linear_traced): q/k/v
     read one quantized input and gate/up another (4 quantizations in the forward of a layer, not 7), and the
     loss and every adapter gradient are eager's. The first decoder layer's input needs no gradient (frozen
     embeddings), so its backward quantizes 4 output gradients (o, gate, up, down), not 7."""
@@ -153,17 +153,17 @@ def test_layers_whose_shape_fp8_cannot_take_stay_bf16():
 
 
 def test_fp8_option_needs_lora_and_a_gpu_with_fp8():
-    from sft.checks import Options
-    from sft.config import parse_args
+    from sft.options.checks import Options
+    from sft.options.arguments import parse_args
     from sft.errors import ConfigError
-    from sft.fp8 import fp8_base_needs
+    from sft.speed.fp8 import fp8_base_needs
     from sft.machine import Launch, Machine
 
     with pytest.raises(ConfigError, match="--fp8 computes the frozen base of a LoRA run"):
         parse_args(["--fp8", "true"])
     with pytest.raises(ConfigError, match="--fp8 with --qlora"):
         parse_args(["--fp8", "true", "--qlora", "true"])
-    if not torch.cuda.is_available():  # listed in sft/checks.py's CHECKS: refused before any model loads
+    if not torch.cuda.is_available():  # listed in sft/options/checks.py's CHECKS: refused before any model loads
         with pytest.raises(ConfigError, match="--fp8 needs a GPU with FP8"):
             parse_args(["--fp8", "true", "--lora", "true"])
     parsed = parse_args(["--fp8", "true", "--lora", "true"], data_only=True)  # the options alone are fine

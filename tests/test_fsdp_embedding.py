@@ -1,4 +1,4 @@
-"""sft/fsdp.py: FSDP2 runs the input embedding's backward without all-gathering its weight, on two gloo
+"""sft/parallel/fsdp.py: FSDP2 runs the input embedding's backward without all-gathering its weight, on two gloo
 ranks with raw fully_shard in the units accelerate 1.15 builds (accelerate's FSDP becomes DDP on CPU)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ WORKER = textwrap.dedent("""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    from sft.fsdp import skip_embedding_unshard_in_backward
+    from sft.parallel.fsdp import skip_embedding_unshard_in_backward
 
     dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=int(sys.argv[2]), world_size=2)
     gathers = [0]
@@ -66,7 +66,7 @@ WORKER = textwrap.dedent("""
              "equal": all(torch.equal(a, b) for a, b in zip(default, skipped))}
     if dist.get_rank() == 0:
         print(json.dumps(found))
-    from sft.distributed import exit_process
+    from sft.parallel.distributed import exit_process
     exit_process(0)  # gloo's threads can abort the interpreter's teardown of a finished run
 """)
 
@@ -86,7 +86,7 @@ def test_embedding_backward_without_all_gather_trains_the_same(tmp_path):
 
 
 def test_no_fsdp_callbacks_without_fsdp():
-    from sft.fsdp import fsdp_callbacks
+    from sft.parallel.fsdp import fsdp_callbacks
     from sft.machine import Launch
 
     assert fsdp_callbacks(Launch()) == []

@@ -13,7 +13,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from sft.formats import DataError, ReadOptions, read_conversations
+from sft.data.formats import DataError, ReadOptions, read_conversations
 
 # Modest by default (the whole file runs in seconds); FUZZ_EXAMPLES=2000 for a deeper search.
 SETTINGS = settings(max_examples=int(os.environ.get("FUZZ_EXAMPLES", 60)), deadline=None,

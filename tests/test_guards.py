@@ -12,8 +12,8 @@ import torch
 from transformers import TrainerCallback
 
 from conftest import REPO, tensorboard_scalars
-from sft.checkpoints import FINAL_MARKER, checkpoint_dirs, is_complete, newest_complete
-from sft.guards import LossSpikeLogger, NonFiniteError, NonFiniteGuard
+from sft.safety.checkpoints import FINAL_MARKER, checkpoint_dirs, is_complete, newest_complete
+from sft.safety.guards import LossSpikeLogger, NonFiniteError, NonFiniteGuard
 
 
 def run_args(model: Path, output_dir: Path, cache: Path, *extra: str) -> list[str]:

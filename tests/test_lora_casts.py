@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sft.config import LoraArguments
+from sft.options.arguments import LoraArguments
 
 
 class CountFp32Copies(TorchDispatchMode):
@@ -29,10 +29,10 @@ def lora_model(path, peft_casts: bool, monkeypatch):
     from transformers import AutoModelForCausalLM
 
     from sft.machine import Launch
-    from sft.model import attach_lora
+    from sft.model.loading import attach_lora
 
     # SFT_PEFT_INPUT_CAST=1 or unset, as the launch read once says it (attach_lora asks it)
-    monkeypatch.setattr("sft.model.launch", lambda: Launch(peft_input_cast=peft_casts))
+    monkeypatch.setattr("sft.model.loading.launch", lambda: Launch(peft_input_cast=peft_casts))
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)  # bf16 frozen base, as on GPUs
     model = attach_lora(model, LoraArguments(lora=True, lora_dropout=0.0), False)

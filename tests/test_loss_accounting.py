@@ -63,7 +63,7 @@ def max_difference(a: dict, b: dict) -> float:
 
 TWO_RANKS = """
 import sys, json
-from sft.distributed import exit_process
+from sft.parallel.distributed import exit_process
 from sft.train import main
 for args in json.loads(sys.argv[1]):
     if main(args) != 0:

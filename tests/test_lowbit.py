@@ -1,4 +1,4 @@
-"""sft/lowbit.py: torchao's 4-bit AdamW under FSDP2 (raw fully_shard on two gloo ranks: the FSDP that accelerate
+"""sft/speed/lowbit.py: torchao's 4-bit AdamW under FSDP2 (raw fully_shard on two gloo ranks: the FSDP that accelerate
 sets up on GPUs, which on CPU silently becomes DDP), compared with torchao's own non-FSDP update."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ FSDP_4BIT_WORKER = textwrap.dedent("""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Shard, distribute_tensor
     from torchao.optim import AdamW4bit, AdamW8bit
-    import sft.lowbit
-    from sft.lowbit import prepare_optimizer
+    import sft.speed.lowbit
+    from sft.speed.lowbit import prepare_optimizer
 
     dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=int(sys.argv[2]), world_size=2)
 
@@ -47,7 +47,7 @@ FSDP_4BIT_WORKER = textwrap.dedent("""
 
     # torchao's own 4-bit update (plain tensors, no FSDP, no patches): 3 steps rounding to nearest, 1 stochastic.
     nearest, stochastic = train(AdamW4bit, False, 3, False), train(AdamW4bit, False, 1, True)
-    sft.lowbit.CHUNK_NUMEL = 2**15  # small chunks for small test tensors
+    sft.speed.lowbit.CHUNK_NUMEL = 2**15  # small chunks for small test tensors
     prepare_optimizer("adamw_torch_4bit")
     train(AdamW8bit, True, 1, True)  # an 8-bit run first: its compiled update lands in the on-disk compile cache
     fsdp_nearest, fsdp_stochastic = train(AdamW4bit, True, 3, False), train(AdamW4bit, True, 1, True)
@@ -60,7 +60,7 @@ FSDP_4BIT_WORKER = textwrap.dedent("""
         print(json.dumps({"nearest_equal": [torch.equal(a, b) for a, b in zip(fsdp_nearest, nearest)],
                           "stochastic_max_ulps": max(ulps),
                           "moved": min((a != b).float().mean().item() for a, b in zip(fsdp_nearest, build().parameters()))}))
-    from sft.distributed import exit_process
+    from sft.parallel.distributed import exit_process
     exit_process(0)  # gloo's threads can abort the interpreter's teardown of a finished run
 """)
 
@@ -96,7 +96,7 @@ def test_dtensor_cache_key_tells_4bit_from_8bit_states_and_devices():
     from torchao.optim.subclass_4bit import OptimState4bit
     from torchao.optim.subclass_8bit import OptimState8bit
 
-    from sft.lowbit import local_tensor_key, patch_dtensor_cache_key
+    from sft.speed.lowbit import local_tensor_key, patch_dtensor_cache_key
 
     shape = (256, 256)
     four, eight = (OptimState4bit.zeros(shape, True, 128, "cpu", dtype=torch.float32),
@@ -113,7 +113,7 @@ def test_dtensor_cache_key_tells_4bit_from_8bit_states_and_devices():
 def test_chunk_rows_fall_on_block_boundaries():
     import torch
 
-    from sft.lowbit import chunk_rows
+    from sft.speed.lowbit import chunk_rows
 
     class State:  # what chunk_rows reads of a torchao state
         def __init__(self, block_size):
@@ -142,7 +142,7 @@ def test_chunked_update_is_bit_identical_and_needs_fewer_temporaries(monkeypatch
     import torch
     from torchao.optim import AdamW8bit, adam
 
-    import sft.lowbit as lowbit
+    import sft.speed.lowbit as lowbit
 
     lowbit.patch_torchao_state_dtype()
     lowbit.patch_torchao_chunked_update()
@@ -184,7 +184,7 @@ def test_block_size_from_optim_args_reaches_torchao_as_a_number():
     import torch
     from transformers import Trainer, TrainingArguments
 
-    from sft.lowbit import prepare_optimizer
+    from sft.speed.lowbit import prepare_optimizer
 
     prepare_optimizer("adamw_torch_4bit")
     args = TrainingArguments(output_dir="/tmp/sft-lowbit-test", optim="adamw_torch_4bit", use_cpu=True,

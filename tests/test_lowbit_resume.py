@@ -1,5 +1,5 @@
 """Resuming the full fine-tune plan from a checkpoint: FSDP2 (SHARDED_STATE_DICT) + bf16 weights + torchao's 4-bit
-and 8-bit AdamW with bf16 stochastic rounding and the sft/lowbit.py patches. Two gloo ranks with raw fully_shard
+and 8-bit AdamW with bf16 stochastic rounding and the sft/speed/lowbit.py patches. Two gloo ranks with raw fully_shard
 (accelerate's FSDP becomes DDP on CPU); the checkpoint is written and read by accelerate's own save_fsdp_model /
 save_fsdp_optimizer / load_fsdp_model / load_fsdp_optimizer (what the Trainer calls under FSDP), in a fresh pair
 of processes, as `--resume_from_checkpoint` does."""
@@ -29,13 +29,13 @@ RESUME_WORKER = textwrap.dedent("""
                                         fully_shard)
     import accelerate.utils.fsdp_utils as fsdp_utils
     from torchao.optim import AdamW4bit, AdamW8bit
-    import sft.lowbit
-    from sft.lowbit import prepare_optimizer
+    import sft.speed.lowbit
+    from sft.speed.lowbit import prepare_optimizer
 
     rank, root, phase = int(sys.argv[2]), sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
     fsdp_utils.logger = logging.getLogger("fsdp_utils")  # accelerate's own logger wants an Accelerator()
-    sft.lowbit.CHUNK_NUMEL = 2**15  # the first weight's shard is updated in 2 chunks, the second in one call
+    sft.speed.lowbit.CHUNK_NUMEL = 2**15  # the first weight's shard is updated in 2 chunks, the second in one call
     prepare_optimizer("adamw_torch_4bit")
     # What accelerate's FSDP plugin holds for fsdp_version 2 + SHARDED_STATE_DICT (set_state_dict_type).
     plugin = types.SimpleNamespace(fsdp_version=2, state_dict_type=StateDictType.SHARDED_STATE_DICT,
@@ -116,7 +116,7 @@ RESUME_WORKER = textwrap.dedent("""
     dist.all_gather_object(gathered, found)
     if rank == 0 and phase == "resume":
         print(json.dumps(gathered))
-    from sft.distributed import exit_process
+    from sft.parallel.distributed import exit_process
     exit_process(0)  # gloo's threads can abort the interpreter's teardown of a finished run
 """)
 

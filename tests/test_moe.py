@@ -1,4 +1,4 @@
-"""MoE training (sft/moe.py): transformers computes no balance loss for DeepSeek V2/V3; ours is in the training loss
+"""MoE training (sft/model/moe.py): transformers computes no balance loss for DeepSeek V2/V3; ours is in the training loss
 (coefficient x balance; 0 turns it off), reaches the routers, equals DeepSeek's formula, excludes padding, is the
 same packed and unpacked; the load statistics reach the logs (and TensorBoard); dense models get no hook; ZeRO-3
 marks the MoE blocks as leaves."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from conftest import save_tiny_model, tensorboard_scalars, tiny_config
-from sft.moe import (DEFAULT_COEFFICIENT, MoeLoadLogger, RouterBalance, add_aux_loss, balance_loss,
+from sft.model.moe import (DEFAULT_COEFFICIENT, MoeLoadLogger, RouterBalance, add_aux_loss, balance_loss,
                      default_coefficient, install_moe, mark_moe_leaves, moe_blocks, token_groups)
-from sft.packing import IGNORE, Collator, pack_rows
+from sft.data.packing import IGNORE, Collator, pack_rows
 from test_packing import assert_same_loss_and_gradients, documents
 
 MOE = ["deepseek_v2", "deepseek_v3"]
@@ -358,7 +358,7 @@ def test_training_logs_moe_numbers_to_tensorboard(tmp_path, monkeypatch):
 def test_mfu_counts_the_routed_experts_a_token_runs(model_type):
     """MFU on ACTIVE parameters: of each MoE layer's routed experts, num_experts_per_tok of n_routed_experts (on
     DeepSeek-V2-Lite, counting all 64 experts overstated MFU 6.2x: 7.0% logged against 1.1% measured)."""
-    from sft.callbacks import flops_per_token
+    from sft.report.callbacks import flops_per_token
 
     model = tiny_moe(model_type)
     config = model.config

@@ -1,6 +1,6 @@
 """LoRA on the DeepSeek MoE families (deepseek_v2, deepseek_v3): which weights the default adapter adapts (MLA
 projections, the dense layers' MLP, the shared experts; the routed experts only with --lora_experts; never the
-router), checked on the live model, in the saved file, after a plain-peft reload, and after sft.merge."""
+router), checked on the live model, in the saved file, after a plain-peft reload, and after sft.tools.merge."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from conftest import DEEPSEEK_TOKENIZER, needs_shared, save_tiny_model
-from sft.config import LoraArguments, ModelArguments
-from sft.families import FAMILIES
-from sft.model import load_model, load_tokenizer
+from sft.options.arguments import LoraArguments, ModelArguments
+from sft.model.families import FAMILIES
+from sft.model.loading import load_model, load_tokenizer
 
 TEXTS = ["def fib(n):\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
          "Write a function that reverses a string in Python."]
@@ -75,7 +75,7 @@ def test_moe_lora_targets_save_reload_merge(tmp_path, model_type, experts):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from sft.merge import main as merge
+    from sft.tools.merge import main as merge
 
     base_dir = save_tiny_model(tmp_path / "base", model_type, tokenizer_dir=DEEPSEEK_TOKENIZER)
     model = load_model(ModelArguments(model=str(base_dir), dtype="float32"), lora_args(experts))
@@ -123,7 +123,7 @@ def test_user_mlp_names_and_all_linear_keep_the_dense_and_shared_mlp():
     from transformers import AutoModelForCausalLM
 
     from conftest import tiny_config
-    from sft.model import attach_lora
+    from sft.model.loading import attach_lora
 
     config = tiny_config("deepseek_v2")
     user = lora_args(False, lora_target_modules=["o_proj", "gate_proj", "up_proj", "down_proj"])

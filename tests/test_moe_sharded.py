@@ -32,12 +32,12 @@ def test_zero3_moe_lora_trains_saves_reloads_and_merges(tmp_path):
     """accelerate_configs/zero3.yaml, 2 ranks, sft/train.py on a tiny DeepSeek-V2 with the real tokenizer, LoRA on
     every promised weight and the routed experts, activation checkpointing (the recipe's): the base is created
     partitioned, the MoE block is a ZeRO-3 leaf, the loss falls, the adapter holds exactly the promised modules with
-    the values of the ZeRO shards, reloads with plain peft on the plain model and merges (sft.merge) to its logits.
+    the values of the ZeRO shards, reloads with plain peft on the plain model and merges (sft.tools.merge) to its logits.
     (The run's own save check also compared the sharded model's logits with the reloaded adapter's.)"""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from sft.merge import main as merge
+    from sft.tools.merge import main as merge
 
     base = save_tiny_model(tmp_path / "base", "deepseek_v2", tokenizer_dir=DEEPSEEK_TOKENIZER)
     output = tmp_path / "out"
@@ -79,8 +79,8 @@ FSDP_MOE_WORKER = textwrap.dedent("""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM
-    from sft.config import LoraArguments
-    from sft.model import attach_lora
+    from sft.options.arguments import LoraArguments
+    from sft.model.loading import attach_lora
 
     rendezvous, rank, bases = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=2)
@@ -100,7 +100,7 @@ FSDP_MOE_WORKER = textwrap.dedent("""
         reference_loss = reference(input_ids=ids, labels=ids, use_cache=False).loss
         reference_loss.backward()
         model = build(base)
-        model.activation_checkpointing_enable({"use_reentrant": False})  # LoRA under FSDP: transformers' (sft/fsdp.py)
+        model.activation_checkpointing_enable({"use_reentrant": False})  # LoRA under FSDP: transformers' (sft/parallel/fsdp.py)
         layers = set(model.get_base_model()._no_split_modules)  # what fsdp.yaml wraps: each decoder layer
         for module in list(model.modules()):
             if type(module).__name__ in layers:

@@ -1,4 +1,4 @@
-"""The planner (sft/plan.py) and the strategy table (sft/strategies.py): plans for a described 3 x 24 GB box,
+"""The planner (sft/plan/planner.py) and the strategy table (sft/parallel/strategies.py): plans for a described 3 x 24 GB box,
 a local config.json, predicted against every measured bench row, and the command line."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from sft import plan
-from sft.strategies import STRATEGIES, Setup
+from sft.plan import planner as plan
+from sft.parallel.strategies import STRATEGIES, Setup
 
 BOX = plan.Box(gpus=3, gpu_mem_gib=24)
 
@@ -117,7 +117,7 @@ def test_fill_options_leaves_given_options_alone(tiny_llama):
 
 
 def test_cli_help_is_one_screen_and_bad_options_one_line():
-    run = lambda *a: subprocess.run([sys.executable, "-m", "sft.plan", *a], capture_output=True, text=True)  # noqa
+    run = lambda *a: subprocess.run([sys.executable, "-m", "sft.plan.planner", *a], capture_output=True, text=True)  # noqa
     out = run("--help")
     assert out.returncode == 0 and len(out.stdout.splitlines()) <= 40
     for bad in (["--bogus"], ["--model", "deepseek-llm-7b", "--gpus", "0"], ["--model", "no-such-model"],
@@ -130,7 +130,7 @@ def test_cli_help_is_one_screen_and_bad_options_one_line():
 
 def test_plan_auto_through_the_command_line():
     """`--plan auto` is parsed, fills only what the user left out, and on a machine without GPUs sets nothing."""
-    from sft.config import parse_args
+    from sft.options.arguments import parse_args
 
     data = str(plan.REPO / "data" / "alpaca_demo.json")
     *_, training = parse_args(["--model", "m", "--dataset", data, "--plan", "auto"])
@@ -148,7 +148,7 @@ def test_plan_auto_that_sets_nothing_says_why():
     small = Machine(gpu_names=("NVIDIA GeForce GTX 1080",) * 3, gpu_memory_gib=(8.0,) * 3, bf16=False, host_ram_gib=16,
                     host_ram_available_gib=12)
     line = plan.nothing_planned_line("deepseek-llm-7b", True, small)
-    assert "no plan fits 3 x 8 GiB" in line and "python -m sft.plan --model deepseek-llm-7b --gpus 3 --gpu_mem 8 --lora" in line
+    assert "no plan fits 3 x 8 GiB" in line and "python -m sft.plan.planner --model deepseek-llm-7b --gpus 3 --gpu_mem 8 --lora" in line
 
 
 def test_host_ram_of_the_offload_rows_within_10_percent():
@@ -174,11 +174,11 @@ def test_deepseek_v2_lite_shape():
 
 
 def test_deepseek_v2_lite_lora_count_is_what_training_attaches(tmp_path):
-    """The planner's LoRA count is what training attaches (sft/families.py's targets, on a weightless copy)."""
+    """The planner's LoRA count is what training attaches (sft/model/families.py's targets, on a weightless copy)."""
     from transformers import DeepseekV2Config
 
-    from sft.config import LoraArguments, ModelArguments
-    from sft.distributed import count_parameters
+    from sft.options.arguments import LoraArguments, ModelArguments
+    from sft.parallel.distributed import count_parameters
 
     s = plan.SHAPES["deepseek-v2-lite"]
     DeepseekV2Config(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,

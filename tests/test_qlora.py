@@ -4,7 +4,7 @@ What runs everywhere: the option implies --lora, the checks (a machine described
 BitsAndBytesConfig for DDP and FSDP. What needs bitsandbytes runs on its CPU backend when it is installed
 (`pip install -e ".[qlora]"`), else skips: loading, training a few steps, the verified save (in place, and
 reloaded onto a 4-bit base from disk), the reload onto the UNQUANTIZED base with plain peft (logits differ by
-the quantization error) and sft.merge (the merged model equals the adapter on the unquantized base). Training
+the quantization error) and sft.tools.merge (the merged model equals the adapter on the unquantized base). Training
 itself on a GPU, DDP and FSDP: bench/qlora_check.py.
 """
 
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, save_tiny_model
-from sft.config import ConfigError, LoraArguments, ModelArguments, parse_args, validate_setup
+from sft.options.arguments import ConfigError, LoraArguments, ModelArguments, parse_args, validate_setup
 from sft.machine import Launch, Machine
 
 DATA = str(REPO / "data" / "alpaca_demo.json")
@@ -63,7 +63,7 @@ def test_ddp_and_one_gpu_pass():
 
 def test_fsdp_passes():
     """FSDP+QLoRA once failed its verified save on two H200s: FSDP2 all-gathered the bf16-stored 4-bit bytes as
-    floats and CUDA rewrote their NaN patterns. sft/fsdp.py now gathers them as bytes (tests/test_qlora_fsdp.py)."""
+    floats and CUDA rewrote their NaN patterns. sft/parallel/fsdp.py now gathers them as bytes (tests/test_qlora_fsdp.py)."""
     validate_setup(*parsed(), machine=box(2, world_size=2, local_world_size=2, launched=True, fsdp=True))
 
 
@@ -97,7 +97,7 @@ def test_refused_with_tensor_parallel():
                        machine=box(2, world_size=2, local_world_size=2, launched=True))
 
 
-@pytest.mark.skipif(not HAS_FIELD, reason="the --qlora field is not in sft/config.py yet (the lead adds it)")
+@pytest.mark.skipif(not HAS_FIELD, reason="the --qlora field is not in sft/options/arguments.py yet (the lead adds it)")
 def test_the_command_line_option():
     with pytest.raises(ConfigError, match="--qlora needs a CUDA GPU"):  # this CPU machine
         parse_args(["--model", "m", "--dataset", DATA, "--output_dir", "/nonexistent/out", "--qlora"])
@@ -108,7 +108,7 @@ def test_the_command_line_option():
 def test_bitsandbytes_config_for_ddp_and_fsdp():
     from transformers import BitsAndBytesConfig
 
-    from sft.model import qlora_quantization_kwargs
+    from sft.model.loading import qlora_quantization_kwargs
 
     ddp = BitsAndBytesConfig(**qlora_quantization_kwargs(torch.bfloat16, torch.bfloat16, fsdp=False))
     fsdp = BitsAndBytesConfig(**qlora_quantization_kwargs(torch.bfloat16, torch.bfloat16, fsdp=True))
@@ -121,7 +121,7 @@ def test_bitsandbytes_config_for_ddp_and_fsdp():
 
 
 def test_compute_dtype():
-    from sft.model import qlora_compute_dtype
+    from sft.model.loading import qlora_compute_dtype
 
     assert qlora_compute_dtype(cuda=True, bf16=True, weights=torch.bfloat16) == torch.bfloat16
     assert qlora_compute_dtype(cuda=True, bf16=False, weights=torch.float32) == torch.float16  # V100, T4
@@ -130,9 +130,9 @@ def test_compute_dtype():
 
 def test_weights_dtype_follows_the_machines_bf16():
     """--dtype auto: LoRA's frozen base in bf16 where the GPUs have it, fp32 otherwise and for full fine-tuning."""
-    from sft.config import ModelArguments
+    from sft.options.arguments import ModelArguments
     from sft.machine import Machine
-    from sft.model import weights_dtype
+    from sft.model.loading import weights_dtype
 
     bf16_box = Machine(gpu_names=("NVIDIA GeForce RTX 4090",), gpu_memory_gib=(23.5,), bf16=True)
     t4 = Machine(gpu_names=("Tesla T4",), gpu_memory_gib=(15.0,), bf16=False)
@@ -144,7 +144,7 @@ def test_weights_dtype_follows_the_machines_bf16():
 
 
 def test_no_quantization_without_qlora():
-    from sft.model import quantization
+    from sft.model.loading import quantization
 
     assert quantization(ModelArguments(), LoraArguments(lora=True)) == {}
 
@@ -178,7 +178,7 @@ def trained(tmp_path_factory):
     """A QLoRA adapter trained 12 steps on a fixed batch of a tiny llama, saved with its tokenizer."""
     from transformers import AutoTokenizer
 
-    from sft.model import load_model
+    from sft.model.loading import load_model
 
     base = save_tiny_model(tmp_path_factory.mktemp("tiny-llama-qlora"), "llama")
     tokenizer = AutoTokenizer.from_pretrained(base)
@@ -224,7 +224,7 @@ def test_the_verified_save_works_on_a_4bit_base(trained):
 
     from safetensors.torch import load_file, save_file
 
-    from sft.verify import SaveVerifier, make_verifier, quantization_of
+    from sft.safety.verify import SaveVerifier, make_verifier, quantization_of
 
     model, adapter = trained["model"], trained["adapter"]
     assert quantization_of(model)["bnb_4bit_quant_type"] == "nf4"
@@ -246,11 +246,11 @@ def test_the_verified_save_works_on_a_4bit_base(trained):
 @needs_bnb
 def test_the_adapter_on_the_unquantized_base_and_merged(trained, tmp_path):
     """What users do: plain peft loads the adapter on the unquantized base named in adapter_config.json, and
-    sft.merge folds it into that base. Both differ from the 4-bit model trained by the quantization error only."""
+    sft.tools.merge folds it into that base. Both differ from the 4-bit model trained by the quantization error only."""
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoModelForCausalLM
 
-    from sft.merge import main as merge
+    from sft.tools.merge import main as merge
 
     ids = trained["ids"]
     quantized = logits(trained["model"], ids)
@@ -272,7 +272,7 @@ def test_an_adapter_reloads_on_a_4bit_base_with_plain_peft(trained):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    from sft.verify import quantization_of
+    from sft.safety.verify import quantization_of
 
     config = BitsAndBytesConfig.from_dict(quantization_of(trained["model"]))
     base = AutoModelForCausalLM.from_pretrained(trained["base"], dtype=torch.float32, quantization_config=config,

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import REPO, save_tiny_model
-from sft.verify import adapter_note, gathered_trainable, ranks_note, repeat_note, tensors_note
+from sft.safety.verify import adapter_note, gathered_trainable, ranks_note, repeat_note, tensors_note
 
 needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
                                reason='bitsandbytes is not installed (pip install -e ".[qlora]"); its CPU backend '
@@ -53,10 +53,10 @@ WORKER = textwrap.dedent("""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-    from sft.config import LoraArguments
+    from sft.options.arguments import LoraArguments
     from sft.errors import SaveMismatchError
-    from sft.model import attach_lora, qlora_quantization_kwargs
-    from sft.verify import SaveVerifier, quantization_of
+    from sft.model.loading import attach_lora, qlora_quantization_kwargs
+    from sft.safety.verify import SaveVerifier, quantization_of
 
     base, out = sys.argv[1], sys.argv[2]
     dist.init_process_group("gloo")
@@ -121,12 +121,12 @@ def test_sharded_qlora_check_names_the_adapter_file(tmp_path):
     assert "the reloaded 4-bit base is the trained one" in message, message
 
 
-# ---- the 4-bit bytes under FSDP2's all-gather (sft/fsdp.py qlora_policy) ----------------------------------------
+# ---- the 4-bit bytes under FSDP2's all-gather (sft/parallel/fsdp.py qlora_policy) ----------------------------------------
 
 BYTES_WORKER = textwrap.dedent("""
     import json, sys, torch, torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-    from sft.fsdp import float_gathered_4bit_units, qlora_policy
+    from sft.parallel.fsdp import float_gathered_4bit_units, qlora_policy
 
     # two ranks: FSDP2 skips the all-gather for one (torch 2.13)
     dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=int(sys.argv[2]), world_size=2)

@@ -181,7 +181,7 @@ class Step:
     launcher: list[str] = field(default_factory=list)   # `accelerate launch ...` words before the script
     program: list[str] = field(default_factory=list)    # the script: sft/train.py, python sft/train.py, ...
     args: list[str] = field(default_factory=list)       # the words after the script or module
-    tool: str = ""                                      # a tool's module (sft.chat, ...), for what to check
+    tool: str = ""                                      # a tool's module (sft.tools.chat, ...), for what to check
 
 
 class NoRule(Exception):
@@ -238,7 +238,7 @@ def classify(words: list[str]) -> Step:
     raise NoRule(f"`{first}` is no command this test knows how to run")
 
 
-CLI_TOOLS = {"data": "sft.dataset"}  # deepseek-sft <command> -> its module, where it is not sft.<command>
+CLI_TOOLS = {"data": "sft.data.dataset"}  # deepseek-sft <command> -> its module, where it is not sft.<command>
 
 
 def tool_step(tool: str, program: list[str], args: list[str], words: list[str], env: dict) -> Step:
@@ -619,7 +619,7 @@ class ReadmeRun:
                 "--max_length", length[1], "--show_masks", "0", "--dataset_cache_dir", str(self.tmp / "summary-cache")]
         if "packed into" in block.text:
             args.append("--packing")
-        result = self.run_module("sft.dataset", args, f"README.md:{block.line} (the summary sample)", cwd=REPO)
+        result = self.run_module("sft.data.dataset", args, f"README.md:{block.line} (the summary sample)", cwd=REPO)
         self.expect_success(result)
         printed = [line for line in result.stdout.splitlines() if "loaded from the cache" not in line]
         start = next((i for i, line in enumerate(printed) if line.startswith("Data: ")), 0)
@@ -673,18 +673,18 @@ class ReadmeRun:
     def step_tool(self, command: Command, step: Step) -> None:
         module, args = step.tool, self.substitute_words(step.args)
         opts, stdin, check = options(args), None, None
-        if module == "sft.dataset":
+        if module == "sft.data.dataset":
             args += [] if "dataset_cache_dir" in opts else ["--dataset_cache_dir", str(self.tmp / "cache")]
             shown = int(opts.get("show_masks", 3))
             check = lambda r: None if len(re.findall(r"^--- .*trained tokens between", r.stdout, re.M)) == shown \
                 else f"expected {shown} conversations shown between [[ ]]"  # noqa: E731
-        elif module == "sft.chat":
+        elif module == "sft.tools.chat":
             args += [] if "max_new_tokens" in opts else ["--max_new_tokens", "16"]
             if "prompt" not in opts:
                 stdin = "What is the capital of Japan?\n\n"  # one question, then an empty line quits
             # one line per answer; what a 2-step model says may be empty
             check = lambda r: None if r.stdout.count("\n") >= 1 else "no answer printed"  # noqa: E731
-        elif module == "sft.merge":
+        elif module == "sft.tools.merge":
             positional = [a for a in args if not a.startswith("--") and a not in opts.values()]
             merged = self.inside(positional[1], "the merged model") if len(positional) > 1 else None
             check = lambda r: None if merged and (merged / "model.safetensors").is_file() \
@@ -836,7 +836,7 @@ def test_rules_on_made_up_blocks():
     assert [s.kind for s in steps] == ["train", "train", "tool", "help"]
     assert steps[0].launcher[-2:] == ["--config_file", "accelerate_configs/zero2.yaml"]
     assert steps[0].args[-1] == "--fp16" and steps[1].launcher == ["deepseek-sft", "train", "--num_processes", "2"]
-    assert steps[2].tool == "sft.dataset" and steps[2].program == ["sft.cli", "data"]
+    assert steps[2].tool == "sft.data.dataset" and steps[2].program == ["sft.cli", "data"]
     for block, says in zip(blocks[1:], ["`nvidia-smi` is no command", "shell syntax ['|']", "an output sample",
                                         "first line is not `# <file>.yaml`", "```toml block"]):
         with pytest.raises(NoRule, match=re.escape(says)):

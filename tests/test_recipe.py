@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sft.config import DEMO, TINY_MODEL, ConfigError, parse_args
+from sft.options.arguments import DEMO, TINY_MODEL, ConfigError, parse_args
 
 
 def test_recipe_equals_command_line(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from sft.config import parse_args, validate_setup
+from sft.options.arguments import parse_args, validate_setup
 from sft.machine import Launch, Machine
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -53,8 +53,8 @@ def test_recipe_parses_and_fits_its_box(recipe: Path):
 
 @pytest.mark.parametrize("recipe", RECIPES[:1], ids=lambda p: p.stem)
 def test_a_gpu_recipes_data_can_be_audited_on_a_laptop(recipe: Path, tmp_path, tiny_llama, capsys):
-    """`python -m sft.dataset --config <recipe>` prepares its data without a GPU (precision does not enter it)."""
-    from sft.dataset import main
+    """`python -m sft.data.dataset --config <recipe>` prepares its data without a GPU (precision does not enter it)."""
+    from sft.data.dataset import main
 
     code = main(["--config", str(recipe), "--model", str(tiny_llama), "--dataset", str(REPO / "data" / "alpaca_demo.json"),
                  "--max_length", "256", "--dataset_cache_dir", str(tmp_path), "--show_masks", "1"])

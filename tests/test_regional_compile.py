@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import REPO, tiny_config
-from sft.config import ConfigError, LoraArguments, ModelArguments, parse_args, validate_setup
+from sft.options.arguments import ConfigError, LoraArguments, ModelArguments, parse_args, validate_setup
 from sft.machine import Launch, Machine
 
 DATA = str(REPO / "data" / "alpaca_demo.json")
@@ -46,7 +46,7 @@ def four_layers(tmp_path_factory):
 def test_compiled_layers_train_as_the_eager_model(four_layers):
     from torch._dynamo.utils import counters
 
-    from sft.model import load_model
+    from sft.model.loading import load_model
 
     def lora_model(compile_layers: bool):
         torch.manual_seed(0)  # the same LoRA init
@@ -99,8 +99,8 @@ def test_refused_where_it_is_not_supported():
 
 def test_liger_keeps_only_its_fused_loss_unless_told_otherwise():
     """Under --compile_layers Liger runs its fused loss alone, and that on the labelled tokens only
-    (sft/chunked_loss.py: Liger's own forward is switched off for it)."""
-    from sft.regional_compile import LIGER_WITH_COMPILED_LAYERS
+    (sft/speed/chunked_loss.py: Liger's own forward is switched off for it)."""
+    from sft.speed.regional_compile import LIGER_WITH_COMPILED_LAYERS
 
     def with_liger(args):  # parse_args checks against this CPU machine, which has no Liger: set after
         args[3].use_liger_kernel = True
@@ -130,7 +130,7 @@ def test_deepseek_moe_layers_compile_to_the_same_loss_and_gradients():
     from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
 
-    from sft.regional_compile import compile_decoder_layers
+    from sft.speed.regional_compile import compile_decoder_layers
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v2", vocab_size=300, num_hidden_layers=3)).train()
@@ -151,7 +151,7 @@ def test_under_flex_attention_compiled_layers_follow_each_batchs_document_mask()
     Forward only (flex_attention has no backward on CPU); bench/compile_check.py --attn flex_attention trains."""
     from transformers import AutoModelForCausalLM
 
-    from sft.regional_compile import compile_decoder_layers
+    from sft.speed.regional_compile import compile_decoder_layers
 
     torch.manual_seed(0)
     config = tiny_config("llama", vocab_size=256)

@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from conftest import REPO
-from sft.checkpoints import (MARKER, checkpoint_callback, checkpoint_dirs, command_with, is_complete, mark_complete,
+from sft.safety.checkpoints import (MARKER, checkpoint_callback, checkpoint_dirs, command_with, is_complete, mark_complete,
                              newest_complete, resolve_resume, rotate)
-from sft.config import ConfigError
+from sft.options.arguments import ConfigError
 
 
 def fake_checkpoint(root: Path, step: int, complete: bool = True) -> Path:

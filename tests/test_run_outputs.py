@@ -1,6 +1,6 @@
 """What a run leaves is what a user expects of it: the saved config keeps the base's use_cache (training forwards
 run without a cache through the batches themselves), the data summary counts eval data apart from training data,
-and `python -m sft.chat` says when an answer was cut at --max_new_tokens."""
+and `python -m sft.tools.chat` says when an answer was cut at --max_new_tokens."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import REPO, run_train
-from sft.config import DataArguments, LoraArguments, ModelArguments
-from sft.packing import Collator, pack_rows
+from sft.options.arguments import DataArguments, LoraArguments, ModelArguments
+from sft.data.packing import Collator, pack_rows
 
 
 def write_jsonl(path: Path, conversations: list[list[tuple[str, str]]]) -> str:
@@ -27,7 +27,7 @@ def test_training_and_eval_forwards_run_without_a_cache_and_the_save_keeps_the_b
     import datasets
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
-    from sft.model import load_model
+    from sft.model.loading import load_model
 
     model = load_model(ModelArguments(model=str(tiny_llama), dtype="float32"), LoraArguments(), True)
     assert model.config.use_cache is True  # load_model leaves the base's value (the llama default)
@@ -71,8 +71,8 @@ def test_a_run_saves_the_base_use_cache_and_checkpointing_does_not_warn(tmp_path
 def test_summary_reports_eval_data_apart(tmp_path):
     from transformers import AutoTokenizer
 
-    from sft.dataset import prepare, read_datasets
-    from sft.tiny import ensure_tiny_model
+    from sft.data.dataset import prepare, read_datasets
+    from sft.model.tiny import ensure_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
     long = "the capital of France is Paris " * 100
@@ -98,7 +98,7 @@ def test_summary_reports_eval_data_apart(tmp_path):
 
 
 def test_chat_says_when_an_answer_was_cut(tiny_llama, capsys):
-    from sft.chat import main
+    from sft.tools.chat import main
 
     assert main([str(tiny_llama), "--prompt", "Capital of Japan?", "--max_new_tokens", "3"]) == 0
     out, err = capsys.readouterr()
@@ -112,8 +112,8 @@ def test_chat_says_when_an_answer_was_cut(tiny_llama, capsys):
 def test_chat_answer_that_ended_keeps_its_text(tiny_llama, name, generated, answer):
     from transformers import AutoTokenizer
 
-    from sft.chat import reply
-    from sft.templates import get_template
+    from sft.tools.chat import reply
+    from sft.data.templates import get_template
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     if name == "deepseek_coder":

@@ -1,8 +1,8 @@
 """A trained model carries the template it was trained with: the Jinja that training stores on the tokenizer it
 saves renders, after save_pretrained and a reload, exactly the text and the token ids that training used, for every
 built-in template, with the real DeepSeek tokenizer and the embedded tiny one; `--template auto` (what
-`python -m sft.chat` uses) finds that built-in again. It reads OpenAI-form messages as training's reader
-(sft/formats.py) does: `developer` is a system text, a list of text parts is its texts joined, other content refused."""
+`python -m sft.tools.chat` uses) finds that built-in again. It reads OpenAI-form messages as training's reader
+(sft/data/formats.py) does: `developer` is a system text, a list of text parts is its texts joined, other content refused."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 
 from conftest import DEEPSEEK_TOKENIZER, SHARED
 from sft.errors import DataError
-from sft.formats import messages_conversation
-from sft.templates import BUILTIN, chat_template_for_saving, get_template
-from sft.tokenization import tokenize_one
+from sft.data.formats import messages_conversation
+from sft.data.templates import BUILTIN, chat_template_for_saving, get_template
+from sft.data.tokenization import tokenize_one
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Capital of Japan?"}, {"role": "assistant", "content": "Tokyo."}],
@@ -32,7 +32,7 @@ SOURCES = ["deepseek", "tiny"]
 def tokenizer_from(source: str):
     from transformers import AutoTokenizer
 
-    from sft.tiny import ensure_tiny_model
+    from sft.model.tiny import ensure_tiny_model
 
     if source == "deepseek" and not SHARED.is_dir():
         pytest.skip("../shared (the real DeepSeek tokenizer) is absent in this checkout; CI has it")
@@ -59,7 +59,7 @@ def test_saved_tokenizer_renders_and_tokenizes_as_training(tmp_path, source, nam
             if message["role"] == "user":
                 assert saved.apply_chat_template(messages[:n], tokenize=False, add_generation_prompt=True) == \
                     template.text(messages[:n], add_generation_prompt=True)
-    # `--template auto` on the saved model (sft.chat's default) renders with the same built-in.
+    # `--template auto` on the saved model (sft.tools.chat's default) renders with the same built-in.
     assert get_template("auto", saved).name == name
 
 

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO
-from sft.checkpoints import FINAL_MARKER, checkpoint_dirs, is_complete
-from sft.config import LoraArguments
-from sft.verify import SaveMismatchError, SaveVerifier
+from sft.safety.checkpoints import FINAL_MARKER, checkpoint_dirs, is_complete
+from sft.options.arguments import LoraArguments
+from sft.safety.verify import SaveMismatchError, SaveVerifier
 
 
 def perturb(file: Path, name_part: str) -> str:
@@ -52,7 +52,7 @@ def test_full_model_save_verified_and_corruption_caught(tmp_path, tiny_llama):
 def test_lora_adapter_reloaded_onto_the_base(tmp_path, tiny_llama):
     from transformers import AutoModelForCausalLM
 
-    from sft.model import attach_lora
+    from sft.model.loading import attach_lora
 
     model = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_llama), LoraArguments(lora=True), False)
     with torch.no_grad():
@@ -81,7 +81,7 @@ def test_half_precision_adapter_verified_exactly_in_place(tmp_path, tiny_llama, 
     does by default, so the check stays exact: seen on GPUs, where ZeRO-2 fp16 failed with a 1.4e-3 difference."""
     from transformers import AutoModelForCausalLM
 
-    from sft.model import attach_lora
+    from sft.model.loading import attach_lora
 
     model = attach_lora(AutoModelForCausalLM.from_pretrained(tiny_llama), LoraArguments(lora=True), False)
     with torch.no_grad():
@@ -127,7 +127,7 @@ def test_autocast_free_forward_still_runs_the_models_hooks(tiny_llama):
 
     from transformers import AutoModelForCausalLM
 
-    from sft.verify import fixed_batch, logits_of
+    from sft.safety.verify import fixed_batch, logits_of
 
     model = AutoModelForCausalLM.from_pretrained(tiny_llama)
     calls = []
@@ -159,8 +159,8 @@ def test_pickled_weights_are_never_loaded(tmp_path, tiny_llama):
     """Safe defaults: a model directory with only a pickled pytorch_model.bin is refused, not unpickled."""
     import shutil
 
-    from sft.config import ModelArguments
-    from sft.model import load_model
+    from sft.options.arguments import ModelArguments
+    from sft.model.loading import load_model
 
     target = tmp_path / "pickled"
     shutil.copytree(tiny_llama, target)

@@ -1,4 +1,4 @@
-"""sft/sr_adamw.py: `--optim adamw_bf16_sr`, AdamW for bf16 weights with stochastic rounding (weights and states),
+"""sft/speed/sr_adamw.py: `--optim adamw_bf16_sr`, AdamW for bf16 weights with stochastic rounding (weights and states),
 against torch's fp32 AdamW, through the HF Trainer (resume) and under FSDP2 (two gloo ranks)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from sft.sr_adamw import AdamWBf16SR, as_int32, hash32, key_of, round_to_bf16
+from sft.speed.sr_adamw import AdamWBf16SR, as_int32, hash32, key_of, round_to_bf16
 
 
 @pytest.fixture(autouse=True)
@@ -165,9 +165,9 @@ def test_compiled_update_equals_eager_bit_for_bit():
 def test_optim_name_parses_and_the_trainer_builds_it(tmp_path):
     from transformers import Trainer
 
-    from sft.config import SFTTrainingArguments, parse_args
+    from sft.options.arguments import SFTTrainingArguments, parse_args
     from sft.errors import ConfigError
-    from sft.lowbit import prepare_optimizer, rounds_stochastically
+    from sft.speed.lowbit import prepare_optimizer, rounds_stochastically
 
     parsed = parse_args(["--optim", "adamw_bf16_sr", "--output_dir", str(tmp_path)])[3]  # the command line's path
     assert parsed.optim == "adamw_bf16_sr"
@@ -196,8 +196,8 @@ def test_resumed_trainer_run_equals_the_uninterrupted_one(tmp_path):
     from that step-2 checkpoint. Weights and states equal bit for bit."""
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer
 
-    from sft.config import SFTTrainingArguments
-    from sft.lowbit import prepare_optimizer
+    from sft.options.arguments import SFTTrainingArguments
+    from sft.speed.lowbit import prepare_optimizer
 
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -267,10 +267,10 @@ def test_the_trainer_clips_in_the_update_and_trains_as_with_clip_grad_norm(tmp_p
     and the NaN guard still reads the norm."""
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer
 
-    from sft.config import SFTTrainingArguments
-    from sft.guards import NonFiniteGuard
-    from sft.lowbit import prepare_optimizer
-    from sft.sr_adamw import fold_clipping
+    from sft.options.arguments import SFTTrainingArguments
+    from sft.safety.guards import NonFiniteGuard
+    from sft.speed.lowbit import prepare_optimizer
+    from sft.speed.sr_adamw import fold_clipping
 
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -310,7 +310,7 @@ FSDP_WORKER = textwrap.dedent("""
     import json, sys, torch, torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import distribute_tensor
-    from sft.sr_adamw import AdamWBf16SR
+    from sft.speed.sr_adamw import AdamWBf16SR
 
     dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=int(sys.argv[2]), world_size=2)
 
@@ -332,7 +332,7 @@ FSDP_WORKER = textwrap.dedent("""
     plain, sharded = train(False), train(True)
     if dist.get_rank() == 0:
         print(json.dumps({"equal": [torch.equal(a, b) for a, b in zip(plain, sharded)]}))
-    from sft.distributed import exit_process
+    from sft.parallel.distributed import exit_process
     exit_process(0)
 """)
 

@@ -1,4 +1,4 @@
-"""What a run records beside the Trainer's logs (sft/telemetry.py): per-GPU telemetry from NVML sampled on a thread
+"""What a run records beside the Trainer's logs (sft/report/telemetry.py): per-GPU telemetry from NVML sampled on a thread
 (here a fake pynvml), eval perplexity, trainer_log.jsonl (one line per log; a resumed run appends), loss.png and
 all_results.json at the end, and the closing summary."""
 
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from conftest import tensorboard_scalars, tiny_config
-from sft import telemetry
-from sft.telemetry import ALL_RESULTS, LOSS_PLOT, TRAINER_LOG, EvalPerplexity, GpuTelemetry, RunRecord, run_summary
+from sft.report import telemetry
+from sft.report.telemetry import ALL_RESULTS, LOSS_PLOT, TRAINER_LOG, EvalPerplexity, GpuTelemetry, RunRecord, run_summary
 
 GIB = 2**30
 
@@ -221,8 +221,8 @@ def train(out: Path, max_steps: int, resume: str | None = None):
     from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
     from transformers.integrations import TensorBoardCallback
 
-    from sft.callbacks import ThroughputCallback
-    from sft.packing import Collator
+    from sft.report.callbacks import ThroughputCallback
+    from sft.data.packing import Collator
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=128), dtype=torch.float32)

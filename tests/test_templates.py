@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from conftest import DEEPSEEK_TOKENIZER, needs_shared
-from sft.formats import DataError
-from sft.templates import get_template, matching_builtin
-from sft.tokenization import IGNORE, tokenize_one
+from sft.data.formats import DataError
+from sft.data.templates import get_template, matching_builtin
+from sft.data.tokenization import IGNORE, tokenize_one
 
 pytestmark = needs_shared
 
@@ -92,7 +92,7 @@ CONVERSATIONS = [
 
 def official(messages: list[dict]) -> list[dict]:
     """What a user hands to apply_chat_template: an Alpaca input joins its instruction (as our templates do)."""
-    from sft.templates import user_text
+    from sft.data.templates import user_text
 
     return [{"role": m["role"], "content": user_text(m) if m["role"] == "user" else m["content"]} for m in messages]
 

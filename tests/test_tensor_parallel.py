@@ -1,4 +1,4 @@
-"""Tensor-parallel checkpoints resume (sft/tensor_parallel.py).
+"""Tensor-parallel checkpoints resume (sft/parallel/tensor_parallel.py).
 
 The end-to-end test trains a TP-sharded tiny Llama with TensorParallelTrainer on two CPU processes over gloo.
 accelerate refuses tensor parallelism on CPU (its ParallelismConfig accepts only GPU device types), so the worker
@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 from conftest import REPO, run_train
 
-from sft.checkpoints import mark_complete
-from sft.config import ConfigError
-from sft.tensor_parallel import STATE_DIR, STATE_INFO, check_resumable, check_tensor_parallel
+from sft.safety.checkpoints import mark_complete
+from sft.options.arguments import ConfigError
+from sft.parallel.tensor_parallel import STATE_DIR, STATE_INFO, check_resumable, check_tensor_parallel
 
 WORKER = r"""
 import json, sys
@@ -29,7 +29,7 @@ accelerate.parallelism_config.ParallelismConfig._validate_accelerator = lambda s
 import torch
 from transformers import AutoModelForCausalLM, TrainingArguments
 from transformers.distributed import DistributedConfig
-from sft.tensor_parallel import TensorParallelTrainer
+from sft.parallel.tensor_parallel import TensorParallelTrainer
 
 model_dir, output_dir, resume = sys.argv[1], sys.argv[2], sys.argv[3] or None
 model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32,
@@ -46,7 +46,7 @@ if trainer.args.process_index == 0:
     losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     with open(output_dir + "/losses.json", "w") as f:
         json.dump(losses, f)
-from sft.distributed import exit_process
+from sft.parallel.distributed import exit_process
 exit_process(0)  # gloo's threads can abort the interpreter's teardown of a finished run (seen under load)
 """
 

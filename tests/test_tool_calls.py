@@ -8,7 +8,7 @@ only where `message['content'] is none`. So the official text comes from `render
 apply_chat_template calls after that step (test_apply_chat_template_cannot_render_official_tool_calls pins it).
 
 The chat template that training saves (chat_template_for_saving) renders OpenAI-form conversations through
-apply_chat_template itself, `tools=` included, exactly as training rendered them after sft/formats.py read them."""
+apply_chat_template itself, `tools=` included, exactly as training rendered them after sft/data/formats.py read them."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ import json
 import pytest
 
 from conftest import DEEPSEEK_TOKENIZER, needs_shared
-from sft.formats import DataError, messages_conversation
-from sft.templates import chat_template_for_saving, get_template
-from sft.tokenization import IGNORE, tokenize_examples, tokenize_one
-from sft.tool_calls import TOOLS_ROLE, tool_definitions, tools_section
+from sft.data.formats import DataError, messages_conversation
+from sft.data.templates import chat_template_for_saving, get_template
+from sft.data.tokenization import IGNORE, tokenize_examples, tokenize_one
+from sft.data.tool_calls import TOOLS_ROLE, tool_definitions, tools_section
 from test_formats import OPENAI_TOOLS, WEATHER
 from test_reasoning import R1, runs
 from test_templates import DEEPSEEK_V3, R1_DISTILL, trained_runs
@@ -232,7 +232,7 @@ def test_r1_tool_turns_train_once_after_the_official_context(tokenizers, name, k
 
 
 def with_text(messages: list[dict], texts: dict[int, str]) -> list[dict]:
-    """Text beside calls, set by hand: the reader refuses it (sft/formats.py), but R1's own template writes it."""
+    """Text beside calls, set by hand: the reader refuses it (sft/data/formats.py), but R1's own template writes it."""
     return [{**m, "content": texts[k]} if k in texts else m for k, m in enumerate(messages)]
 
 
@@ -347,8 +347,8 @@ def test_templates_without_a_tool_format_refuse_tool_conversations(tokenizers, n
 
 def test_tool_conversations_go_through_the_arrow_dataset_with_plain_ones(tokenizers, tmp_path):
     """The tokenizing step moves messages through an Arrow table (missing keys come back as None)."""
-    from sft.config import DataArguments
-    from sft.dataset import tokenize
+    from sft.options.arguments import DataArguments
+    from sft.data.dataset import tokenize
 
     tokenizer = tokenizers["deepseek_v3"]
     template = get_template("deepseek_v3", tokenizer)
@@ -409,7 +409,7 @@ USER_CONVERSATIONS = {
         {"role": "assistant", "content": "<think>\nWarm.\n</think>\n\nRome 25°C."},
         {"role": "user", "content": "Thanks."}, {"role": "assistant", "content": "Bye."}],
     # As OpenAI clients also send them: a `developer` text (a system text), content as a list of text parts (none
-    # beside the calls), read as sft/formats.py reads them.
+    # beside the calls), read as sft/data/formats.py reads them.
     "developer_and_text_parts": [
         {"role": "developer", "content": [{"type": "text", "text": "Be brief."}]},
         {"role": "user", "content": [{"type": "text", "text": "Weather in "}, {"type": "text", "text": "Rome?"}]},
@@ -426,7 +426,7 @@ USER_CONVERSATIONS = {
 
 
 def as_trained(messages: list[dict], tools: list[dict] | None) -> list[dict]:
-    """The conversation as training renders it: read by sft/formats.py's OpenAI reader. The reader drops trailing
+    """The conversation as training renders it: read by sft/data/formats.py's OpenAI reader. The reader drops trailing
     turns without a reply (a training record ends with one), so a stand-in reply is read along and removed."""
     record = {"tools": tools, "messages": messages + [{"role": "assistant", "content": "stand-in"}]}
     return messages_conversation(record, "test")["messages"][:-1]
@@ -494,7 +494,7 @@ def test_saved_template_writes_tools_and_calls_as_the_training_layout(saving_tok
 
 def test_saved_template_wraps_bare_functions_as_the_reader_does(saving_tokenizer):
     """glaive-style definitions ({"name", "parameters"}) given to `tools=`: wrapped into OpenAI's form, as training
-    data's are (sft/formats.py)."""
+    data's are (sft/data/formats.py)."""
     tokenizer = saving_tokenizer
     tokenizer.chat_template = chat_template_for_saving("deepseek_v3", tokenizer)
     messages = USER_CONVERSATIONS["single_call"]

@@ -6,7 +6,9 @@ import pytest
 import torch
 
 from conftest import REPO
-from sft import chat, merge, train
+from sft.tools import chat
+from sft.tools import merge
+from sft import train
 
 
 @pytest.fixture(scope="module")
@@ -38,14 +40,14 @@ def test_merge_writes_a_plain_model_equal_to_the_adapter(trained_adapter, tmp_pa
 
 def test_a_qlora_adapter_says_its_base_was_4_bit_and_merge_tells_the_user(trained_adapter, tmp_path, capsys):
     """peft's adapter_config.json records nothing of a 4-bit base: the run writes it beside the adapter
-    (quantized_base.json) and sft.merge says what the merged model then is. The 4-bit model is faked (no
+    (quantized_base.json) and sft.tools.merge says what the merged model then is. The 4-bit model is faked (no
     bitsandbytes on CPU): what is read is the base's hf_quantizer.quantization_config."""
     import shutil
     from types import SimpleNamespace
 
     from transformers import BitsAndBytesConfig
 
-    from sft.model import QUANTIZED_BASE, record_quantized_base
+    from sft.model.loading import QUANTIZED_BASE, record_quantized_base
 
     adapter = tmp_path / "adapter"
     shutil.copytree(trained_adapter, adapter)
@@ -73,7 +75,7 @@ def test_chat_and_merge_say_what_a_directory_is_instead_of_a_traceback(trained_a
     import json
     import shutil
 
-    from sft.checkpoints import mark_complete
+    from sft.safety.checkpoints import mark_complete
 
     def refused(tool, *argv) -> str:
         try:
@@ -115,7 +117,7 @@ def test_ctrl_c_in_merge_and_data_leaves_nothing_half_written(trained_adapter, t
     # was: a KeyboardInterrupt traceback, and merge left a half-written model that looked like a merged one
     from transformers import PreTrainedModel
 
-    from sft import dataset
+    from sft.data import dataset
 
     def interrupted_save(self, directory, *args, **kwargs):
         (tmp_path / "merged" / "model.safetensors").write_bytes(b"half")

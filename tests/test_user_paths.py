@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from sft.checkpoints import FINAL_MARKER, checkpoint_dirs, is_complete, mark_complete, resolve_resume
-from sft.config import DEMO, is_demo_output, parse_args
+from sft.safety.checkpoints import FINAL_MARKER, checkpoint_dirs, is_complete, mark_complete, resolve_resume
+from sft.options.arguments import DEMO, is_demo_output, parse_args
 from sft.errors import ConfigError, ModelNotFoundError, NothingToDo, RunLockedError
-from sft.run_lock import LOCK_NAME, RunLock
+from sft.safety.run_lock import LOCK_NAME, RunLock
 
 DATA = str(REPO / "data" / "alpaca_demo.json")
 
@@ -133,7 +133,7 @@ def test_a_full_disk_stops_with_one_line_and_the_checkpoint_to_resume(tmp_path, 
 
     from transformers import TrainerCallback
 
-    from sft.checkpoints import out_of_space
+    from sft.safety.checkpoints import out_of_space
     from sft.train import main
 
     class DiskFillsAtStep3(TrainerCallback):
@@ -159,8 +159,8 @@ def test_a_full_disk_stops_with_one_line_and_the_checkpoint_to_resume(tmp_path, 
 def test_resuming_with_other_lora_or_model_options_is_refused_before_loading(tmp_path, tiny_llama):
     # was: size-mismatch or optimizer-group tracebacks after the model loaded, and another --lora_alpha silently
     # went on training the old adapter at another scale
-    from sft.checkpoints import check_resume_matches
-    from sft.model import planned_lora_config
+    from sft.safety.checkpoints import check_resume_matches
+    from sft.model.loading import planned_lora_config
 
     def check(checkpoint, *extra):
         argv = ["--model", str(tiny_llama), "--dataset", DATA, "--output_dir", str(tmp_path), *extra]
@@ -285,7 +285,7 @@ def test_missing_model_directory_and_unreachable_hub_fail_in_seconds(tmp_path, m
     assert "holds no config.json" in capsys.readouterr().err
     assert main(["--model", "deepseek-ai/not-cached-here", *base]) == 2  # the tests run with HF_HUB_OFFLINE=1
     assert "HF_HUB_OFFLINE=1" in capsys.readouterr().err
-    from sft.model import resolve_model_path
+    from sft.model.loading import resolve_model_path
 
     resolve_model_path.cache_clear()
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
@@ -297,7 +297,7 @@ def test_missing_model_directory_and_unreachable_hub_fail_in_seconds(tmp_path, m
 
 
 def test_lora_targets_that_match_nothing_list_the_names(tiny_llama):
-    from sft.model import check_lora_targets
+    from sft.model.loading import check_lora_targets
 
     model_args, _, lora_args, _ = parse_args(["--model", str(tiny_llama), "--dataset", DATA, "--lora",
                                               "--lora_target_modules", "query", "value"])

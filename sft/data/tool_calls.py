@@ -1,0 +1,218 @@
+"""Tool calls: conversations with `tools`, assistant `tool_calls` and `tool` results, in DeepSeek-V3/R1 form.
+
+Internal form (written by sft/data/formats.py): an assistant turn that calls tools is
+`{"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name", "arguments"}}]}`
+with `arguments` a JSON string; a result is `{"role": "tool", "content": ...}`; the tool definitions travel as the
+conversation's first message, `{"role": "tools", "content": <JSON list, OpenAI form>}`, so that they move with the
+messages through every step (the Arrow table, the data cache key, the tokenizing workers) and the template places
+them.
+
+Rendering (render_v3) writes byte for byte what DeepSeek-V3's, the R1 distills' and DeepSeek-R1's own chat
+templates write, quirks included, because that is what the models see: only the conversation's first call opens
+`<｜Assistant｜><｜tool▁calls▁begin｜>`; every later call (of that turn or of a later one) is written as
+"\\n" + call; the results open `<｜tool▁outputs▁begin｜>` once per conversation (never again, even in a later
+turn) and are closed by `<｜tool▁outputs▁end｜>` only before an answer (which has no `<｜Assistant｜>` in front) or
+at the end. Where the families differ (CallLayout): V3 and the distills end every later call with
+`<｜tool▁calls▁end｜><｜end▁of▁sentence｜>` (a turn with a single call carries no end marker), put "\\n" between
+results, and drop the text beside calls; DeepSeek-R1 ends each turn's calls once with those markers, writes results
+back to back, and writes the text beside the conversation's first call (its reasoning) after `<｜Assistant｜>`,
+dropping that of later calls. The R1 templates write an answer right after
+results as given, reasoning included, and every other answer without its reasoning (`split('</think>')[-1]`, no
+whitespace stripped), as without tools: the caller's `reply` writes answers (sft/data/templates.py R1). Those
+templates do not write `tools` at all (apply_chat_template drops them); we add them to the system prompt
+(tools_section), as LLaMA-Factory does for templates without a tool slot, so that the model sees the functions it
+learns to call. The chat template that
+training saves writes the same layout from apply_chat_template's messages and `tools` (TOOLS_STATE_JINJA and after).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sft.errors import DataError
+
+TOOLS_ROLE = "tools"
+TOOL_TEMPLATES = ("deepseek_v3", "r1", "r1_distill", "r1_distill_no_reasoning")  # built-ins with a tool-call format
+CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
+OUTPUTS_BEGIN, OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
+OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"
+# Marks an assistant turn whose target an earlier example of the same conversation already trained (R1.examples).
+TRAINED_BEFORE = "_trained_before"
+ASSISTANT = "<｜Assistant｜>"
+TOOLS_HEADER = "## Tools\nYou have access to the following functions (JSON schemas, one per line):"
+
+
+@dataclass(frozen=True)
+class CallLayout:
+    """What the official templates' tool layouts do differently: V3's and the distills' (V3_CALLS), R1's (R1_CALLS)."""
+
+    result_sep: str  # written before every tool result of the conversation but the first
+    end_per_turn: bool  # calls end once per turn (R1), else every call but the conversation's first ends (V3)
+    writes_text: bool  # the text beside the conversation's first call follows `<｜Assistant｜>` (R1), else dropped
+
+
+V3_CALLS = CallLayout(result_sep="\n", end_per_turn=False, writes_text=False)
+R1_CALLS = CallLayout(result_sep="", end_per_turn=True, writes_text=True)
+
+
+def has_tools(messages: list[dict[str, Any]]) -> bool:
+    return any(m["role"] in ("tool", TOOLS_ROLE) or m.get("tool_calls") for m in messages)
+
+
+def refuse_tools(template: str, messages: list[dict[str, Any]]) -> None:
+    """For templates without a tool-call format: one clear error instead of rendering calls as plain turns."""
+    if has_tools(messages):
+        raise DataError(f"--template {template} has no tool-call format; conversations with tools, tool_calls or "
+                        f"tool results train with --template {', '.join(TOOL_TEMPLATES)} (or drop those records).")
+
+
+def dump_arguments(arguments: Any) -> str:
+    """Arguments given as an object -> the JSON text the template writes: json.dumps with its default separators
+    (", " and ": ") and ensure_ascii=False, as LLaMA-Factory writes glaive's calls and transformers' `tojson` writes
+    JSON. A string is taken as the model wrote it."""
+    return arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+
+def tool_definitions(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The conversation's tool definitions (OpenAI form), [] if it has none."""
+    return next((json.loads(m["content"]) for m in messages if m["role"] == TOOLS_ROLE), [])
+
+
+def tools_section(tools: list[dict[str, Any]]) -> str:
+    """The system-prompt text that shows the tools: a header, then each definition as one line of JSON (json.dumps
+    with ensure_ascii=False, equal to `tool | tojson` in a chat template)."""
+    return "\n".join([TOOLS_HEADER] + [json.dumps(t, ensure_ascii=False) for t in tools]) if tools else ""
+
+
+def with_tools(system: str, messages: list[dict[str, Any]]) -> str:
+    """The system prompt with the tools section after it (a blank line between, as DeepSeek joins system texts)."""
+    return "\n\n".join(part for part in (system, tools_section(tool_definitions(messages))) if part)
+
+
+def call_text(call: dict[str, Any]) -> str:
+    function = call["function"]
+    return f"{CALL_BEGIN}{call['type']}{SEP}{function['name']}\n```json\n{function['arguments']}\n```{CALL_END}"
+
+
+def after_outputs(messages: list[dict[str, Any]]) -> list[bool]:
+    """For each message, whether tool results come right before it (the template's `ns.is_tool`: set by a result,
+    cleared by a question, a call or an answer; system texts and the tool definitions leave it as it is). An answer
+    there follows `<｜tool▁outputs▁end｜>` and is written as given, reasoning included."""
+    out, state = [], False
+    for m in messages:
+        out.append(state)
+        if m["role"] in ("user", "assistant", "tool"):
+            state = m["role"] == "tool"
+    return out
+
+
+def split_opening(generation_prompt: str, text: str) -> tuple[str, str]:
+    """A turn's text -> (what is written in front of it, the model's part): the generation prompt's part of the text
+    (R1's `<think>\\n`) is prompt where the text opens with it; else the turn follows `<｜Assistant｜>` alone."""
+    opens = generation_prompt.removeprefix(ASSISTANT)
+    return (generation_prompt, text[len(opens):]) if opens and text.startswith(opens) else (ASSISTANT, text)
+
+
+def render_v3(messages: list[dict[str, Any]], *, head: str, generation_prompt: str, eos: str,
+              add_generation_prompt: bool, user_text: Callable[[dict[str, Any]], str],
+              reply: Callable[[dict[str, Any], bool, bool], list[tuple[str, bool]]],
+              layout: CallLayout = V3_CALLS) -> list[tuple[str, bool]]:
+    """A tool conversation as DeepSeek-V3/R1's template writes it (see the module docstring), as segments: every
+    assistant turn's calls trained (unless marked TRAINED_BEFORE), with the end markers and the text the template
+    writes, and every answer as `reply(message, last, after_outputs)` writes it (the template's own choice: R1
+    shows an earlier answer's reasoning only right after tool results); prompts, tool results, the system prompt
+    with the tools, and the `<｜Assistant｜>` (with the generation prompt's `<think>\\n`) in front of a turn not."""
+    out: list[tuple[str, bool]] = [(head, False)]
+    first_call, in_outputs, first_output = True, False, True  # the template's ns.is_first, is_tool, is_output_first
+    for i, m in enumerate(messages):
+        if m["role"] == "user":
+            in_outputs = False
+            out.append((f"<｜User｜>{user_text(m)}", False))
+        elif m["role"] == "assistant" and m.get("tool_calls"):
+            in_outputs = False
+            out += calls_segments(m, first_call, layout, generation_prompt, eos)
+            first_call = False
+        elif m["role"] == "assistant":
+            out += reply(m, i == len(messages) - 1, in_outputs)
+            in_outputs = False
+        elif m["role"] == "tool":
+            out.append(((OUTPUTS_BEGIN if first_output else layout.result_sep) + OUTPUT_BEGIN + m["content"]
+                        + OUTPUT_END, False))
+            in_outputs, first_output = True, False
+    if in_outputs:
+        out.append((OUTPUTS_END, False))
+    elif add_generation_prompt:
+        out.append((generation_prompt, False))
+    return out
+
+
+def calls_segments(message: dict[str, Any], first_call: bool, layout: CallLayout, generation_prompt: str,
+                   eos: str) -> list[tuple[str, bool]]:
+    """An assistant turn with `tool_calls` as segments (`first_call`: the conversation's first call is in it)."""
+    trained = not message.get(TRAINED_BEFORE)
+    calls = [call_text(call) for call in message["tool_calls"]]
+    out: list[tuple[str, bool]] = []
+    if first_call:  # the only call written with an opening; R1 writes the text beside it there (say, its reasoning)
+        prompt, text = split_opening(generation_prompt, message["content"] if layout.writes_text else "")
+        out += [(prompt, False), (text + CALLS_BEGIN + calls.pop(0), trained)]
+    ends = "" if layout.end_per_turn else CALLS_END + eos
+    out += [("\n" + call + ends, trained) for call in calls]
+    if layout.end_per_turn:
+        out.append((CALLS_END + eos, trained))
+    return out
+
+
+# The same layout in Jinja, for the chat template that training saves on the tokenizer (sft/data/templates.py), so that
+# `apply_chat_template(messages, tools=...)` on a trained model writes what render_v3 wrote. It reads OpenAI-form
+# messages as apply_chat_template hands them over: the definitions as its `tools` argument (a bare function is
+# wrapped as sft/data/formats.py wraps it), a call's arguments as JSON text or an object (dumped as dump_arguments does,
+# `tojson` being json.dumps(ensure_ascii=False) there), and a call's content missing, since transformers drops every
+# None value from a message before rendering; `content` is the message's text, set by the messages loop
+# (sft/data/templates.py CONTENT_JINJA: list-of-parts content joined as the reader joins it). `ns` holds render_v3's
+# state and the tools section.
+TOOLS_STATE_JINJA = (
+    "{% set ns = namespace(section='', first_call=true, in_outputs=false, first_output=true) %}"
+    "{% if tools %}{% set ns.section = " + repr(TOOLS_HEADER) + " %}{% for tool in tools %}"
+    "{% set ns.section = ns.section + '\\n' + ((tool if tool['function'] is mapping else "
+    "{'type': 'function', 'function': tool}) | tojson) %}{% endfor %}{% endif %}")
+
+
+def head_jinja(system_jinja: str) -> str:
+    """with_tools() in Jinja: the system prompt (`system_jinja`), then the tools section after a blank line."""
+    return "{{ [" + system_jinja + ", ns.section] | select | join('\\n\\n') }}"
+
+
+def calls_jinja(eos: str, layout: CallLayout) -> str:
+    """The Jinja of an assistant turn with `tool_calls` (an `{% elif %}` branch of the messages loop), as
+    calls_segments writes it; text beside the calls is refused, as sft/data/formats.py refuses it in training data (so
+    R1's text there can only be blank)."""
+    call = ("'" + CALL_BEGIN + "' + (call['type'] if call['type'] is defined else 'function') + '" + SEP + "' + "
+            "call['function']['name'] + '\\n```json\\n' + (arguments if arguments is string else arguments | tojson) "
+            "+ '\\n```" + CALL_END + "'")
+    text = " + content" if layout.writes_text else ""
+    ends = "" if layout.end_per_turn else " + '" + CALLS_END + eos + "'"
+    return ("{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
+            "{% if content | trim %}{{ raise_exception('an assistant message with both text and tool_calls: "
+            "DeepSeek\\'s tool-call format writes only one of the two') }}"
+            "{% endif %}{% set ns.in_outputs = false %}{% for call in message['tool_calls'] %}"
+            "{% set arguments = call['function']['arguments'] if call['function']['arguments'] is defined else {} %}"
+            "{% if ns.first_call %}{{ '" + ASSISTANT + "'" + text + " + '" + CALLS_BEGIN + "' + " + call + " }}"
+            "{% set ns.first_call = false %}{% else %}{{ '\\n' + " + call + ends + " }}"
+            "{% endif %}{% endfor %}" + ("{{ '" + CALLS_END + eos + "' }}" if layout.end_per_turn else ""))
+
+
+def result_jinja(layout: CallLayout) -> str:
+    """A tool result (an `{% elif %}` branch of the messages loop), as render_v3 writes it."""
+    return ("{% elif message['role'] == 'tool' %}{{ ('" + OUTPUTS_BEGIN + "' if ns.first_output else "
+            + repr(layout.result_sep) + ") + '" + OUTPUT_BEGIN + "' + content + '" + OUTPUT_END + "' }}"
+            "{% set ns.in_outputs = true %}{% set ns.first_output = false %}")
+
+
+def end_jinja(generation_prompt: str) -> str:
+    """What ends the conversation, as render_v3 writes it."""
+    return ("{% if ns.in_outputs %}{{ '" + OUTPUTS_END + "' }}{% elif add_generation_prompt %}{{ "
+            + repr(generation_prompt) + " }}{% endif %}")

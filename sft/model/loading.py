@@ -1,0 +1,363 @@
+"""Model: load the tokenizer and the causal LM (hub id or local directory), and attach LoRA.
+
+Precision policy (correctness before speed): full fine-tuning keeps fp32 master weights and trains under the
+Trainer's bf16/fp16 autocast, never plain bf16 AdamW; under LoRA the frozen base may be bf16 while the adapter
+weights stay fp32 (peft's default).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import types
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+from sft.options.arguments import TINY_MODEL, LoraArguments, ModelArguments
+from sft.errors import ConfigError, ModelNotFoundError
+from sft.model.families import MLP_PROJECTIONS, family_of
+from sft.machine import Machine, launch, machine
+from sft.model.moe import mark_moe_leaves
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_model_path(name: str, option: str = "--model") -> str:
+    """A loadable model: the embedded tiny one (built once), a local directory with a config.json, or a hub id
+    that is in the local cache or reachable now. Anything else is a ModelNotFoundError naming what was looked
+    for and where, within seconds (transformers would retry the hub for a minute, then print a traceback)."""
+    if name == TINY_MODEL:
+        from sft.model.tiny import ensure_tiny_model
+
+        return str(ensure_tiny_model())
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{option} {name}: the directory {path.resolve()} holds no config.json, so it "
+                                     f"is not a saved model (save_pretrained writes one). Give the model's directory "
+                                     f"or a hub id.")
+        return str(path)
+    if path.exists() or name.startswith((".", "/", "~")) or name.count("/") > 1 or not name.strip("/"):
+        raise ModelNotFoundError(f"{option} {name}: no such directory ({path.resolve()}). Give a local model "
+                                 f"directory or a hub id such as deepseek-ai/deepseek-llm-7b-base.")
+    check_hub_model(name, option)
+    return name
+
+
+def check_hub_model(repo_id: str, option: str) -> None:
+    """The hub id is in the local cache, or the hub answers for it now (a 3-second connection test first)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        return  # cached: transformers loads it (and checks for updates if online)
+    cache = constants.HF_HUB_CACHE
+    if constants.HF_HUB_OFFLINE:
+        raise ModelNotFoundError(f"{option} {repo_id}: not in the local Hugging Face cache ({cache}), and "
+                                 f"HF_HUB_OFFLINE=1 forbids downloading it. Download it once where there is network "
+                                 f"(`hf download {repo_id}`), or give a local directory.")
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    if not launch().hub_proxied:  # through a proxy, a direct connection test says nothing
+        try:
+            socket.create_connection((host, 443), timeout=3).close()
+        except OSError as e:
+            raise ModelNotFoundError(
+                f"{option} {repo_id}: not in the local Hugging Face cache ({cache}) and {host} cannot be reached "
+                f"({e.strerror or e}). Connect to the network, or work offline: give a local directory, or set "
+                f"HF_HUB_OFFLINE=1 to use only the cache.") from None
+    from huggingface_hub import model_info
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
+
+    try:
+        model_info(repo_id, timeout=15)
+    except GatedRepoError:
+        raise ModelNotFoundError(f"{option} {repo_id}: the model is gated; accept its licence on {host} and log in "
+                                 f"(`hf auth login`).") from None
+    except RepositoryNotFoundError:
+        raise ModelNotFoundError(f"{option} {repo_id}: no such model on {host} (or it is private: `hf auth login`). "
+                                 f"Check the name, or give a local directory.") from None
+    except (HfHubHTTPError, OSError) as e:
+        raise ModelNotFoundError(f"{option} {repo_id}: the hub did not answer ({e}). Retry, or set "
+                                 f"HF_HUB_OFFLINE=1 to use only the local cache.") from None
+
+
+def load_config(model_args: ModelArguments):
+    """The model's config alone (no weights read): for the checks made before the model loads."""
+    return AutoConfig.from_pretrained(resolve_model_path(model_args.model),
+                                      trust_remote_code=model_args.trust_remote_code)
+
+
+def load_tokenizer(model_args: ModelArguments):
+    source = resolve_model_path(*((model_args.tokenizer, "--tokenizer") if model_args.tokenizer else
+                                  (model_args.model, "--model")))
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=model_args.trust_remote_code)
+    if tokenizer.pad_token is None:
+        # Padding is masked out of attention and labels, so any id works; EOS is the usual choice.
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "right"
+    return tokenizer
+
+
+def weights_dtype(model_args: ModelArguments, lora: bool, m: Machine | None = None) -> torch.dtype:
+    """The dtype of the weights as loaded; under --qlora, of the weights that stay unquantized (embeddings, norms,
+    lm_head) and of the 4-bit weights' storage under FSDP."""
+    if model_args.dtype != "auto":
+        return getattr(torch, model_args.dtype)
+    if lora and (m or machine()).bf16:
+        return torch.bfloat16  # frozen base weights: bf16 loses nothing that training could have kept
+    return torch.float32
+
+
+def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_checkpointing: bool = False,
+               model_factory=None):
+    """`model_factory`: called as from_pretrained would be, e.g. random weights from the config (bench/)."""
+    qlora = qlora_requested(lora_args)
+    model = (model_factory or AutoModelForCausalLM.from_pretrained)(
+        resolve_model_path(model_args.model),
+        dtype=weights_dtype(model_args, lora_args.lora or qlora),
+        attn_implementation=model_args.attn_implementation,
+        trust_remote_code=model_args.trust_remote_code,
+        use_safetensors=True,  # never unpickle weights: a .bin checkpoint can run code when loaded
+        **tensor_parallel(model_args),
+        **quantization(model_args, lora_args),
+    )
+    report_zero3_partitioning(model)
+    mark_moe_leaves(model)  # ZeRO-3: each MoE block one leaf (before the Trainer builds the engine)
+    if qlora:
+        report_quantization(model)
+    # config.use_cache stays the base's (a saved model must cache in generate): every batch turns it off (Collator)
+    if lora_args.lora or qlora:
+        model = attach_lora(model, lora_args, gradient_checkpointing)
+        if model_args.fp8:  # the frozen base's linear layers in FP8 (sft/speed/fp8.py)
+            from sft.speed.fp8 import apply_fp8_base
+
+            apply_fp8_base(model)
+    if model_args.compile_layers:  # last: the layers are compiled as they will run (sft/speed/regional_compile.py)
+        from sft.speed.regional_compile import compile_decoder_layers
+
+        compiled = compile_decoder_layers(model)
+        if launch().first:
+            print(f"Compiled: {compiled} decoder layers (torch.compile in place; the first step compiles)", flush=True)
+    return model
+
+
+# ---- QLoRA: a LoRA adapter on a base quantized to 4 bits as it loads (bitsandbytes NF4) ----------------------
+
+def qlora_requested(lora_args: LoraArguments) -> bool:
+    return lora_args.qlora
+
+
+def qlora_compute_dtype(cuda: bool, bf16: bool, weights: torch.dtype) -> torch.dtype:
+    """The dtype bitsandbytes dequantizes the 4-bit weights to for each matmul: bf16 where the GPU has it, else
+    fp16; without a GPU (tests only: --qlora needs one) the weights' own dtype."""
+    if not cuda:
+        return weights
+    return torch.bfloat16 if bf16 else torch.float16
+
+
+def qlora_quantization_kwargs(weights: torch.dtype, compute: torch.dtype, fsdp: bool) -> dict:
+    """transformers' BitsAndBytesConfig arguments for --qlora (plain data: tested without bitsandbytes).
+
+    NF4 with double quantization (the quantization constants quantized again: ~0.4 bit per weight less) and
+    `compute` as the matmul dtype. Under FSDP the packed 4-bit values are stored in tensors of the weights' dtype
+    (bf16) instead of uint8, as in Answer.AI's FSDP+QLoRA: FSDP shards and all-gathers floating-point tensors of
+    one dtype per unit, and accelerate leaves uint8 Params4bit out of the sharding (every GPU would hold the
+    whole 4-bit base). The stored bits are the same either way; an adapter trained on one loads on the other."""
+    kwargs = {"load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+              "bnb_4bit_compute_dtype": compute}
+    if fsdp:
+        kwargs["bnb_4bit_quant_storage"] = weights
+    return kwargs
+
+
+def quantization(model_args: ModelArguments, lora_args: LoraArguments) -> dict:
+    """from_pretrained's arguments under --qlora: the 4-bit config, and each process's own GPU as the device
+    (under DDP and FSDP alike every process loads and quantizes the whole base on its GPU; FSDP then shards it).
+
+    peft's prepare_model_for_kbit_training is not called. Of what it does, peft's get_peft_model already freezes
+    the base, and attach_lora already makes the embeddings' output require grad under activation checkpointing.
+    The rest is casting every unquantized weight (embeddings, lm_head, norms) to fp32: for deepseek-llm-7b's
+    0.84B embedding and lm_head values that is +1.6 GiB held, and under bf16 autocast the lm_head matmul would
+    cast its fp32 weight back to a bf16 copy (0.78 GiB) in every forward, for nothing: those weights are frozen
+    (no update to lose), the RMSNorms already compute in fp32, and the adapter stays fp32. Where the GPU has no
+    bf16, --dtype auto loads those weights in fp32 anyway (weights_dtype), as that cast would."""
+    if not qlora_requested(lora_args):
+        return {}
+    from transformers import BitsAndBytesConfig
+
+    from sft.parallel.fsdp import fsdp_launched
+
+    m = machine()
+    weights = weights_dtype(model_args, True, m)
+    compute = qlora_compute_dtype(m.cuda, m.bf16, weights)
+    config = BitsAndBytesConfig(**qlora_quantization_kwargs(weights, compute, fsdp_launched()))
+    device = m.launch.local_rank if m.cuda else "cpu"
+    return {"quantization_config": config, "device_map": {"": device}}
+
+
+def report_quantization(model) -> None:
+    config = getattr(getattr(model, "hf_quantizer", None), "quantization_config", None)
+    if config is None or not launch().first:
+        return
+    name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
+    size = model.get_memory_footprint()
+    footprint = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+    print(f"QLoRA: base weights quantized to 4-bit {config.bnb_4bit_quant_type.upper()}"
+          f"{' with double quantization' if config.bnb_4bit_use_double_quant else ''}, computed in "
+          f"{name(config.bnb_4bit_compute_dtype)}, stored as {name(config.bnb_4bit_quant_storage)}; the base "
+          f"holds {footprint}", flush=True)
+
+
+QUANTIZED_BASE = "quantized_base.json"  # beside a --qlora adapter: how its base was quantized in training
+
+
+def record_quantized_base(model, output_dir: str) -> bool:
+    """A --qlora adapter trained on a 4-bit base: write that base's quantization beside the adapter (peft's
+    adapter_config.json records nothing of it), so that sft.tools.merge can say what the merged model is. -> written."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(getattr(base, "hf_quantizer", None), "quantization_config", None)
+    if config is None:
+        return False
+    settings = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    (Path(output_dir) / QUANTIZED_BASE).write_text(json.dumps(settings, indent=1, default=str) + "\n")
+    return True
+
+
+def tensor_parallel(model_args: ModelArguments) -> dict:
+    """from_pretrained's arguments for --tp_size > 1: the model's own tp_plan, sharded as it loads. The Trainer
+    then sees `model.tp_size` and sets accelerate's ParallelismConfig itself."""
+    if model_args.tp_size <= 1:
+        return {}
+    from transformers.distributed import DistributedConfig
+
+    return {"distributed_config": DistributedConfig(tp_size=model_args.tp_size)}
+
+
+def report_zero3_partitioning(model) -> None:
+    from sft.parallel.zero3 import zero3_partition_report
+
+    report = zero3_partition_report(model)
+    if report and launch().first:
+        print(report, flush=True)
+
+
+def lora_targets(model, lora_args: LoraArguments) -> tuple[list[str] | str, list[str]]:
+    """(target_modules, target_parameters): the user's, else the family's (sft/model/families.py), else peft's
+    "all-linear" (every linear layer but the LM head); --lora_experts adds a MoE family's routed experts.
+
+    On the DeepSeek MoE families peft would turn a module target named gate_proj/up_proj/down_proj, and
+    "all-linear", into LoRA on the routed experts alone (sft/model/families.py says why and what it costs). So there a
+    user's MLP names become the weights of those layers (`gate_proj` -> `gate_proj.weight`, target_parameters),
+    and "all-linear" the family's default plus the routed experts: still never the router."""
+    family = family_of(model.config.model_type)
+    experts = family.expert_parameters if family else []  # only the MoE families have routed experts
+    if lora_args.lora_experts and not experts:
+        raise ConfigError(f"--lora_experts: {model.config.model_type} models have no routed experts; only the "
+                          f"DeepSeek MoE families (deepseek_v2, deepseek_v3) have.")
+    extra = experts if lora_args.lora_experts else []
+    names = lora_args.lora_target_modules or []
+    if [n.lower() for n in names] == ["all-linear"]:
+        if not experts:
+            return "all-linear", []  # peft knows the shorthand only as a string, not as a list's one entry
+        names, extra = [], experts  # every linear layer: the MoE default and the routed experts
+    if not names:
+        return (family.lora_modules, family.lora_parameters + extra) if family else ("all-linear", [])
+    if not experts:
+        return names, []
+    mlp = [n for n in names if n.rsplit(".", 1)[-1] in MLP_PROJECTIONS]
+    return [n for n in names if n not in mlp], [f"{n}.weight" for n in mlp] + extra
+
+
+def attach_lora(model, lora_args: LoraArguments, gradient_checkpointing: bool):
+    from peft import LoraConfig, get_peft_model
+
+    modules, parameters = lora_targets(model, lora_args)
+    dropout = lora_args.lora_dropout
+    if parameters and dropout:
+        print(f"LoRA: lora_dropout {dropout} -> 0: peft cannot apply dropout to LoRA on weights targeted as "
+              f"parameters (the DeepSeek MoE MLP: sft/model/families.py), and an adapter has one dropout.")
+        dropout = 0.0
+    config = LoraConfig(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha, lora_dropout=dropout,
+                        target_modules=modules, target_parameters=parameters or None, task_type="CAUSAL_LM")
+    if gradient_checkpointing:
+        model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+    try:
+        model = get_peft_model(model, config)
+    except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+        if "not found" not in str(e) or not lora_args.lora_target_modules:
+            raise
+        raise ConfigError(f"--lora_target_modules {' '.join(lora_args.lora_target_modules)}: no module of "
+                          f"{model.config.model_type} has that name. Its linear layers are named: "
+                          f"{', '.join(linear_names(model))} (or give all-linear).") from None
+    if not launch().peft_input_cast:  # set: peft's own casts (bench/throughput.py's -peftcast rows)
+        skip_input_casts_under_autocast(model)
+    return model
+
+
+def linear_names(model) -> list[str]:
+    """The distinct last names of the model's linear layers: what --lora_target_modules can name."""
+    return sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)})
+
+
+def check_lora_targets(model_args: ModelArguments, lora_args: LoraArguments) -> None:
+    """User-given LoRA targets (and --lora_experts) must fit this model: checked on a weightless (meta) copy built
+    from the config, before anything loads."""
+    if lora_args.lora and (lora_args.lora_target_modules or lora_args.lora_experts):
+        planned_lora_config(model_args, lora_args)
+
+
+def planned_lora_config(model_args: ModelArguments, lora_args: LoraArguments):
+    """The LoraConfig this run attaches, its targets resolved as peft resolves them, from a weightless (meta) copy
+    of the model built from its config: nothing loads."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    config = load_config(model_args)
+    with torch.device("meta"):
+        return attach_lora(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config), lora_args, False).peft_config["default"]
+
+
+def _cast_unless_autocast(self, x, dtype: torch.dtype):
+    if x is None or x.dtype == dtype or torch.is_autocast_enabled(x.device.type):
+        return x
+    return x.to(dtype=dtype)
+
+
+def skip_input_casts_under_autocast(model) -> None:
+    """peft casts each adapted layer's input to the adapter's dtype (fp32) before the LoRA matmuls. Under the
+    Trainer's bf16/fp16 autocast those matmuls run in half precision anyway, so the cast writes an fp32 copy of
+    the activations that autocast at once casts back: an exact round trip that costs memory traffic at 7 layers
+    per block, in forward, recomputation and backward. Under autocast the input now goes to the LoRA matmuls as
+    it is (the same values, the same loss and gradients bit for bit: tests/test_lora_casts.py); without
+    autocast peft's cast stays."""
+    from peft.tuners.lora import LoraLayer
+
+    for module in model.modules():
+        if isinstance(module, LoraLayer):
+            module._cast_input_dtype = types.MethodType(_cast_unless_autocast, module)
+
+
+class PartialCheckpointing(TrainerCallback):
+    """`--activation_checkpointing_skip_layers K`: the last K decoder layers keep their activations instead of
+    recomputing them in backward. The Trainer switches checkpointing on for every layer at the start of train();
+    this runs right after (on_train_begin) and switches it off again for those layers."""
+
+    def __init__(self, skip_layers: int):
+        self.skip_layers = skip_layers
+        self.unchecked: list[str] = []
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        self.unchecked = []  # the Trainer switched every layer back on (again, if train() is called twice)
+        layers = [(name, m) for name, m in model.named_modules()
+                  if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+        for name, layer in layers[len(layers) - min(self.skip_layers, len(layers)):]:
+            layer.gradient_checkpointing = False
+            self.unchecked.append(name)
+        if args.process_index == 0:
+            print(f"Activation checkpointing: {len(layers) - len(self.unchecked)} of {len(layers)} layers "
+                  f"checkpointed, the last {len(self.unchecked)} keep their activations", flush=True)

@@ -1,0 +1,944 @@
+"""`deepseek-sft plan` / `python -m sft.plan.planner`: which strategy, activation checkpointing and micro-batch to use on
+this box, with the predicted GPU memory per card (as nvidia-smi shows it), host RAM and tokens/s of each plan,
+the fastest plan that fits as an exact command, and why the others do not fit.
+
+    python -m sft.plan.planner --model deepseek-llm-7b --gpus 3 --gpu_mem 24 --lora --max_length 2048
+    python -m sft.plan.planner --model ./my-model-dir --gpus 2 --gpu_mem 24 --host_ram 128
+    python -m sft.plan.planner --check     # predicted against every measured row of bench/results.jsonl
+
+The memory model (per card, in bytes): the training state from the strategy table (sft/parallel/strategies.py:
+weights, gradients, optimizer, masters, DDP buckets), plus activations (checkpointed layer inputs, the layers
+kept whole, the backward working set of one layer, the logits unless Liger's fused loss is used), plus the
+sharded strategies' transient buffers (all-gathered layers and their gradients); what PyTorch's allocator keeps
+cached on top (fitted), and the CUDA context and NCCL buffers that nvidia-smi adds (fitted). The fitted
+constants and the rows they come from are in CALIBRATION below; `--check` prints predicted against measured
+for every row with a measured peak.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import math
+import shlex
+import statistics
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from sft.report.console import ToolParser
+from sft.options.recipe import load_recipe
+from sft.parallel.strategies import PRECISION_OPTIONS, REPO, STRATEGIES, Setup, StateBytes, Strategy
+
+GIB = 2**30
+RESULTS = REPO / "bench" / "results.jsonl"
+HEADROOM = 0.075  # a plan whose need is within the planner's worst error on the bench rows (7.3%) is "tight"
+
+# ---------------------------------------------------------------------------------------------------------------
+# Shapes: built in for the DeepSeek families (offline), else from a config.json.
+
+
+@dataclass(frozen=True)
+class Shape:
+    name: str
+    model_type: str
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    head_dim: int | None = None
+    tied: bool = False
+    qkv_bias: bool = False
+    # DeepSeek-V2/V3 (MLA + MoE)
+    kv_lora_rank: int | None = None
+    q_lora_rank: int | None = None
+    qk_nope: int = 0
+    qk_rope: int = 0
+    v_head: int = 0
+    routed_experts: int = 0
+    shared_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate: int = 0
+    first_dense: int = 0
+    checked: str = ""  # where the numbers were checked
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+    @property
+    def moe(self) -> bool:
+        return self.routed_experts > 0
+
+    # ---- parameters
+    def attention_params(self) -> int:
+        h = self.hidden
+        if self.kv_lora_rank:  # MLA
+            qd = self.heads * (self.qk_nope + self.qk_rope)
+            q = (h * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * qd) if self.q_lora_rank else h * qd
+            kv = h * (self.kv_lora_rank + self.qk_rope) + self.kv_lora_rank \
+                + self.kv_lora_rank * self.heads * (self.qk_nope + self.v_head)
+            return q + kv + self.heads * self.v_head * h
+        q, kv = self.heads * self.hd, self.kv_heads * self.hd
+        return h * q + 2 * h * kv + q * h + ((q + 2 * kv) if self.qkv_bias else 0)
+
+    def dense_mlp_params(self) -> int:
+        return 3 * self.hidden * self.intermediate
+
+    def moe_mlp_params(self, active: bool = False) -> int:
+        h, i = self.hidden, self.moe_intermediate
+        routed = (self.experts_per_token if active else self.routed_experts) * 3 * h * i
+        return routed + self.shared_experts * 3 * h * i + self.routed_experts * h
+
+    def layer_params(self, index: int, active: bool = False) -> int:
+        mlp = self.moe_mlp_params(active) if self.moe and index >= self.first_dense else self.dense_mlp_params()
+        return self.attention_params() + mlp + 2 * self.hidden
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    def params(self) -> int:
+        head = 0 if self.tied else self.vocab * self.hidden
+        return self.embedding_params() + head + self.hidden + sum(self.layer_params(i) for i in range(self.layers))
+
+    def matmul_params(self) -> int:
+        """Active parameters of the matmuls per token (lm_head included, input embeddings not): the N of 6N/4N."""
+        return self.vocab * self.hidden + sum(self.layer_params(i, active=True) for i in range(self.layers))
+
+    def routed_active_params(self) -> int:
+        """Parameters of the routed experts one token runs through (all MoE layers)."""
+        moe_layers = self.layers - self.first_dense if self.moe else 0
+        return moe_layers * self.experts_per_token * 3 * self.hidden * self.moe_intermediate
+
+    def linear_params(self) -> int:
+        """Parameters of the decoder layers' linear weights (what QLoRA stores in 4 bits)."""
+        return sum(self.layer_params(i) - 2 * self.hidden for i in range(self.layers))
+
+    def lora_params(self, r: int) -> int:
+        """Trainable parameters of our default LoRA targets (sft/model/families.py): every attention and MLP projection
+        of dense models; MLA projections, the dense layers' MLP and the shared experts on DeepSeek MoE."""
+        h, per = self.hidden, 0
+        total = 0
+        for i in range(self.layers):
+            if self.kv_lora_rank:
+                qd = self.heads * (self.qk_nope + self.qk_rope)
+                attn = [(h, self.q_lora_rank), (self.q_lora_rank, qd)] if self.q_lora_rank else [(h, qd)]
+                attn += [(h, self.kv_lora_rank + self.qk_rope),
+                         (self.kv_lora_rank, self.heads * (self.qk_nope + self.v_head)),
+                         (self.heads * self.v_head, h)]
+            else:
+                q, kv = self.heads * self.hd, self.kv_heads * self.hd
+                attn = [(h, q), (h, kv), (h, kv), (q, h)]
+            if self.moe and i >= self.first_dense:
+                inter = self.shared_experts * self.moe_intermediate
+            else:
+                inter = self.intermediate
+            mlp = [(h, inter), (h, inter), (inter, h)] if inter else []
+            per = sum(r * (a + b) for a, b in attn + mlp)
+            total += per
+        return total
+
+    def largest_module_params(self) -> int:
+        return max(self.embedding_params(), max(self.layer_params(i) for i in range(self.layers)))
+
+    # ---- activations, bytes per token (bf16 autocast)
+    def layer_activation_bytes(self, index: int) -> float:
+        """What autograd keeps for one decoder layer's backward: the two RMSNorm inputs in fp32 (4h each), the
+        attention and MLP inputs (2h each), q, k, v and the attention output, and the MLP's gate, up, activation
+        and product (2I each)."""
+        h = self.hidden
+        if self.kv_lora_rank:
+            qd = self.heads * (self.qk_nope + self.qk_rope)
+            attn = 2 * qd + 2 * (self.kv_lora_rank + self.qk_rope) + 4 * self.kv_lora_rank \
+                + 2 * self.heads * (self.qk_nope + self.v_head) + 2 * qd + 2 * self.heads * self.v_head \
+                + 2 * self.heads * self.v_head
+        else:
+            q, kv = self.heads * self.hd, self.kv_heads * self.hd
+            attn = 2 * q + 4 * kv + 2 * q
+        if self.moe and index >= self.first_dense:
+            mlp = (self.experts_per_token * (2 * h + 8 * self.moe_intermediate)
+                   + 8 * self.shared_experts * self.moe_intermediate + 4 * self.routed_experts)
+        else:
+            mlp = 8 * self.intermediate
+        return 12 * h + attn + mlp
+
+    def lora_cast_bytes(self) -> float:
+        """peft's fp32 round trip of the adapted layers' inputs (what sft skipped from 51be3c5 on): a bf16 re-cast
+        kept per distinct input of the LoRA matmuls (attention, o_proj, MLP: 2h each; down_proj: 2I)."""
+        inter = self.shared_experts * self.moe_intermediate if self.moe else self.intermediate
+        return 6 * self.hidden + 2 * inter
+
+    def parameter_lora_bytes(self, index: int) -> float:
+        """Bytes a DeepSeek MoE LoRA keeps per layer whatever the tokens: its MLP weights are targeted as parameters
+        (sft/model/families.py), and peft's ParamWrapper computes W + BA as a new bf16 weight in every forward
+        (`_LoraParameterProxy`), which the linear keeps for its backward: the dense layers' MLP, the MoE layers'
+        shared experts. From peft's code, not fitted (no MoE row is measured)."""
+        if not self.moe:
+            return 0.0
+        inter = self.shared_experts * self.moe_intermediate if index >= self.first_dense else self.intermediate
+        return 2 * 3 * self.hidden * inter
+
+    def backward_working_bytes(self) -> float:
+        """Gradient temporaries of one layer's backward beyond its activations: an intermediate-sized gradient
+        pair and a few hidden-sized ones."""
+        inter = (self.experts_per_token * self.moe_intermediate + self.shared_experts * self.moe_intermediate
+                 if self.moe else self.intermediate)
+        return 2 * inter + 4 * self.hidden
+
+
+def _dense(name, model_type, h, i, layers, heads, kv, vocab, **kw) -> Shape:
+    return Shape(name, model_type, h, i, layers, heads, kv, vocab, **kw)
+
+
+# Checked: deepseek-coder-6.7b against its config.json in ../shared/tokenizers/deepseek-coder-6.7b-instruct;
+# deepseek-llm-7b and deepseek-coder-1.3b as bench/train_throughput.py builds them (the measured rows' shapes);
+# DeepSeek-V2-Lite against a copy of its config.json quoted in a public test suite. The R1-Distill shapes are
+# the published config.json values as we know them, NOT checked here (a local config.json overrides).
+SHAPES: dict[str, Shape] = {s.name: s for s in [
+    _dense("deepseek-llm-7b", "llama", 4096, 11008, 30, 32, 32, 102400, checked="bench shape"),
+    _dense("deepseek-llm-67b", "llama", 8192, 22016, 95, 64, 8, 102400, checked="not checked"),
+    _dense("deepseek-coder-6.7b", "llama", 4096, 11008, 32, 32, 32, 32256, checked="config.json (shared)"),
+    _dense("deepseek-coder-1.3b", "llama", 2048, 5504, 24, 16, 16, 32256, checked="bench shape"),
+    _dense("deepseek-r1-distill-qwen-1.5b", "qwen2", 1536, 8960, 28, 12, 2, 151936, qkv_bias=True,
+           checked="not checked"),
+    _dense("deepseek-r1-distill-qwen-7b", "qwen2", 3584, 18944, 28, 28, 4, 152064, qkv_bias=True,
+           checked="not checked"),
+    _dense("deepseek-r1-distill-qwen-14b", "qwen2", 5120, 13824, 48, 40, 8, 152064, qkv_bias=True,
+           checked="not checked"),
+    _dense("deepseek-r1-distill-llama-8b", "llama", 4096, 14336, 32, 32, 8, 128256, checked="not checked"),
+    Shape("deepseek-v2-lite", "deepseek_v2", 2048, 10944, 27, 16, 16, 102400, kv_lora_rank=512, q_lora_rank=None,
+          qk_nope=128, qk_rope=64, v_head=128, routed_experts=64, shared_experts=2, experts_per_token=6,
+          moe_intermediate=1408, first_dense=1, checked="config.json copy (third party)"),
+]}
+ALIASES = {  # hub ids and the names people type -> the built-in shape
+    "deepseek-llm-7b-base": "deepseek-llm-7b", "deepseek-llm-7b-chat": "deepseek-llm-7b",
+    "deepseek-llm-67b-base": "deepseek-llm-67b", "deepseek-llm-67b-chat": "deepseek-llm-67b",
+    "deepseek-coder-6.7b-base": "deepseek-coder-6.7b", "deepseek-coder-6.7b-instruct": "deepseek-coder-6.7b",
+    "deepseek-coder-1.3b-base": "deepseek-coder-1.3b", "deepseek-coder-1.3b-instruct": "deepseek-coder-1.3b",
+    "deepseek-v2-lite-chat": "deepseek-v2-lite",
+}
+HUB_IDS = {  # a family name typed to the planner -> the hub id its command trains
+    "deepseek-llm-7b": "deepseek-ai/deepseek-llm-7b-base", "deepseek-llm-67b": "deepseek-ai/deepseek-llm-67b-base",
+    "deepseek-coder-6.7b": "deepseek-ai/deepseek-coder-6.7b-instruct",
+    "deepseek-coder-1.3b": "deepseek-ai/deepseek-coder-1.3b-instruct",
+    "deepseek-v2-lite": "deepseek-ai/DeepSeek-V2-Lite-Chat",
+}
+
+
+def shape_from_config(config, name: str) -> Shape:
+    """A Shape from a transformers config (a local config.json)."""
+    get = lambda k, d=None: getattr(config, k, d)  # noqa: E731
+    heads = get("num_attention_heads")
+    return Shape(name=name, model_type=get("model_type", "?"), hidden=get("hidden_size"),
+                 intermediate=get("intermediate_size") or 0, layers=get("num_hidden_layers"), heads=heads,
+                 kv_heads=get("num_key_value_heads") or heads, vocab=get("vocab_size"), head_dim=get("head_dim"),
+                 tied=bool(get("tie_word_embeddings", False)), qkv_bias=get("model_type") == "qwen2",
+                 kv_lora_rank=get("kv_lora_rank"), q_lora_rank=get("q_lora_rank"),
+                 qk_nope=get("qk_nope_head_dim", 0) or 0, qk_rope=get("qk_rope_head_dim", 0) or 0,
+                 v_head=get("v_head_dim", 0) or 0, routed_experts=get("n_routed_experts", 0) or 0,
+                 shared_experts=get("n_shared_experts", 0) or 0,
+                 experts_per_token=get("num_experts_per_tok", 0) or 0,
+                 moe_intermediate=get("moe_intermediate_size", 0) or 0,
+                 first_dense=get("first_k_dense_replace", 0) or 0, checked="config.json")
+
+
+def resolve_shape(model: str) -> Shape:
+    """A family name or hub id of a built-in shape (offline), or a local directory with a config.json."""
+    from sft.errors import ConfigError
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"--model {model}: the directory holds no config.json.")
+        from transformers import AutoConfig
+
+        return shape_from_config(AutoConfig.from_pretrained(str(path)), path.name)
+    key = model.rsplit("/", 1)[-1].lower()
+    key = ALIASES.get(key, key)
+    if key in SHAPES:
+        return SHAPES[key]
+    if model.count("/") == 1:  # a hub id we have no built-in shape for: its config.json (cache or hub)
+        try:
+            from transformers import AutoConfig
+
+            return shape_from_config(AutoConfig.from_pretrained(model), key)
+        except Exception as e:  # noqa: BLE001  (offline, unknown, gated...)
+            raise ConfigError(f"--model {model}: no built-in shape and its config.json could not be read "
+                              f"({type(e).__name__}). Give a local directory, or one of: "
+                              f"{', '.join(SHAPES)}.") from None
+    raise ConfigError(f"--model {model}: not a directory, hub id or known family; known: {', '.join(SHAPES)}.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Calibration: the few constants fitted against bench/results.jsonl (see RESULTS.md, "Planner").
+
+CALIBRATION = {
+    # nvidia-smi minus the allocator's peak reserved (CUDA context, NCCL buffers): mean over the rows that have
+    # both numbers, by launcher: single: mean of the 4 one-GPU rows; nccl: median of the 20 DDP/FSDP/TP rows (their
+    # mean, 2.09, is pulled down by 3 FSDP rows at the allocator cap, where NVML's 0.5 s sampling missed the peak);
+    # deepspeed: mean of the 6 ZeRO-2 / ZeRO-3-offload rows.
+    "context_gib": {"single": 1.35, "nccl": 2.17, "deepspeed": 2.45},
+    # peak reserved minus peak allocated: what PyTorch's caching allocator holds on top, by kind of strategy.
+    # unsharded: LoRA rows (single/DDP/ZeRO-2); fsdp/tp: the 1.3B rows with a fused loss; zero3: the 4 ZeRO-3
+    # offload rows (DeepSpeed's buffers on a side stream); plus a share of the unfused logits for sharded plans.
+    "cache_gib": {"none": 0.35, "tp": 0.7},
+    # sharded plans: the cache grows with the gathered buffers (FSDP's all-gather stream, DeepSpeed's side
+    # streams), as a multiple of the transient gathered weights and gradients: fsdp from the two fused-loss
+    # 1.3B rows (fsdp-1.3b-flex: 1.02 GiB over 0.62 GiB gathered), zero3 from the 4 ZeRO-3 offload rows.
+    # zero3_moe: an MoE block is a ZeRO-3 leaf, gathered and freed whole (one large block the allocator reuses):
+    # from the two DeepSeek-V2-Lite rows (recipe-v2-lite-lora 0940Z: 2.86 GiB, moe-lora-offload-1 1015Z: 2.80 GiB
+    # over 2.14 GiB gathered).
+    "cache_per_gathered": {"fsdp": 1.64, "zero3": 2.5, "zero3_moe": 1.3},
+    # host RAM per byte offloaded: CPU Adam's fp32 state (masters, moments, gradients) and the offloaded 16-bit
+    # weights, fitted together on the 4 dense full-fine-tune offload rows (16P/world and 2P/world bytes per card:
+    # 215.7-215.9 GiB) and moe-lora-offload-1 (weights only: 48.2 GiB), with 8 GiB + 4 GiB per process on top.
+    "host_per_offloaded": {"optimizer": 1.79, "weights": 1.24},
+    "cache_logits_share": 0.5,
+    # the activations autograd keeps per layer (and the backward working set), against the count in
+    # Shape.layer_activation_bytes: fitted on the LoRA rows of the current code (no peft input casts).
+    "activation_scale": 0.74,
+}
+
+
+def kernels(strategy: str, shape: "Shape") -> dict:
+    """The kernel options of a plan: those of our measured fast plans (flex_attention skips packed rows' masked
+    blocks; Liger's fused loss), except under TP (Liger's loss fails on the sharded lm_head) and for MLA models
+    (DeepSeek-V2/V3: key and value head sizes differ; no V2 run with flex or Liger yet), which keep sdpa. Without
+    the fused loss the logits are materialised: the memory model counts them (fused_loss)."""
+    if strategy == "tp" or shape.kv_lora_rank:
+        return {"attn_implementation": "sdpa", "use_liger_kernel": False}
+    return {"attn_implementation": "flex_attention", "use_liger_kernel": True}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One planned (or measured) configuration."""
+
+    strategy: str
+    setup: Setup
+    world: int
+    micro_batch: int
+    seq_len: int
+    checkpointing: bool
+    skip_layers: int = 0
+    fused_loss: bool = True        # Liger's fused linear cross-entropy: no logits tensor
+    lora_r: int = 16
+    grad_accum: int = 1
+    peft_input_cast: bool = False  # peft's own fp32 casts of the LoRA inputs (sft before 51be3c5)
+
+
+@dataclass
+class Prediction:
+    workload: Workload
+    allocated_gib: float
+    reserved_gib: float           # what torch.cuda.max_memory_reserved() would report (no cap)
+    smi_gib: float                # what nvidia-smi would show per card
+    need_gib: float               # what the card must hold (allocated + minimal cache + context)
+    host_gib: float
+    parts: dict[str, float] = field(default_factory=dict)
+
+    def capped(self, cap_gib: float) -> tuple[float, float]:
+        """(reserved, nvidia-smi) under an allocator cap of `cap_gib` (the bench rows' 24 GiB emulation):
+        the allocator gives cached blocks back before it refuses, so reserved stops at the cap."""
+        reserved = min(self.reserved_gib, cap_gib)
+        strategy = STRATEGIES[self.workload.strategy]
+        return reserved, reserved + CALIBRATION["context_gib"][strategy.launcher]
+
+
+def predict(shape: Shape, w: Workload) -> Prediction:
+    strategy = STRATEGIES[w.strategy]
+    params = shape.params()
+    lora = w.setup.method in ("lora", "qlora")
+    trainable = shape.lora_params(w.lora_r) if lora else params
+    state: StateBytes = strategy.state_bytes(params, trainable, w.setup, w.world, shape.linear_params())
+    tokens = w.micro_batch * w.seq_len
+    h = shape.hidden
+    # activations per token
+    k = CALIBRATION["activation_scale"]
+    layers = [shape.layer_activation_bytes(i) for i in range(shape.layers)]
+    a_mean = k * sum(layers) / len(layers)
+    if lora and w.peft_input_cast:  # peft's fp32 round trip (sft before 51be3c5): bf16 re-casts of the inputs
+        a_mean += shape.lora_cast_bytes()
+    if w.checkpointing:
+        kept = min(w.skip_layers, shape.layers)
+        stored = (shape.layers - kept) * 2 * h + kept * a_mean
+        recompute = a_mean if kept == 0 else 0.0
+    else:
+        stored, recompute = shape.layers * a_mean, 0.0
+    # MoE LoRA: the W + BA weights of the layers whose forward is kept (the recomputed one's under checkpointing)
+    deltas = [shape.parameter_lora_bytes(i) for i in range(shape.layers)] if lora else [0.0]
+    whole = min(w.skip_layers, len(deltas))  # --activation_checkpointing_skip_layers keeps the LAST layers whole
+    kept_deltas = sum(deltas[len(deltas) - whole:]) + max(deltas) if w.checkpointing else sum(deltas)
+    logits = 0.0 if w.fused_loss else 12.0 * shape.vocab  # log_softmax output + two fp32 gradients
+    if strategy.sharded_kind == "tp":
+        logits += 2.0 * shape.vocab if not w.fused_loss else 0.0  # the gathered (replicated) bf16 logits
+    working = max(logits, recompute + k * shape.backward_working_bytes())
+    extras = 8 * h  # final norm (fp32 input + output) and the loss's input
+    activations = tokens * (stored + working + extras) + kept_deltas
+    # transient buffers of the sharded strategies
+    transient = 0.0
+    grad_bytes = 2 if (lora or w.setup.precision != "fp32_master") else 4
+    layer = max(shape.layer_params(i) for i in range(shape.layers))
+    end_transient = 0.0
+    own_grad = 0 if lora else grad_bytes
+    if strategy.sharded_kind == "fsdp":
+        root = shape.embedding_params() + (0 if shape.tied else shape.embedding_params())
+        # the root unit (embeddings, lm_head) stays gathered in bf16 through forward and backward, and its
+        # gradients stay unsharded until the end of backward; two layers gathered (prefetch), one layer's gradient
+        transient = root * 2 + layer * (2 * 2 + own_grad)
+        end_transient = root * (2 + own_grad)
+    elif strategy.sharded_kind == "zero3":
+        big = shape.largest_module_params()
+        own_grad = 0 if lora else 2  # 16-bit gradients before the reduce-scatter into fp32 partitions
+        transient = big * (2 + own_grad) + layer * 2
+        end_transient = big * (2 + own_grad)
+    gpu_state = state.gpu
+    grads_live = state.gradients if (w.grad_accum > 1 or lora) else 0.0
+    # three moments: the start of backward (every stored activation, no gradient yet unless accumulated), the end of
+    # backward (all gradients, the sharded plans' root/largest module still gathered with its gradient), the step
+    phase_backward = gpu_state - state.gradients + grads_live + activations + transient
+    phase_end = gpu_state + end_transient
+    allocated = max(phase_backward, phase_end)
+    kind = "zero3_moe" if strategy.sharded_kind == "zero3" and shape.routed_experts else strategy.sharded_kind
+    if kind in CALIBRATION["cache_per_gathered"]:
+        cache = CALIBRATION["cache_per_gathered"][kind] * transient
+    else:
+        cache = CALIBRATION["cache_gib"]["none" if kind == "none" else kind] * GIB
+    if kind in ("fsdp", "tp") and not w.fused_loss:
+        cache += CALIBRATION["cache_logits_share"] * tokens * logits
+    context = CALIBRATION["context_gib"][strategy.launcher] * GIB
+    reserved = allocated + cache
+    need = allocated + min(cache, CALIBRATION["cache_gib"]["none"] * GIB) + context
+    pinned = CALIBRATION["host_per_offloaded"]  # processes + offloaded state with DeepSpeed's pinned buffers
+    host = (8 + 4 * w.world) * GIB + w.world * (pinned["optimizer"] * (state.host - state.host_weights)
+                                                 + pinned["weights"] * state.host_weights)
+    parts = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer,
+             "masters": state.masters, "buckets": state.buckets, "activations": activations,
+             "lora_weights": kept_deltas, "transient": transient, "cache": cache, "context": context}
+    return Prediction(w, allocated / GIB, reserved / GIB, (reserved + context) / GIB, need / GIB, host / GIB,
+                      {k: v / GIB for k, v in parts.items()})
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The measured rows: workload of each bench row, predicted against measured.
+
+BENCH_SHAPES = {"deepseek-llm-7b": "deepseek-llm-7b", "deepseek-coder-1.3b": "deepseek-coder-1.3b",
+                "deepseek-coder-6.7b": "deepseek-coder-6.7b", "r1-distill-qwen-7b": "deepseek-r1-distill-qwen-7b",
+                "deepseek-v2-lite": "deepseek-v2-lite"}
+STRATEGY_OF_ROW = {"single": "single_gpu"}
+# Commits of bench rows that ran before 51be3c5 (peft's fp32 input casts under autocast); fp16 ZeRO-2 rows never
+# had them (DeepSpeed's fp16 engine holds the adapter in fp16). From `git log`.
+PEFT_CAST_COMMITS = {"b2e66a6", "9a66dc6", "1a37de6", "54b7c4e", "606734a"}
+
+
+def _arg(args: list[str], name: str, default=None):
+    """The option's last value (a recipe's options come first, the command line's win)."""
+    if name in args:
+        i = len(args) - 1 - args[::-1].index(name)
+        return args[i + 1] if i + 1 < len(args) else default
+    return default
+
+
+def row_options(row: dict) -> list[str]:
+    """The sft/train.py options of a bench row: its recipe's (`--config recipes/<x>.yaml`, read from this checkout's
+    recipes/, wherever the row ran) before its own."""
+    return list(_options(row.get("train_args") or ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _options(train_args: str) -> tuple[str, ...]:  # every plan's estimate reads every row: parse each text once
+    args = shlex.split(train_args)
+    recipe = _arg(args, "--config")
+    return tuple((load_recipe(str(REPO / "recipes" / Path(recipe).name)) if recipe else []) + args)
+
+
+def workload_of_row(row: dict) -> Workload:
+    args = row_options(row)
+    strategy = STRATEGY_OF_ROW.get(row["strategy"], row["strategy"])
+    optim = _arg(args, "--optim", "")
+    precision = next((k for k, v in PRECISION_OPTIONS.items() if v and v["optim"] == optim), "fp32_master")
+    cast = row["method"] == "lora" and _arg(args, "--dtype") != "float16" and (
+        row.get("commit", "").split("-")[0] in PEFT_CAST_COMMITS or row.get("name", "").endswith("-peftcast"))
+    return Workload(strategy=strategy, setup=Setup(row["method"], precision), world=row["n_gpus"],
+                    peft_input_cast=cast,
+                    micro_batch=row["micro_batch"], seq_len=row["seq_len"],
+                    checkpointing=_arg(args, "--activation_checkpointing", "false") == "true",
+                    skip_layers=int(_arg(args, "--activation_checkpointing_skip_layers", 0)),
+                    fused_loss=_arg(args, "--use_liger_kernel", "false") == "true",
+                    grad_accum=row.get("grad_accum", 1))
+
+
+def bench_rows(path: Path = RESULTS) -> list[dict]:
+    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+
+def measured_rows(path: Path = RESULTS) -> list[dict]:
+    """The GPU rows of our own training code (the peers' offload recipe runs it too; TRL's rows do not), less those
+    of --compile_layers and of a --liger_kernel_config of their own, which the planner does not plan (compiled
+    kernels keep other buffers: +6 GiB measured at micro-batch 8; eager layers without Liger's RMSNorm and SwiGLU
+    keep theirs: +21 GiB, lora-best-flce of run 20261202T0245Z-E)."""
+    unplanned = ("--compile_layers", "--liger_kernel_config")
+    return [r for r in bench_rows(path) if r.get("gpu") and r.get("peak_mem_gib") and r.get("model") in BENCH_SHAPES
+            and r.get("peer", "ours") != "trl" and not any(o in (r.get("train_args") or "") for o in unplanned)]
+
+
+def smi_of_row(row: dict, rows: list[dict]) -> tuple[float | None, str]:
+    """The row's own nvidia-smi peak, or None and why not. bench/lora_variants.sh runs 1-GPU rows side by side
+    and NVML read GPU 0 for each of them: a value two rows share is kept only for the one row it can belong to
+    (nvidia-smi at least 1 GiB above its allocator, as on every other row)."""
+    smi = row.get("nvidia_smi_mem_gib")
+    if smi is None:
+        return None, "not recorded"
+    if "NOT a 1-GPU number" in (row.get("notes") or ""):
+        return None, "shared its GPU with another row"
+    if row["n_gpus"] == 1:
+        twins = [r for r in rows if r is not row and r.get("run_id") == row.get("run_id") and r["n_gpus"] == 1
+                 and r.get("nvidia_smi_mem_gib") == smi]
+        if twins:
+            plausible = [r for r in [row, *twins] if smi - r["peak_mem_gib"] >= 1.0]
+            if plausible != [row]:
+                return None, "GPU 0's peak, shared with a row that ran beside it"
+    return smi, ""
+
+
+def check_rows(path: Path = RESULTS) -> list[dict]:
+    """Predicted against measured for every bench row with a measured peak."""
+    rows = measured_rows(path)
+    out = []
+    for r in rows:
+        w = workload_of_row(r)
+        p = predict(SHAPES[BENCH_SHAPES[r["model"]]], w)
+        cap = r.get("mem_cap_gib") or 1e9
+        reserved, smi = p.capped(cap)
+        measured_smi, why = smi_of_row(r, rows)
+        out.append({"name": r["name"], "run_id": r["run_id"], "strategy": w.strategy, "method": r["method"],
+                    "model": r["model"], "n_gpus": r["n_gpus"], "micro_batch": r["micro_batch"],
+                    "checkpointing": w.checkpointing, "skip": w.skip_layers, "fused_loss": w.fused_loss,
+                    "precision": w.setup.precision,
+                    "pred_allocated": p.allocated_gib, "allocated": r.get("peak_allocated_gib"),
+                    "pred_reserved": reserved, "reserved": r["peak_mem_gib"],
+                    "pred_smi": smi, "smi": measured_smi, "smi_note": why,
+                    "at_cap": p.reserved_gib >= cap,
+                    "err_reserved": reserved / r["peak_mem_gib"] - 1,
+                    "err_smi": (smi / measured_smi - 1) if measured_smi else None,
+                    "pred_host": p.host_gib, "host": r.get("host_ram_gib"),
+                    "offload": bool(STRATEGIES[w.strategy].offload),
+                    "err_host": p.host_gib / r["host_ram_gib"] - 1 if r.get("host_ram_gib") else None})
+    return out
+
+
+def check_table(results: list[dict]) -> str:
+    head = ["row (run)", "strategy", "method", "GPUs", "mb", "ckpt", "Liger", "alloc pred / meas",
+            "reserved pred / meas", "err", "nvidia-smi pred / meas", "err", "host RAM pred / meas"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for x in results:
+        ck = ("yes" + (f" (skip {x['skip']})" if x["skip"] else "")) if x["checkpointing"] else "no"
+        smi = f"{x['pred_smi']:.2f} / {x['smi']:.2f}" if x["smi"] else f"{x['pred_smi']:.2f} / - ({x['smi_note']})"
+        method = x["method"] + ("" if x["precision"] == "fp32_master" else f" {x['precision']}")
+        lines.append("| " + " | ".join([
+            f"{x['name']} ({x['run_id'][9:14]})", x["strategy"], method, str(x["n_gpus"]),
+            str(x["micro_batch"]), ck, "yes" if x["fused_loss"] else "no",
+            f"{x['pred_allocated']:.2f} / {x['allocated']:.2f}",
+            f"{x['pred_reserved']:.2f} / {x['reserved']:.2f}" + (" (cap)" if x["at_cap"] else ""),
+            f"{x['err_reserved']:+.1%}", smi, f"{x['err_smi']:+.1%}" if x["err_smi"] is not None else "-",
+            f"{x['pred_host']:.0f} / {x['host']:.1f}" + (f" ({x['err_host']:+.0%})" if x["offload"] else "")
+            if x["host"] else "-",
+        ]) + " |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Throughput: from the measured MFU of rows of the same kind.
+
+def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path = RESULTS,
+                  model: str | None = None) -> tuple[float, str]:
+    """(MFU, which rows) for a kind of plan: the median MFU of our measured rows of the same strategy family,
+    method and checkpointing, with our fast kernels (flex_attention + Liger) where such rows exist."""
+    rows = [r for r in measured_rows(path) if r.get("mfu") and r.get("peer") in ("ours", "zero3-offload-recipe")
+            and "--torch_compile" not in (r.get("train_args") or "")
+            and "NOT a 1-GPU number" not in (r.get("notes") or "")]
+    family = {"single_gpu": "unsharded", "ddp": "unsharded", "zero2": "unsharded", "fsdp": "fsdp",
+              "zero3": "fsdp", "zero3_offload": "zero3_offload", "tp": "tp"}
+    lora = method in ("lora", "qlora")
+
+    # an MoE row speaks for its own model only: its MFU (on active parameters) is no dense plan's
+    rows = [r for r in rows if r["model"] == model or not SHAPES[BENCH_SHAPES[r["model"]]].routed_experts]
+    options = {id(r): row_options(r) for r in rows}
+
+    def kind(r):
+        s = STRATEGY_OF_ROW.get(r["strategy"], r["strategy"])
+        return family[s], r["method"] == "lora", _arg(options[id(r)], "--activation_checkpointing") == "true"
+
+    want = (family[strategy], lora, checkpointing)
+    found = [r for r in rows if kind(r) == want]
+    fast = [r for r in found if "flex_attention" in options[id(r)] or "liger" in " ".join(options[id(r)])]
+    found = fast or found
+    found = [r for r in found if r["model"] == model] or found  # the same model's rows where there are some
+    note, scale = "", 1.0
+    if not found:  # the other checkpointing setting, its MFU scaled by the forward that checkpointing recomputes
+        found = [r for r in rows if kind(r)[:2] == want[:2]]
+        # a step does 4N (LoRA) or 6N (full) FLOPs per token, plus 2N recomputed under checkpointing
+        recompute = (4 + 2) / 4 if lora else (6 + 2) / 6
+        scale = 1 / recompute if checkpointing else recompute
+        if want[0] == "zero3_offload":  # bound by the weights streamed from host RAM, not by the recomputed forward
+            scale = 1.0
+        note = f" (no row with checkpointing {'on' if checkpointing else 'off'}: x{scale:.2f} for the recomputation)"
+    if not found:  # nearest kind: FSDP's for the sharded strategies
+        found, scale = [r for r in rows if kind(r)[0] == want[0]], 1.0
+        note = " (no row of this kind: nearest kind)"
+    if not found:
+        return 0.05, "no measured row: assumed 5%"
+    mfu = statistics.median(r["mfu"] for r in found) * scale
+    names = sorted({r["name"] for r in found})
+    why = f"median MFU {mfu:.1%} of {len(found)} rows ({', '.join(names)}){note}"
+    # A sharded or offloaded plan streams every parameter for each micro-batch: where this model has no row of the
+    # plan's kind but a row of another such kind, that row bounds it (DeepSeek-V2-Lite under ZeRO-3 measured 1.1%,
+    # where the dense offload rows would promise 4.3% for its offload plans: an MoE moves 6.5x its active weights).
+    own = [r for r in rows if model and r["model"] == model and kind(r)[0] in ("fsdp", "zero3_offload")
+           and kind(r)[1] == lora]
+    if want[0] in ("fsdp", "zero3_offload") and own and not any(r["model"] == model for r in found):
+        bound = statistics.median(r["mfu"] for r in own)
+        if bound < mfu:
+            mfu = bound
+            names = ", ".join(sorted({r["name"] for r in own}))
+            why += f"; at most {bound:.1%}, this model's own sharded rows ({names})"
+    return mfu, why
+
+
+def routed_expert_cost(shape: Shape, path: Path = RESULTS) -> tuple[float, str]:
+    """(time of the routed experts / time of a dense MLP of the same active FLOPs, where it was measured) from the
+    GPU rows of bench/moe_layer.py for this shape's MoE layer (transformers' default grouped_mm); 1.0 for dense
+    shapes, and for MoE shapes no row measured (said so)."""
+    if not shape.moe:
+        return 1.0, ""
+    layer = (shape.hidden, shape.routed_experts, shape.experts_per_token, shape.moe_intermediate)
+    rows = [r for r in bench_rows(path) if r.get("bench") == "moe_layer" and r.get("gpu") not in (None, "cpu")
+            and (r.get("hidden"), r.get("experts"), r.get("top_k"), r.get("moe_intermediate")) == layer
+            and "grouped_mm" in (r.get("vs_dense") or {})]
+    if not rows:
+        return 1.0, "; routed experts costed as a dense MLP (no bench/moe_layer.py row of this layer)"
+    cost = statistics.median(r["vs_dense"]["grouped_mm"] for r in rows)
+    return cost, (f"; routed experts at {cost:.2f}x the time of a dense MLP of their active FLOPs "
+                  f"(bench/moe_layer.py, {rows[0]['gpu']})")
+
+
+def tokens_per_second(shape: Shape, w: Workload, peak_flops: float) -> tuple[float, str]:
+    """Measured MFU x peak x GPUs / FLOPs per token, on ACTIVE parameters (an MoE token runs only its experts), the
+    routed experts' FLOPs weighted by what they cost against dense FLOPs where bench/moe_layer.py measured it."""
+    mfu, why = mfu_reference(w.strategy, w.setup.method, w.checkpointing, model=shape.name)
+    cost, cost_why = routed_expert_cost(shape)
+    matmul = shape.matmul_params() + (cost - 1) * shape.routed_active_params()
+    flops = (4 if w.setup.method in ("lora", "qlora") else 6) * matmul
+    return mfu * peak_flops * w.world / flops, why + cost_why
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plans
+
+
+@dataclass(frozen=True)
+class Box:
+    """The box a plan is for, as described on the command line (sft.machine.Machine is the one we run on)."""
+
+    gpus: int = 3
+    gpu_mem_gib: float = 24.0          # the card's memory as sold (24 GB cards show 23.99 GiB in nvidia-smi)
+    host_ram_gib: float | None = None
+    peak_flops: float = 165e12         # RTX 4090 dense bf16 (sft/callbacks.PEAK_FLOPS)
+
+    @property
+    def card_gib(self) -> float:
+        """What nvidia-smi counts as the card's total: a '24 GB' GeForce holds 24,564 MiB."""
+        return self.gpu_mem_gib * 1023.5 / 1024 if self.gpu_mem_gib == 24 else self.gpu_mem_gib
+
+
+@dataclass
+class Plan:
+    prediction: Prediction
+    tok_s: float
+    tok_s_source: str
+    fits: bool
+    why_not: str
+    shape: Shape
+    machine_card: float = 24.0
+    host_ram_gib: float | None = None  # the box's, when given
+
+    @property
+    def w(self) -> Workload:
+        return self.prediction.workload
+
+
+def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: int = 2048,
+                    micro_batches: tuple[int, ...] = (1, 2, 4, 8), lora_r: int = 16) -> list[Plan]:
+    plans = []
+    for strategy in STRATEGIES.values():
+        if method not in strategy.methods or box.gpus < strategy.min_gpus:
+            continue
+        world = strategy.gpus_for(box.gpus)
+        if strategy.name == "tp" and shape.heads % world:
+            continue
+        precisions = ("fp32_master",) if method != "full" else strategy.precisions
+        for precision in precisions:
+            if precision != "fp32_master" and strategy.name not in ("single_gpu", "ddp", "fsdp"):
+                continue
+            for ckpt in (True, False):
+                for mb in micro_batches:
+                    w = Workload(strategy.name, Setup(method, precision), world, mb, max_length, ckpt,
+                                 fused_loss=kernels(strategy.name, shape)["use_liger_kernel"], lora_r=lora_r)
+                    p = predict(shape, w)
+                    tok_s, source = tokens_per_second(shape, w, box.peak_flops)
+                    why = []
+                    if p.need_gib > box.card_gib:
+                        why.append(f"needs {p.need_gib:.1f} GiB per card > {box.card_gib:.1f}")
+                    if box.host_ram_gib is not None and p.host_gib > box.host_ram_gib:
+                        why.append(f"needs {p.host_gib:.0f} GiB host RAM > {box.host_ram_gib:g}")
+                    if strategy.name == "tp" and method != "full":
+                        why.append("TP takes no LoRA")
+                    plans.append(Plan(p, tok_s, source, not why, "; ".join(why), shape, box.card_gib,
+                                      box.host_ram_gib))
+    # fastest first; among equal estimates, plans with headroom first, then the larger micro-batch
+    # (measured: micro-batch 4 ran faster than 1 and 2 at the same MFU class)
+    plans.sort(key=lambda x: (not x.fits, not STRATEGIES[x.w.strategy].recommended, -round(x.tok_s),
+                              x.prediction.need_gib * (1 + HEADROOM) > box.card_gib, -x.w.micro_batch))
+    return plans
+
+
+def command(plan: Plan, model: str, box: Box) -> str:
+    w, s = plan.w, STRATEGIES[plan.w.strategy]
+    launch = f"accelerate launch --config_file {s.accelerate_config}"
+    if w.world != 3 or s.name == "single_gpu":
+        launch += "" if s.name == "single_gpu" else f" --num_processes {w.world}"
+    opts = [f"--model {HUB_IDS.get(model, model)}", "--dataset data.jsonl", "--packing", f"--max_length {w.seq_len}",
+            f"--per_device_train_batch_size {w.micro_batch}"]
+    if w.setup.method in ("lora", "qlora"):
+        opts += ["--lora", "--lora_dropout 0", "--bf16"]
+        if w.setup.method == "qlora":
+            opts += ["--qlora"]
+    elif w.setup.precision == "fp32_master":
+        opts += ["--bf16"]
+    else:
+        opts += [f"--{k} {v}" for k, v in PRECISION_OPTIONS[w.setup.precision].items()]
+    opts += [f"--{k}" if v is True else f"--{k} {v}" for k, v in kernels(plan.w.strategy, plan.shape).items()
+             if v is not False]
+    if s.name == "tp":
+        opts += [f"--tp_size {w.world}"]
+    if w.checkpointing:
+        opts.append("--activation_checkpointing")
+    return f"{launch} sft/train.py " + " ".join(opts)
+
+
+def options_of(plan: Plan) -> dict:
+    """The training options a plan sets (for `--plan auto`), by option name."""
+    w = plan.w
+    opts = {"per_device_train_batch_size": w.micro_batch, "activation_checkpointing": w.checkpointing,
+            **kernels(plan.w.strategy, plan.shape)}
+    if w.setup.method in ("lora", "qlora"):
+        opts["lora_dropout"] = 0.0
+    else:
+        opts.update(PRECISION_OPTIONS[w.setup.precision])
+    return opts
+
+
+def plan_table(plans: list[Plan], limit: int | None = None) -> str:
+    head = f"{'strategy':<14} {'precision':<11} {'ckpt':<4} {'mb':>2} {'GPU GiB/card':>12} {'host GiB':>8} " \
+           f"{'est. tok/s':>10}  fits?"
+    lines = [head, "-" * len(head)]
+    for p in plans[:limit]:
+        w = p.w
+        prec = "-" if w.setup.method != "full" else w.setup.precision
+        tight = p.prediction.need_gib * (1 + HEADROOM) > p.machine_card
+        mark = ("yes (tight)" if tight else "yes") if p.fits else f"no: {p.why_not}"
+        if not STRATEGIES[w.strategy].recommended:
+            mark += " (not recommended)"
+        lines.append(f"{w.strategy:<14} {prec:<11} {'yes' if w.checkpointing else 'no':<4} {w.micro_batch:>2} "
+                     f"{min(p.prediction.smi_gib, p.machine_card):>12.1f} {p.prediction.host_gib:>8.0f} {p.tok_s:>10,.0f}  {mark}")
+    return "\n".join(lines)
+
+
+def best_plan(plans: list[Plan]) -> Plan | None:
+    """The fastest recommended plan that fits with headroom (the planner's worst error on the bench rows), else the
+    fastest that fits at all: a plan predicted at 23.9 of 24 GiB is a coin toss on a real card."""
+    fitting = [p for p in plans if p.fits and STRATEGIES[p.w.strategy].recommended]
+    roomy = [p for p in fitting if p.prediction.need_gib * (1 + HEADROOM) <= p.machine_card]
+    return (roomy or fitting or [None])[0]
+
+
+def closest_plan(plans: list[Plan]) -> Plan | None:
+    """When nothing fits: the plan that misses by the least (GPU memory and host RAM, each against what the box
+    has)."""
+    def miss(p: Plan) -> float:
+        return max(p.prediction.need_gib / p.machine_card, p.prediction.host_gib / (p.host_ram_gib or math.inf))
+
+    return min(plans, key=miss, default=None)
+
+
+def shown_gib(plan: Plan) -> float:
+    """nvidia-smi's figure: the allocator caches up to the card's memory, never beyond."""
+    return min(plan.prediction.smi_gib, plan.machine_card)
+
+
+def cards(m) -> tuple[int, float]:
+    """The GPUs a plan is for (the launch's processes, else the machine's) and the smallest one's GiB."""
+    return max(1, m.launch.world_size if m.launch.launched else m.gpus), min(m.gpu_memory_gib or (24.0,))
+
+
+def fill_options(model_args, lora_args, data_args, training_args, machine=None, given: set[str] | None = None):
+    """`sft/train.py --plan auto`: set the strategy options the planner predicts, leaving every option the user
+    gave (`given`: option names) alone. -> (what was set {name: value}, the chosen Plan or None).
+    `machine`: a sft.machine.Machine (this one when None)."""
+    from sft.machine import machine as this_machine
+
+    given = given or set()
+    m = machine or this_machine()
+    if not m.cuda:
+        return {}, None  # nothing to plan without GPUs: the options stay as given
+    gpus, mem = cards(m)
+    peak = next((v for k, v in __import__("sft.report.callbacks", fromlist=["PEAK_FLOPS"]).PEAK_FLOPS.items()
+                 if m.gpu_names and k in m.gpu_names[0]), 165e12)
+    shape = resolve_shape(model_args.model)
+    method = "lora" if lora_args.lora else "full"
+    mbs = (training_args.per_device_train_batch_size,) if "per_device_train_batch_size" in given else (1, 2, 4, 8)
+    plans = enumerate_plans(shape, Box(gpus, mem, m.host_ram_gib or None, peak), method,
+                            data_args.max_length, mbs, lora_args.lora_r)
+    strategy = _launched_strategy(m)
+    plans = [p for p in plans if strategy is None or p.w.strategy == strategy]  # the launch decides the strategy
+    chosen = best_plan(plans)
+    if chosen is None:
+        return {}, None
+    wanted = options_of(chosen)
+    if wanted.get("use_liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
+        wanted["use_liger_kernel"] = False  # not installed here: the plan's other options still hold
+    if method == "full" and "dtype" in given:  # the user's precision wins: keep plans of that precision
+        wanted = {k: v for k, v in wanted.items() if k not in ("dtype", "optim", "optim_args")}
+    if chosen.w.strategy == "fsdp" and method == "full" and "dtype" in wanted:
+        wanted["bf16"] = False  # the weights are bf16 (sft/checks: no --bf16 with --dtype bfloat16 under FSDP)
+    groups = (model_args, lora_args, data_args, training_args)
+    done = {}
+    for name, value in wanted.items():
+        if name in given:
+            continue
+        for group in groups:
+            if hasattr(group, name):
+                setattr(group, name, value)
+                done[name] = value
+                break
+    return done, chosen
+
+
+def _launched_strategy(m) -> str | None:
+    launch = m.launch
+    if not launch.launched:
+        return None
+    if launch.fsdp:
+        return "fsdp"
+    if launch.zero_stage:
+        return {"2": "zero2", "3": "zero3_offload" if launch.offload else "zero3"}.get(str(launch.zero_stage))
+    return "ddp" if launch.world_size > 1 else "single_gpu"
+
+
+def prediction_line(plan: Plan) -> str:
+    """One line for the run's first screen."""
+    p = plan.prediction
+    return (f"  {'plan':<12} {plan.w.strategy}, checkpointing {'on' if plan.w.checkpointing else 'off'}, "
+            f"micro-batch {plan.w.micro_batch}: predicted {shown_gib(plan):.1f} GiB per GPU (nvidia-smi; "
+            f"{p.reserved_gib:.1f} GiB reserved by PyTorch), ~{plan.tok_s:,.0f} tok/s")
+
+
+def nothing_planned_line(model: str, lora: bool, machine=None) -> str:
+    """`--plan auto` that set nothing: why, in one line for the run's first screen (`machine`: this one when None)."""
+    from sft.machine import machine as this_machine
+
+    m = machine or this_machine()
+    if not m.cuda:
+        return "Plan (--plan auto): nothing set: this machine has no CUDA GPU (the planner plans GPUs); the options " \
+               "stay as given."
+    gpus, mem = cards(m)
+    return (f"Plan (--plan auto): nothing set: no plan fits {gpus} x {mem:.0f} GiB; the options stay as given. "
+            f"`python -m sft.plan.planner --model {model} --gpus {gpus} --gpu_mem {mem:.0f}{' --lora' if lora else ''}` says "
+            f"why each does not fit.")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Command line
+
+def parser() -> argparse.ArgumentParser:
+    p = ToolParser(prog="deepseek-sft plan", description="Predict GPU memory, host RAM and speed of every "
+                "strategy x checkpointing x micro-batch for a model on this box, and recommend the fastest "
+                "plan that fits.", epilog="Offline for the built-in DeepSeek shapes: " + ", ".join(SHAPES) + ".")
+    p.add_argument("--model", help="hub id, local directory (config.json) or family name")
+    p.add_argument("--gpus", type=int, default=3, help="GPUs in the box (default 3)")
+    p.add_argument("--gpu_mem", type=float, default=24, help="GB per GPU (default 24)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--lora", action="store_true", help="LoRA on a bf16 base (default: full fine-tune)")
+    g.add_argument("--qlora", action="store_true", help="LoRA on a 4-bit NF4 base (bitsandbytes)")
+    p.add_argument("--max_length", type=int, default=2048, help="tokens per packed row (default 2048)")
+    p.add_argument("--micro_batch", type=int, help="only this micro-batch (default: 1, 2, 4, 8)")
+    p.add_argument("--host_ram", type=float, help="host RAM in GiB (plans that need more do not fit)")
+    p.add_argument("--lora_r", type=int, default=16, help="LoRA rank (default 16)")
+    p.add_argument("--peak_tflops", type=float, default=165, help="bf16 peak per GPU (default RTX 4090: 165)")
+    p.add_argument("--all", action="store_true", help="list every plan, not the first 20")
+    p.add_argument("--check", action="store_true", help="predicted vs measured for bench/results.jsonl rows")
+    p.add_argument("--markdown", action="store_true", help="with --check: the markdown table of RESULTS.md")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sft.errors import ConfigError
+
+    args = parser().parse_args(argv)
+    if args.check:
+        results = check_rows()
+        print(check_table(results) if args.markdown else check_summary(results))
+        return 0
+    if not args.model:
+        print("error: --model is missing: a hub id, a local directory or a family name "
+              f"({', '.join(SHAPES)}).", file=sys.stderr)
+        return 2
+    for name in ("gpus", "gpu_mem", "max_length", "micro_batch", "lora_r"):
+        value = getattr(args, name)
+        if value is not None and value <= 0:
+            print(f"error: --{name} {value:g}: give a positive number.", file=sys.stderr)
+            return 2
+    try:
+        shape = resolve_shape(args.model)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    method = "qlora" if args.qlora else "lora" if args.lora else "full"
+    box = Box(args.gpus, args.gpu_mem, args.host_ram, args.peak_tflops * 1e12)
+    mbs = (args.micro_batch,) if args.micro_batch else (1, 2, 4, 8)
+    plans = enumerate_plans(shape, box, method, args.max_length, mbs, args.lora_r)
+    params = shape.params()
+    print(f"{shape.name} ({shape.model_type}, {params / 1e9:.2f}B parameters; shape: {shape.checked}), {method}, "
+          f"{args.gpus} x {args.gpu_mem:g} GB ({box.card_gib:.2f} GiB by nvidia-smi), rows of {args.max_length} "
+          f"tokens, flex_attention + Liger")
+    print(plan_table(plans, None if args.all else 20))
+    best = best_plan(plans)
+    if best is None:
+        closest = closest_plan(plans)
+        print("\nNothing fits. Closest: " + (f"{closest.w.strategy}, micro-batch {closest.w.micro_batch}: "
+                                             f"{closest.why_not}" if closest else "no strategy applies"))
+        return 1
+    print(f"\nRecommended: {command(best, args.model, box)}")
+    print(f"  predicted {shown_gib(best):.1f} GiB per GPU (nvidia-smi), {best.prediction.host_gib:.0f} GiB "
+          f"host RAM; ~{best.tok_s:,.0f} tok/s, an estimate: {best.tok_s_source}, scaled to "
+          f"{box.peak_flops / 1e12:g} TFLOP/s per GPU")
+    return 0
+
+
+def check_summary(results: list[dict]) -> str:
+    worst_r = max(abs(x["err_reserved"]) for x in results)
+    smi = [x for x in results if x["err_smi"] is not None]
+    worst_s = max(abs(x["err_smi"]) for x in smi) if smi else 0
+    offload = [x for x in results if x["offload"] and x["err_host"] is not None]
+    worst_h = max(abs(x["err_host"]) for x in offload) if offload else 0
+    return (check_table(results) + f"\n\n{len(results)} rows; worst error: reserved {worst_r:.1%}, "
+            f"nvidia-smi {worst_s:.1%} ({len(smi)} rows with their own nvidia-smi peak); host RAM of the offload "
+            f"plans {worst_h:.1%} ({len(offload)} rows)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

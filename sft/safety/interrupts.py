@@ -1,0 +1,79 @@
+"""Stopping cleanly: Ctrl-C, SIGTERM, and a launcher that died.
+
+Checkpoints are safe to interrupt at any moment (sft/safety/checkpoints.py: a checkpoint counts only once its marker is
+written), so a stop needs no cooperation from the training loop: Ctrl-C raises KeyboardInterrupt where the
+process is, SIGTERM is made to do the same, and `train.py` turns either into one message: the step reached, the
+newest complete checkpoint and the command that resumes it.
+
+A worker whose launcher was killed (kill -9 of `accelerate launch`) would otherwise go on training and writing
+checkpoints with no one to stop it: under a launcher each worker asks the kernel for SIGTERM when its parent
+exits (Linux's PR_SET_PDEATHSIG), and elsewhere a watcher thread notices the parent change.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import threading
+import time
+
+from sft.machine import launch
+
+PR_SET_PDEATHSIG = 1
+SIGTERM_MARK = "SIGTERM"  # the KeyboardInterrupt argument that tells SIGTERM from Ctrl-C
+
+
+def _raise_interrupt(signum, frame):
+    raise KeyboardInterrupt(SIGTERM_MARK)
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM (a launcher stopping its workers, a scheduler, `kill`) stops like Ctrl-C: KeyboardInterrupt, which
+    no library's `except Exception` swallows."""
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+
+
+def end_with_launcher() -> None:
+    """Under a launcher: receive SIGTERM when the launcher process exits, however it died."""
+    if not launch().launched:
+        return
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0:
+            if os.getppid() != parent or parent == 1:  # it died before the request took effect
+                os.kill(os.getpid(), signal.SIGTERM)
+            return
+    except (OSError, AttributeError):
+        pass
+    threading.Thread(target=_watch_parent, args=(parent,), daemon=True, name="launcher-watch").start()
+
+
+def _watch_parent(parent: int, every_s: float = 2.0) -> None:
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def signal_name(interrupt: KeyboardInterrupt) -> str:
+    return "SIGTERM" if interrupt.args == (SIGTERM_MARK,) else "Ctrl-C"
+
+
+def exit_code(interrupt: KeyboardInterrupt) -> int:
+    return 128 + (signal.SIGTERM if interrupt.args == (SIGTERM_MARK,) else signal.SIGINT)
+
+
+def ignore_further_interrupts() -> None:
+    """While the stop is reported and the lock released, a second Ctrl-C must not print a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def leave_now(code: int) -> None:
+    """Exit without waiting for other ranks (they may be inside a collective that will never complete) or for
+    the interpreter's teardown."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,352 @@
+"""Verified saves: reload what was just written and compare its logits with the in-memory model's.
+
+A save that silently dropped a tensor, wrote the wrong dtype, saved a LoRA adapter that does not attach to the
+base, or wrote nothing (ZeRO-3 without `stage3_gather_16bit_weights_on_model_save`) fails here, loudly, instead
+of at the user's first inference.
+
+- LoRA (unsharded): the saved adapter is loaded with peft next to the trained one, on the same base in memory,
+  and the two are compared on the same device with the same kernels (cheap at any model size; exact).
+- Full models (and sharded LoRA): reloaded from the saved directory in the main process, on the model's own GPU
+  when it has room (exact), else on CPU (other kernels: a looser tolerance, still far below what a wrong or
+  missing tensor does). Every process computes the in-memory logits, since sharded models (ZeRO-3, FSDP) need
+  all ranks for a forward.
+- QLoRA (a LoRA adapter on a 4-bit base): the same, with the base reloaded quantized as in training (the same
+  bits: NF4 quantization of the same weights is deterministic), on the model's GPU. On the unquantized base the
+  adapter gives other logits, by the quantization error (tests/test_qlora.py): what users load to merge
+  (sft.tools.merge) is that, by design, not the 4-bit model trained.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sft.errors import SaveMismatchError
+
+CHEAP_PARAMETERS = 1e9  # below this, reloading at every checkpoint costs seconds: `--verify_saves auto` does it
+
+
+def fixed_batch(vocab_size: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1234)
+    return torch.randint(0, vocab_size, (2, 32), generator=generator)
+
+
+@torch.no_grad()
+def logits_of(model, input_ids: torch.Tensor) -> torch.Tensor:
+    device = next(model.parameters()).device
+    was_training, tf32 = model.training, torch.backends.cuda.matmul.allow_tf32
+    model.eval()  # no dropout
+    torch.backends.cuda.matmul.allow_tf32 = False  # --tf32 would make two identical models disagree by ~1e-3
+    try:
+        # use_cache=False: a cache would change the attention mask path (see sft/data/packing.py)
+        with own_forward(model):
+            return model(input_ids=input_ids.to(device), use_cache=False).logits.float().cpu()
+    finally:
+        model.train(was_training)
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+
+
+@contextmanager
+def own_forward(model):
+    """The model's forward without accelerate's autocast wrapper, still called through `model(...)`.
+
+    accelerate's mixed precision replaces `model.forward` with an autocast wrapper and keeps the original as
+    `_original_forward`; the reloaded model runs without autocast, as a user's would, so the trained one must
+    too (bf16 autocast against fp32: ~2e-3). Calling `_original_forward` directly would skip the module's hooks,
+    and FSDP2 gathers the root's own parameters (final norm, lm_head) in a forward pre-hook: under FSDP the
+    direct call met sharded weights ("mixed torch.Tensor and DTensor", seen with FSDP + QLoRA on an H200)."""
+    original = getattr(model, "_original_forward", None)
+    if original is None or "forward" not in vars(model):
+        yield
+        return
+    wrapped = model.forward
+    model.forward = original
+    try:
+        yield
+    finally:
+        model.forward = wrapped
+
+
+def is_sharded(model) -> bool:
+    """ZeRO-3 (parameters carry ds_id) or FSDP2 (DTensor parameters): no process holds the whole model."""
+    return any(hasattr(p, "ds_id") or hasattr(p, "to_local") for p in model.parameters())
+
+
+def reload_device(model) -> torch.device:
+    """The model's own GPU if a second copy fits there (with a margin), else CPU."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return torch.device("cpu")
+    need = sum(p.numel() * p.element_size() for p in model.parameters())
+    free, _ = torch.cuda.mem_get_info(device)
+    return device if free > 1.5 * need + 2**30 else torch.device("cpu")
+
+
+def _is_main() -> bool:
+    from accelerate import PartialState
+
+    return PartialState().is_main_process
+
+
+def _broadcast(value):
+    from accelerate import PartialState
+    from accelerate.utils import broadcast_object_list
+
+    if PartialState().num_processes == 1:
+        return value
+    return broadcast_object_list([value])[0]
+
+
+@dataclass
+class SaveVerifier:
+    base_model: str  # hub id or directory of the base model (reloaded under LoRA)
+    lora: bool
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    checkpoints: bool = True  # verify every checkpoint, not only the final save
+    final: bool = True
+    lora_in_place: bool = True  # False: reload base + adapter from disk even when the in-place check could run
+    quantization: dict | None = None  # QLoRA: the base's BitsAndBytesConfig (as a dict), to reload it the same way
+
+    def verifiable(self, path: str | Path) -> bool:
+        """Whether `path` holds consolidated weights. Sharded checkpoints (FSDP's SHARDED_STATE_DICT, ZeRO-3
+        without the gather flag) hold none: they resume, and the consolidated final save is what gets checked."""
+        pattern = "adapter_model.safetensors" if self.lora else "model*.safetensors"
+        return any(Path(path).glob(pattern))
+
+    def reload(self, path: Path, dtype: torch.dtype, device: torch.device):
+        model = self.load_whole(self.base_model if self.lora else str(path), dtype, device)
+        if self.lora:
+            from peft import PeftModel
+
+            model = PeftModel.from_pretrained(model, str(path))
+        return model
+
+    def load_whole(self, source: str, dtype: torch.dtype, device: torch.device):
+        """A whole copy of the model (a LoRA run's base: quantized again as in training under QLoRA) in this
+        process, on `device`."""
+        from transformers import AutoModelForCausalLM
+
+        from sft.parallel.zero3 import zero3_init_disabled
+
+        quantized = {}
+        if self.lora and self.quantization:
+            from transformers import BitsAndBytesConfig
+
+            quantized = {"quantization_config": BitsAndBytesConfig.from_dict(dict(self.quantization))}
+        with zero3_init_disabled():  # one process loads a whole copy: no zero.Init (the other ranks would not join)
+            return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=self.attn_implementation,
+                                                        trust_remote_code=self.trust_remote_code, use_safetensors=True,
+                                                        device_map={"": device}, **quantized)
+
+    def adapter_in_place(self, model, path: Path, input_ids: torch.Tensor) -> str | None:
+        """Load the saved adapter beside the trained one on the same base; compare; remove it again."""
+        expected = logits_of(model, input_ids)
+        trained = model.active_adapter
+        # DeepSpeed's fp16/bf16 engines cast the trained adapter to half precision with the rest of the model; peft
+        # would upcast the loaded one to fp32 and compute differently. Load it in the trained adapter's dtype.
+        adapter_dtype = next((p.dtype for p in model.parameters() if p.requires_grad), torch.float32)
+        try:
+            model.load_adapter(str(path), adapter_name="_saved", autocast_adapter_dtype=adapter_dtype == torch.float32)
+            model.set_adapter("_saved")
+            got = logits_of(model, input_ids)
+        except Exception as e:  # a save that cannot even be loaded is the loudest mismatch of all
+            return f"{type(e).__name__}: {e}"
+        finally:
+            model.set_adapter(trained)  # also makes the trained adapter's weights trainable again
+            if "_saved" in model.peft_config:
+                model.delete_adapter("_saved")
+        return compare(expected, got, torch.float32, same_device=True)
+
+    def reload_and_compare(self, model, base, path: Path, input_ids: torch.Tensor,
+                           expected: torch.Tensor) -> str | None:
+        dtype = next(p.dtype for p in base.parameters() if not p.requires_grad or not self.lora)
+        device = reload_device(model)
+        if self.lora and self.quantization and torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())  # 4-bit kernels; a 4-bit base is small
+        if not self.lora and not any(path.glob("model*.safetensors")):
+            return ("no weights were written (DeepSpeed ZeRO-3 writes them only with "
+                    "\"stage3_gather_16bit_weights_on_model_save\": true in its config)")
+        try:
+            reloaded = self.reload(path, dtype, device)
+            got = logits_of(reloaded, input_ids)
+            del reloaded
+        except Exception as e:  # a save that cannot even be loaded is the loudest mismatch of all
+            return f"{type(e).__name__}: {e}"
+        # A sharded model computes under FSDP's mixed-precision policy (a LoRA adapter's fp32 weights cast to
+        # bf16), the reloaded one through peft's own casts: other rounding, so the other-device tolerance.
+        same_kernels = device == next(model.parameters()).device and not is_sharded(model)
+        return compare(expected, got, dtype, same_device=same_kernels)
+
+    def check(self, model, path: str | Path) -> None:
+        """Raise SaveMismatchError (on every rank) unless the files in `path` give the in-memory logits."""
+        path = Path(path)
+        base = model.get_base_model() if self.lora and hasattr(model, "get_base_model") else model
+        input_ids = fixed_batch(base.config.vocab_size)
+        error = None
+        # Loading initialises modules from the RNG: leave the training's RNG streams (dropout, shuffling) as they
+        # were, or a resumed run (which restores the RNG state saved before this check) would diverge.
+        devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
+        with torch.random.fork_rng(devices=devices):
+            if self.lora and self.lora_in_place and not is_sharded(model):
+                if _is_main():
+                    error = self.adapter_in_place(model, path, input_ids)
+            else:
+                expected = logits_of(model, input_ids)
+                if _is_main():
+                    error = self.reload_and_compare(model, base, path, input_ids, expected)
+        error = _broadcast(error)
+        if error and self.lora and is_sharded(model):  # every rank: the explanation gathers shards
+            error = _broadcast(f"{error}; {self.explain_sharded(model, base, path, input_ids, expected)}")
+        if error:
+            what = "LoRA adapter" if self.lora else "model"
+            raise SaveMismatchError(f"the {what} saved in {path} does not reproduce the trained model: {error}. "
+                                    f"Do not use these files; the run's earlier checkpoints are untouched.")
+
+    def explain_sharded(self, model, base, path: Path, input_ids: torch.Tensor, expected: torch.Tensor) -> str:
+        """Which side of a failed sharded (FSDP) LoRA check differs, in words; called on every rank (it gathers).
+
+        A reload check compares two sides, and a mismatch alone does not say which is wrong: the file (the adapter
+        written is not the trained one), the in-memory forward (a forward that changes the model's state, or ranks
+        that hold different copies of the frozen base), or the reloaded base (QLoRA: other 4-bit bits or
+        quantization constants than the trained base's). Each is checked here, so one failed run tells."""
+        findings = [f"the in-memory forward {repeat_note(logits_of(model, input_ids), expected)}",
+                    f"across ranks {ranks_note(expected)}"]
+        trained = gathered_trainable(model)  # collective: every rank
+        base_bits = gathered_4bit_base(base)  # collective; {} without a 4-bit base
+        if _is_main():
+            findings.append(f"the saved adapter {adapter_note(trained, path)}")
+            if base_bits:
+                findings.append(f"the reloaded 4-bit base {self.base_note(base_bits, base)}")
+        return "diagnosis: " + "; ".join(findings)
+
+    def base_note(self, trained: dict, base) -> str:
+        """The trained 4-bit base (gathered) against the base quantized again as the check reloads it."""
+        dtype = next(p.dtype for p in base.parameters() if not p.requires_grad)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
+            torch.device("cpu")
+        try:
+            reloaded = gathered_4bit_base(self.load_whole(self.base_model, dtype, device))
+        except Exception as e:  # noqa: BLE001 (an explanation must not hide the mismatch it explains)
+            return f"could not be reloaded for the comparison ({type(e).__name__}: {e})"
+        return tensors_note(trained, reloaded, "4-bit weights and quantization constants")
+
+
+def repeat_note(again: torch.Tensor, first: torch.Tensor) -> str:
+    diff = (again - first).abs().max().item()
+    if diff == 0:
+        return "is repeatable (a second forward gives the same logits)"
+    return f"is NOT repeatable: a second forward differs by {diff:.3g} (a forward changed the model's state)"
+
+
+def ranks_note(expected: torch.Tensor) -> str:
+    """Every rank computes the same gathered model: their logits must agree bit for bit."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return "nothing to compare (one process)"
+    reference = [expected if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(reference, src=0)
+    diffs = [None] * dist.get_world_size()
+    dist.all_gather_object(diffs, (expected - reference[0]).abs().max().item())
+    if not any(diffs):
+        return "the in-memory logits agree on every rank"
+    return "the in-memory logits DIFFER between ranks (largest difference from rank 0 per rank: " + \
+        ", ".join(f"{d:.3g}" for d in diffs) + "): the ranks do not compute the same model"
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach()
+
+
+def gathered_trainable(model) -> dict[str, torch.Tensor]:
+    """Every trainable (LoRA) weight, whole, on CPU; a collective under FSDP2 (every rank calls it)."""
+    return {name: _full(p).float().cpu() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def gathered_4bit_base(base) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
+    """bitsandbytes 4-bit layers: their packed weight bytes and quantization constants, whole, on CPU (a collective
+    under FSDP2). The constants live on the module (`quant_state`): FSDP2's parameters lose the Params4bit's."""
+    found = {}
+    for name, module in base.named_modules():
+        state = getattr(module, "quant_state", None)
+        weight = getattr(module, "weight", None)
+        if state is None or weight is None or not hasattr(state, "absmax"):
+            continue
+        name = name.replace(".base_layer", "")  # peft's wrapper: the reloaded plain base has no such level
+        found[f"{name}.weight"] = (_full(weight).contiguous().view(torch.uint8).cpu(), weight.dtype)
+        for key in ("absmax", "offset", "code"):  # the nested constants: absmax of absmax and its code
+            for owner, prefix in ((state, ""), (getattr(state, "state2", None), "state2.")):
+                value = getattr(owner, key, None)
+                if isinstance(value, torch.Tensor):
+                    found[f"{name}.weight.{prefix}{key}"] = (value.detach().float().cpu(), value.dtype)
+    return found
+
+
+def tensors_note(trained: dict, other: dict, what: str) -> str:
+    missing = sorted(set(trained) - set(other))
+    differ = [k for k in trained if k in other and not torch.equal(trained[k][0], other[k][0])]
+    if not missing and not differ:
+        return f"is the trained one ({len(trained)} tensors of {what}, equal bit for bit)"
+    return (f"DIFFERS from the trained one: {len(differ)} of {len(trained)} tensors of {what} differ"
+            + (f" (first: {differ[0]})" if differ else "") + (f", {len(missing)} missing (first: {missing[0]})"
+                                                              if missing else ""))
+
+
+def adapter_note(trained: dict[str, torch.Tensor], path: Path) -> str:
+    """The adapter file against the trained LoRA weights (peft saves them without the adapter's name)."""
+    from safetensors.torch import load_file
+
+    try:
+        saved = load_file(Path(path) / "adapter_model.safetensors")
+    except Exception as e:  # noqa: BLE001
+        return f"could not be read ({type(e).__name__}: {e})"
+    names = {k: k.replace(".default.", ".") for k in trained}
+    missing = [k for k, n in names.items() if n not in saved]
+    worst = max((float((saved[n].float() - trained[k]).abs().max()) for k, n in names.items() if n in saved),
+                default=0.0)
+    if not missing and worst == 0:
+        return f"holds exactly the trained LoRA weights ({len(trained)} tensors)"
+    return (f"DIFFERS from the trained LoRA weights: {len(missing)} of {len(trained)} missing, the others differ by "
+            f"up to {worst:.3g}" + (f" (first missing: {missing[0]})" if missing else ""))
+
+
+def compare(expected: torch.Tensor, got: torch.Tensor, dtype: torch.dtype, same_device: bool) -> str | None:
+    if expected.shape != got.shape:
+        return f"logits shape {tuple(got.shape)} instead of {tuple(expected.shape)}"
+    if not torch.isfinite(expected).all():
+        return "the trained model itself gives NaN/inf logits (training diverged; see --nan_policy)"
+    scale = max(1.0, expected.abs().max().item())
+    # Same device: same weights through the same kernels, identical but for a rounding step. Other device:
+    # other kernels round differently. A missing, stale or mis-cast tensor moves logits by O(scale).
+    half = dtype in (torch.bfloat16, torch.float16)
+    tolerance = (1e-2 if half else 1e-5) if same_device else (3e-2 if half else 1e-3)
+    diff = (expected - got).abs().max().item()
+    if not diff <= tolerance * scale:  # `not <=` also catches NaN
+        return f"logits differ by up to {diff:.3g} on a fixed batch (allowed {tolerance * scale:.3g})"
+    return None
+
+
+def make_verifier(mode: str, model, model_path: str, lora: bool, attn_implementation: str,
+                  trust_remote_code: bool) -> SaveVerifier | None:
+    """--verify_saves: auto (final save always; checkpoints too under LoRA, checked in place, or when the model
+    has < 1e9 parameters), all, final, no."""
+    if mode == "no":
+        return None
+    n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 holds shards
+    cheap = (lora and not is_sharded(model)) or n < CHEAP_PARAMETERS
+    every_checkpoint = mode == "all" or (mode == "auto" and cheap)
+    return SaveVerifier(model_path, lora, attn_implementation, trust_remote_code, checkpoints=every_checkpoint,
+                        quantization=quantization_of(model))
+
+
+def quantization_of(model) -> dict | None:
+    """The BitsAndBytesConfig (as a dict) of a base loaded in 4 bits (--qlora), else None."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    config = getattr(getattr(base, "hf_quantizer", None), "quantization_config", None)
+    if config is None or not getattr(base, "is_loaded_in_4bit", False):
+        return None
+    return config.to_dict()

@@ -1,0 +1,128 @@
+"""--chunked_loss: the causal-LM loss from the last hidden states, a chunk of tokens at a time, without the whole
+logits tensor.
+
+A model's own loss projects every token onto the vocabulary at once: for a micro-batch of 4 x 2048 tokens and
+DeepSeek's 102,400-token vocabulary that is 1.7 GB of bf16 logits, 3.4 GB more in fp32 for the cross-entropy and
+its gradient as large again (DeepSeek-V2-Lite at micro-batch 4 ran out of memory on a 24 GiB card asking for those
+3.1 GiB). Liger's fused loss avoids it where Liger patches the model; MLA models (DeepSeek-V2/V3) run without it
+(sft/plan/planner.py kernels). Here only the labelled tokens are projected, CHUNK_TOKENS at a time, each chunk's logits
+recomputed in the backward (torch.utils.checkpoint) instead of kept: at most one chunk's logits exist. Same loss as
+the model's own (tests/test_chunked_loss.py): the labels shifted by one, -100 left out, the sum divided by the
+Trainer's `num_items_in_batch` (the accumulated batch's label count) or by this batch's count.
+
+Under --use_liger_kernel the same forward computes the loss with Liger's fused linear cross-entropy, also on the
+labelled tokens only (`liger_causal_lm_loss`; sft/options/checks.py apply_setup_defaults switches Liger's own fused loss
+off, which projects every token): a prompt's tokens carry no label, and in the bench's Alpaca packs that is most
+of them: the lm_head's three matmuls took 33 ms of a 0.61 s step of a 7B full fine-tune on an H200 where TRL's
+SFTTrainer, which projects only the labelled tokens, spent 11 ms (run 20261202T0245Z-E, bench/RESULTS.md).
+
+Training forwards only; evaluation, generation and the verified saves' forwards (no labels, or not training) take
+the model's own path and get logits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+IGNORE = -100
+CHUNK_TOKENS = 1024  # one chunk's fp32 logits: 0.4 GB at a 102,400-token vocabulary
+
+
+LossFn = Callable[[torch.Tensor, torch.nn.Module, torch.Tensor, "torch.Tensor | int | None"], torch.Tensor]
+
+
+def labelled_tokens(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden states whose next token has a label, and those labels (labels shifted by one, -100 left out)."""
+    targets = F.pad(labels, (0, 1), value=IGNORE)[..., 1:].reshape(-1).to(hidden.device)
+    keep = targets != IGNORE
+    return hidden.reshape(-1, hidden.shape[-1])[keep], targets[keep]
+
+
+def per_item(total: torch.Tensor, count: int, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
+    """The summed loss over the Trainer's `num_items_in_batch` (the accumulated batch's label count), else over this
+    batch's own count."""
+    if num_items_in_batch is None:
+        return total / max(count, 1)
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def no_label_loss(hidden: torch.Tensor) -> torch.Tensor:
+    """A batch without labels: a zero loss that still has a graph, so its backward runs (and gives zeros)."""
+    return hidden.sum() * 0.0
+
+
+def chunked_causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor,
+                           num_items_in_batch: torch.Tensor | int | None = None,
+                           chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
+    """transformers' ForCausalLMLoss (shift, ignore -100, sum / num_items_in_batch or mean) without whole logits."""
+    states, targets = labelled_tokens(hidden, labels)
+    if targets.numel() == 0:
+        return no_label_loss(hidden)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for start in range(0, targets.numel(), chunk_tokens):
+        end = start + chunk_tokens
+        total = total + checkpoint(_chunk_loss, lm_head, states[start:end], targets[start:end], use_reentrant=False)
+    return per_item(total, targets.numel(), num_items_in_batch)
+
+
+def _chunk_loss(lm_head: torch.nn.Module, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(lm_head(states).float(), targets, reduction="sum")
+
+
+def liger_causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor,
+                         num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+    """The same loss through Liger's fused linear cross-entropy (its Triton kernels: GPU only), which projects the
+    labelled tokens a chunk at a time and computes their gradient in the forward."""
+    from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+    states, targets = labelled_tokens(hidden, labels)
+    if targets.numel() == 0:
+        return no_label_loss(hidden)
+    chunks = liger_chunk_mem_const(targets.numel(), *lm_head.weight.shape[::-1])
+    total = liger_fused_linear_cross_entropy(states, lm_head.weight, targets, bias=lm_head.bias, reduction="sum",
+                                             chunk_mem_const=chunks)
+    return per_item(total, targets.numel(), num_items_in_batch)
+
+
+def liger_chunk_mem_const(tokens: int, hidden: int, vocab: int) -> int:
+    """Liger's `chunk_mem_const` for the fewest chunks of at most CHUNK_TOKENS rows. Liger cuts the tokens into
+    ceil(vocab / (chunk_mem_const x hidden)) parts, each rounded up to a power of two rows (`liger_chunk_rows`); its
+    default of 1 cuts DeepSeek's 102,400-token vocabulary at hidden 4,096 into 25: chunks of 256 rows for a 7B full
+    fine-tune's ~4,000 labelled tokens, where the weight gradient's matmul (inner dimension = the chunk's rows)
+    runs far below the GPU's rate. One chunk's bf16 logits at 1,024 rows: 0.2 GB."""
+    for constant in range(math.ceil(vocab / hidden), 1, -1):
+        if liger_chunk_rows(tokens, hidden, vocab, constant) <= CHUNK_TOKENS:
+            return constant
+    return 1
+
+
+def liger_chunk_rows(tokens: int, hidden: int, vocab: int, chunk_mem_const: int) -> int:
+    """The rows of one chunk of Liger's fused linear cross-entropy (liger_kernel/ops/fused_linear_cross_entropy.py,
+    0.8.5: the tokens over ceil(vocab / (chunk_mem_const x hidden)), rounded up to a power of two, at most all)."""
+    parts = math.ceil(vocab / (chunk_mem_const * hidden))
+    return min(1 << (math.ceil(tokens / parts) - 1).bit_length(), tokens)
+
+
+def install_chunked_loss(model, loss: LossFn = chunked_causal_lm_loss) -> None:
+    """Give the causal-LM model (under a peft wrapper too) a forward that computes its training loss with `loss`
+    from the last hidden states."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    own = inner.forward
+
+    def forward(*args, labels=None, num_items_in_batch=None, logits_to_keep=0, **kwargs):
+        if labels is None or not inner.training:
+            return own(*args, labels=labels, num_items_in_batch=num_items_in_batch, logits_to_keep=logits_to_keep,
+                       **kwargs)
+        outputs = inner.model(*args, **kwargs)
+        value = loss(outputs.last_hidden_state, inner.lm_head, labels, num_items_in_batch)
+        return CausalLMOutputWithPast(loss=value, past_key_values=getattr(outputs, "past_key_values", None))
+
+    inner.forward = forward

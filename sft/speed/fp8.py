@@ -1,0 +1,267 @@
+"""`--fp8 true` with `--lora`: the frozen base's linear layers compute in FP8 (e4m3) on GPUs that have FP8 matmuls
+(compute capability 8.9 or more: RTX 4090, L40, H100, H200); the LoRA adapter stays as it was (bf16 matmuls).
+
+Each base `nn.Linear` inside a peft LoRA layer (`lora_layer.base_layer`) becomes an `Fp8Linear`, quantized once
+when it is attached, on the GPU:
+- forward, x @ W^T: W in e4m3 with one scale per output channel (row of W), the activation quantized per row
+  (token) as it comes, both through `torch._scaled_mm` (bf16 out);
+- backward, grad_x = grad_out @ W: a second e4m3 copy of W, transposed, with one scale per input channel, and
+  grad_out quantized per row. The base gets no gradient, so there is no grad_weight matmul and nothing is saved
+  for backward (the bf16 linear saves nothing either: its weight needs no gradient).
+The two e4m3 copies take 2 bytes per weight, as the bf16 weight they replace did; dequantizing one copy for the
+backward instead would save 1 byte per weight but add a bf16 copy per layer per backward and leave that matmul in
+bf16. Rowwise scales follow torchao's rowwise float8 recipe (e4m3 for gradients too, since each row has its own
+scale).
+
+Under LoRA a token costs 4N FLOPs, all of it in the base's two matmuls but the adapter's small ones: those two
+run at FP8's rate (2x bf16's peak on H100/H200 and RTX 4090) minus the quantization of activations and gradients
+(a read of 2 bytes and a write of 1 per value; fused by torch.compile on CUDA, eager elsewhere).
+
+Only numbers change (FP8's rounding in the base's forward and input gradient): the saved adapter loads on the
+bf16 base as any other (sft.safety.verify checks it beside the trained one, on the same FP8 base).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from sft.machine import launch
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max  # 448
+MIN_CAPABILITY = (8, 9)  # FP8 tensor cores: Ada (sm_89) and Hopper (sm_90) and newer
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (e4m3 [M, K], fp32 scale [M, 1]) with x ~= q * scale: each row's largest magnitude maps to
+    e4m3's largest value (448). An all-zero row gets a tiny scale (its values stay 0)."""
+    scale = x.abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX
+    return (x.float() / scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3), scale
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_quantize():
+    return torch.compile(quantize_rows, dynamic=True, fullgraph=True)
+
+
+def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows, compiled into one kernel per call on CUDA (amax, scale and cast fused: a read of x and a
+    write of 1 byte per value); eager elsewhere (SFT_FP8_COMPILE=0 makes it eager on CUDA too). It runs inside
+    the eager ops below; under --compile_layers the quantization is traced into the layer instead."""
+    if x.is_cuda and launch().fp8_compile:
+        return _compiled_quantize()(x)
+    return quantize_rows(x)
+
+
+def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+    """(a * a_scale) @ (b_t * b_scale^T)^T in bf16: a [M, K] e4m3 row-major, b_t [N, K] e4m3 row-major (so its
+    transpose is the column-major operand _scaled_mm wants), scales [M, 1] and [1, N]."""
+    return torch._scaled_mm(a, b_t.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
+
+
+def quantized_matmul(a: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+    """a [M, K] (bf16/fp32) @ the e4m3 b_t [N, K]^T: a quantized per row as it comes, then the FP8 matmul."""
+    q, scale = quantize(a)
+    return scaled_matmul(q, scale, b_t, b_scale)
+
+
+# The FP8 matmuls are ops of their own, opaque to torch.compile, with their autograd formulas registered. Traced
+# instead (an autograd.Function inside the compiled layer), the input gradient came out zero on an H200
+# (bench/compile_check.py, run 20261202T0020Z-A) while CPU compiles were exact.
+#
+# Two forms of the same layer. Eager: `sft::fp8_linear` quantizes inside its forward and its backward, with the
+# compiled quantize kernel. Under --compile_layers: the quantization is traced beside the op, so inductor fuses it
+# into the kernel that makes the activation (RMSNorm, SwiGLU) and computes it once for q/k/v and for gate/up, which
+# read the same input (the graph's common-subexpression pass); `sft::fp8_linear_quantized` takes x beside its
+# quantized form only so that its formula can give x its gradient, and that formula quantizes grad_out in traced
+# code too (AOTAutograd traces it into the backward graph), leaving the matmuls opaque.
+@torch.library.custom_op("sft::fp8_matmul", mutates_args=())
+def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+    """scaled_matmul as an op opaque to torch.compile."""
+    return scaled_matmul(a, a_scale, b_t, b_scale)
+
+
+@torch.library.custom_op("sft::fp8_linear", mutates_args=())
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_t: torch.Tensor,
+               weight_t_scale: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ W^T in bf16, W held as `weight` [N, K] (its gradient path as `weight_t` [K, N])."""
+    return quantized_matmul(x, weight, weight_scale)
+
+
+@torch.library.custom_op("sft::fp8_linear_input_grad", mutates_args=())
+def fp8_linear_input_grad(grad_out: torch.Tensor, weight_t: torch.Tensor, weight_t_scale: torch.Tensor) -> torch.Tensor:
+    """grad_x = grad_out [M, N] @ W, through the transposed copy."""
+    return quantized_matmul(grad_out, weight_t, weight_t_scale)
+
+
+@torch.library.custom_op("sft::fp8_linear_quantized", mutates_args=())
+def fp8_linear_quantized(x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tensor, weight: torch.Tensor,
+                         weight_scale: torch.Tensor, weight_t: torch.Tensor,
+                         weight_t_scale: torch.Tensor) -> torch.Tensor:
+    """fp8_linear with x quantized by the caller (x_q, x_scale = quantize_rows(x)); x itself is not read."""
+    return scaled_matmul(x_q, x_scale, weight, weight_scale)
+
+
+def _matmul_shape(a, a_scale, b_t, b_scale):
+    return a.new_empty((a.shape[0], b_t.shape[0]), dtype=torch.bfloat16)
+
+
+def _fp8_linear_shape(x, weight, weight_scale, weight_t, weight_t_scale):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+
+
+def _input_grad_shape(grad_out, weight_t, weight_t_scale):
+    return grad_out.new_empty((grad_out.shape[0], weight_t.shape[0]), dtype=torch.bfloat16)
+
+
+def _quantized_shape(x, x_q, x_scale, weight, weight_scale, weight_t, weight_t_scale):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.bfloat16)
+
+
+fp8_matmul.register_fake(_matmul_shape)
+fp8_linear.register_fake(_fp8_linear_shape)
+fp8_linear_input_grad.register_fake(_input_grad_shape)
+fp8_linear_quantized.register_fake(_quantized_shape)
+
+
+def _keep_transposed_copy(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[-2:])  # the transposed copy and its scales: references, no copies
+
+
+def _fp8_linear_backward(ctx, grad_out):
+    weight_t, weight_t_scale = ctx.saved_tensors
+    return fp8_linear_input_grad(grad_out.contiguous(), weight_t, weight_t_scale), None, None, None, None
+
+
+def _fp8_linear_quantized_backward(ctx, grad_out):
+    weight_t, weight_t_scale = ctx.saved_tensors
+    q, scale = quantize_rows(grad_out)
+    return fp8_matmul(q, scale, weight_t, weight_t_scale), None, None, None, None, None, None
+
+
+fp8_linear.register_autograd(_fp8_linear_backward, setup_context=_keep_transposed_copy)
+fp8_linear_quantized.register_autograd(_fp8_linear_quantized_backward, setup_context=_keep_transposed_copy)
+
+
+def fp8_linear_traced(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_t: torch.Tensor,
+                      weight_t_scale: torch.Tensor) -> torch.Tensor:
+    """fp8_linear's form for code torch.compile traces: the quantization in the graph, the matmul opaque."""
+    x_q, x_scale = quantize_rows(x.detach())
+    return fp8_linear_quantized(x, x_q, x_scale, weight, weight_scale, weight_t, weight_t_scale)
+
+
+class Fp8Linear(nn.Module):
+    """A frozen nn.Linear whose matmuls run in FP8. `weight` stays a (frozen, e4m3) parameter, so parameter counts
+    (MFU) and peft's look-ups see the layer as before; `compute_dtype` is the dtype peft gives adapters attached to
+    it (as for bitsandbytes' layers). The scales and the transposed copy are plain attributes, not buffers: DDP
+    would broadcast buffers at every forward."""
+
+    def __init__(self, linear: nn.Linear, device: torch.device | None = None):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.compute_dtype = linear.weight.dtype
+        w = linear.weight.detach().to(device or linear.weight.device)
+        q, scale = quantize_rows(w)
+        q_t, scale_t = quantize_rows(w.t().contiguous())
+        self.weight = nn.Parameter(q, requires_grad=False)
+        self.weight_scale, self.weight_t, self.weight_t_scale = scale.view(1, -1), q_t, scale_t.view(1, -1)
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().to(w.device),
+                                                                  requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        linear = fp8_linear_traced if torch.compiler.is_compiling() else fp8_linear
+        out = linear(x.reshape(-1, x.shape[-1]), self.weight, self.weight_scale, self.weight_t,
+                     self.weight_t_scale).view(*x.shape[:-1], self.out_features).to(x.dtype)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+    def _apply(self, fn, recurse=True):
+        """.to()/.cuda() move the scales and the transposed copy with the weight; a cast of the whole model
+        (.bfloat16(), DeepSpeed's engine) is undone for the weight: e4m3 -> bf16/fp16 -> e4m3 is exact."""
+        super()._apply(fn, recurse)
+        if self.weight.dtype != E4M3:
+            self.weight.data = self.weight.data.to(E4M3)
+        device = self.weight.device
+        self.weight_scale, self.weight_t, self.weight_t_scale = (
+            t.to(device) for t in (self.weight_scale, self.weight_t, self.weight_t_scale))
+        return self
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8=e4m3 rowwise"
+
+
+def fp8_shape_ok(linear: nn.Linear) -> bool:
+    """_scaled_mm needs both dimensions to be multiples of 16 (every DeepSeek projection is)."""
+    return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
+
+
+def use_fp8_base(model, device: torch.device | None = None) -> tuple[int, int]:
+    """Replace the base nn.Linear of every peft LoRA layer by an Fp8Linear, quantized on `device` (default: this
+    process's GPU when there is one: quantizing there takes milliseconds, and the model goes there anyway).
+    -> (layers converted, LoRA layers left in bf16 because of their shape)."""
+    from peft.tuners.lora import LoraLayer
+
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", launch().local_rank)
+    converted = skipped = 0
+    for module in model.modules():
+        if not isinstance(module, LoraLayer) or type(module.base_layer) is not nn.Linear:
+            continue
+        if not fp8_shape_ok(module.base_layer):
+            skipped += 1
+            continue
+        module.base_layer = Fp8Linear(module.base_layer, device)
+        converted += 1
+    return converted, skipped
+
+
+def fp8_missing_here() -> str | None:
+    """Why this machine cannot run --fp8 (None when it can): every visible GPU needs compute capability 8.9+,
+    and a rowwise-scaled _scaled_mm must run there (a 16 x 16 probe: some torch/GPU pairs lack the kernel)."""
+    if not torch.cuda.is_available():
+        return "no CUDA GPU here"
+    for i in range(torch.cuda.device_count()):
+        capability = torch.cuda.get_device_capability(i)
+        if capability < MIN_CAPABILITY:
+            return (f"GPU {i} ({torch.cuda.get_device_name(i)}) has compute capability "
+                    f"{capability[0]}.{capability[1]}; FP8 matmuls need 8.9 or newer (RTX 4090, L40, H100, H200)")
+    try:
+        a = torch.ones(16, 16, device="cuda").to(E4M3)
+        scaled_matmul(a, torch.ones(16, 1, device="cuda"), a, torch.ones(1, 16, device="cuda"))
+    except RuntimeError as e:
+        return f"torch {torch.__version__} cannot run a rowwise-scaled FP8 matmul on this GPU ({e})"
+    return None
+
+
+def fp8_base_needs(o, m) -> None:
+    """The check for sft/options/checks.py's CHECKS (options `o`, Machine `m`): --fp8 needs FP8 GPUs, and a base that is
+    quantized once and stays whole on each GPU (one process per GPU, or DDP)."""
+    from sft.errors import ConfigError
+
+    if not getattr(o.model, "fp8", False):
+        return
+    if not m.cuda:
+        raise ConfigError("--fp8 needs a GPU with FP8 matmuls (compute capability 8.9+: RTX 4090, L40, H100, "
+                          "H200) and this machine has none. Drop --fp8 (the same LoRA in bf16).")
+    why = fp8_missing_here()
+    if why:
+        raise ConfigError(f"--fp8: {why}. Drop --fp8 (the same LoRA in bf16).")
+    if o.fsdp(m) or o.zero_stage(m) is not None:
+        raise ConfigError(f"--fp8 with {'FSDP' if o.fsdp(m) else 'DeepSpeed'}: the FP8 base is quantized once "
+                          f"and must stay whole on each GPU, which sharding does not allow. A 7B LoRA fits one "
+                          f"24 GB card: use accelerate_configs/ddp.yaml.")
+
+
+def apply_fp8_base(model) -> None:
+    """The hook sft/model/loading.py calls after attaching LoRA under --fp8: convert, and say what was converted."""
+    from sft.errors import ConfigError
+
+    why = fp8_missing_here()
+    if why:  # normally refused before loading (fp8_base_needs); this guards callers that skip the checks
+        raise ConfigError(f"--fp8: {why}. Drop --fp8 (the same LoRA in bf16).")
+    converted, skipped = use_fp8_base(model)
+    if launch().first:
+        print(f"FP8: {converted} frozen base linear layers compute in e4m3 (rowwise scales)"
+              f"{f'; {skipped} left in bf16 (a dimension not a multiple of 16)' if skipped else ''}", flush=True)

@@ -1,0 +1,44 @@
+"""`--compile_layers true`: torch.compile each decoder layer in place (regional compilation).
+
+Every decoder layer of a model has the same code, so dynamo traces one and the other layers reuse its graph (their
+weights are inputs of it, not constants): a compile of one layer instead of the whole model, and no graph breaks at
+the loss, the data collator or the Trainer's own code. Inductor then fuses what runs between the matmuls of a layer
+(RMSNorm, RoPE, SwiGLU, the residual adds, LoRA's scaling and add) into a few kernels, in the forward and in the
+backward. With --fp8 the FP8 matmuls are custom ops inside the graph (sft/speed/fp8.py), called as they are.
+
+In place (`module.compile()`, not `torch.compile(module)`): parameter names, state dicts, peft's adapter lookups
+and the hooks FSDP2 adds later stay as they were, so saves, verified reloads and resumes see the model they know.
+
+Liger's kernels for RMSNorm, RoPE and SwiGLU live inside the layers, and dynamo cannot trace them (a path many
+times slower, seen on GPUs): under --compile_layers only Liger's fused linear cross-entropy, which runs outside the
+layers, stays on (sft/options/checks.py apply_setup_defaults sets liger_kernel_config; a config of yours wins).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+# Liger under --compile_layers: the loss only; inductor fuses the rest inside each compiled layer.
+LIGER_WITH_COMPILED_LAYERS = {"rope": False, "rms_norm": False, "swiglu": False, "cross_entropy": False,
+                              "fused_linear_cross_entropy": True}
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated blocks: transformers 5 makes every decoder layer a GradientCheckpointingLayer."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
+def compile_decoder_layers(model: nn.Module) -> int:
+    """Compile every decoder layer of `model` (a transformers model, or a peft model around one) in place; -> how
+    many. The compile itself happens at the first forward (the first step is slower; inductor caches the kernels
+    on disk for later runs)."""
+    layers = decoder_layers(model)
+    # Each layer kind is one graph for all its layers, plus one for the first call's shapes: room for a model's
+    # dense and MoE layers, and for a last batch of another length without falling back to eager.
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+    for layer in layers:
+        layer.compile()  # shapes static at first; a second length makes them dynamic (one more compile)
+    return len(layers)

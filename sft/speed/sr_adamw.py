@@ -1,0 +1,291 @@
+"""`--optim adamw_bf16_sr`: AdamW for bf16 weights that keeps small updates, at the memory traffic of plain bf16
+AdamW.
+
+Plain bf16 AdamW rounds each new weight to the nearest bf16 value, so an update below half of bf16's spacing (2**-9
+of the weight) is lost, every step: late in a fine-tune, at a small learning rate, most updates are that small.
+Here the update is computed in fp32 and written back with stochastic rounding (up with probability equal to the
+fraction of the spacing), which is exact in expectation: the tiny updates accumulate as they would in fp32. The
+Adam states are bf16 by default and rounded stochastically too: with round-to-nearest a bf16 second moment cannot
+follow a shrinking gradient (beta2 = 0.999 moves it by 0.1% per step, under half its spacing), so it would stay
+high and shrink the step. `--optim_args state_dtype=float32` keeps fp32 states instead (4 more bytes per
+parameter).
+
+Bytes moved per parameter and step, as plain bf16 fused AdamW: read weight, gradient, two states (2 B each), write
+weight and states (bf16 states: 14 B; fp32 states: 22 B). The random bits come from a counter-based hash of
+(seed, step, parameter, element), computed in registers: no random tensor is stored, and the result is the same
+on every rank (DDP replicas stay identical), on a shard as on the whole tensor (FSDP2: the hash takes the global
+element index), eagerly as compiled, and after a resume (nothing but the step count is needed to draw them again).
+On CUDA the update of each parameter is one kernel (torch.compile, dynamic shapes: one graph for all parameters);
+elsewhere it runs eagerly (`--optim_args compile=true` compiles there too).
+
+Gradient clipping is folded into that kernel (`fold_clipping`): torch's `clip_grad_norm_` reads every gradient for
+the norm, then reads and writes every gradient again to scale it (28 GB of memory traffic a step for a 7B model's
+bf16 gradients, ~7 ms on an H200); here the norm is computed as before and its coefficient is multiplied into each
+gradient as the update reads it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.fx.experimental._config
+
+
+MASK32 = 0xFFFFFFFF
+HASH_MULTIPLIER = 0x45D9F3B
+
+
+def wrap32(x):
+    """x modulo 2**32: Python ints need it; int32 tensors wrap by themselves (two's complement), which gives the
+    same 32 bits."""
+    return x & MASK32 if isinstance(x, int) else x
+
+
+def hash32(x):
+    """A 32-bit integer hash (two multiply-xorshift rounds; every input bit reaches every output bit), on Python
+    ints in [0, 2**32) and on int32 tensors holding the same bits: the same bits on every backend, eager or
+    compiled. int32, not int64: on a GPU a 64-bit multiply is several 32-bit ones, and the update below hashes
+    every element twice. The `& 0xFFFF` makes the shift logical (int32's is arithmetic)."""
+    x = wrap32((((x >> 16) & 0xFFFF) ^ x) * HASH_MULTIPLIER)
+    x = wrap32((((x >> 16) & 0xFFFF) ^ x) * HASH_MULTIPLIER)
+    return ((x >> 16) & 0xFFFF) ^ x
+
+
+def key_of(*numbers: int) -> int:
+    """A 32-bit key from small integers (seed, step, parameter index, which tensor), mixed on the host."""
+    key = 0
+    for n in numbers:
+        key = hash32((key ^ (n & MASK32)) + 0x9E3779B9 & MASK32)
+    return key
+
+
+def as_int32(n: int) -> int:
+    """An unsigned 32-bit value as the int32 with the same bits (what an int32 tensor can hold)."""
+    return n - (1 << 32) if n >= 1 << 31 else n
+
+
+def round_to_bf16(x: torch.Tensor, random16: torch.Tensor) -> torch.Tensor:
+    """fp32 -> bf16, stochastically: add 16 random bits below bf16's last bit, then cut them off. The result is
+    the bf16 neighbour above |x| with probability (the cut-off fraction) / 2**16, else the one below: exact in
+    expectation. `random16`: int32 in [0, 2**16), one per element."""
+    bits = (x.view(torch.int32) + random16) & -65536  # the sign is in bit 31: this rounds the magnitude
+    return bits.view(torch.float32).to(torch.bfloat16)  # exact: the low 16 bits are zero
+
+
+def write(target: torch.Tensor, value: torch.Tensor, random16: torch.Tensor) -> None:
+    """Store fp32 `value` into `target`: stochastically rounded into bf16, else as the target's dtype."""
+    target.copy_(round_to_bf16(value, random16) if target.dtype == torch.bfloat16 else value)
+
+
+def adamw_update(p: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 hyper: torch.Tensor, keys: torch.Tensor) -> None:
+    """One AdamW step of one flat tensor, in place, in fp32 (torch.optim.AdamW's arithmetic: its fp32 result within
+    an fp32 rounding or two, tests/test_sr_adamw.py), then each result stored as its tensor's dtype.
+    `hyper`: fp32 [1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / bias_correction1,
+    sqrt(bias_correction2), eps, the clipping's coefficient], computed in double on the host as torch.optim.AdamW
+    does (the coefficient on the device, from the norm: `clip_gradients`);
+    `keys`: int32 [this step's two keys (as_int32), the global index of element 0 (FSDP2 shards), unused]."""
+    decay, one_minus_beta1, beta2, one_minus_beta2, step_size, correction2_sqrt, eps, clip = hyper[:8].unbind()
+    index = torch.arange(p.numel(), device=p.device, dtype=torch.int32) + keys[2]
+    h1 = hash32(index ^ keys[0])
+    h2 = hash32(index ^ keys[1])
+    param = p.float() * decay
+    g = grad.float() * clip  # as clip_grad_norm_ would have left it (exactly so for fp32 gradients)
+    m = exp_avg.float().lerp(g, one_minus_beta1)
+    v = exp_avg_sq.float() * beta2 + one_minus_beta2 * g * g
+    param = param - step_size * m / (v.sqrt() / correction2_sqrt + eps)
+    write(p, param, h1 & 0xFFFF)
+    write(exp_avg, m, (h1 >> 16) & 0xFFFF)
+    write(exp_avg_sq, v, h2 & 0xFFFF)
+
+
+_compiled = None
+
+
+def compiled_update():
+    """adamw_update compiled once, dynamic in the length (one graph for every parameter; inductor fuses the
+    elementwise update into one kernel per call)."""
+    global _compiled
+    if _compiled is None:
+        _compiled = torch.compile(adamw_update, dynamic=True, fullgraph=True)
+    return _compiled
+
+
+def local_and_offset(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """A DTensor's local shard (FSDP2) and the global flat index of its first element; a plain tensor and 0."""
+    if not hasattr(t, "to_local"):
+        return t, 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    local = t.to_local()
+    _, offsets = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if local.numel() and any(offsets[1:]):  # FSDP2 shards dim 0 only: a shard is a contiguous global range
+        raise NotImplementedError(f"adamw_bf16_sr: a shard at offset {tuple(offsets)}; only dim-0 sharding is "
+                                  f"supported")
+    return local, offsets[0] * math.prod(t.shape[1:])
+
+
+def flat(t: torch.Tensor) -> torch.Tensor:
+    if not t.is_contiguous():
+        raise ValueError("adamw_bf16_sr updates contiguous tensors in place; got a non-contiguous one")
+    return t.view(-1)
+
+
+class AdamWBf16SR(torch.optim.Optimizer):
+    """AdamW whose bf16 weights (and bf16 states) are written back with stochastic rounding; see the module
+    docstring. fp32 weights get a plain fp32 AdamW (nothing to round)."""
+
+    def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 0.0, *, state_dtype: str | torch.dtype = torch.bfloat16, seed: int = 0,
+                 compile: bool | None = None):
+        state_dtype = getattr(torch, state_dtype) if isinstance(state_dtype, str) else state_dtype
+        if state_dtype not in (torch.bfloat16, torch.float32):
+            raise ValueError(f"adamw_bf16_sr: state_dtype {state_dtype}: use bfloat16 or float32")
+        if not 0.0 <= lr or not 0.0 <= eps or not all(0.0 <= b < 1.0 for b in betas):
+            raise ValueError(f"adamw_bf16_sr: invalid lr {lr}, eps {eps} or betas {betas}")
+        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
+        self.state_dtype, self.seed, self.compile = state_dtype, seed, compile
+        self.clip_coefficient: torch.Tensor | None = None  # set by clip_gradients, used by the next step
+
+    def clip_gradients(self, parameters, max_norm: float) -> torch.Tensor | None:
+        """torch.nn.utils.clip_grad_norm_ (L2) with its scaling deferred into the next step's update: -> the total
+        norm of the gradients before clipping, as clip_grad_norm_ returns it. None (nothing done) for sharded
+        gradients (DTensor: FSDP2, TP), whose norm needs their mesh: clip those the usual way."""
+        grads = [p.grad for p in parameters if p.grad is not None]
+        if not grads or any(hasattr(g, "to_local") for g in grads):
+            return None
+        norm = torch.nn.utils.get_total_norm(grads, 2.0)
+        if math.isfinite(max_norm):  # (the Trainer asks with inf for the norm alone)
+            self.clip_coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)  # clip_grads_with_norm_'s
+        return norm
+
+    def _update_function(self, device: torch.device):
+        use_compile = self.compile if self.compile is not None else device.type == "cuda"
+        return compiled_update() if use_compile else adamw_update
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = []  # (device, parameter shard, gradient, states, its scalars, its keys)
+        index = -1
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr = float(group["lr"])  # a tensor lr (DCP's state initialisation) works too
+            for p in group["params"]:
+                index += 1  # the parameter's place in the optimizer: the same on every rank and after a resume
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:  # its first step (a resume loads the states): its size is checked once
+                    if p.numel() >= 1 << 31:  # the element index is int32 (hash32)
+                        raise ValueError(f"adamw_bf16_sr: a parameter of {p.numel()} values; at most 2**31 - 1")
+                    state["step"] = torch.tensor(0.0)
+                    for key in ("exp_avg", "exp_avg_sq"):
+                        state[key] = torch.zeros_like(p, dtype=self.state_dtype, memory_format=torch.contiguous_format)
+                state["step"] += 1
+                step = int(state["step"].item())
+                local, offset = local_and_offset(p.detach())
+                if local.numel() == 0:
+                    continue
+                states = [flat(local_and_offset(state[key])[0]) for key in ("exp_avg", "exp_avg_sq")]
+                work.append((local.device, flat(local), local_and_offset(p.grad)[0].reshape(-1), states,
+                             [1 - lr * group["weight_decay"], 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** step),
+                              math.sqrt(1 - beta2 ** step), group["eps"]],
+                             [*(as_int32(key_of(self.seed, step, index, which)) for which in (0, 1)), offset]))
+        for device in {w[0] for w in work}:  # one host->device copy of all scalars and keys per device and step
+            mine = [w for w in work if w[0] == device]
+            # Rows of 32 and 16 bytes (16-byte aligned views: inductor would copy misaligned ones) after an unused
+            # row 0 (a view at storage offset 0 would get a graph of its own: dynamo specializes 0).
+            hyper = torch.tensor([[0.0] * 8] + [w[4] + [1.0] for w in mine], dtype=torch.float32)
+            keys = torch.tensor([[0] * 4] + [w[5] + [0] for w in mine], dtype=torch.int32)
+            hyper, keys = hyper.to(device, non_blocking=True), keys.to(device, non_blocking=True)
+            if self.clip_coefficient is not None:  # on the device: no wait for the norm
+                hyper[1:, 7] = self.clip_coefficient.to(device)
+            update = self._update_function(device)
+            # Without duck sizing, a view's offset that happens to equal some size is not taken for a relation
+            # between them (which the next view breaks: a recompile). Read when a graph compiles, harmless after.
+            with torch.fx.experimental._config.patch(use_duck_shape=False):
+                for i, (_, param, grad, (exp_avg, exp_avg_sq), _, _) in enumerate(mine, start=1):
+                    update(param, grad, exp_avg, exp_avg_sq, hyper[i], keys[i])
+        self.clip_coefficient = None
+        return loss
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load_state_dict casts every floating-point state to its parameter's dtype: fp32 states of bf16
+        weights would come back bf16 (rounded). Put the saved tensors back in their own dtype."""
+        super().load_state_dict(state_dict)
+        saved_ids = [i for group in state_dict["param_groups"] for i in group["params"]]
+        params = [p for group in self.param_groups for p in group["params"]]
+        for saved_id, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(saved_id, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in saved and saved[key].dtype != self.state[p][key].dtype:
+                    self.state[p][key] = saved[key].to(device=p.device, copy=True)
+
+
+def optimizer_kwargs(optim_args: dict[str, str], seed: int) -> dict:
+    """Our keyword arguments from `--optim_args` (transformers hands them over as strings); a ConfigError for
+    what we do not take (sft/options/arguments.py calls this while parsing, before any model loads)."""
+    from sft.errors import ConfigError
+
+    known = {"state_dtype", "seed", "compile"}
+    unknown = set(optim_args) - known
+    if unknown:
+        raise ConfigError(f"unknown --optim_args {', '.join(sorted(unknown))} (known: "
+                          f"{', '.join(sorted(known))})")
+    if optim_args.get("state_dtype", "bfloat16") not in ("bfloat16", "float32"):
+        raise ConfigError(f"--optim_args state_dtype={optim_args['state_dtype']}: use bfloat16 "
+                          f"(the default) or float32")
+    if not str(optim_args.get("seed", seed)).isdigit():
+        raise ConfigError(f"--optim_args seed={optim_args['seed']}: give a whole number")
+    kwargs: dict = {"seed": int(optim_args.get("seed", seed)), "state_dtype": optim_args.get("state_dtype", "bfloat16")}
+    if "compile" in optim_args:
+        value = optim_args["compile"].lower()
+        if value not in ("1", "true", "yes", "0", "false", "no"):
+            raise ConfigError(f"--optim_args compile={optim_args['compile']}: give true or false")
+        kwargs["compile"] = value in ("1", "true", "yes")
+    return kwargs
+
+
+def fold_clipping(trainer) -> None:
+    """Let the Trainer's gradient clipping (accelerate's `clip_grad_norm_`, called before every optimizer step)
+    hand its coefficient to AdamWBf16SR instead of scaling the gradients itself, where the gradients are whole
+    tensors and nothing else acts between clipping and the step (no fp16 loss scaler; not DeepSpeed, FSDP or XLA,
+    which clip their own way). Any other optimizer, or --max_grad_norm's norm of sharded gradients, clips as
+    before. The optimizer is looked up at each call: the Trainer builds it when training starts."""
+    from accelerate.utils import DistributedType
+
+    accelerator = trainer.accelerator
+    if accelerator.scaler is not None or accelerator.distributed_type not in (
+            DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU):
+        return
+    clip = accelerator.clip_grad_norm_
+
+    def clip_in_the_update(parameters, max_norm, norm_type=2):
+        parameters = list(parameters)
+        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
+        norm = (optimizer.clip_gradients(parameters, max_norm)
+                if isinstance(optimizer, AdamWBf16SR) and norm_type == 2 else None)
+        return clip(parameters, max_norm, norm_type) if norm is None else norm
+
+    accelerator.clip_grad_norm_ = clip_in_the_update
+
+
+def register_with_trainer(name: str) -> bool:
+    """Make transformers' Trainer build AdamWBf16SR for `--optim <name>` (its optimizer table, keyed by the option's
+    value; sft/speed/lowbit.py's SR_ADAMW names it). -> registered now."""
+    from transformers import trainer_optimizer
+
+    if name in trainer_optimizer._OPTIMIZER_HANDLERS:
+        return False
+
+    def handler(ctx) -> tuple[type, dict]:
+        kwargs = {**ctx.optimizer_kwargs, **ctx.adam_kwargs, **optimizer_kwargs(ctx.optim_args, ctx.args.seed)}
+        return AdamWBf16SR, kwargs
+
+    trainer_optimizer._OPTIMIZER_HANDLERS[name] = handler
+    return True

@@ -1,0 +1,114 @@
+"""Chat with a fine-tuned model (or adapter) to check the result, using the same template as training.
+
+    python -m sft.tools.chat output/demo                           # interactive; an empty line or Ctrl-D quits
+    python -m sft.tools.chat output/demo --prompt "What is the capital of Japan?"
+
+The saved tokenizer carries the chat template training used (sft/data/templates.py chat_template_for_saving), so the
+default `--template auto` renders prompts as training did. An answer cut at --max_new_tokens (no end-of-sequence
+token) is printed as it is, followed by a note on stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def load(path: Path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
+    if (path / "adapter_config.json").is_file():
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def reply_frame(template, eos: str) -> tuple[str, str]:
+    """What the template writes around a reply after its generation prompt, which is no part of the answer: the
+    text before the reply (DeepSeek v1: " ") and the text between it and the EOS (deepseek-coder: "\\n" before
+    <|EOT|>). ("", "") where a reply is not rendered as prompt + reply."""
+    from sft.data.formats import DataError
+
+    probe = [{"role": "user", "content": "?"}]
+    try:
+        prompt = template.text(probe, add_generation_prompt=True)
+        full = template.text(probe + [{"role": "assistant", "content": "\0"}])
+    except DataError:  # a model template that rewrites earlier turns: leave the answer as it is
+        return "", ""
+    if not full.startswith(prompt) or "\0" not in full[len(prompt):]:
+        return "", ""
+    before, after = full[len(prompt):].split("\0", 1)
+    return before, after.split(eos, 1)[0] if eos and eos in after else ""
+
+
+def reply(model, tokenizer, template, messages: list[dict], max_new_tokens: int,
+          temperature: float) -> tuple[str, bool]:
+    """-> (answer, finished): finished when the model ended it with EOS, False when cut at max_new_tokens."""
+    import torch
+
+    text = template.text(messages, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids.to(model.device)
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=temperature > 0, temperature=temperature or None,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    new = out[0, ids.shape[1]:].tolist()
+    finished = bool(new) and new[-1] == tokenizer.eos_token_id
+    answer = tokenizer.decode(new[:-1] if finished else new, skip_special_tokens=True)
+    # Only the template's own framing is removed, never the answer's whitespace (a cut answer keeps its end).
+    before, after = reply_frame(template, tokenizer.eos_token)
+    answer = answer.removeprefix(before)
+    return (answer.removesuffix(after) if finished else answer), finished
+
+
+def main(argv: list[str] | None = None) -> int:
+    from sft.data.templates import TEMPLATE_NAMES
+
+    from sft.report.console import ToolParser
+
+    parser = ToolParser(prog="python -m sft.tools.chat", description=__doc__.split("\n\n")[0])
+    parser.add_argument("model", help="a trained output directory (model or LoRA adapter)")
+    parser.add_argument("--prompt", help="ask one question, print the answer and exit")
+    parser.add_argument("--system", help="a system prompt")
+    parser.add_argument("--template", default="auto", choices=TEMPLATE_NAMES,
+                        help="auto: the saved tokenizer's chat template, which training set to its own")
+    parser.add_argument("--max_new_tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    args = parser.parse_args(argv)
+    path = Path(args.model)
+    from sft.tools.trained_dirs import check_trained_dir
+    from sft.errors import UserFacingError
+
+    try:
+        check_trained_dir(path)
+    except UserFacingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+
+    from sft.data.templates import get_template
+
+    model, tokenizer = load(path)
+    template = get_template(args.template, tokenizer)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    questions = [args.prompt] if args.prompt else iter(lambda: input("you> "), "")
+    try:
+        for question in questions:
+            messages.append({"role": "user", "content": question})
+            answer, finished = reply(model, tokenizer, template, messages, args.max_new_tokens, args.temperature)
+            messages.append({"role": "assistant", "content": answer})
+            print(answer if args.prompt else f"model> {answer}", flush=True)
+            if not finished:  # else a cut answer would look finished
+                print(f"[cut at --max_new_tokens {args.max_new_tokens}]", file=sys.stderr, flush=True)
+    except (EOFError, KeyboardInterrupt):
+        print()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
