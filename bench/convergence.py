@@ -16,7 +16,7 @@ same batches in the same order, with the same LR schedule, in one process, one v
   fp8rw      the same with the rowwise recipe
 
 The optimizers are built as our trainer builds them: `sft.speed.lowbit.prepare_optimizer` (torchao patches), then
-transformers' `Trainer.get_optimizer_cls_and_kwargs` and its weight-decay grouping. A new optimizer is one entry in
+`SFTTrainer.get_optimizer_cls_and_kwargs` (sft/trainer.py) and the Trainer's weight-decay grouping. A new optimizer is one entry in
 OPTIMIZERS (by name) and one in VARIANTS.
 
 Data: ../shared/datasets (alpaca_sample.json, oasst1_sample.jsonl) read by sft.data.formats (an OASST tree: one
@@ -97,20 +97,19 @@ def decay_groups(model, weight_decay: float) -> list[dict]:
 
 
 def trainer_optimizer(optim: str, optim_args: str | None = None) -> OptimizerFactory:
-    """What `sft/train.py --optim OPTIM --optim_args ARGS` builds: sft.speed.lowbit's patches, then the Trainer's class and
-    keyword arguments for that name."""
+    """What `sft/train.py --optim OPTIM --optim_args ARGS` builds: sft.speed.lowbit's patches, then SFTTrainer's class
+    and keyword arguments for that name."""
     def build(model, hp: Hyper):
-        from transformers import Trainer
-
         from sft.options.arguments import SFTTrainingArguments as TrainingArguments  # ours: it also takes adamw_bf16_sr
         from sft.speed.lowbit import prepare_optimizer
+        from sft.trainer import SFTTrainer
 
         prepare_optimizer(optim)
         with tempfile.TemporaryDirectory() as tmp:
             args = TrainingArguments(output_dir=tmp, optim=optim, optim_args=optim_args, learning_rate=hp.lr,
                                      weight_decay=hp.weight_decay, adam_beta1=hp.betas[0], adam_beta2=hp.betas[1],
                                      adam_epsilon=hp.eps, report_to=[])
-            cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+            cls, kwargs = SFTTrainer.get_optimizer_cls_and_kwargs(args, model)
         return cls(decay_groups(model, hp.weight_decay), **kwargs)
     return build
 

@@ -63,3 +63,8 @@ class NothingToDo(UserFacingError):
     """The request is already done (a resumed run that reached its --max_steps): said without `error:`."""
 
     exit_code = 0
+
+
+class LibraryMismatch(UserFacingError, RuntimeError):
+    """An installed library is not what one of our overrides or patches of its private names was built for
+    (sft/safety/private_names.py): stopped before relying on it, instead of going on without it."""

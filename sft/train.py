@@ -26,14 +26,13 @@ from sft.report.console import closing_lines, quiet_imports, quiet_libraries, te
 quiet_imports()  # before transformers: importing it loads torchao, a Trainer loads deepspeed (sft/report/console.py)
 
 import torch
-from transformers import Trainer, set_seed
-from transformers.integrations import TensorBoardCallback
+from transformers import set_seed
 
 from sft.report.callbacks import RunOverview, ThroughputCallback, flops_per_token, peak_flops
 from sft.safety.checkpoints import (CompleteRunCheck, ReachedEnd, check_resume_matches, checkpoint_callback, command_with,
                              complete_run_message, newest_complete, out_of_space, resolve_resume, run_is_finished,
                              save_final)
-from sft.speed.chunked_loss import chunked_causal_lm_loss, install_chunked_loss, liger_causal_lm_loss
+from sft.speed.chunked_loss import chunked_causal_lm_loss, liger_causal_lm_loss
 from sft.options.arguments import is_demo_output, parse_args
 from sft.data.dataset import prepare, read_datasets
 from sft.parallel.distributed import (configure_nccl_env, exit_process, is_first_process, on_main_process, preflight,
@@ -41,20 +40,20 @@ from sft.parallel.distributed import (configure_nccl_env, exit_process, is_first
 from sft.errors import NothingToDo, UserFacingError
 from sft.parallel.fsdp import consolidate_fsdp_saves, fsdp_callbacks, fsdp_training_settings
 from sft.safety.guards import LossSpikeLogger, NonFiniteGuard
-from sft.safety.interrupts import end_with_launcher, exit_code, ignore_further_interrupts, leave_now, signal_name, \
-    stop_on_sigterm
+from sft.safety.interrupts import (end_with_launcher, exit_code, ignore_further_interrupts, leave_now, signal_name,
+                                   stop_on_sigterm, tell_user)
 from sft.speed.lowbit import prepare_optimizer
 from sft.model.families import check_family
 from sft.model.loading import (PartialCheckpointing, check_lora_targets, load_config, load_model, load_tokenizer,
                        record_quantized_base, resolve_model_path)
-from sft.model.moe import MoeLoadLogger, add_aux_loss, install_moe
+from sft.model.moe import MoeLoadLogger, install_moe
 from sft.data.packing import Collator
 from sft.plan.planner import nothing_planned_line, prediction_line
 from sft.safety.run_lock import RunLock
-from sft.speed.sr_adamw import fold_clipping
 from sft.report.telemetry import EvalPerplexity, GpuTelemetry, RunRecord, run_summary
 from sft.data.templates import chat_template_for_saving
 from sft.parallel.tensor_parallel import TensorParallelTrainer, check_tensor_parallel
+from sft.trainer import SFTTrainer
 from sft.safety.verify import make_verifier
 
 
@@ -106,7 +105,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None, model_fac
     except KeyboardInterrupt as interrupt:
         ignore_further_interrupts()
         if is_first_process():
-            print(f"\n{stopped_message(run, signal_name(interrupt))}", file=sys.stderr, flush=True)  # after tqdm's line
+            tell_user(f"\n{stopped_message(run, signal_name(interrupt))}")  # after tqdm's line
         if run.lock:
             run.lock.release()
         leave_now(exit_code(interrupt))  # other ranks may sit in a collective that will never complete
@@ -155,16 +154,16 @@ def train(run: Run, seams: Seams) -> int:
             print(nothing_planned_line(model_args.model, lora_args.lora), flush=True)
         print(f"Loading model: {model_args.model}", flush=True)
 
+    trainer_class = TensorParallelTrainer if model_args.tp_size > 1 else SFTTrainer  # TP: checkpoints that resume
+    trainer_class.check_overrides()  # the library methods it overrides are what it was built on
     fsdp_training_settings(training_args, lora_args.lora)  # activation checkpointing; sharded gradients
-    prepare_optimizer(training_args.optim)  # ours (adamw_bf16_sr) registered; torchao low-bit AdamW patched
+    prepare_optimizer(training_args.optim)  # torchao's low-bit AdamW patched (checked first); ours is SFTTrainer's
     set_seed(training_args.seed)  # the LoRA init happens before the Trainer seeds: make it follow --seed too
     model = load_model(model_args, lora_args, training_args.activation_checkpointing, seams.model_factory)
     # The training loss from the labelled tokens' hidden states (sft/speed/chunked_loss.py): Liger's fused kernel where
     # Liger's own would run (apply_setup_defaults), torch chunks under --chunked_loss (refused beside Liger).
-    loss = (liger_causal_lm_loss if training_args.liger_loss_on_labels
-            else chunked_causal_lm_loss if model_args.chunked_loss else None)
-    if loss:
-        install_chunked_loss(model, loss)
+    labelled_token_loss = (liger_causal_lm_loss if training_args.liger_loss_on_labels
+                           else chunked_causal_lm_loss if model_args.chunked_loss else None)
     # The Trainer copies args.use_cache onto the config it saves: keep the base's (the Collator turns the cache off
     # in every training forward, where it would let packed documents attend to each other).
     training_args.use_cache = model.config.use_cache
@@ -191,7 +190,6 @@ def train(run: Run, seams: Seams) -> int:
         EvalPerplexity(),  # eval_perplexity = exp(eval_loss)
         RunRecord(),  # last: trainer_log.jsonl as it goes; loss.png and all_results.json at the end (rank 0)
     ]
-    trainer_class = TensorParallelTrainer if model_args.tp_size > 1 else Trainer  # TP: checkpoints that resume
     run.trainer = trainer = trainer_class(
         model=model,
         args=training_args,
@@ -200,13 +198,10 @@ def train(run: Run, seams: Seams) -> int:
         data_collator=Collator(tokenizer.pad_token_id, data_args.pad_to_multiple_of),
         processing_class=tokenizer,
         callbacks=callbacks,
+        labelled_token_loss=labelled_token_loss,  # None: the model's own loss
+        balance=balance,  # MoE: the routers' load-balancing loss joins the training loss
+        guard=guard,  # the NaN check reads the step's gradient norm, not every gradient again
     )
-    fold_clipping(trainer)  # adamw_bf16_sr: the clipping's scaling done in the optimizer's pass over the gradients
-    guard.watch_clipping(trainer.accelerator)  # the NaN check reads the clipping's norm, not every gradient again
-    if balance:
-        add_aux_loss(trainer, balance)  # the routers' load-balancing loss joins the training loss
-    if trainer.pop_callback(TensorBoardCallback):  # after ours, so that it logs what ours adds
-        trainer.add_callback(TensorBoardCallback)
 
     try:
         trainer.train(resume_from_checkpoint=resume)

@@ -1,6 +1,7 @@
-"""--chunked_loss: the training loss without whole logits gives the model's own loss and gradients (dense and MoE
-models, packed rows, LoRA, the Trainer's num_items_in_batch), leaves evaluation and generation alone, trains through
-the real entry point, and is refused where another path owns the loss."""
+"""--chunked_loss: the training loss without whole logits (SFTTrainer.compute_loss with a labelled-token loss) gives
+the model's own loss and gradients (dense and MoE models, packed rows, LoRA, the Trainer's num_items_in_batch), leaves
+evaluation and generation alone, trains through the real entry point, and is refused where another path owns the
+loss."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from conftest import REPO, tiny_config
-from sft.speed.chunked_loss import chunked_causal_lm_loss, install_chunked_loss, liger_causal_lm_loss
+from sft.speed.chunked_loss import chunked_causal_lm_loss, liger_causal_lm_loss
 from sft.options.arguments import ConfigError, parse_args, validate_setup
 from sft.machine import Launch, Machine
 
@@ -41,9 +42,27 @@ def loss_and_grads(model, batch: dict, **extra) -> tuple[torch.Tensor, dict[str,
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def sft_trainer(model, output_dir, loss_fn=chunked_causal_lm_loss):
+    from sft.options.arguments import SFTTrainingArguments
+    from sft.trainer import SFTTrainer
+
+    args = SFTTrainingArguments(output_dir=str(output_dir), use_cpu=True, report_to="none")
+    return SFTTrainer(model=model, args=args, labelled_token_loss=loss_fn)
+
+
+def trainer_loss_and_grads(model, batch: dict, output_dir, loss_fn=chunked_causal_lm_loss, num_items_in_batch=None):
+    """What a training step computes: SFTTrainer.compute_loss on the batch (as the Collator gives it: no cache)."""
+    trainer = sft_trainer(model, output_dir, loss_fn)
+    model.train()
+    model.zero_grad()
+    loss = trainer.compute_loss(model, {**batch, "use_cache": False}, num_items_in_batch=num_items_in_batch)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 @pytest.mark.parametrize("model_type", ["llama", "deepseek_v2"])
 @pytest.mark.parametrize("num_items", [None, 40])
-def test_same_loss_and_gradients_as_the_models_own(model_type, num_items, monkeypatch):
+def test_same_loss_and_gradients_as_the_models_own(model_type, num_items, monkeypatch, tmp_path):
     import sft.speed.chunked_loss
 
     monkeypatch.setattr(sft.speed.chunked_loss, "CHUNK_TOKENS", 7)  # several chunks, the last one short
@@ -51,8 +70,7 @@ def test_same_loss_and_gradients_as_the_models_own(model_type, num_items, monkey
     batch = packed_batch(model.config.vocab_size)
     extra = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
     expected, expected_grads = loss_and_grads(model, batch, **extra)
-    install_chunked_loss(model)
-    got, grads = loss_and_grads(model, batch, **extra)
+    got, grads = trainer_loss_and_grads(model, batch, tmp_path, num_items_in_batch=extra.get("num_items_in_batch"))
     assert got == pytest.approx(expected.item(), rel=1e-5)
     assert grads.keys() == expected_grads.keys() and "lm_head.weight" in grads
     for name, grad in grads.items():
@@ -96,13 +114,12 @@ def liger_reference(monkeypatch):
 
 
 @pytest.mark.parametrize("num_items", [None, 40])
-def test_liger_loss_on_the_labelled_tokens_is_the_models_own(num_items, liger_reference):
+def test_liger_loss_on_the_labelled_tokens_is_the_models_own(num_items, liger_reference, tmp_path):
     model = tiny("llama")
     batch = packed_batch(model.config.vocab_size)
     extra = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
     expected, expected_grads = loss_and_grads(model, batch, **extra)
-    install_chunked_loss(model, liger_causal_lm_loss)
-    got, grads = loss_and_grads(model, batch, **extra)
+    got, grads = trainer_loss_and_grads(model, batch, tmp_path, liger_causal_lm_loss, extra.get("num_items_in_batch"))
     labelled = int((torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[..., 1:] != -100).sum())
     assert liger_reference == [labelled] and labelled < batch["labels"].numel()  # prompts and padding left out
     assert got == pytest.approx(expected.item(), rel=1e-5)
@@ -135,22 +152,25 @@ def test_liger_chunks_are_the_fewest_of_at_most_chunk_tokens_rows():
     assert liger_chunk_rows(4000, 4096, 102400, liger_chunk_mem_const(4000, 4096, 102400)) == 1024
 
 
-def test_with_lora_evaluation_and_generation_keep_the_models_path():
+def test_with_lora_evaluation_and_generation_keep_the_models_path(tmp_path):
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(tiny("llama"), LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
     batch = packed_batch(model.config.vocab_size)
     expected, expected_grads = loss_and_grads(model, batch)
-    install_chunked_loss(model)
-    got, grads = loss_and_grads(model, batch)
+    got, grads = trainer_loss_and_grads(model, batch, tmp_path)
     assert got == pytest.approx(expected.item(), rel=1e-5) and all("lora_" in n for n in grads)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
-    assert model(**batch, use_cache=False).logits is None  # training: no logits
+    trainer = sft_trainer(model, tmp_path)
+    _, outputs = trainer.compute_loss(model, {**batch, "use_cache": False}, return_outputs=True)
+    assert outputs.logits.shape == (2, 1, model.config.vocab_size)  # training: one position's logits, not all
     model.eval()
     with torch.no_grad():
         out = model(**batch, use_cache=False)
+        eval_loss = trainer.compute_loss(model, {**batch, "use_cache": False})  # evaluation: the model's own loss
     assert out.logits.shape == (2, 24, model.config.vocab_size) and out.loss is not None
+    assert eval_loss.item() == pytest.approx(out.loss.item(), rel=1e-6)
     assert model.generate(input_ids=batch["input_ids"][:1, :5], max_new_tokens=2, do_sample=False).shape == (1, 7)
 
 

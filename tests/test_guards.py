@@ -95,29 +95,26 @@ def test_skip_policy_drops_the_step_and_goes_on(tmp_path, tiny_llama):
 
 
 def test_the_check_reads_the_clippings_norm_and_else_the_gradients():
-    """The Trainer's clipping has the total norm at hand: the guard looks at that (here a NaN norm beside finite
-    gradients, so that the test tells which one was read); a step without it (no clipping seen) reads the
-    gradients. Under DeepSpeed the clipping is not watched (its engine has stepped by then)."""
+    """The Trainer has the total norm at hand before the optimizer step (SFTTrainer._get_grad_norm hands it over):
+    the guard looks at that (here a NaN norm beside finite gradients, so that the test tells which one was read); a
+    step without it reads the gradients. Under DeepSpeed the Trainer's norm is a float from the engine, after its
+    step: not taken for the check."""
     model = torch.nn.Linear(2, 2)
     for p in model.parameters():
         p.grad = torch.ones_like(p)
-    accelerator = SimpleNamespace(distributed_type="NO", clip_grad_norm_=lambda params, max_norm: torch.tensor(math.nan))
     guard = NonFiniteGuard("stop", lambda: None, "")
-    guard.watch_clipping(accelerator)
     args, state = SimpleNamespace(fp16=False), SimpleNamespace(global_step=2)
-    assert math.isnan(accelerator.clip_grad_norm_(model.parameters(), 1.0))  # what the Trainer gets is unchanged
+    guard.saw_norm(torch.tensor(math.nan))
     with pytest.raises(NonFiniteError, match="step 3"):
         guard.on_pre_optimizer_step(args, state, None, model=model)
-    guard.on_pre_optimizer_step(args, state, None, model=model)  # no clipping since: the finite gradients pass
+    guard.on_pre_optimizer_step(args, state, None, model=model)  # no norm since: the finite gradients pass
     model.weight.grad[0, 0] = math.inf
+    guard.saw_norm(math.nan)  # DeepSpeed's float: the gradients are asked instead (and they are not finite)
     with pytest.raises(NonFiniteError):
         guard.on_pre_optimizer_step(args, state, None, model=model)
-
-    from accelerate.utils import DistributedType
-
-    deepspeed = SimpleNamespace(distributed_type=DistributedType.DEEPSPEED, clip_grad_norm_=print)
-    guard.watch_clipping(deepspeed)
-    assert deepspeed.clip_grad_norm_ is print
+    model.weight.grad[0, 0] = 1.0
+    guard.saw_norm(math.nan)
+    guard.on_pre_optimizer_step(args, state, None, model=model)
 
 
 def test_guard_without_gradients_checks_the_logs():

@@ -180,17 +180,20 @@ def test_chunked_update_is_bit_identical_and_needs_fewer_temporaries(monkeypatch
 
 
 def test_block_size_from_optim_args_reaches_torchao_as_a_number():
-    """transformers forwards `--optim_args block_size=128` as the string "128"; torchao failed on it at step 1."""
+    """transformers forwards `--optim_args block_size=128` as the string "128" (torchao failed on it at step 1);
+    SFTTrainer hands torchao the number."""
     import torch
     from transformers import Trainer, TrainingArguments
 
     from sft.speed.lowbit import prepare_optimizer
+    from sft.trainer import SFTTrainer
 
     prepare_optimizer("adamw_torch_4bit")
     args = TrainingArguments(output_dir="/tmp/sft-lowbit-test", optim="adamw_torch_4bit", use_cpu=True,
                              optim_args="bf16_stochastic_round=True,block_size=128")
-    optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
-    assert kwargs["block_size"] == "128"  # what transformers passes
+    assert Trainer.get_optimizer_cls_and_kwargs(args)[1]["block_size"] == "128"  # what transformers passes
+    optimizer_class, kwargs = SFTTrainer.get_optimizer_cls_and_kwargs(args)
+    assert kwargs["block_size"] == 128
     p = torch.nn.Parameter(torch.randn(64, 128, dtype=torch.bfloat16))
     p.grad = torch.randn_like(p)
     optimizer = optimizer_class([p], **kwargs)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import save_tiny_model, tensorboard_scalars, tiny_config
-from sft.model.moe import (DEFAULT_COEFFICIENT, MoeLoadLogger, RouterBalance, add_aux_loss, balance_loss,
+from sft.model.moe import (DEFAULT_COEFFICIENT, MoeLoadLogger, RouterBalance, balance_loss,
                      default_coefficient, install_moe, mark_moe_leaves, moe_blocks, token_groups)
 from sft.data.packing import IGNORE, Collator, pack_rows
 from test_packing import assert_same_loss_and_gradients, documents
@@ -175,11 +175,13 @@ def test_pooled_balance_loss_equals_the_padded_batch(model_type):
     assert balance.loss(packed).item() != pytest.approx(values[0], rel=1e-3)
 
 
-def make_trainer(model, tmp_path, **args):
-    from transformers import Trainer, TrainingArguments
+def make_trainer(model, tmp_path, balance=None, **args):
+    from transformers import TrainingArguments
+
+    from sft.trainer import SFTTrainer
 
     targs = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **args)
-    return Trainer(model=model, args=targs)
+    return SFTTrainer(model=model, args=targs, balance=balance)
 
 
 @pytest.mark.parametrize("model_type", MOE)
@@ -195,9 +197,8 @@ def test_trainer_loss_includes_coefficient_times_balance(model_type, tmp_path):
 
     losses = {}
     for coefficient in (0.0, 0.01, 0.1):
-        trainer = make_trainer(model, tmp_path)
         balance = install_moe(model, coefficient=coefficient, pad_token_id=0)
-        add_aux_loss(trainer, balance)
+        trainer = make_trainer(model, tmp_path, balance=balance)
         losses[coefficient] = trainer.compute_loss(model, batch)
         balance.remove()
     assert losses[0.0].item() == plain.item()  # 0 turns it off
@@ -205,9 +206,8 @@ def test_trainer_loss_includes_coefficient_times_balance(model_type, tmp_path):
     assert losses[0.1].item() - plain.item() == pytest.approx(0.1 * balance_value, rel=1e-4)
 
     # Evaluation (model.eval()) is left alone.
-    trainer = make_trainer(model, tmp_path)
     balance = install_moe(model, coefficient=0.1, pad_token_id=0)
-    add_aux_loss(trainer, balance)
+    trainer = make_trainer(model, tmp_path, balance=balance)
     model.eval()
     assert trainer.compute_loss(model, batch).item() == pytest.approx(plain.item(), abs=1e-6)
     assert balance.micro_batches == 0
@@ -330,8 +330,9 @@ def test_zero3_marks_moe_blocks_as_leaves(monkeypatch):
 @pytest.mark.slow
 def test_training_logs_moe_numbers_to_tensorboard(tmp_path, monkeypatch):
     """A real Trainer run: the balance loss trains, the numbers reach TensorBoard's event files."""
-    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
-    from transformers.integrations import TensorBoardCallback
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from sft.trainer import SFTTrainer
 
     model_dir = save_tiny_model(tmp_path / "model", "deepseek_v2")
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -342,11 +343,8 @@ def test_training_logs_moe_numbers_to_tensorboard(tmp_path, monkeypatch):
                              per_device_train_batch_size=2, max_steps=4, logging_steps=2, save_strategy="no",
                              remove_unused_columns=False, learning_rate=1e-3)
     balance = install_moe(model, pad_token_id=0)
-    trainer = Trainer(model=model, args=args, train_dataset=rows, data_collator=Collator(pad_token_id=0),
-                      callbacks=[MoeLoadLogger(balance)])
-    if trainer.pop_callback(TensorBoardCallback):  # after ours, as sft/train.py orders them
-        trainer.add_callback(TensorBoardCallback)
-    add_aux_loss(trainer, balance)
+    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, data_collator=Collator(pad_token_id=0),
+                         callbacks=[MoeLoadLogger(balance)], balance=balance)  # TensorBoard after ours
     trainer.train()
     assert len(tensorboard_scalars(tmp_path / "tb", "train/moe/aux_loss")) == 2
     assert len(tensorboard_scalars(tmp_path / "tb", "train/moe/load_imbalance/layer_1")) == 2

@@ -3,6 +3,7 @@ against torch's fp32 AdamW, through the HF Trainer (resume) and under FSDP2 (two
 
 from __future__ import annotations
 
+import math
 import textwrap
 
 import pytest
@@ -163,19 +164,17 @@ def test_compiled_update_equals_eager_bit_for_bit():
 
 
 def test_optim_name_parses_and_the_trainer_builds_it(tmp_path):
-    from transformers import Trainer
-
     from sft.options.arguments import SFTTrainingArguments, parse_args
     from sft.errors import ConfigError
-    from sft.speed.lowbit import prepare_optimizer, rounds_stochastically
+    from sft.speed.lowbit import rounds_stochastically
+    from sft.trainer import SFTTrainer
 
     parsed = parse_args(["--optim", "adamw_bf16_sr", "--output_dir", str(tmp_path)])[3]  # the command line's path
     assert parsed.optim == "adamw_bf16_sr"
     args = SFTTrainingArguments(output_dir=str(tmp_path), optim="adamw_bf16_sr", use_cpu=True, report_to="none",
                                 optim_args="state_dtype=float32", weight_decay=0.01, seed=3)
     assert args.optim == "adamw_bf16_sr"
-    prepare_optimizer(args.optim)
-    optimizer_class, kwargs = Trainer.get_optimizer_cls_and_kwargs(args)
+    optimizer_class, kwargs = SFTTrainer.get_optimizer_cls_and_kwargs(args)
     assert optimizer_class is AdamWBf16SR and kwargs["state_dtype"] == "float32" and kwargs["seed"] == 3
     assert rounds_stochastically("adamw_bf16_sr", None)
     assert not rounds_stochastically("adamw_torch_fused", None)
@@ -187,17 +186,17 @@ def test_optim_name_parses_and_the_trainer_builds_it(tmp_path):
             parse_args(["--optim", "adamw_bf16_sr", "--optim_args", optim_args])
     args.optim_args = "block_size=128"
     with pytest.raises(ConfigError, match="unknown --optim_args block_size"):  # and if parsing was bypassed
-        Trainer.get_optimizer_cls_and_kwargs(args)
+        SFTTrainer.get_optimizer_cls_and_kwargs(args)
 
 
 def test_resumed_trainer_run_equals_the_uninterrupted_one(tmp_path):
     """HF Trainer, bf16 tiny Llama, fp32 states (torch's load_state_dict would cast them to bf16: without
     AdamWBf16SR.load_state_dict this test fails): 4 steps in one go (saving at step 2) against a second run resumed
     from that step-2 checkpoint. Weights and states equal bit for bit."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from sft.options.arguments import SFTTrainingArguments
-    from sft.speed.lowbit import prepare_optimizer
+    from sft.trainer import SFTTrainer
 
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
@@ -211,8 +210,7 @@ def test_resumed_trainer_run_equals_the_uninterrupted_one(tmp_path):
                                     use_cpu=True, report_to="none", max_steps=max_steps, save_steps=2,
                                     per_device_train_batch_size=4, learning_rate=1e-3, weight_decay=0.1,
                                     lr_scheduler_type="linear", logging_steps=100, seed=0)
-        prepare_optimizer(args.optim)
-        trainer = Trainer(model=model, args=args, train_dataset=rows)
+        trainer = SFTTrainer(model=model, args=args, train_dataset=rows)
         trainer.train(resume_from_checkpoint=resume)
         return model, trainer.optimizer
 
@@ -261,48 +259,54 @@ def test_folded_clipping_equals_clip_grad_norm_then_the_step():
     assert sharded.clip_gradients([], 1.0) is None  # no gradients (or DTensor ones): clip the usual way
 
 
-def test_the_trainer_clips_in_the_update_and_trains_as_with_clip_grad_norm(tmp_path, monkeypatch):
-    """Through the HF Trainer (fp32 tiny Llama, a --max_grad_norm that clips every step): with fold_clipping the
-    gradients are never scaled by torch's clipping, the logged grad_norm and the weights equal the unfolded run's,
-    and the NaN guard still reads the norm."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Trainer
+def test_the_trainer_clips_in_the_update_and_trains_as_with_clip_grad_norm(tmp_path):
+    """Through SFTTrainer (fp32 tiny Llama, a --max_grad_norm that clips every step), against the Trainer's own
+    clipping (the same run with folding off): folded, the gradients the optimizer receives are never scaled (their
+    norm at the optimizer step is the unclipped norm, where the Trainer's clipping leaves max_grad_norm), the logged
+    grad_norm and the weights equal the unfolded run's, and the NaN guard still reads the norm. Watched from a
+    callback at the optimizer step, so it holds whichever torch function a library clips with."""
+    from transformers import LlamaConfig, LlamaForCausalLM, TrainerCallback
 
     from sft.options.arguments import SFTTrainingArguments
     from sft.safety.guards import NonFiniteGuard
-    from sft.speed.lowbit import prepare_optimizer
-    from sft.speed.sr_adamw import fold_clipping
+    from sft.trainer import SFTTrainer
 
     config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 128, (12, 16),
                                                                         generator=torch.Generator().manual_seed(0))]
-    import torch.nn.utils.clip_grad as clip_grad
+    max_norm = 0.1
 
-    scaled = []  # the calls of clip_grad_norm_'s scaling pass over the gradients
-    scale = clip_grad._clip_grads_with_norm_
-    monkeypatch.setattr(clip_grad, "_clip_grads_with_norm_", lambda *a, **k: scaled.append(1) or scale(*a, **k))
+    class GradientNorms(TrainerCallback):  # the norm of the gradients the optimizer is about to use
+        def __init__(self):
+            self.norms = []
 
-    def train(output_dir, folded):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            self.norms.append(float(torch.nn.utils.get_total_norm(grads)))
+
+    class Unfolded(SFTTrainer):  # the Trainer's own clipping, for the reference run
+        def _clipping_can_fold(self) -> bool:
+            return False
+
+    def train(output_dir, trainer_class):
         torch.manual_seed(0)
         model = LlamaForCausalLM(config)
         args = SFTTrainingArguments(output_dir=str(output_dir), optim="adamw_bf16_sr", use_cpu=True, report_to="none",
-                                    max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2, max_grad_norm=0.1,
-                                    logging_steps=1, save_strategy="no", seed=0)
-        prepare_optimizer(args.optim)
-        guard = NonFiniteGuard()
-        trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[guard])
-        if folded:
-            fold_clipping(trainer)
-        guard.watch_clipping(trainer.accelerator)
-        scaled.clear()
+                                    max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
+                                    max_grad_norm=max_norm, logging_steps=1, save_strategy="no", seed=0)
+        guard, seen = NonFiniteGuard(), GradientNorms()
+        trainer = trainer_class(model=model, args=args, train_dataset=rows, callbacks=[guard, seen], guard=guard)
         trainer.train()
         norms = [log["grad_norm"] for log in trainer.state.log_history if "grad_norm" in log]
-        return list(model.parameters()), norms, len(scaled), guard.checked_gradients
+        return list(model.parameters()), norms, seen.norms, guard.checked_gradients
 
-    plain, plain_norms, plain_scaled, _ = train(tmp_path / "plain", False)
-    folded, folded_norms, folded_scaled, checked = train(tmp_path / "folded", True)
-    assert plain_scaled == 3 and folded_scaled == 0 and checked
-    assert folded_norms == plain_norms and min(plain_norms) > 0.1  # every step clipped
+    plain, plain_norms, plain_seen, _ = train(tmp_path / "plain", Unfolded)
+    folded, folded_norms, folded_seen, checked = train(tmp_path / "folded", SFTTrainer)
+    assert min(plain_norms) > max_norm and checked  # every step clipped; the guard looked
+    assert all(math.isclose(n, max_norm, rel_tol=1e-4) for n in plain_seen)  # the Trainer scaled the gradients
+    assert all(math.isclose(s, n, rel_tol=1e-5) for s, n in zip(folded_seen, folded_norms))  # folded: left whole
+    assert folded_norms == plain_norms
     assert all(torch.equal(a, b) for a, b in zip(plain, folded))
 
 

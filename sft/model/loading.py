@@ -335,6 +335,9 @@ def skip_input_casts_under_autocast(model) -> None:
     autocast peft's cast stays."""
     from peft.tuners.lora import LoraLayer
 
+    from sft.safety.private_names import PEFT_INPUT_CAST, expect
+
+    expect(PEFT_INPUT_CAST)  # peft's private method, replaced per layer: only where it is what we expect
     for module in model.modules():
         if isinstance(module, LoraLayer):
             module._cast_input_dtype = types.MethodType(_cast_unless_autocast, module)

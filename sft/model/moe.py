@@ -29,7 +29,7 @@ pre-training tokens, and a fine-tune that moved it would change routing outside 
 
 How it is wired: forward hooks on each MoE block's router keep (logits, chosen experts) of one training forward
 (`RouterBalance.capture`); after the forward the loss is computed from them and added to the Trainer's loss
-(`add_aux_loss`, a wrapper of `Trainer.compute_loss`). The hooks do nothing outside `capture`, so evaluation, and
+(SFTTrainer.compute_loss, sft/trainer.py). The hooks do nothing outside `capture`, so evaluation, and
 the recomputation of activation checkpointing in backward, cost nothing and count nothing. Only the models that
 have DeepSeek MoE routers get hooks at all (`install_moe` returns None for dense models). Statistics since the
 last log are running sums (one [layers, experts] count tensor), never kept tensors; `MoeLoadLogger` adds them to the
@@ -294,37 +294,6 @@ class MoeLoadLogger(TrainerCallback):
             with path.open("a") as f:
                 f.write(json.dumps({"step": state.global_step, "tokens_per_expert":
                                     dict(zip(self.balance.layer_names, numbers["counts"]))}) + "\n")
-
-
-def add_aux_loss(trainer, balance: RouterBalance) -> None:
-    """Make `trainer` add the balance loss to each training micro-batch's loss (evaluation is left alone).
-
-    The scale follows the Trainer's: when its loss is already normalised over the accumulated batch
-    (`num_items_in_batch`), the Trainer will not divide by the gradient-accumulation steps, so the balance loss is
-    divided here; otherwise the Trainer divides the sum. It is added after the Trainer's multiplication by the
-    number of processes (token-averaged loss across devices), so DDP/DeepSpeed's gradient averaging makes it the
-    mean over ranks. The logged `loss` includes it (as Mixtral's does); `moe/aux_loss` says how much."""
-    original = trainer.compute_loss
-
-    def compute_loss(model, inputs, return_outputs=False, num_items_in_batch=None):
-        if not model.training:
-            return original(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        with balance.capture():
-            result = original(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        aux = balance.loss(inputs)
-        if aux is None:
-            return result
-        loss = result[0] if return_outputs else result
-        scaled = trainer.loss_is_scaled_for_ga
-        if scaled is None:
-            scaled = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
-                trainer.compute_loss_func is not None
-        if scaled:
-            aux = aux / max(1, getattr(trainer, "current_gradient_accumulation_steps", 1))
-        loss = loss + aux.to(loss.device, loss.dtype)
-        return (loss, result[1]) if return_outputs else loss
-
-    trainer.compute_loss = compute_loss
 
 
 def install_moe(model, coefficient: float | None = None, per_sequence: bool | None = None,

@@ -104,6 +104,9 @@ def float_gathered_4bit_units(model) -> list[str]:
     parameters gathered in one dtype (the mixed precision policy's param_dtype, else each parameter's own)."""
     from torch.distributed.fsdp import FSDPModule
 
+    from sft.safety.private_names import FSDP_STATE, expect
+
+    expect(FSDP_STATE)
     unsafe = []
     for name, module in model.named_modules():
         if not isinstance(module, FSDPModule):

@@ -22,9 +22,11 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import Trainer
 
 from sft.errors import ConfigError
+from sft.safety.private_names import (GET_OUTPUT_DIR, LOAD_FROM_CHECKPOINT, LOAD_OPTIMIZER, SAVE_CHECKPOINT,
+                                      SAVE_RNG_STATE)
+from sft.trainer import SFTTrainer
 
 STATE_DIR = "tp_state"
 STATE_INFO = "tp_state.json"
@@ -132,10 +134,13 @@ def check_tensor_parallel(model_args, world_size: int, resume: str | None) -> No
                           f"combined with data parallelism over more GPUs is not supported here.")
 
 
-class TensorParallelTrainer(Trainer):
+class TensorParallelTrainer(SFTTrainer):
     """The Trainer, for a model loaded with `--tp_size`: checkpoints that hold what resuming needs, and resuming
     from them. The Trainer still writes the weights (consolidated safetensors), trainer_state.json and the rotation;
     `save_only_model` stays set, as it requires for such a model, so its own optimizer saving never runs."""
+
+    overridden = (*SFTTrainer.overridden, SAVE_CHECKPOINT, LOAD_FROM_CHECKPOINT, LOAD_OPTIMIZER, GET_OUTPUT_DIR,
+                  SAVE_RNG_STATE)
 
     def _save_checkpoint(self, model, trial) -> None:
         super()._save_checkpoint(model, trial)

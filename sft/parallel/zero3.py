@@ -31,7 +31,9 @@ def zero3_init_disabled():
     that TrainingArguments sets), so that is what is switched off here, and restored after."""
     from transformers.integrations import deepspeed as hf_deepspeed
 
-    ref = hf_deepspeed._hf_deepspeed_config_weak_ref
+    from sft.safety.private_names import HF_DEEPSPEED_CONFIG, expect
+
+    ref = expect(HF_DEEPSPEED_CONFIG)
     config = ref() if ref is not None else None
     if config is None:
         yield

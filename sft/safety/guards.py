@@ -3,7 +3,7 @@
 The check runs at `on_pre_optimizer_step`, after backward and clipping and before `optimizer.step()`: a NaN or
 inf loss makes NaN/inf gradients, so one look at the gradients covers both, and the weights (and every
 checkpoint, since checkpoints are written after a step) never contain a poisoned update. The look is at the total
-norm the Trainer's gradient clipping has just computed (`watch_clipping`: a norm is finite iff every gradient is),
+norm the Trainer's gradient clipping has just computed (`saw_norm`, from SFTTrainer: a norm is finite iff every gradient is),
 so the gradients are not read a second time; where that norm is out of reach (tensor parallelism's mixed meshes,
 FSDP2's DTensor norm) the gradients are read here. With
 `--nan_policy stop` (default) the run ends with the newest complete checkpoint intact; with `skip` the step's
@@ -58,22 +58,12 @@ class NonFiniteGuard(TrainerCallback):
         self.checked_gradients = False
         self.clip_norm: torch.Tensor | None = None  # this step's total gradient norm, from the Trainer's clipping
 
-    def watch_clipping(self, accelerator) -> None:
-        """Keep the total gradient norm that the Trainer's clipping computes at every optimizer step (through
-        accelerate's `clip_grad_norm_`; with --max_grad_norm 0 the Trainer still calls it, to log grad_norm): one
-        look at it instead of another read of every gradient (for a 7B full fine-tune, 14 GB of memory traffic a
-        step). Not under DeepSpeed: its engine has stepped already, and its norm is the engine's."""
-        from accelerate.utils import DistributedType
-
-        if accelerator.distributed_type == DistributedType.DEEPSPEED:
-            return
-        clip = accelerator.clip_grad_norm_
-
-        def clip_and_keep(*args, **kwargs):
-            self.clip_norm = clip(*args, **kwargs)
-            return self.clip_norm
-
-        accelerator.clip_grad_norm_ = clip_and_keep
+    def saw_norm(self, norm) -> None:
+        """The total gradient norm of this optimizer step, as the Trainer computed it for clipping and logging
+        (SFTTrainer._get_grad_norm hands it over; with --max_grad_norm 0 the Trainer still computes it, to log
+        grad_norm): one look at it instead of another read of every gradient (for a 7B full fine-tune, 14 GB of
+        memory traffic a step). Under DeepSpeed it is the engine's, after its step: not used (see on_log)."""
+        self.clip_norm = norm if isinstance(norm, torch.Tensor) else None
 
     def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
         norm, self.clip_norm = self.clip_norm, None

@@ -74,6 +74,21 @@ def ignore_further_interrupts() -> None:
 def leave_now(code: int) -> None:
     """Exit without waiting for other ranks (they may be inside a collective that will never complete) or for
     the interpreter's teardown."""
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (BrokenPipeError, OSError):  # the launcher that read it is gone (tell_user)
+            pass
     os._exit(code)
+
+
+def tell_user(message: str) -> None:
+    """The stop message, on stderr where the launcher is alive to pass it on; else on stdout. accelerate 1.16's
+    launcher tees a worker's stderr through a pipe that dies with it (kill -9 of `accelerate launch`), while the
+    worker's stdout is the launcher's own terminal or file, inherited: the message still reaches the user."""
+    for stream in (sys.stderr, sys.stdout):
+        try:
+            print(message, file=stream, flush=True)
+            return
+        except (BrokenPipeError, OSError):
+            continue

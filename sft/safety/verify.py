@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from sft.errors import SaveMismatchError
+from sft.safety.private_names import ACCELERATE_ORIGINAL_FORWARD, expect
 
 CHEAP_PARAMETERS = 1e9  # below this, reloading at every checkpoint costs seconds: `--verify_saves auto` does it
 
@@ -59,9 +60,10 @@ def own_forward(model):
     and FSDP2 gathers the root's own parameters (final norm, lm_head) in a forward pre-hook: under FSDP the
     direct call met sharded weights ("mixed torch.Tensor and DTensor", seen with FSDP + QLoRA on an H200)."""
     original = getattr(model, "_original_forward", None)
-    if original is None or "forward" not in vars(model):
+    if original is None or "forward" not in vars(model):  # no autocast wrapper (no mixed precision): nothing to undo
         yield
         return
+    expect(ACCELERATE_ORIGINAL_FORWARD)  # accelerate's own attribute: only in the versions it was checked on
     wrapped = model.forward
     model.forward = original
     try:

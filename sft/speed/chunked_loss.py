@@ -16,8 +16,9 @@ off, which projects every token): a prompt's tokens carry no label, and in the b
 of them: the lm_head's three matmuls took 33 ms of a 0.61 s step of a 7B full fine-tune on an H200 where TRL's
 SFTTrainer, which projects only the labelled tokens, spent 11 ms (run 20261202T0245Z-E, bench/RESULTS.md).
 
-Training forwards only; evaluation, generation and the verified saves' forwards (no labels, or not training) take
-the model's own path and get logits.
+SFTTrainer.compute_loss (sft/trainer.py) calls these in training forwards only, with the last hidden states of a
+forward that keeps one position's logits; evaluation, generation and the verified saves' forwards take the model's
+own path and get logits.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from transformers.modeling_outputs import CausalLMOutputWithPast
 
 IGNORE = -100
 CHUNK_TOKENS = 1024  # one chunk's fp32 logits: 0.4 GB at a 102,400-token vocabulary
@@ -109,20 +109,3 @@ def liger_chunk_rows(tokens: int, hidden: int, vocab: int, chunk_mem_const: int)
     0.8.5: the tokens over ceil(vocab / (chunk_mem_const x hidden)), rounded up to a power of two, at most all)."""
     parts = math.ceil(vocab / (chunk_mem_const * hidden))
     return min(1 << (math.ceil(tokens / parts) - 1).bit_length(), tokens)
-
-
-def install_chunked_loss(model, loss: LossFn = chunked_causal_lm_loss) -> None:
-    """Give the causal-LM model (under a peft wrapper too) a forward that computes its training loss with `loss`
-    from the last hidden states."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    own = inner.forward
-
-    def forward(*args, labels=None, num_items_in_batch=None, logits_to_keep=0, **kwargs):
-        if labels is None or not inner.training:
-            return own(*args, labels=labels, num_items_in_batch=num_items_in_batch, logits_to_keep=logits_to_keep,
-                       **kwargs)
-        outputs = inner.model(*args, **kwargs)
-        value = loss(outputs.last_hidden_state, inner.lm_head, labels, num_items_in_batch)
-        return CausalLMOutputWithPast(loss=value, past_key_values=getattr(outputs, "past_key_values", None))
-
-    inner.forward = forward

@@ -1,6 +1,8 @@
 """torchao's low-bit AdamW (`--optim adamw_torch_8bit` or `adamw_torch_4bit`, with `--optim_args
 bf16_stochastic_round=True`): the optimizer of the bf16 full fine-tune plan (bench/RESULTS.md), made to work under
-FSDP2 and lean enough for 24 GB cards. Four patches (the first in two parts), all applied by `prepare_optimizer`:
+FSDP2 and lean enough for 24 GB cards. Three patches (the first in two parts), all applied by `prepare_optimizer`,
+each after checking that its target is what it was written for (sft/safety/private_names.py), and one fix in
+SFTTrainer.get_optimizer_cls_and_kwargs (the fourth below):
 
 1. State dtype (`patch_torchao_state_dtype`). torchao 0.18 gives each quantized optimizer state the parameter's
    dtype as an "appearance" dtype (bf16 for bf16 weights). Its compiled update then calls `state.float()`, which
@@ -44,7 +46,7 @@ FSDP2 and lean enough for 24 GB cards. Four patches (the first in two parts), al
    same arithmetic on the same blocks (the update is elementwise and each block is quantized alone), so the
    result is bit-identical with round-to-nearest, and the temporaries stay below ~0.9 GiB (4-bit).
 
-4. `--optim_args block_size=N` (`patch_torchao_block_size`). transformers passes optim_args values as strings
+4. `--optim_args block_size=N` (SFTTrainer, sft/trainer.py). transformers passes optim_args values as strings
    and forwards `block_size` as given ("128"); torchao then fails at the first step ("unsupported operand
    type(s) for %: 'int' and 'str'"). Without it transformers uses 256 for both optimizers, where torchao's own
    4-bit default (after the 4-bit states paper, Li et al. 2023) is 128: the string is made an int.
@@ -55,6 +57,9 @@ from __future__ import annotations
 import hashlib
 import math
 
+from sft.safety.private_names import (DTENSOR_CACHE_KEY, TORCHAO_ADAM_LOAD, TORCHAO_SINGLE_PARAM_ADAM,
+                                      TORCHAO_SUBCLASS_ZEROS, expect)
+
 LOW_BIT_OPTIMIZERS = ("adamw_torch_8bit", "adamw_torch_4bit")
 SR_ADAMW = "adamw_bf16_sr"  # sft/speed/sr_adamw.py: bf16 AdamW with stochastic rounding
 # Values per compiled update call: 2**25 bounds its temporaries to ~0.25 GiB (8-bit) / ~0.85 GiB (4-bit); on 7B
@@ -63,17 +68,12 @@ CHUNK_NUMEL = 2**25
 
 
 def prepare_optimizer(optim: str) -> None:
-    """Called before the Trainer builds its optimizer: patch torchao when `--optim` is one of its low-bit AdamWs;
-    register ours (`--optim adamw_bf16_sr`, sft/speed/sr_adamw.py) with the Trainer."""
-    if optim == SR_ADAMW:
-        from sft.speed.sr_adamw import register_with_trainer
-
-        register_with_trainer(SR_ADAMW)
+    """Called before the Trainer builds its optimizer: patch torchao when `--optim` is one of its low-bit AdamWs
+    (ours, adamw_bf16_sr, is built by SFTTrainer.get_optimizer_cls_and_kwargs)."""
     if optim in LOW_BIT_OPTIMIZERS:
         patch_torchao_state_dtype()
         patch_dtensor_cache_key()
         patch_torchao_chunked_update()
-        patch_torchao_block_size()
 
 
 def rounds_stochastically(optim: str, optim_args: str | None) -> bool:
@@ -96,6 +96,8 @@ def patch_torchao_state_dtype() -> list[str]:
         from torchao.optim.subclass_8bit import OptimState8bit
     except ImportError:
         return []
+    expect(TORCHAO_SUBCLASS_ZEROS)
+    expect(TORCHAO_ADAM_LOAD)
     patched = []
     for name, state in (("Adam8bit", OptimState8bit), ("AdamW8bit", OptimState8bit),
                         ("Adam4bit", OptimState4bit), ("AdamW4bit", OptimState4bit)):
@@ -147,6 +149,7 @@ def patch_dtensor_cache_key() -> bool:
     original = getattr(DTensor, "_stable_hash_for_caching", None)
     if original is None or getattr(original, "_sft_local_tensor_key", False):
         return False
+    expect(DTENSOR_CACHE_KEY)
 
     def _stable_hash_for_caching(self) -> str:
         key = original(self) + local_tensor_key(self._local_tensor)
@@ -190,7 +193,7 @@ def patch_torchao_chunked_update() -> bool:
         return False
     if getattr(adam.single_param_adam, "_sft_chunked", False):
         return False
-    original = adam.single_param_adam
+    original = expect(TORCHAO_SINGLE_PARAM_ADAM)
     compiled = torch.compile(original, fullgraph=True, dynamic=False)
 
     def local(t):
@@ -228,23 +231,4 @@ def patch_torchao_chunked_update() -> bool:
     skip(single_param_adam)
     single_param_adam._sft_chunked = True
     adam.single_param_adam = single_param_adam
-    return True
-
-
-def patch_torchao_block_size() -> bool:
-    """Let torchao's Adam(W) take `block_size` as a string (what transformers passes from --optim_args). -> patched
-    now."""
-    try:
-        from torchao.optim import adam
-    except ImportError:
-        return False
-    init = adam._AdamBase.__init__
-    if getattr(init, "_sft_int_block_size", False):
-        return False
-
-    def __init__(self, *args, block_size, **kwargs):
-        init(self, *args, block_size=int(block_size) if isinstance(block_size, str) else block_size, **kwargs)
-
-    __init__._sft_int_block_size = True
-    adam._AdamBase.__init__ = __init__
     return True

@@ -18,7 +18,7 @@ element index), eagerly as compiled, and after a resume (nothing but the step co
 On CUDA the update of each parameter is one kernel (torch.compile, dynamic shapes: one graph for all parameters);
 elsewhere it runs eagerly (`--optim_args compile=true` compiles there too).
 
-Gradient clipping is folded into that kernel (`fold_clipping`): torch's `clip_grad_norm_` reads every gradient for
+Gradient clipping is folded into that kernel (`clip_gradients`, called by SFTTrainer._clip_grad_norm): torch's `clip_grad_norm_` reads every gradient for
 the norm, then reads and writes every gradient again to scale it (28 GB of memory traffic a step for a 7B model's
 bf16 gradients, ~7 ms on an H200); here the norm is computed as before and its coefficient is multiplied into each
 gradient as the update reads it.
@@ -30,6 +30,8 @@ import math
 
 import torch
 import torch.fx.experimental._config
+
+from sft.safety.private_names import DUCK_SHAPE, expect
 
 
 MASK32 = 0xFFFFFFFF
@@ -206,6 +208,7 @@ class AdamWBf16SR(torch.optim.Optimizer):
             if self.clip_coefficient is not None:  # on the device: no wait for the norm
                 hyper[1:, 7] = self.clip_coefficient.to(device)
             update = self._update_function(device)
+            expect(DUCK_SHAPE)  # a private torch setting: checked once (cached), before it is relied on
             # Without duck sizing, a view's offset that happens to equal some size is not taken for a relation
             # between them (which the next view breaks: a recompile). Read when a graph compiles, harmless after.
             with torch.fx.experimental._config.patch(use_duck_shape=False):
@@ -249,43 +252,3 @@ def optimizer_kwargs(optim_args: dict[str, str], seed: int) -> dict:
             raise ConfigError(f"--optim_args compile={optim_args['compile']}: give true or false")
         kwargs["compile"] = value in ("1", "true", "yes")
     return kwargs
-
-
-def fold_clipping(trainer) -> None:
-    """Let the Trainer's gradient clipping (accelerate's `clip_grad_norm_`, called before every optimizer step)
-    hand its coefficient to AdamWBf16SR instead of scaling the gradients itself, where the gradients are whole
-    tensors and nothing else acts between clipping and the step (no fp16 loss scaler; not DeepSpeed, FSDP or XLA,
-    which clip their own way). Any other optimizer, or --max_grad_norm's norm of sharded gradients, clips as
-    before. The optimizer is looked up at each call: the Trainer builds it when training starts."""
-    from accelerate.utils import DistributedType
-
-    accelerator = trainer.accelerator
-    if accelerator.scaler is not None or accelerator.distributed_type not in (
-            DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU):
-        return
-    clip = accelerator.clip_grad_norm_
-
-    def clip_in_the_update(parameters, max_norm, norm_type=2):
-        parameters = list(parameters)
-        optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # inside accelerate's wrapper
-        norm = (optimizer.clip_gradients(parameters, max_norm)
-                if isinstance(optimizer, AdamWBf16SR) and norm_type == 2 else None)
-        return clip(parameters, max_norm, norm_type) if norm is None else norm
-
-    accelerator.clip_grad_norm_ = clip_in_the_update
-
-
-def register_with_trainer(name: str) -> bool:
-    """Make transformers' Trainer build AdamWBf16SR for `--optim <name>` (its optimizer table, keyed by the option's
-    value; sft/speed/lowbit.py's SR_ADAMW names it). -> registered now."""
-    from transformers import trainer_optimizer
-
-    if name in trainer_optimizer._OPTIMIZER_HANDLERS:
-        return False
-
-    def handler(ctx) -> tuple[type, dict]:
-        kwargs = {**ctx.optimizer_kwargs, **ctx.adam_kwargs, **optimizer_kwargs(ctx.optim_args, ctx.args.seed)}
-        return AdamWBf16SR, kwargs
-
-    trainer_optimizer._OPTIMIZER_HANDLERS[name] = handler
-    return True

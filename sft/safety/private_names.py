@@ -1,0 +1,141 @@
+"""The libraries' private names that deepseek-sft overrides or patches, each checked before it is used.
+
+A private name can move or change in any release, and a patch over a name that moved does nothing, in silence: the
+NaN guard stops guarding, the folded clipping stops folding. So every one of them is a row of PRIVATE_NAMES (where
+it lives, the parameters we rely on, the versions we tested it on), and `expect(row)` runs before the override is
+used or the patch applied: it returns the object, or stops with one `error:` line naming the library, its version
+and what to install. tests/test_private_names.py checks every row against the installed libraries, so a release
+that changes one fails the suite (and `.ci/newest`) instead of a user's run.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.metadata
+import inspect
+from dataclasses import dataclass
+
+from packaging.specifiers import SpecifierSet
+from packaging.version import Version
+
+from sft.errors import LibraryMismatch
+
+
+@dataclass(frozen=True)
+class PrivateName:
+    """`module` + `attribute` (dotted inside the module) of `library`, which we rely on having `parameters` (the
+    leading parameter names, in order; None: not callable or not checked) in `versions`."""
+
+    library: str  # the distribution's name, for its version: "transformers", "torchao"
+    module: str
+    attribute: str
+    parameters: tuple[str, ...] | None
+    versions: str  # the range tested, e.g. ">=5.17,<5.25"
+    why: str  # what we do with it, for the error line
+
+    @property
+    def name(self) -> str:
+        return f"{self.module}.{self.attribute}"
+
+
+TRAINER = "transformers.trainer"
+TESTED_TRANSFORMERS = ">=5.17,<5.25"
+TESTED_TORCHAO = ">=0.18,<0.19"
+TESTED_TORCH = ">=2.6,<2.15"
+
+# The Trainer's private methods that SFTTrainer (sft/trainer.py) and TensorParallelTrainer override.
+CLIP_GRAD_NORM = PrivateName("transformers", TRAINER, "Trainer._clip_grad_norm", ("self", "model"),
+                             TESTED_TRANSFORMERS, "the folded gradient clipping of --optim adamw_bf16_sr")
+GET_GRAD_NORM = PrivateName("transformers", TRAINER, "Trainer._get_grad_norm", ("self", "model", "grad_norm"),
+                            TESTED_TRANSFORMERS, "the NaN guard's look at the gradient norm")
+SAVE_CHECKPOINT = PrivateName("transformers", TRAINER, "Trainer._save_checkpoint", ("self", "model", "trial"),
+                              TESTED_TRANSFORMERS, "tensor-parallel checkpoints that resume")
+LOAD_FROM_CHECKPOINT = PrivateName("transformers", TRAINER, "Trainer._load_from_checkpoint",
+                                   ("self", "resume_from_checkpoint", "model"), TESTED_TRANSFORMERS,
+                                   "tensor-parallel checkpoints that resume")
+LOAD_OPTIMIZER = PrivateName("transformers", TRAINER, "Trainer._load_optimizer_and_scheduler",
+                             ("self", "checkpoint"), TESTED_TRANSFORMERS, "tensor-parallel checkpoints that resume")
+GET_OUTPUT_DIR = PrivateName("transformers", TRAINER, "Trainer._get_output_dir", ("self", "trial"),
+                             TESTED_TRANSFORMERS, "tensor-parallel checkpoints that resume")
+SAVE_RNG_STATE = PrivateName("transformers", TRAINER, "Trainer._save_rng_state", ("self", "output_dir"),
+                             TESTED_TRANSFORMERS, "tensor-parallel checkpoints that resume")
+# peft casts each LoRA layer's input to the adapter's dtype; under autocast we skip that round trip.
+PEFT_INPUT_CAST = PrivateName("peft", "peft.tuners.lora.layer", "LoraLayer._cast_input_dtype",
+                              ("self", "x", "dtype"), ">=0.21,<0.22", "LoRA inputs not cast to fp32 under autocast")
+# accelerate's mixed precision (in prepare_model) wraps model.forward in autocast and keeps the model's own as
+# `model._original_forward`; verified saves run that one (sft/safety/verify.py checks the attribute at use too).
+ACCELERATE_ORIGINAL_FORWARD = PrivateName("accelerate", "accelerate.accelerator", "Accelerator.prepare_model",
+                                          ("self", "model", "device_placement", "evaluation_mode"), ">=1.15,<1.17",
+                                          "verified saves compare logits without autocast (model._original_forward)")
+# torchao's low-bit AdamW (sft/speed/lowbit.py): what its three patches replace.
+TORCHAO_ADAM_LOAD = PrivateName("torchao", "torchao.optim.adam", "_AdamBase.load_state_dict",
+                                ("self", "state_dict"), TESTED_TORCHAO, "fp32-looking low-bit states after a resume")
+TORCHAO_SUBCLASS_ZEROS = PrivateName("torchao", "torchao.optim.adam", "AdamW8bit._subclass_zeros",
+                                     ("p", "signed", "block_size"), TESTED_TORCHAO, "fp32-looking low-bit states")
+TORCHAO_SINGLE_PARAM_ADAM = PrivateName("torchao", "torchao.optim.adam", "single_param_adam",
+                                        ("p", "grad", "step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"),
+                                        TESTED_TORCHAO, "low-bit AdamW updates in chunks (bounded temporaries)")
+DTENSOR_CACHE_KEY = PrivateName("torch", "torch.distributed.tensor", "DTensor._stable_hash_for_caching", ("self",),
+                                TESTED_TORCH, "one compiled torchao update per state type under FSDP2")
+DUCK_SHAPE = PrivateName("torch", "torch.fx.experimental._config", "use_duck_shape", None, TESTED_TORCH,
+                         "adamw_bf16_sr's one compiled update for every parameter")
+# Read, not patched, but a rename would change what we decide in silence.
+HF_DEEPSPEED_CONFIG = PrivateName("transformers", "transformers.integrations.deepspeed", "_hf_deepspeed_config_weak_ref",
+                                  None, TESTED_TRANSFORMERS, "loading a whole model for verification under ZeRO-3")
+FSDP_STATE = PrivateName("torch", "torch.distributed.fsdp", "FSDPModule._get_fsdp_state", ("self",), TESTED_TORCH,
+                         "--qlora under FSDP: which parameter groups hold 4-bit weights")
+
+PRIVATE_NAMES = (CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPOINT, LOAD_FROM_CHECKPOINT, LOAD_OPTIMIZER, GET_OUTPUT_DIR,
+                 SAVE_RNG_STATE,
+                 PEFT_INPUT_CAST, ACCELERATE_ORIGINAL_FORWARD, TORCHAO_ADAM_LOAD,
+                 TORCHAO_SUBCLASS_ZEROS, TORCHAO_SINGLE_PARAM_ADAM, DTENSOR_CACHE_KEY, DUCK_SHAPE, HF_DEEPSPEED_CONFIG,
+                 FSDP_STATE)
+
+
+def installed_version(library: str) -> str:
+    try:
+        return importlib.metadata.version(library)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def leading_parameters(target) -> tuple[str, ...] | None:
+    try:
+        return tuple(inspect.signature(inspect.unwrap(target)).parameters)
+    except (TypeError, ValueError):  # a builtin without a signature
+        return None
+
+
+def problem(row: PrivateName, resolve=importlib.import_module) -> tuple[object | None, str | None]:
+    """-> (the object, None) when `row` is what we expect, else (None, what differs)."""
+    version = installed_version(row.library)
+    if version != "not installed" and Version(Version(version).base_version) not in SpecifierSet(row.versions):
+        return None, f"version {version} is outside the tested {row.versions}"
+    try:
+        target = resolve(row.module)
+        for part in row.attribute.split("."):
+            target = getattr(target, part)
+    except (ImportError, AttributeError):
+        return None, f"{row.name} does not exist"
+    if row.parameters is not None:
+        found = leading_parameters(target)
+        if found is None or found[:len(row.parameters)] != row.parameters:
+            return None, f"{row.name} takes {found}, not {row.parameters}"
+    return target, None
+
+
+def expect(row: PrivateName):
+    """The object `row` names, checked (see the module docstring); a LibraryMismatch error otherwise."""
+    target, differs = _checked(row)
+    if differs:
+        raise LibraryMismatch(
+            f"{row.library} {installed_version(row.library)}: {differs}, which deepseek-sft uses for {row.why}. "
+            f"Install the tested versions: pip install -c constraints.txt -e . (from the repository), or "
+            f"pip install '{row.library}{row.versions}'.")
+    return target
+
+
+@functools.cache
+def _checked(row: PrivateName):
+    return problem(row)

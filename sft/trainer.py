@@ -1,0 +1,151 @@
+"""SFTTrainer: the Hugging Face Trainer with what this toolkit adds to a training step, as methods it overrides.
+
+TRL's SFTTrainer and Axolotl's trainer builders work this way: nothing is patched onto a live Trainer, so the
+order of what happens in a step is the Trainer's own, held by code:
+
+- `compute_loss`: the loss from the labelled tokens' last hidden states (`labelled_token_loss`: Liger's fused
+  kernel, or `--chunked_loss`'s torch chunks, sft/speed/chunked_loss.py) instead of the model's loss over whole
+  logits; then the MoE routers' balance loss (sft/model/moe.py) added to a training micro-batch's loss.
+- `_clip_grad_norm`: with `--optim adamw_bf16_sr`, the clipping's scaling is handed to the optimizer's own pass
+  over the gradients (sr_adamw.py `clip_gradients`) instead of another read and write of every gradient.
+- `_get_grad_norm`: the NaN guard (sft/safety/guards.py) sees the total gradient norm just computed, before the
+  optimizer step, instead of reading every gradient again.
+- `get_optimizer_cls_and_kwargs`: builds `adamw_bf16_sr` and gives torchao's low-bit AdamW its `--optim_args` as
+  numbers.
+- TensorBoard's callback runs after ours, so that it logs what ours add to the logs.
+
+The two overridden private methods are checked against the installed transformers before the Trainer is built
+(sft/safety/private_names.py): a release that renames them stops with one error line instead of training on
+without the guard or the folded clipping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+from transformers import Trainer
+from transformers.integrations import TensorBoardCallback
+
+from sft.model.moe import RouterBalance
+from sft.safety.guards import NonFiniteGuard
+from sft.safety.private_names import CLIP_GRAD_NORM, GET_GRAD_NORM, expect
+from sft.speed.chunked_loss import LossFn
+from sft.speed.lowbit import LOW_BIT_OPTIMIZERS, SR_ADAMW
+from sft.speed.sr_adamw import AdamWBf16SR, optimizer_kwargs
+
+
+class SFTTrainer(Trainer):
+    """`Trainer(...)` plus: `labelled_token_loss` (a LossFn, or None for the model's own loss), `balance` (the MoE
+    routers' RouterBalance, or None), `guard` (the NonFiniteGuard among the callbacks, or None)."""
+
+    overridden = (CLIP_GRAD_NORM, GET_GRAD_NORM)
+
+    @classmethod
+    def check_overrides(cls) -> None:
+        """The Trainer's private methods we override are what we built on (train.py asks before any model loads)."""
+        for private in cls.overridden:
+            expect(private)
+
+    def __init__(self, *args, labelled_token_loss: LossFn | None = None, balance: RouterBalance | None = None,
+                 guard: NonFiniteGuard | None = None, **kwargs):
+        self.check_overrides()
+        super().__init__(*args, **kwargs)
+        self.labelled_token_loss = labelled_token_loss
+        self.balance = balance
+        self.guard = guard
+        if self.pop_callback(TensorBoardCallback):  # after ours, so that it logs what ours add
+            self.add_callback(TensorBoardCallback)
+
+    # ---- the loss ----------------------------------------------------------------------------------------------
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        training = model.training
+        capture = self.balance.capture() if training and self.balance else contextlib.nullcontext()
+        with capture:
+            if training and self.labelled_token_loss is not None and "labels" in inputs:
+                loss, outputs = self._loss_from_hidden_states(model, inputs, num_items_in_batch)
+            else:
+                loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
+                                                     num_items_in_batch=num_items_in_batch)
+        if training and self.balance:
+            loss = self._with_balance_loss(loss, inputs, num_items_in_batch)
+        return (loss, outputs) if return_outputs else loss
+
+    def _loss_from_hidden_states(self, model, inputs: dict, num_items_in_batch):
+        """The causal-LM loss of the labelled tokens from the last hidden states: the model runs without its
+        labels (so it builds no loss over whole logits) and keeps the logits of one position only. Scaled as the
+        Trainer scales a model's own loss: over `num_items_in_batch` where the model takes it, times the processes
+        where tokens are averaged across devices."""
+        inputs = dict(inputs)
+        labels = inputs.pop("labels")
+        causal_lm = _causal_lm(self.accelerator.unwrap_model(model))
+        if "logits_to_keep" in inspect.signature(causal_lm.forward).parameters:
+            inputs["logits_to_keep"] = 1
+        outputs = model(**inputs, output_hidden_states=True)
+        items = num_items_in_batch if self.model_accepts_loss_kwargs else None
+        loss = self.labelled_token_loss(outputs.hidden_states[-1], causal_lm.lm_head, labels, items)
+        if self.args.average_tokens_across_devices and items is not None:  # as Trainer.compute_loss does
+            loss = loss * (self.accelerator.num_processes // self.get_tp_size())
+        return loss, outputs
+
+    def _with_balance_loss(self, loss: torch.Tensor, inputs: dict, num_items_in_batch) -> torch.Tensor:
+        """The routers' balance loss joins the micro-batch's loss at the Trainer's scale: when the loss is already
+        normalised over the accumulated batch, the Trainer will not divide by the accumulation steps, so the balance
+        loss is divided here. Added after the multiplication by the processes, so DDP/DeepSpeed's averaging makes it
+        the mean over ranks. The logged `loss` includes it (as Mixtral's does); `moe/aux_loss` says how much."""
+        aux = self.balance.loss(inputs)
+        if aux is None:
+            return loss
+        scaled = self.loss_is_scaled_for_ga
+        if scaled is None:  # the Trainer's own rule (training_step)
+            scaled = (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or \
+                self.compute_loss_func is not None
+        if scaled:
+            aux = aux / max(1, getattr(self, "current_gradient_accumulation_steps", 1))
+        return loss + aux.to(loss.device, loss.dtype)
+
+    # ---- clipping and the guard --------------------------------------------------------------------------------
+
+    def _clip_grad_norm(self, model):
+        """adamw_bf16_sr: the norm as clip_grad_norm_ computes it, its scaling deferred into the optimizer's update,
+        where the gradients are whole tensors and nothing acts between clipping and the step (no fp16 loss scaler;
+        DDP or one process). Otherwise (another optimizer, sharded gradients, FSDP, DeepSpeed) the Trainer's."""
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # inside accelerate's wrapper
+        if isinstance(optimizer, AdamWBf16SR) and self._clipping_can_fold():
+            norm = optimizer.clip_gradients(list(model.parameters()), self.args.max_grad_norm)
+            if norm is not None:
+                return norm
+        return super()._clip_grad_norm(model)
+
+    def _clipping_can_fold(self) -> bool:
+        from accelerate.utils import DistributedType
+
+        return self.accelerator.scaler is None and self.accelerator.distributed_type in (
+            DistributedType.NO, DistributedType.MULTI_GPU, DistributedType.MULTI_CPU)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        grad_norm = super()._get_grad_norm(model, grad_norm=grad_norm)
+        if self.guard is not None:
+            self.guard.saw_norm(grad_norm)
+        return grad_norm
+
+    # ---- the optimizer -----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def get_optimizer_cls_and_kwargs(args, model=None):
+        if args.optim == SR_ADAMW:
+            optim_args = dict(kv.split("=", 1) for kv in (args.optim_args or "").replace(" ", "").split(",") if kv)
+            return AdamWBf16SR, {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
+                                 "eps": args.adam_epsilon, **optimizer_kwargs(optim_args, args.seed)}
+        cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)
+        if str(getattr(args.optim, "value", args.optim)) in LOW_BIT_OPTIMIZERS and \
+                isinstance(kwargs.get("block_size"), str):
+            kwargs = {**kwargs, "block_size": int(kwargs["block_size"])}  # transformers passes --optim_args as text
+        return cls, kwargs
+
+
+def _causal_lm(model):
+    """The causal LM under a peft wrapper (its lm_head, its forward's parameters)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
