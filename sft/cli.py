@@ -6,6 +6,9 @@
     deepseek-sft merge ADAPTER_DIR OUTPUT_DIR [--dtype bfloat16]  # = python -m sft.tools.merge
     deepseek-sft plan --model M [--gpus 3 --gpu_mem 24 --lora]  # = python -m sft.plan.planner: which strategy fits
 
+`train --config_file` takes a file or the name of a shipped strategy config (ddp.yaml, zero3.yaml, ...: the
+repository's accelerate_configs/, shipped in sft/configs/), from any directory, a wheel install included.
+
 `train` runs accelerate's own launcher in this process, so that the launch is exactly `accelerate launch`'s, but
 exits with the training's exit code and nothing more: `accelerate launch` itself follows every failed run (even
 one that printed a clean `error:` line) with its launcher's traceback, which nothing inside the training
@@ -51,7 +54,8 @@ def launch_training(argv: list[str]) -> int:
     """accelerate launch sft/train.py, with the training's exit code."""
     launch, rest = split_launch_options(argv)
     if "-h" in rest or "--help" in rest:
-        print("launch options (accelerate launch's): " + " ".join(LAUNCH_OPTIONS) + "\n")
+        print("launch options (accelerate launch's): " + " ".join(LAUNCH_OPTIONS) + "\n  --config_file: a file, or a "
+              "shipped config's name from any directory: " + ", ".join(shipped_names()) + "\n")
         return subprocess.call([sys.executable, TRAIN_SCRIPT, *rest])
     if not any(o.split("=")[0] == "--config_file" for o in launch):
         # accelerate's defaults for a launch without a config, given explicitly (else it warns about each one)

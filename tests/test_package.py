@@ -98,9 +98,14 @@ def test_a_shipped_config_by_its_bare_name_from_any_directory(tmp_path, monkeypa
 
 
 def test_from_the_checkout_root_accelerate_reads_the_relative_deepspeed_path_as_before(monkeypatch):
+    """`accelerate launch --config_file accelerate_configs/zero3.yaml sft/train.py` there: the links resolve."""
+    from accelerate.commands.launch import _validate_launch_command, launch_command_parser
+
     monkeypatch.chdir(REPO)
     launch, error = cli.resolve_config(["--config_file", "accelerate_configs/zero3.yaml"])
     assert error is None and launch == ["--config_file", "accelerate_configs/zero3.yaml"]
+    args, _, _ = _validate_launch_command(launch_command_parser().parse_args([*launch, "sft/train.py"]))
+    assert args.deepspeed_config_file == "ds_configs/zero3.json" and Path(args.deepspeed_config_file).is_file()
 
 
 def test_an_unknown_config_is_one_error_line_naming_the_shipped_ones(capsys, tmp_path, monkeypatch):
