@@ -10,7 +10,8 @@ import random
 import uuid
 from pathlib import Path
 
-HERE = Path(__file__).parent
+# the real files, shipped in the wheel; data/*.json(l) beside this script are links to them
+HERE = Path(__file__).resolve().parent.parent / "sft" / "data" / "demo"
 CAPITALS = {
     "France": "Paris", "Japan": "Tokyo", "Italy": "Rome", "Spain": "Madrid", "Kenya": "Nairobi",
     "Canada": "Ottawa", "Egypt": "Cairo", "Peru": "Lima", "Norway": "Oslo", "Chile": "Santiago",

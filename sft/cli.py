@@ -6,6 +6,9 @@
     deepseek-sft merge ADAPTER_DIR OUTPUT_DIR [--dtype bfloat16]  # = python -m sft.tools.merge
     deepseek-sft plan --model M [--gpus 3 --gpu_mem 24 --lora]  # = python -m sft.plan.planner: which strategy fits
 
+`train --config_file` takes a file or the name of a shipped strategy config (ddp.yaml, zero3.yaml, ...: the
+repository's accelerate_configs/, shipped in sft/configs/), from any directory, a wheel install included.
+
 `train` runs accelerate's own launcher in this process, so that the launch is exactly `accelerate launch`'s, but
 exits with the training's exit code and nothing more: `accelerate launch` itself follows every failed run (even
 one that printed a clean `error:` line) with its launcher's traceback, which nothing inside the training
@@ -19,8 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sft.configs import ACCELERATE_CONFIGS, deepspeed_file, shipped_config, shipped_names
+
 TRAIN_SCRIPT = str(Path(__file__).resolve().parent / "train.py")
-REPO_CONFIGS = Path(__file__).resolve().parent.parent / "accelerate_configs"
 # accelerate launch's options that `deepseek-sft train` takes (value-taking: True); everything else is training's.
 LAUNCH_OPTIONS = {"--config_file": True, "--num_processes": True, "--num_machines": True, "--machine_rank": True,
                   "--main_process_ip": True, "--main_process_port": True, "--gpu_ids": True, "--multi_gpu": False,
@@ -50,7 +54,8 @@ def launch_training(argv: list[str]) -> int:
     """accelerate launch sft/train.py, with the training's exit code."""
     launch, rest = split_launch_options(argv)
     if "-h" in rest or "--help" in rest:
-        print("launch options (accelerate launch's): " + " ".join(LAUNCH_OPTIONS) + "\n")
+        print("launch options (accelerate launch's): " + " ".join(LAUNCH_OPTIONS) + "\n  --config_file: a file, or a "
+              "shipped config's name from any directory: " + ", ".join(shipped_names()) + "\n")
         return subprocess.call([sys.executable, TRAIN_SCRIPT, *rest])
     if not any(o.split("=")[0] == "--config_file" for o in launch):
         # accelerate's defaults for a launch without a config, given explicitly (else it warns about each one)
@@ -61,16 +66,9 @@ def launch_training(argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the failure is reported by rank 0
-    config = None
-    for i, option in enumerate(launch):
-        if option.split("=")[0] == "--config_file":
-            config = option.split("=", 1)[1] if "=" in option else (launch[i + 1:i + 2] or [""])[0]
-    if config is not None and not Path(config).is_file():
-        ours = REPO_CONFIGS / Path(config).name
-        hint = (f"; did you mean {ours}?" if ours.is_file() else
-                f"; the strategies' configs are in {REPO_CONFIGS}: {', '.join(sorted(p.name for p in REPO_CONFIGS.glob('*.yaml')))}.")
-        print(f"error: --config_file {config}: no such file{hint}" if config else
-              f"error: --config_file needs a file{hint}", file=sys.stderr)
+    launch, error = resolve_config(launch)
+    if error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     parser = launch_command_parser()
     parser.error = _launch_option_error  # one line, not accelerate's 60-line usage block
@@ -85,6 +83,26 @@ def launch_training(argv: list[str]) -> int:
     except KeyboardInterrupt:
         return 130
     return 0
+
+
+def resolve_config(launch: list[str]) -> tuple[list[str], str | None]:
+    """(the launch options, an error): --config_file as given when it is a file, else the shipped config of that
+    name (`ddp.yaml`, `ddp`, `accelerate_configs/ddp.yaml`: from any directory, a wheel install included); plus
+    --deepspeed_config_file when the config's DeepSpeed json is one that accelerate would not find from here."""
+    at = next((i for i, o in enumerate(launch) if o.split("=")[0] == "--config_file"), None)
+    if at is None:
+        return launch, None
+    inline = "=" in launch[at]
+    given = launch[at].split("=", 1)[1] if inline else (launch[at + 1:at + 2] or [""])[0]
+    config = Path(given).expanduser() if given and Path(given).expanduser().is_file() else shipped_config(given)
+    if config is None:
+        names = ", ".join(shipped_names())
+        return launch, (f"--config_file {given}: no such file; give a file or a shipped config's name ({names}, "
+                        f"in {ACCELERATE_CONFIGS})." if given else
+                        f"--config_file needs a file or a shipped config's name ({names}).")
+    deepspeed, error = deepspeed_file(config)
+    resolved = launch[:at] + ["--config_file", str(config)] + launch[at + (1 if inline else 2):]
+    return resolved + (["--deepspeed_config_file", str(deepspeed)] if deepspeed else []), error
 
 
 def _launch_option_error(message: str):

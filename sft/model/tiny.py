@@ -14,6 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from sft.configs import DEMO_DATA
 from sft.machine import launch
 
 BOS, EOS, PAD = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜pad｜>"
@@ -76,13 +77,11 @@ def build_model(tokenizer, seed: int = 0):
 
 def ensure_tiny_model(target: Path | None = None, data_dir: Path | None = None) -> Path:
     """Build the tiny model and tokenizer once into `target` (atomically, so concurrent ranks agree)."""
-    from sft.options.arguments import REPO
-
     target = Path(target or default_dir())
     if (target / "config.json").exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer = build_tokenizer(data_dir or REPO / "data")
+    tokenizer = build_tokenizer(data_dir or DEMO_DATA)
     model = build_model(tokenizer)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".building-"))
     tokenizer.save_pretrained(staging)

@@ -16,6 +16,7 @@ from transformers import TrainingArguments
 
 from sft.options.argv import (COMMON_TRAINING, Parser, apply_aliases, help_requested, short_help, split_names,
                       unknown_options_message)
+from sft.configs import DEMO_DATA
 from sft.errors import ConfigError
 from sft.speed.lowbit import LOW_BIT_OPTIMIZERS, SR_ADAMW
 from sft.options.recipe import load_recipe, recipe_to_argv
@@ -23,11 +24,10 @@ from sft.options.recipe import load_recipe, recipe_to_argv
 OUR_OPTIMIZERS = (SR_ADAMW,)  # --optim values beyond transformers' own
 ATTENTIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
-REPO = Path(__file__).resolve().parents[2]
 TINY_MODEL = "tiny-deepseek"  # the embedded default, built from its config by sft/model/tiny.py
 DEMO = {  # what `accelerate launch sft/train.py` with no arguments runs: about a minute on 2 CPU cores
     "model": TINY_MODEL,
-    "dataset": [str(REPO / "data" / "alpaca_demo.json"), str(REPO / "data" / "oasst_demo.jsonl")],
+    "dataset": [str(DEMO_DATA / "alpaca_demo.json"), str(DEMO_DATA / "oasst_demo.jsonl")],  # shipped in the wheel
     "output_dir": "output/demo",
     "max_length": 256,
     "packing": True,

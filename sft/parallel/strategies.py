@@ -12,9 +12,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sft.configs import CONFIGS
 from sft.options import checks
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[2]  # a checkout's root (bench/, recipes/); a wheel has none
 
 
 @dataclass(frozen=True)
@@ -82,11 +83,11 @@ class Strategy:
 
     @property
     def accelerate_path(self) -> Path:
-        return REPO / self.accelerate_config
+        return CONFIGS / self.accelerate_config  # the shipped copy: the same path under sft/configs/
 
     @property
     def deepspeed_path(self) -> Path | None:
-        return REPO / self.deepspeed_config if self.deepspeed_config else None
+        return CONFIGS / self.deepspeed_config if self.deepspeed_config else None
 
     def gpus_for(self, gpus: int) -> int:
         """Processes this strategy starts on a machine of `gpus` GPUs (TP: the largest even split, here 2)."""

@@ -5,6 +5,7 @@ the fastest plan that fits as an exact command, and why the others do not fit.
     python -m sft.plan.planner --model deepseek-llm-7b --gpus 3 --gpu_mem 24 --lora --max_length 2048
     python -m sft.plan.planner --model ./my-model-dir --gpus 2 --gpu_mem 24 --host_ram 128
     python -m sft.plan.planner --check     # predicted against every measured row of bench/results.jsonl
+    python -m sft.plan.planner --write_snapshot  # after new bench rows: refit sft/plan/fitted.json, which plans read
 
 The memory model (per card, in bytes): the training state from the strategy table (sft/parallel/strategies.py:
 weights, gradients, optimizer, masters, DDP buckets), plus activations (checkpointed layer inputs, the layers
@@ -33,7 +34,11 @@ from sft.options.recipe import load_recipe
 from sft.parallel.strategies import PRECISION_OPTIONS, REPO, STRATEGIES, Setup, StateBytes, Strategy
 
 GIB = 2**30
-RESULTS = REPO / "bench" / "results.jsonl"
+RESULTS = REPO / "bench" / "results.jsonl"  # the source of truth, in a checkout only
+# What the planner fits from RESULTS, snapshotted as package data: plans read this, so that a wheel plans as a checkout
+FITTED = Path(__file__).resolve().with_name("fitted.json")
+SNAPSHOT_COMMAND = "python -m sft.plan.planner --write_snapshot"
+ANY_MODEL = "*"  # the snapshot's MFU table for a model that has no bench row of its own
 HEADROOM = 0.075  # a plan whose need is within the planner's worst error on the bench rows (7.3%) is "tight"
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -554,10 +559,15 @@ def check_table(results: list[dict]) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # Throughput: from the measured MFU of rows of the same kind.
 
-def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path = RESULTS,
+def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path | None = None,
                   model: str | None = None) -> tuple[float, str]:
     """(MFU, which rows) for a kind of plan: the median MFU of our measured rows of the same strategy family,
-    method and checkpointing, with our fast kernels (flex_attention + Liger) where such rows exist."""
+    method and checkpointing, with our fast kernels (flex_attention + Liger) where such rows exist. `path`: the
+    rows to fit from; None: the snapshot of bench/results.jsonl (FITTED)."""
+    if path is None:
+        table = fitted()["mfu"]
+        mfu, why = table.get(model, table[ANY_MODEL])[mfu_key(strategy, method, checkpointing)]
+        return mfu, why
     rows = [r for r in measured_rows(path) if r.get("mfu") and r.get("peer") in ("ours", "zero3-offload-recipe")
             and "--torch_compile" not in (r.get("train_args") or "")
             and "NOT a 1-GPU number" not in (r.get("notes") or "")]
@@ -609,21 +619,64 @@ def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path = 
     return mfu, why
 
 
-def routed_expert_cost(shape: Shape, path: Path = RESULTS) -> tuple[float, str]:
-    """(time of the routed experts / time of a dense MLP of the same active FLOPs, where it was measured) from the
-    GPU rows of bench/moe_layer.py for this shape's MoE layer (transformers' default grouped_mm); 1.0 for dense
-    shapes, and for MoE shapes no row measured (said so)."""
+def layer_key(hidden, experts, top_k, moe_intermediate) -> str:
+    return f"{hidden}x{experts}x{top_k}x{moe_intermediate}"
+
+
+def expert_costs(path: Path = RESULTS) -> dict[str, list]:
+    """{MoE layer: [time of its routed experts / time of a dense MLP of the same active FLOPs, GPU]}: the median of
+    the GPU rows of bench/moe_layer.py of that layer (transformers' default grouped_mm)."""
+    rows = [r for r in bench_rows(path) if r.get("bench") == "moe_layer" and r.get("gpu") not in (None, "cpu")
+            and "grouped_mm" in (r.get("vs_dense") or {})]
+    by_layer: dict[str, list[dict]] = {}
+    for r in rows:
+        by_layer.setdefault(layer_key(r.get("hidden"), r.get("experts"), r.get("top_k"), r.get("moe_intermediate")),
+                            []).append(r)
+    return {k: [statistics.median(r["vs_dense"]["grouped_mm"] for r in v), v[0]["gpu"]] for k, v in by_layer.items()}
+
+
+def routed_expert_cost(shape: Shape, path: Path | None = None) -> tuple[float, str]:
+    """(routed experts' time / a dense MLP's of the same active FLOPs, why) for this shape's MoE layer, from
+    `path`'s rows or the snapshot (None); 1.0 for dense shapes, and for MoE shapes no row measured (said so)."""
     if not shape.moe:
         return 1.0, ""
-    layer = (shape.hidden, shape.routed_experts, shape.experts_per_token, shape.moe_intermediate)
-    rows = [r for r in bench_rows(path) if r.get("bench") == "moe_layer" and r.get("gpu") not in (None, "cpu")
-            and (r.get("hidden"), r.get("experts"), r.get("top_k"), r.get("moe_intermediate")) == layer
-            and "grouped_mm" in (r.get("vs_dense") or {})]
-    if not rows:
+    costs = fitted()["routed_expert_cost"] if path is None else expert_costs(path)
+    found = costs.get(layer_key(shape.hidden, shape.routed_experts, shape.experts_per_token, shape.moe_intermediate))
+    if not found:
         return 1.0, "; routed experts costed as a dense MLP (no bench/moe_layer.py row of this layer)"
-    cost = statistics.median(r["vs_dense"]["grouped_mm"] for r in rows)
+    cost, gpu = found
     return cost, (f"; routed experts at {cost:.2f}x the time of a dense MLP of their active FLOPs "
-                  f"(bench/moe_layer.py, {rows[0]['gpu']})")
+                  f"(bench/moe_layer.py, {gpu})")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The snapshot: every number the plans take from bench/results.jsonl, fitted once (FITTED, shipped in the wheel).
+
+def mfu_key(strategy: str, method: str, checkpointing: bool) -> str:
+    """The snapshot's key of a kind of plan: what mfu_reference reads of its arguments (QLoRA's is LoRA's)."""
+    return f"{strategy} {'lora' if method in ('lora', 'qlora') else 'full'} {'ckpt' if checkpointing else 'no-ckpt'}"
+
+
+def fitted_numbers(path: Path = RESULTS) -> dict:
+    """What the plans derive from the bench rows, for every question they can ask: the MFU of each kind of plan,
+    for each model with bench rows (the rows that speak for that model only) and for any other model, and the
+    routed experts' cost of each measured MoE layer. JSON-shaped (lists, not tuples)."""
+    models = sorted({r["model"] for r in measured_rows(path)})
+    kinds = [(s, m, c) for s in STRATEGIES for m in ("lora", "full") for c in (True, False)]
+    mfu = {name: {mfu_key(s, m, c): list(mfu_reference(s, m, c, path, model=None if name == ANY_MODEL else name))
+                  for s, m, c in kinds} for name in [*models, ANY_MODEL]}
+    return {"source": "bench/results.jsonl", "refresh": SNAPSHOT_COMMAND, "mfu": mfu,
+            "routed_expert_cost": expert_costs(path)}
+
+
+@functools.lru_cache(maxsize=1)
+def fitted() -> dict:
+    return json.loads(FITTED.read_text())
+
+
+def write_snapshot() -> str:
+    FITTED.write_text(json.dumps(fitted_numbers(), indent=1, sort_keys=True) + "\n")
+    return f"wrote {FITTED} from {RESULTS}"
 
 
 def tokens_per_second(shape: Shape, w: Workload, peak_flops: float) -> tuple[float, str]:
@@ -708,9 +761,11 @@ def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: in
 
 def command(plan: Plan, model: str, box: Box) -> str:
     w, s = plan.w, STRATEGIES[plan.w.strategy]
-    launch = f"accelerate launch --config_file {s.accelerate_config}"
-    if w.world != 3 or s.name == "single_gpu":
-        launch += "" if s.name == "single_gpu" else f" --num_processes {w.world}"
+    processes = "" if s.name == "single_gpu" or w.world == 3 else f" --num_processes {w.world}"
+    if (REPO / s.accelerate_config).is_file():  # a checkout: the README's command, from its root
+        launch = f"accelerate launch --config_file {s.accelerate_config}{processes} sft/train.py"
+    else:  # an install without the repository: the shipped config by name, from any directory
+        launch = f"deepseek-sft train --config_file {Path(s.accelerate_config).name}{processes}"
     opts = [f"--model {HUB_IDS.get(model, model)}", "--dataset data.jsonl", "--packing", f"--max_length {w.seq_len}",
             f"--per_device_train_batch_size {w.micro_batch}"]
     if w.setup.method in ("lora", "qlora"):
@@ -727,7 +782,7 @@ def command(plan: Plan, model: str, box: Box) -> str:
         opts += [f"--tp_size {w.world}"]
     if w.checkpointing:
         opts.append("--activation_checkpointing")
-    return f"{launch} sft/train.py " + " ".join(opts)
+    return f"{launch} " + " ".join(opts)
 
 
 def options_of(plan: Plan) -> dict:
@@ -882,6 +937,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="list every plan, not the first 20")
     p.add_argument("--check", action="store_true", help="predicted vs measured for bench/results.jsonl rows")
     p.add_argument("--markdown", action="store_true", help="with --check: the markdown table of RESULTS.md")
+    p.add_argument("--write_snapshot", action="store_true", help="refit the plans' numbers from bench/results.jsonl "
+                   "into sft/plan/fitted.json (after adding bench rows; a checkout only)")
     return p
 
 
@@ -889,6 +946,13 @@ def main(argv: list[str] | None = None) -> int:
     from sft.errors import ConfigError
 
     args = parser().parse_args(argv)
+    if (args.check or args.write_snapshot) and not RESULTS.is_file():  # a wheel ships the snapshot, not the rows
+        print(f"error: --{'check' if args.check else 'write_snapshot'} reads bench/results.jsonl, which only a clone "
+              f"of the repository has: run it there.", file=sys.stderr)
+        return 2
+    if args.write_snapshot:
+        print(write_snapshot())
+        return 0
     if args.check:
         results = check_rows()
         print(check_table(results) if args.markdown else check_summary(results))
