@@ -1,10 +1,12 @@
-"""The README runs: every fenced block of README.md is executed here on tiny models, so the README cannot rot.
+"""The docs run: every fenced block of README.md and docs/*.md is executed here on tiny models, so they cannot rot.
 
 A block runs by RULES on its words (what kind of command it is), not from a list of known commands: a new command
-of a known kind runs without touching this file, and a block or command that no rule covers FAILS (test_every_
-block_has_a_rule lists them all), never skipped in silence. The blocks run in README order in one working
-directory, so a later block uses what an earlier one wrote (the demo's output/demo, the LoRA run's adapter), as a
-reader going down the page would. A failed command shows the README line, the command as run and its stderr.
+of a known kind (or a new page of docs/) runs without touching this file, and a block or command that no rule
+covers FAILS (test_every_block_has_a_rule lists them all), never skipped in silence. The pages run in one sequence
+in one working directory: README.md first, then docs/*.md by name, each page from the top. So a later block uses
+what an earlier one wrote (the demo's output/demo, the README's LoRA adapter, a page's own earlier outputs), as a
+reader who ran the README and then a page would. A failed command shows its page and line, the command as run and
+its stderr.
 
 How each kind of block runs:
 - ```bash `python3 -m venv .venv && . .venv/bin/activate && pip install ... && X`: the set-up steps are NOT re-run
@@ -14,11 +16,12 @@ How each kind of block runs:
 - `accelerate launch [...] sft/train.py ...`, `python sft/train.py ...`, `deepseek-sft train [...] ...`: trained for
   2 steps on CPU, or refused (below). With `--help` they run as written.
 - `tensorboard --logdir D`: D's event files are loaded (no server is started); `train/loss` must be in them.
-- `python -m sft.<tool> ...`, `deepseek-sft data|chat|merge ...`: run for real on what the blocks above wrote, in
-  this process through runpy, as `python -m` runs them (a Python start-up with torch costs ~8 s of CPU). Checked:
-  exit code 0; `--show_masks N` shows N conversations; merge writes a model; chat without `--prompt` gets one
-  question on stdin.
-- ```python: executed in the working directory after the blocks above it; tracebacks point at README lines.
+- `python -m sft.<tool> ...`, `deepseek-sft data|chat|merge|plan ...` (each command the module that sft/cli.py's
+  usage names): run for real on what the blocks above wrote, in this process through runpy, as `python -m` runs
+  them (a Python start-up with torch costs ~8 s of CPU). Checked: exit code 0; `--show_masks N` shows N
+  conversations; merge writes a model; chat without `--prompt` gets one question on stdin; plan's `Recommended:`
+  line is a training command these rules run.
+- ```python: executed in the working directory after the blocks above it; tracebacks point at its page's lines.
 - ```yaml whose first line is `# name.yaml`: written to name.yaml (substituted); a later command must use it.
 - ``` (no language) starting with `Data:`: the data summary. Its files, template, --max_length and packing are
   prepared again with the real DeepSeek tokenizer (../shared; skipped with a reason where absent), and every line
@@ -31,19 +34,19 @@ Substitutions (every other word stays as written):
 - a data file that names no file (data.jsonl, my_data.jsonl, code_alpaca.json, chats.jsonl, .parquet, .csv), or a
   hub dataset given to --dataset -> data/alpaca_demo.json for .json, else a copy of it in that format.
 - `...` in a training command (the reader's other options) -> `--model <tiny llama> --dataset <jsonl copy>
-  --output_dir output/readme-L<line>`.
+  --output_dir output/readme-L<line>` (a docs page's: output/docs-<page>-L<line>).
 - `output/...` -> the same relative path in the working directory, where the repository's files are linked (a
   path such as ../shared/... that exists from the repository root becomes absolute). Nothing may be written
   through those links into the repository.
 - no `--output_dir` in a training command with its own `--model`/`--dataset` -> `--output_dir output/readme-L<line>`
-  (the default would collide between commands).
+  (output/docs-<page>-L<line>; the default would collide between commands).
 - every training command -> + `--max_steps 2 --max_length 512 --logging_steps 1 --save_strategy no --report_to none
   --dataset_cache_dir <tmp>` (`--report_to tensorboard` where a `tensorboard --logdir` block reads its output).
 
 Training commands on a CPU machine:
 - needing nothing the machine lacks: they train. A multi-process accelerate config starts 2 processes (the configs
-  say 3) with `--use_cpu true` (DDP) or `--ddp_backend gloo` (DeepSpeed), as the README's CPU paragraph says; the
-  first command of each strategy trains 2 ranks, later ones of that strategy check their options with one. A
+  say 3) with `--use_cpu true` (DDP) or `--ddp_backend gloo` (DeepSpeed), as docs/strategies.md's CPU paragraph
+  says; the first command of each strategy trains 2 ranks, later ones of that strategy check their options with one. A
   multi-node config becomes one local machine. DeepSpeed's CPU op is built in TORCH_EXTENSIONS_DIR (default
   .cache/torch_extensions, as in test_distributed and .ci/run): a test run compiles it once (~2 min on 2 cores).
 - needing a GPU (`--bf16`/`--fp16`, flex/flash attention, `--use_liger_kernel`, an FSDP config, offload,
@@ -104,17 +107,22 @@ NOISE = re.compile(r"torchao/_C|_pytree\.py|Enum subclass|real_accelerator\.py|i
 
 @dataclass
 class Block:
-    line: int            # README line of the opening fence
+    line: int            # line of the opening fence in its page
     lang: str            # "bash", "python", "yaml", "" (an output sample), ...
     text: str            # the body, dedented to the fence
+    page: str = "README.md"  # the page, relative to the repository root (README.md, docs/data.md, ...)
 
     @property
     def id(self) -> str:
-        return f"L{self.line}-{self.lang or 'output'}"
+        return f"{self.page}:L{self.line}-{self.lang or 'output'}"
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
 
 
-def readme_blocks(text: str) -> tuple[list[Block], list[str]]:
-    """Every fenced block (also indented ones in list items) and the problems found while reading them."""
+def readme_blocks(text: str, page: str = "README.md") -> tuple[list[Block], list[str]]:
+    """Every fenced block of a page (also indented ones in list items) and the problems found while reading them."""
     blocks, problems = [], []
     lines = text.splitlines()
     i = 0
@@ -126,19 +134,30 @@ def readme_blocks(text: str) -> tuple[list[Block], list[str]]:
         indent, fence = len(opening[1]), opening[2]
         end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == fence), None)
         if end is None:
-            problems.append(f"README.md:{i + 1}: a ``` block that never closes")
+            problems.append(f"{page}:{i + 1}: a ``` block that never closes")
             break
         body = [line[indent:] if line[:indent].strip() == "" else line for line in lines[i + 1:end]]
-        blocks.append(Block(i + 1, opening[3].lower(), "\n".join(body) + "\n"))
+        blocks.append(Block(i + 1, opening[3].lower(), "\n".join(body) + "\n", page))
         i = end + 1
     return blocks, problems
 
 
 @dataclass
 class Command:
-    line: int            # README line where the command starts
-    text: str            # as the README writes it (continuation lines joined)
+    line: int            # line of its page where the command starts
+    text: str            # as the page writes it (continuation lines joined)
     steps: list[list[str]]  # its words, split at `&&`
+    page: str = "README.md"
+
+    @property
+    def where(self) -> str:
+        return f"{self.page}:{self.line}"
+
+    @property
+    def default_output(self) -> str:
+        """Its own --output_dir where it names none: output/readme-L<line>, output/docs-<page>-L<line>."""
+        name = "readme" if self.page == "README.md" else "docs-" + Path(self.page).stem
+        return f"output/{name}-L{self.line}"
 
 
 SHELL_SYNTAX = {"|", "||", ";", "&", ">", ">>", "<", "2>", "2>&1", "&>"}
@@ -166,7 +185,7 @@ def bash_commands(block: Block) -> list[Command]:
                 else:
                     step.append(word)
             steps.append(step)
-            commands.append(Command(start, " ".join(logical.split()), steps))
+            commands.append(Command(start, " ".join(logical.split()), steps, block.page))
         start = None
     return commands
 
@@ -225,8 +244,8 @@ def classify(words: list[str]) -> Step:
 
             launch, training = split_launch_options(args)
             return train_step(training, env, ["deepseek-sft", "train", *launch], [])
-        module = CLI_TOOLS.get(command, f"sft.{command}")
-        if command and not command.startswith("-") and importlib.util.find_spec(module) is not None:
+        module = CLI_TOOLS.get(command, "")
+        if module and importlib.util.find_spec(module) is not None:
             return tool_step(module, ["sft.cli", command], args, words, env)
         if command in ("-h", "--help"):
             return Step("help", words, env, program=words[:1], args=rest)
@@ -238,7 +257,14 @@ def classify(words: list[str]) -> Step:
     raise NoRule(f"`{first}` is no command this test knows how to run")
 
 
-CLI_TOOLS = {"data": "sft.data.dataset"}  # deepseek-sft <command> -> its module, where it is not sft.<command>
+def cli_tools() -> dict[str, str]:
+    """deepseek-sft <command> -> the module it is (`python -m <module>`), as sft/cli.py's usage says it."""
+    from sft.cli import USAGE
+
+    return dict(re.findall(r"^\s*deepseek-sft (\w+) .*# = python -m (sft\.[\w.]+)", USAGE, re.M))
+
+
+CLI_TOOLS = cli_tools()
 
 
 def tool_step(tool: str, program: list[str], args: list[str], words: list[str], env: dict) -> Step:
@@ -262,27 +288,28 @@ def plan_block(block: Block, blocks: list[Block]) -> list[tuple[Command | None, 
                 try:
                     out.append((command, classify(words)))
                 except NoRule as e:
-                    raise NoRule(f"README.md:{command.line}: {command.text}\n    -> {e}") from None
+                    raise NoRule(f"{command.where}: {command.text}\n    -> {e}") from None
         if not out:
-            raise NoRule(f"README.md:{block.line}: an empty ```{block.lang} block")
+            raise NoRule(f"{block.where}: an empty ```{block.lang} block")
         return out
     if block.lang == "python":
         return [(None, None)]
     if block.lang in ("yaml", "yml"):
         name = yaml_file_name(block)
         if name is None:
-            raise NoRule(f"README.md:{block.line}: a ```yaml block whose first line is not `# <file>.yaml`, so the "
+            raise NoRule(f"{block.where}: a ```yaml block whose first line is not `# <file>.yaml`, so the "
                          f"test cannot tell which command reads it")
-        later = [b for b in blocks if b.line > block.line and b.lang in ("bash", "sh", "shell", "console")]
+        later = [b for b in blocks if b.page == block.page and b.line > block.line
+                 and b.lang in ("bash", "sh", "shell", "console")]
         if not any(name in re.split(r"[\s=]", c.text) for b in later for c in bash_commands(b)):
-            raise NoRule(f"README.md:{block.line}: {name} is written by this block but no later command uses it")
+            raise NoRule(f"{block.where}: {name} is written by this block but no later command uses it")
         return [(None, None)]
     if block.lang in ("", "text", "console-output"):
         if block.text.startswith("Data: "):
             return [(None, None)]
-        raise NoRule(f"README.md:{block.line}: an output sample this test cannot produce "
+        raise NoRule(f"{block.where}: an output sample this test cannot produce "
                      f"(first line {block.text.splitlines()[0][:60]!r})")
-    raise NoRule(f"README.md:{block.line}: a ```{block.lang} block (no rule runs this language)")
+    raise NoRule(f"{block.where}: a ```{block.lang} block (no rule runs this language)")
 
 
 def yaml_file_name(block: Block) -> str | None:
@@ -342,7 +369,22 @@ def venv_commands() -> list[Command]:
             if c.steps[0][:1] and c.steps[0][0] in PYTHONS and c.steps[0][1:3] == ["-m", "venv"]]
 
 
-BLOCKS, PROBLEMS = readme_blocks(README.read_text())
+def pages() -> list[Path]:
+    """README.md, then docs/*.md by name: the order the blocks run in (a page's blocks may use what the README's
+    wrote, and what its own earlier blocks wrote)."""
+    return [README, *sorted((REPO / "docs").glob("*.md"))]
+
+
+def all_blocks() -> tuple[list[Block], list[str]]:
+    blocks, problems = [], []
+    for path in pages():
+        found, trouble = readme_blocks(path.read_text(), str(path.relative_to(REPO)))
+        blocks += found
+        problems += trouble
+    return blocks, problems
+
+
+BLOCKS, PROBLEMS = all_blocks()
 
 
 # ---- running them --------------------------------------------------------------------------------------------
@@ -437,8 +479,8 @@ class ReadmeRun:
         self.tiny = {"llama": tiny_llama}
         self.data: dict[str, Path] = {}
         self.outcome: dict[int, BaseException | None] = {}
-        self.refusals: dict[tuple, int] = {}      # (needs, launcher) -> README line where that refusal was checked
-        self.multi_rank: dict[str, int] = {}      # strategy -> README line whose command trained 2 ranks of it
+        self.refusals: dict[tuple, str] = {}      # (needs, launcher) -> page:line where that refusal was checked
+        self.multi_rank: dict[str, str] = {}      # strategy -> page:line whose command trained 2 ranks of it
         self.timings: list[tuple[str, float]] = []
         self.watched = [Path(w) for b in BLOCKS if b.lang == "bash" for c in bash_commands(b) for s in c.steps
                         if s[:1] == ["tensorboard"] for w in [options(s[1:]).get("logdir", "")] if w]
@@ -513,7 +555,7 @@ class ReadmeRun:
         elapsed = time.monotonic() - started
         self.timings.append((f"{what or 'run'}: {readme[:70]}", elapsed))
         print(f"[{elapsed:5.1f} s] {what}: {shlex.join(command)}")
-        result.describe = (f"README: {readme}\nran ({what}, {elapsed:.0f} s, exit {result.returncode}) in "
+        result.describe = (f"{readme}\nran ({what}, {elapsed:.0f} s, exit {result.returncode}) in "
                            f"{cwd or self.work}:\n  {shlex.join(command)}\n--- stdout (tail) ---\n"
                            f"{tail(result.stdout, 15)}\n--- stderr (tail, library noise left out) ---\n"
                            f"{tail(result.stderr)}")
@@ -547,11 +589,15 @@ class ReadmeRun:
         words = ["python", "-m", module, *args]
         self.timings.append((f"python -m {module} (in this process): {readme[:60]}", elapsed))
         result = subprocess.CompletedProcess(words, code, out.getvalue(), err.getvalue())
-        result.describe = (f"README: {readme}\nran (python -m in this process, {elapsed:.0f} s, exit {code}) in "
+        result.describe = (f"{readme}\nran (python -m in this process, {elapsed:.0f} s, exit {code}) in "
                            f"{cwd or self.work}:\n  {shlex.join(words)}\n--- stdout (tail) ---\n"
                            f"{tail(result.stdout, 15)}\n--- stderr (tail) ---\n{tail(result.stderr)}")
         print(f"[{elapsed:5.1f} s] in this process: {shlex.join(words)}")
         return result
+
+    @staticmethod
+    def said(command: Command) -> str:
+        return f"{command.where}: {command.text}"
 
     def expect_success(self, result, check=None):
         assert result.returncode == 0, result.describe
@@ -589,17 +635,17 @@ class ReadmeRun:
         return None
 
     def python_block(self, block: Block) -> None:
-        source = "\n" * block.line + self.substitute(block.text)  # line numbers as in README.md
+        source = "\n" * block.line + self.substitute(block.text)  # line numbers as in its page
         out = io.StringIO()
         previous = Path.cwd()
         os.chdir(self.work)
         started = time.monotonic()
         try:
             with contextlib.redirect_stdout(out):
-                exec(compile(source, str(README), "exec"), {"__name__": "__main__"})  # noqa: S102
+                exec(compile(source, str(REPO / block.page), "exec"), {"__name__": "__main__"})  # noqa: S102
         finally:
             os.chdir(previous)
-            self.timings.append((f"python block README.md:{block.line}", time.monotonic() - started))
+            self.timings.append((f"python block {block.where}", time.monotonic() - started))
         print(out.getvalue())
 
     def summary_sample(self, block: Block) -> None:
@@ -609,24 +655,24 @@ class ReadmeRun:
         template = re.search(r"\(template (\w+)\)", expected[0])
         length = re.search(r"\(--max_length (\d+)\)", block.text)
         if not sources or not template or not length:
-            raise NoRule(f"README.md:{block.line}: a data summary that does not name its files (one line each), "
+            raise NoRule(f"{block.where}: a data summary that does not name its files (one line each), "
                          f"template and --max_length, so the test cannot prepare it again")
         if not all((REPO / s).exists() for s in sources):
             if not SHARED.is_dir():
                 pytest.skip(f"../shared (the samples {sources} and the real tokenizer) is absent in this checkout")
-            raise AssertionError(f"README.md:{block.line}: the summary names files that do not exist: {sources}")
+            raise AssertionError(f"{block.where}: the summary names files that do not exist: {sources}")
         args = ["--model", str(DEEPSEEK_TOKENIZER), "--dataset", *sources, "--template", template[1],
                 "--max_length", length[1], "--show_masks", "0", "--dataset_cache_dir", str(self.tmp / "summary-cache")]
         if "packed into" in block.text:
             args.append("--packing")
-        result = self.run_module("sft.data.dataset", args, f"README.md:{block.line} (the summary sample)", cwd=REPO)
+        result = self.run_module("sft.data.dataset", args, f"{block.where} (the summary sample)", cwd=REPO)
         self.expect_success(result)
         printed = [line for line in result.stdout.splitlines() if "loaded from the cache" not in line]
         start = next((i for i, line in enumerate(printed) if line.startswith("Data: ")), 0)
         printed = printed[start:start + len(expected)]
         assert printed == expected, (
-            f"README.md:{block.line}: the summary sample is not what the command prints now\n"
-            + "\n".join(f"  README: {e}\n  now:    {p}" for e, p in zip(expected, printed) if e != p)
+            f"{block.where}: the summary sample is not what the command prints now\n"
+            + "\n".join(f"  page: {e}\n  now:  {p}" for e, p in zip(expected, printed) if e != p)
             + f"\n{result.describe}")
 
     # -- bash steps --
@@ -637,14 +683,14 @@ class ReadmeRun:
         if command in setups:
             reference = set_up_steps(setups[0])
             assert set_up_steps(command) == reference, (
-                f"README.md:{command.line}: the set-up steps differ from README.md:{setups[0].line}'s:\n"
+                f"{command.where}: the set-up steps differ from {setups[0].where}'s:\n"
                 f"  {set_up_steps(command)}\n  {reference}")
         if step.words[:1] == ["pip"]:
             extras = project_extras()
             for word in step.words:
                 wanted = re.match(r"^\.\[([\w,-]+)\]$", word)
                 for extra in (wanted[1].split(",") if wanted else []):
-                    assert extra in extras, f"README.md:{command.line}: pip install {word}: pyproject.toml has " \
+                    assert extra in extras, f"{command.where}: pip install {word}: pyproject.toml has " \
                                             f"no extra {extra!r} ({sorted(extras)})"
 
     def step_pytest(self, command: Command, step: Step) -> None:
@@ -653,20 +699,20 @@ class ReadmeRun:
         grep = re.search(r"test_command=\$\((grep .*?README\.md)\)", ci)
         assert grep and 'eval "$test_command"' in ci, ".ci/run no longer greps README.md for the test command"
         found = subprocess.run(["bash", "-c", grep[1]], cwd=REPO, capture_output=True, text=True).stdout.strip()
-        assert found == command.text, (f".ci/run's `{grep[1]}` finds\n  {found!r}\nnot README.md:{command.line}'s\n"
+        assert found == command.text, (f".ci/run's `{grep[1]}` finds\n  {found!r}\nnot {command.where}'s\n"
                                        f"  {command.text!r}")
 
     def step_tensorboard(self, command: Command, step: Step) -> None:
         logdir = options(step.words[1:]).get("logdir")
-        assert isinstance(logdir, str), f"README.md:{command.line}: tensorboard without --logdir"
+        assert isinstance(logdir, str), f"{command.where}: tensorboard without --logdir"
         assert Path(sys.executable).with_name("tensorboard").exists(), "the tensorboard command is not installed"
         events = list((self.work / logdir).rglob("events.out.tfevents.*"))
-        assert events, f"README.md:{command.line}: no TensorBoard event files under {logdir}"
+        assert events, f"{command.where}: no TensorBoard event files under {logdir}"
         assert tensorboard_scalars(self.work / logdir, "train/loss"), f"no train/loss under {logdir}"
 
     def step_help(self, command: Command, step: Step) -> None:
         launcher = Launcher.of(step.launcher, self.work)
-        result = self.run([*launcher.with_processes(1), *step.program, *step.args], command.text, env=step.env,
+        result = self.run([*launcher.with_processes(1), *step.program, *step.args], self.said(command), env=step.env,
                           what="help")
         self.expect_success(result, lambda r: None if r.stdout.strip() else "the help printed nothing")
 
@@ -689,7 +735,14 @@ class ReadmeRun:
             merged = self.inside(positional[1], "the merged model") if len(positional) > 1 else None
             check = lambda r: None if merged and (merged / "model.safetensors").is_file() \
                 else f"no merged model in {merged}"  # noqa: E731
-        result = self.run_module(step.program[0], [*step.program[1:], *args], command.text, env=step.env,
+        elif module == "sft.plan.planner" and "check" not in opts:
+            def check(r):  # its recommendation is a training command that this file's rules run
+                recommended = re.findall(r"^Recommended: (.+)$", r.stdout, re.M)
+                if not recommended:
+                    return "no `Recommended:` line"
+                return None if kind_of(shlex.split(recommended[0])) == "train" else \
+                    f"the recommendation is no training command: {recommended[0]}"
+        result = self.run_module(step.program[0], [*step.program[1:], *args], self.said(command), env=step.env,
                                  stdin=stdin)
         self.expect_success(result, check)
 
@@ -698,7 +751,7 @@ class ReadmeRun:
         for word in step.args:
             if word == "...":  # the reader's other options
                 args += ["--model", str(self.tiny["llama"]), "--dataset", str(self.data_file("data.jsonl")),
-                         "--output_dir", f"output/readme-L{command.line}"]
+                         "--output_dir", command.default_output]
             else:
                 args.append(word)
         args = self.substitute_words(args)
@@ -707,7 +760,7 @@ class ReadmeRun:
         if "config" in opts:  # a recipe of the repository (recipes/...) names hub ids too: a substituted copy
             text = (self.work / opts["config"]).read_text()
             if self.substitute(text) != text:
-                copy = self.tmp / f"L{command.line}-{Path(opts['config']).name}"
+                copy = self.tmp / f"{Path(command.default_output).name}-{Path(opts['config']).name}"
                 copy.write_text(self.substitute(text))
                 args = [str(copy) if w == opts["config"] and args[i - 1] == "--config" else
                         f"--config={copy}" if w == f"--config={opts['config']}" else w for i, w in enumerate(args)]
@@ -715,8 +768,8 @@ class ReadmeRun:
             recipe = {k.replace("-", "_"): v for k, v in (yaml.safe_load(text) or {}).items()}
         merged = {**recipe, **opts}
         if "output_dir" not in merged and ("model" in merged or "dataset" in merged):
-            args += ["--output_dir", f"output/readme-L{command.line}"]
-            merged["output_dir"] = f"output/readme-L{command.line}"
+            args += ["--output_dir", command.default_output]
+            merged["output_dir"] = command.default_output
         output = Path(merged.get("output_dir", "output/demo"))
         self.inside(output, "--output_dir")
         watched = any(output == w or w in output.parents or output in w.parents for w in self.watched)
@@ -728,11 +781,10 @@ class ReadmeRun:
         if needs:
             key = (frozenset(needs), tuple(step.launcher[:2] or step.program[:1]))  # what and through which launcher
             if key not in self.refusals:
-                self.refusals[key] = command.line
+                self.refusals[key] = command.where
                 self.expect_refusal(command, step, launcher, args, needs)
             else:
-                print(f"README.md:{command.line}: the refusal for {sorted(needs)} was checked at "
-                      f"README.md:{self.refusals[key]}")
+                print(f"{command.where}: the refusal for {sorted(needs)} was checked at {self.refusals[key]}")
             if not set(needs) <= PRECISION:
                 return
             args = without_precision(args, recipe)
@@ -763,11 +815,11 @@ class ReadmeRun:
         one line must come out), later ones one rank (the same path, half the start-up)."""
         processes = 1
         if launcher.strategy != "single":
-            processes = 2 if self.multi_rank.setdefault("refusal", command.line) == command.line else 1
-        result = self.run([*launcher.with_processes(processes), *step.program, *args], command.text, env=step.env,
+            processes = 2 if self.multi_rank.setdefault("refusal", command.where) == command.where else 1
+        result = self.run([*launcher.with_processes(processes), *step.program, *args], self.said(command), env=step.env,
                           what=f"refusal ({', '.join(sorted(needs))}), {processes} process(es)")
         errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-        print(f"README.md:{command.line} refused on CPU, exit {result.returncode}: {' | '.join(errors)}")
+        print(f"{command.where} refused on CPU, exit {result.returncode}: {' | '.join(errors)}")
         problems = []
         if result.returncode == 0:
             problems.append("it ran to the end on a machine without a GPU")
@@ -781,7 +833,7 @@ class ReadmeRun:
             problems.append("it went on to load the model before stopping")
         if tracebacks_of_ranks(result.stderr):
             problems.append("a traceback besides the one error line:\n" + "\n".join(tracebacks_of_ranks(result.stderr)))
-        assert not problems, (f"README.md:{command.line} needs {sorted(needs)}; on CPU it must stop before loading "
+        assert not problems, (f"{command.where} needs {sorted(needs)}; on CPU it must stop before loading "
                               f"any model with one `error:` line naming that:\n  " + "\n  ".join(problems)
                               + f"\n{result.describe}")
 
@@ -789,9 +841,9 @@ class ReadmeRun:
         processes = 1
         if launcher.strategy in ("ddp", "deepspeed"):
             # Two ranks the first time a strategy trains; later commands of that config check their options in one.
-            processes = 2 if self.multi_rank.setdefault(launcher.strategy, command.line) == command.line else 1
+            processes = 2 if self.multi_rank.setdefault(launcher.strategy, command.where) == command.where else 1
             args = args + (["--use_cpu", "true"] if launcher.strategy == "ddp" else ["--ddp_backend", "gloo"])
-        result = self.run([*launcher.with_processes(processes), *step.program, *args], command.text, env=step.env,
+        result = self.run([*launcher.with_processes(processes), *step.program, *args], self.said(command), env=step.env,
                           what=f"train ({processes} process(es), CPU)")
 
         def check(r):
@@ -846,6 +898,18 @@ def test_rules_on_made_up_blocks():
                           "deepseek-ai/deepseek-coder-6.7b-instruct")
             for f in [next(f for pattern, f in FAMILIES if re.search(pattern, hub))]] == \
         ["qwen2", "llama", "deepseek_v3", "deepseek_v2", "llama"]
+    # a docs page: its blocks name their page; each deepseek-sft tool is the module sft/cli.py's usage says
+    page, _ = readme_blocks("```bash\ndeepseek-sft chat output/demo --prompt hi\ndeepseek-sft merge a b\n"
+                            "deepseek-sft plan --model deepseek-llm-7b\n```\n```bash\ndeepseek-sft nope\n```\n"
+                            "```yaml\n# r.yaml\nmodel: x\n```\n", "docs/x.md")
+    tools = [step for _, step in plan_block(page[0], page)]
+    assert [s.tool for s in tools] == ["sft.tools.chat", "sft.tools.merge", "sft.plan.planner"]
+    assert page[0].id == "docs/x.md:L1-bash" and bash_commands(page[0])[2].default_output == "output/docs-x-L4"
+    with pytest.raises(NoRule, match=re.escape("docs/x.md:7: deepseek-sft nope")):
+        plan_block(page[1], page)
+    with pytest.raises(NoRule, match="r.yaml is written by this block but no later command"):  # only its page's
+        other = Block(9, "bash", "accelerate launch sft/train.py --config r.yaml\n", "README.md")
+        plan_block(page[2], [*page, other])
 
 
 def test_every_block_has_a_rule():
@@ -858,7 +922,31 @@ def test_every_block_has_a_rule():
         except NoRule as e:
             unknown.append(str(e))
     assert BLOCKS, "README.md has no fenced blocks: is this the right file?"
-    assert not unknown, "README blocks that no rule of tests/test_readme.py runs:\n" + "\n".join(unknown)
+    assert not unknown, "blocks of README.md and docs/*.md that no rule of tests/test_readme.py runs:\n" + \
+        "\n".join(unknown)
+
+
+def anchors(text: str) -> set[str]:
+    """GitHub's anchors for a page's headings: lower case, punctuation dropped, spaces to hyphens."""
+    return {re.sub(r"[^\w\- ]", "", m[1].strip().lower()).replace(" ", "-")
+            for m in re.finditer(r"^#{1,6} (.+)$", re.sub(r"(?ms)^\s*```.*?^\s*```", "", text), re.M)}
+
+
+def test_links_between_pages():
+    """Every relative link of README.md and docs/*.md names a file that exists, and a heading of it after `#`."""
+    broken = []
+    for path in pages():
+        for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+            if re.match(r"^[a-z]+://", target):
+                continue
+            name, _, anchor = target.partition("#")
+            linked = (path.parent / name).resolve() if name else path
+            where = f"{path.relative_to(REPO)}: ({target})"
+            if not linked.exists():
+                broken.append(f"{where}: no such file")
+            elif anchor and (linked.suffix != ".md" or anchor not in anchors(linked.read_text())):
+                broken.append(f"{where}: no heading #{anchor} in {linked.name}")
+    assert not broken, "broken links:\n" + "\n".join(broken)
 
 
 @pytest.fixture(scope="module")

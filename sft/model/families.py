@@ -274,7 +274,7 @@ def family_template(config, tokenizer=None) -> str:
     return family.template if family else "deepseek"
 
 
-# ---- the strategy for a box of 3 x 24 GB GPUs (README, Multi-GPU strategies; bench/RESULTS.md) ----------------
+# ---- the strategy for a box of 3 x 24 GB GPUs (docs/strategies.md; bench/RESULTS.md) --------------------------
 
 GPUS, GPU_GB = 3, 24  # cards as sold: the planner counts what nvidia-smi shows of them (context and NCCL included)
 

@@ -78,7 +78,7 @@ class ModelArguments:
                 "transformers."})
     tp_size: int = field(default=1, metadata={
         "help": "Tensor parallel: split every layer over this many GPUs (transformers' tp_plan; launch with "
-                "accelerate_configs/tp.yaml). Measured slower than FSDP: see README, Multi-GPU strategies. "
+                "accelerate_configs/tp.yaml). Measured slower than FSDP: see docs/strategies.md, Tensor parallel. "
                 "Its checkpoints resume under the same --tp_size."})
 
 

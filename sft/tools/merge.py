@@ -53,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         quant = json.loads((adapter / QUANTIZED_BASE).read_text())
         print(f"note: this adapter was trained on a 4-bit ({quant.get('bnb_4bit_quant_type', '?')}) base; it is "
               f"merged into the unquantized base, so the merged model's logits differ from the 4-bit model "
-              f"trained by the quantization error (README: QLoRA).", flush=True)
+              f"trained by the quantization error (docs/strategies.md, QLoRA).", flush=True)
     tuned = AutoPeftModelForCausalLM.from_pretrained(adapter, dtype=torch.float32, use_safetensors=True)
     probe = torch.randint(0, tuned.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
