@@ -178,7 +178,7 @@ def test_filters_drop_only_the_known_messages(capsys):
 def stderr_of(code: str) -> str:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=300)
+                            timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stderr
 
@@ -207,7 +207,7 @@ Trainer(model=model, args=TrainingArguments(output_dir={str(tmp_path / 'out')!r}
 @pytest.mark.slow
 def test_help_prints_no_library_noise():
     result = subprocess.run([sys.executable, str(REPO / "sft" / "train.py"), "--help"], cwd="/", capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=600)
     assert result.returncode == 0 and "--model" in result.stdout
     assert not [line for line in result.stderr.splitlines() if any(word in line for word in NOISE)], result.stderr
 

@@ -24,7 +24,7 @@ def run_tiny(tmp_path: Path, variants: str, subprocess_eager: bool = False) -> l
     argv = ["--tiny", "--variants", variants, "--run_id", "t", "--results", str(results)]
     if subprocess_eager:  # torchao's update eager (inductor's CPU compile takes minutes), in its own process
         proc = subprocess.run([sys.executable, str(REPO / "bench" / "convergence.py"), *argv, "--eager_optimizers"],
-                              cwd=REPO, capture_output=True, text=True, timeout=300,
+                              cwd=REPO, capture_output=True, text=True, timeout=600,
                               env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
         assert proc.returncode in (0, 3), proc.stdout[-2000:] + proc.stderr[-3000:]  # 3: a candidate missed 1%
     else:

@@ -78,7 +78,7 @@ def test_embedding_backward_without_all_gather_trains_the_same(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(tmp_path / "rendezvous"), str(rank)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    outputs = [w.communicate(timeout=300)[0] for w in workers]
+    outputs = [w.communicate(timeout=600)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], [out[-3000:] for out in outputs]
     found = json.loads(next(line for line in outputs[0].splitlines() if line.startswith("{")))
     assert found["applied"] is True and found["tied_applied"] is False, found

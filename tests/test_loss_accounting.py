@@ -105,7 +105,7 @@ def test_accumulation_and_ranks_equal_one_big_batch(tmp_path, tiny_llama, datase
            "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
                            "--main_process_port", "29533", str(script), json.dumps(runs_for_ranks)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     assert "Training on 2 process(es)" in done.stdout, done.stdout
 

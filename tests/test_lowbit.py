@@ -72,7 +72,7 @@ def two_gloo_ranks(worker: str, tmp_path: Path, **env: str) -> dict:
     workers = [subprocess.Popen([sys.executable, "-c", worker, str(tmp_path / "rendezvous"), str(rank)],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for rank in (0, 1)]
-    outputs = [w.communicate(timeout=300)[0] for w in workers]
+    outputs = [w.communicate(timeout=600)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], [out[-3000:] for out in outputs]
     return json.loads(next(line for line in outputs[0].splitlines() if line.startswith("{")))
 

@@ -127,7 +127,7 @@ def run_ranks(tmp_path: Path, phase: str) -> str:
                                  str(rank), str(tmp_path / "checkpoint"), phase],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
                for rank in (0, 1)]
-    outputs = [w.communicate(timeout=300)[0] for w in workers]
+    outputs = [w.communicate(timeout=600)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], [out[-3000:] for out in outputs]
     return outputs[0]
 

@@ -144,7 +144,7 @@ def test_fsdp2_moe_lora_forward_backward_and_adapter(tmp_path):
     workers = [subprocess.Popen([sys.executable, "-c", FSDP_MOE_WORKER, str(tmp_path / "rendezvous"), str(rank),
                                  *map(str, bases)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True) for rank in (0, 1)]
-    outputs = [w.communicate(timeout=300)[0] for w in workers]
+    outputs = [w.communicate(timeout=600)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], outputs
     results = [json.loads(line) for line in outputs[0].splitlines() if line.startswith("{")]
     assert [r["layer"] for r in results] == [["DeepseekV2DecoderLayer"], ["DeepseekV3DecoderLayer"]]

@@ -47,7 +47,7 @@ def test_two_machines_on_loopback_then_resume_on_one(tmp_path, tiny_llama):
     logs = []
     for machine in machines:
         try:
-            logs.append(machine.communicate(timeout=300)[0])
+            logs.append(machine.communicate(timeout=600)[0])
         except subprocess.TimeoutExpired:  # one machine died and the other waits for it: stop both
             for m in machines:
                 m.kill()
@@ -103,7 +103,7 @@ def test_shipped_multi_node_config_on_loopback(tmp_path, tiny_llama):
     logs = []
     for machine in machines:
         try:
-            logs.append(machine.communicate(timeout=300)[0])
+            logs.append(machine.communicate(timeout=600)[0])
         except subprocess.TimeoutExpired:
             for m in machines:
                 m.kill()

@@ -110,7 +110,7 @@ def test_sharded_qlora_check_names_the_adapter_file(tmp_path):
     workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(base), str(tmp_path / "adapter")],
                                 env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    outputs = [w.communicate(timeout=300)[0] for w in workers]
+    outputs = [w.communicate(timeout=600)[0] for w in workers]
     assert [w.returncode for w in workers] == [0, 0], outputs
     found = [json.loads(line) for out in outputs for line in out.splitlines() if line.startswith('{"rank"')]
     assert len(found) == 2 and found[0]["message"] == found[1]["message"], outputs  # every rank raises the same
@@ -173,7 +173,7 @@ def test_4bit_bytes_survive_the_all_gather(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     workers = [subprocess.Popen([sys.executable, "-c", BYTES_WORKER, str(tmp_path / "rendezvous"), str(r)], env=env,
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
-    outputs = [w.communicate(timeout=300) for w in workers]
+    outputs = [w.communicate(timeout=600) for w in workers]
     assert [w.returncode for w in workers] == [0, 0], [err[-3000:] for _, err in outputs]
     result = json.loads(outputs[0][0].strip().splitlines()[-1])
     assert result["accelerate"]["changed"] > 0 and result["accelerate"]["unsafe_units"] == 1, result

@@ -57,7 +57,7 @@ def tp_train(tmp_path: Path, model: Path, output_dir: Path, resume: Path | None 
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                str(script), str(model), str(output_dir), str(resume or "")]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-5000:]
     return {int(k): v for k, v in json.loads((output_dir / "losses.json").read_text()).items()}
 
@@ -115,7 +115,7 @@ def test_resuming_a_tensor_parallel_checkpoint_without_tp_is_refused_before_load
     mark_complete(checkpoint)
     done = run_train(["--model", str(tiny_llama), "--dataset", str(REPO / "data" / "alpaca_demo.json"),
                       "--output_dir", str(tmp_path / "run"),
-                      "--resume_from_checkpoint", str(checkpoint)], timeout=300)
+                      "--resume_from_checkpoint", str(checkpoint)], timeout=600)
     assert done.returncode == 2, done.stderr[-3000:]
     assert "resume it with --tp_size 2" in done.stderr
     assert "Loading model:" not in done.stdout  # refused before any model loads

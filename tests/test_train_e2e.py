@@ -36,8 +36,7 @@ def test_demo_with_no_arguments(tmp_path):
     assert eval_losses and eval_losses[-1] < eval_losses[0]
     for tag in ("train/learning_rate", "train/grad_norm", "train/real_tokens_per_second"):
         assert tensorboard_scalars(output / "runs", tag), f"{tag} missing from TensorBoard"
-    print(f"demo took {elapsed:.1f} s")
-    assert elapsed < 120  # ~36 s on a quiet 2-core CPU (imports included); generous for a loaded CI machine
+    print(f"demo took {elapsed:.1f} s")  # ~36 s on a quiet 2-core CPU; a test checks it works, bench/ times it
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
