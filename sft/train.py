@@ -241,12 +241,12 @@ def train(run: Run, seams: Seams) -> int:
     return 0
 
 
-def final_options(argv: list[str]) -> tuple[Options, Planned]:
+def final_options(argv: list[str], m: Machine | None = None) -> tuple[Options, Planned]:
     """parse -> plan (--plan auto) -> resolve the derived values -> check, each step its own: the options as
     given, then the plan's where the user gave none (checked like the user's), then what follows from them and
-    the machine. -> (the final options, what the plan set)."""
+    the machine. -> (the final options, what the plan set). `m`: this machine unless given (tests)."""
     options = read_options(argv)
-    m = machine()
+    m = m or machine()
     planned = plan(options, m)
     return settle(with_planned(options, planned.options), m), planned
 

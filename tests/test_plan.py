@@ -120,6 +120,25 @@ def test_planned_options_leave_given_options_alone(tiny_llama):
     assert lora.lora_dropout == 0.0
 
 
+def test_plan_auto_is_applied_after_parsing_and_checked_like_the_users_options():
+    """train.py's steps on a described 3 x 24 GB box: parse, plan, resolve, check; the plan is its own value."""
+    from sft.machine import Launch, Machine
+    from sft.train import final_options
+
+    box = Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * 3, gpu_memory_gib=(23.99,) * 3, bf16=True,
+                  host_ram_gib=128, launch=Launch(world_size=3, local_world_size=3, launched=True),
+                  packages=frozenset({"liger_kernel"}))
+    data = str(plan.REPO / "data" / "alpaca_demo.json")
+    options, planned = final_options(["--model", "deepseek-llm-7b", "--dataset", data, "--output_dir",
+                                      "/nonexistent/out", "--lora", "--lora_dropout", "0.1", "--plan", "auto"], box)
+    assert planned.plan.w.strategy == "ddp" and "lora_dropout" not in planned.options  # given: the user's wins
+    assert options.lora.lora_dropout == 0.1
+    for name, value in planned.options.items():
+        assert getattr(next(g for g in options.groups() if hasattr(g, name)), name) == value
+    assert options.training.ddp_find_unused_parameters is False  # resolved after the plan, before the checks
+    assert options.training.liger_loss_on_labels == bool(planned.options.get("use_liger_kernel"))  # the plan's Liger
+
+
 def test_cli_help_is_one_screen_and_bad_options_one_line():
     run = lambda *a: subprocess.run([sys.executable, "-m", "sft.plan.planner", *a], capture_output=True, text=True)  # noqa
     out = run("--help")
