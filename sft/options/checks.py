@@ -195,8 +195,6 @@ def plan_value(o: Options, m: Machine) -> None:
         raise ConfigError(f"--plan {o.training.plan!r}: use auto (or no).")
 
 
-# ---- against the machine, the launch and the DeepSpeed config ----------------------------------------------
-
 def our_option_values(o: Options, m: Machine) -> None:
     t = o.training
     if t.verify_saves not in ("auto", "all", "final", "no"):
@@ -207,6 +205,8 @@ def our_option_values(o: Options, m: Machine) -> None:
         raise ConfigError(f"--loss_spike_factor {t.loss_spike_factor}: give a factor above 1, or 0 to turn spike "
                           f"warnings off.")
 
+
+# ---- against the machine, the launch and the DeepSpeed config ----------------------------------------------
 
 def partial_checkpointing(o: Options, m: Machine) -> None:
     skip = o.training.activation_checkpointing_skip_layers
@@ -423,10 +423,10 @@ Check = Callable[[Options, Machine], None]
 OPTION_CHECKS: list[Check] = [
     plan_value, dataset_given, data_option_values, evaluation_has_data, max_length_long_enough, dtype_name,
     fp8_base_is_lora, optimizer_arguments, lora_rank_positive, sizes_in_range, something_to_train, attention_name,
-    packing_attention, padding_positive,
+    packing_attention, padding_positive, our_option_values,
 ]
 MACHINE_CHECKS: list[Check] = [
-    our_option_values, partial_checkpointing, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
+    partial_checkpointing, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
     quantized_base_not_under_zero3, qlora_needs, sharding_needs_gpus, attention_kernel_available, processes_fit_gpus,
     tensor_parallel_combinations, compiled_layers_combinations, liger_kernel_available, fp8_base_needs,
     chunked_loss_combinations, deepspeed_json_agrees, launcher_agrees,

@@ -4,6 +4,9 @@ A run's options go: parsed (sft/options/arguments.py) -> the plan's options set 
 (`with_planned`, for `--plan auto`) -> the derived values below (`resolve_defaults`) -> checked
 (sft/options/checks.py). These two steps are the only ones that write an option; from the checks on, every reader
 sees final values and asks one question (`--qlora` has already set `lora`, so no reader asks `lora or qlora`).
+(Two hand-overs to the Trainer still write its arguments just before it is built: sft/parallel/fsdp.py moves
+--activation_checkpointing to FSDP's own under an FSDP full fine-tune, sft/safety/checkpoints.py takes
+--save_total_limit over from the Trainer's rotation.)
 """
 
 from __future__ import annotations
