@@ -3,6 +3,10 @@
 Every option is a dataclass field with help text, so `python sft/train.py --help` documents them all. A recipe
 YAML holds the same names; options given on the command line win over the recipe. With no `--model` and no
 `--dataset`, the embedded demo's recipe (a tiny DeepSeek-architecture model on `data/`) fills what is not given.
+
+`read_options` only parses. A training run then plans (`--plan auto`, sft/train.py), resolves the derived values
+(sft/options/resolve.py) and checks every rule (sft/options/checks.py); `parse_args` resolves and checks, for the
+tools and tests. Nothing here imports the planner.
 """
 
 from __future__ import annotations
