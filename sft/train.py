@@ -33,7 +33,9 @@ from sft.safety.checkpoints import (CompleteRunCheck, ReachedEnd, check_resume_m
                              complete_run_message, newest_complete, out_of_space, resolve_resume, run_is_finished,
                              save_final)
 from sft.speed.chunked_loss import chunked_causal_lm_loss, liger_causal_lm_loss
-from sft.options.arguments import is_demo_output, parse_args
+from sft.options.arguments import is_demo_output, read_options, settle
+from sft.options.checks import Options
+from sft.options.resolve import with_planned
 from sft.data.dataset import prepare, read_datasets
 from sft.parallel.distributed import (configure_nccl_env, exit_process, is_first_process, on_main_process, preflight,
                              report_error)
@@ -48,7 +50,8 @@ from sft.model.loading import (PartialCheckpointing, check_lora_targets, load_co
                        record_quantized_base, resolve_model_path)
 from sft.model.moe import MoeLoadLogger, install_moe
 from sft.data.packing import Collator
-from sft.plan.planner import nothing_planned_line, prediction_line
+from sft.machine import Machine, machine
+from sft.plan.planner import NOT_PLANNED, Planned, nothing_planned_line, planned_options, prediction_line
 from sft.safety.run_lock import RunLock
 from sft.report.telemetry import EvalPerplexity, GpuTelemetry, RunRecord, run_summary
 from sft.data.templates import chat_template_for_saving
@@ -117,7 +120,8 @@ def main(argv: list[str] | None = None, callbacks: list | None = None, model_fac
 def train(run: Run, seams: Seams) -> int:
     quiet_libraries()  # noisy progress bars off; ranks other than 0 log errors only
     configure_nccl_env()  # consumer GPUs: before TrainingArguments starts the process group
-    model_args, data_args, lora_args, training_args = parse_args(run.argv)
+    options, planned = final_options(run.argv)
+    model_args, data_args, lora_args, training_args = options.groups()  # final: read from here on, never written
     run.output_dir = training_args.output_dir
 
     def take_output_dir() -> str | None:  # main process: lock the directory, then decide resume / fresh start
@@ -143,13 +147,11 @@ def train(run: Run, seams: Seams) -> int:
     tokenizer.chat_template = chat_template_for_saving(data_args.template, tokenizer) or tokenizer.chat_template
     preflight(model_args, lora_args, training_args)  # all-reduce check; host RAM of offload plans
     main_process = training_args.process_index == 0
-    planned = getattr(training_args, "planned", None)  # --plan auto: (options set, the predicted plan)
-    planned = planned if planned and planned[1] else None
     if main_process:
         print(summary, flush=True)
-        if planned:
-            print(f"Plan (--plan auto) set: {' '.join(f'--{k} {v}' for k, v in planned[0].items()) or 'nothing'}\n"
-                  f"{prediction_line(planned[1])}", flush=True)
+        if planned.plan:
+            print(f"Plan (--plan auto) set: {' '.join(f'--{k} {v}' for k, v in planned.options.items()) or 'nothing'}"
+                  f"\n{prediction_line(planned.plan)}", flush=True)
         elif training_args.plan == "auto":
             print(nothing_planned_line(model_args.model, lora_args.lora), flush=True)
         print(f"Loading model: {model_args.model}", flush=True)
@@ -161,12 +163,10 @@ def train(run: Run, seams: Seams) -> int:
     set_seed(training_args.seed)  # the LoRA init happens before the Trainer seeds: make it follow --seed too
     model = load_model(model_args, lora_args, training_args.activation_checkpointing, seams.model_factory)
     # The training loss from the labelled tokens' hidden states (sft/speed/chunked_loss.py): Liger's fused kernel where
-    # Liger's own would run (apply_setup_defaults), torch chunks under --chunked_loss (refused beside Liger).
+    # Liger's own would run (sft/options/resolve.py), torch chunks under --chunked_loss (refused beside Liger).
     labelled_token_loss = (liger_causal_lm_loss if training_args.liger_loss_on_labels
                            else chunked_causal_lm_loss if model_args.chunked_loss else None)
-    # The Trainer copies args.use_cache onto the config it saves: keep the base's (the Collator turns the cache off
-    # in every training forward, where it would let packed documents attend to each other).
-    training_args.use_cache = model.config.use_cache
+    use_cache = model.config.use_cache  # the base's, which a saved model keeps (restored once the Trainer exists)
     balance = install_moe(model, training_args.router_aux_loss_coef, pad_token_id=tokenizer.pad_token_id)  # MoE only
     verifier = make_verifier(training_args.verify_saves, model, resolve_model_path(model_args.model), lora_args.lora,
                              model_args.attn_implementation, model_args.trust_remote_code)
@@ -202,6 +202,9 @@ def train(run: Run, seams: Seams) -> int:
         balance=balance,  # MoE: the routers' load-balancing loss joins the training loss
         guard=guard,  # the NaN check reads the step's gradient norm, not every gradient again
     )
+    # The Trainer copies args.use_cache (False) onto the config it saves: give the model back the base's value (the
+    # Collator turns the cache off in every training forward, where it would let packed documents attend to each other).
+    model.config.use_cache = use_cache
 
     try:
         trainer.train(resume_from_checkpoint=resume)
@@ -221,8 +224,8 @@ def train(run: Run, seams: Seams) -> int:
         save_final(trainer, training_args.output_dir, verifier)  # model or adapter + tokenizer, reloaded, checked
 
     if main_process:
-        if planned and torch.cuda.is_available():
-            print(f"Memory: predicted {planned[1].prediction.reserved_gib:.1f} GiB reserved per GPU, measured "
+        if planned.plan and torch.cuda.is_available():
+            print(f"Memory: predicted {planned.plan.prediction.reserved_gib:.1f} GiB reserved per GPU, measured "
                   f"{torch.cuda.max_memory_reserved() / 2**30:.1f} GiB", flush=True)
         summary = run_summary(training_args.output_dir)  # from all_results.json, after the final evaluation
         if summary:
@@ -231,6 +234,23 @@ def train(run: Run, seams: Seams) -> int:
             print(closing_lines(training_args.output_dir, lora_args.lora,
                                 tensorboard_dir(training_args.output_dir, training_args.report_to)), flush=True)
     return 0
+
+
+def final_options(argv: list[str], m: Machine | None = None) -> tuple[Options, Planned]:
+    """parse -> plan (--plan auto) -> resolve the derived values -> check, each step its own: the options as
+    given, then the plan's where the user gave none (checked like the user's), then what follows from them and
+    the machine. -> (the final options, what the plan set). `m`: this machine unless given (tests)."""
+    options = read_options(argv)
+    m = m or machine()
+    planned = plan(options, m)
+    return settle(with_planned(options, planned.options), m), planned
+
+
+def plan(options: Options, m: Machine) -> Planned:
+    """`--plan auto`: the planner's strategy options for this machine and model (sft/plan/planner.py)."""
+    if options.training.plan != "auto":
+        return NOT_PLANNED
+    return planned_options(options.model, options.lora, options.data, options.training, m, options.given)
 
 
 def stopped_message(run: Run, what: str) -> str:

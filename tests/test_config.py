@@ -242,3 +242,23 @@ def test_lora_under_ddp_does_not_search_for_unused_parameters_unless_asked():
     full = parse()
     validate_setup(*full, machine=ddp)
     assert full[3].ddp_find_unused_parameters is None  # the Trainer's own rule for a PreTrainedModel
+
+
+def test_the_checks_write_no_option():
+    """Options are resolved once (sft/options/resolve.py) and only read after: no check sets an option."""
+    from sft.options.checks import CHECKS, check_options
+
+    ddp = box(2, world_size=2, local_world_size=2, launched=True)
+    args = parse("--lora", "--packing", "true", "--max_length", "512")
+    args[0].attn_implementation = "flex_attention"  # a GPU run's options, checked against a described GPU box
+    options = validate(*args, machine=ddp)
+    assert options.data.pad_to_multiple_of == 512 and options.training.ddp_find_unused_parameters is False
+    before = [dict(vars(group)) for group in options.groups()]
+    assert check_options(options, ddp, CHECKS) is options
+    assert [vars(group) for group in options.groups()] == before
+
+
+def test_options_import_nothing_from_the_planner():
+    """The planner reads options; options never read the planner (no import circle, parsing never plans)."""
+    sources = (REPO / "sft" / "options").glob("*.py")
+    assert not [p.name for p in sources if "from sft.plan" in p.read_text() or "import sft.plan" in p.read_text()]

@@ -99,21 +99,44 @@ def test_every_measured_row_within_10_percent():
             assert abs(x["err_smi"]) <= 0.10, (x["name"], x["run_id"], x["pred_smi"], x["smi"])
 
 
-def test_fill_options_leaves_given_options_alone(tiny_llama):
+def test_planned_options_leave_given_options_alone(tiny_llama):
     from sft.machine import Launch, Machine
+    from sft.options.checks import Options
+    from sft.options.resolve import with_planned
 
     m = Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * 3, gpu_memory_gib=(23.99,) * 3, bf16=True,
                 host_ram_gib=128, launch=Launch(world_size=3, local_world_size=3, launched=True))
     model = SimpleNamespace(model="deepseek-llm-7b", dtype="auto", attn_implementation="sdpa")
-    lora = SimpleNamespace(lora=True, lora_r=16, lora_dropout=0.05)
+    lora = SimpleNamespace(lora=True, qlora=False, lora_r=16, lora_dropout=0.05)
     data = SimpleNamespace(max_length=2048)
     training = SimpleNamespace(per_device_train_batch_size=1, activation_checkpointing=False,
                                use_liger_kernel=False)
-    done, chosen = plan.fill_options(model, lora, data, training, m, given={"attn_implementation"})
+    done, chosen = plan.planned_options(model, lora, data, training, m, given={"attn_implementation"})
     assert chosen.w.strategy == "ddp"
+    assert (model.attn_implementation, training.activation_checkpointing) == ("sdpa", False)  # the planner sets none
+    with_planned(Options(model, data, lora, training), done)  # train.py's step after planning
     assert "attn_implementation" not in done and model.attn_implementation == "sdpa"
     assert training.activation_checkpointing is True and done["per_device_train_batch_size"] in (2, 4)
     assert lora.lora_dropout == 0.0
+
+
+def test_plan_auto_is_applied_after_parsing_and_checked_like_the_users_options():
+    """train.py's steps on a described 3 x 24 GB box: parse, plan, resolve, check; the plan is its own value."""
+    from sft.machine import Launch, Machine
+    from sft.train import final_options
+
+    box = Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * 3, gpu_memory_gib=(23.99,) * 3, bf16=True,
+                  host_ram_gib=128, launch=Launch(world_size=3, local_world_size=3, launched=True),
+                  packages=frozenset({"liger_kernel"}))
+    data = str(plan.REPO / "data" / "alpaca_demo.json")
+    options, planned = final_options(["--model", "deepseek-llm-7b", "--dataset", data, "--output_dir",
+                                      "/nonexistent/out", "--lora", "--lora_dropout", "0.1", "--plan", "auto"], box)
+    assert planned.plan.w.strategy == "ddp" and "lora_dropout" not in planned.options  # given: the user's wins
+    assert options.lora.lora_dropout == 0.1
+    for name, value in planned.options.items():
+        assert getattr(next(g for g in options.groups() if hasattr(g, name)), name) == value
+    assert options.training.ddp_find_unused_parameters is False  # resolved after the plan, before the checks
+    assert options.training.liger_loss_on_labels == bool(planned.options.get("use_liger_kernel"))  # the plan's Liger
 
 
 def test_cli_help_is_one_screen_and_bad_options_one_line():
@@ -130,11 +153,14 @@ def test_cli_help_is_one_screen_and_bad_options_one_line():
 
 def test_plan_auto_through_the_command_line():
     """`--plan auto` is parsed, fills only what the user left out, and on a machine without GPUs sets nothing."""
+    from sft.machine import machine
     from sft.options.arguments import parse_args
+    from sft.train import final_options
 
     data = str(plan.REPO / "data" / "alpaca_demo.json")
-    *_, training = parse_args(["--model", "m", "--dataset", data, "--plan", "auto"])
-    assert training.planned == ({}, None)  # this CPU machine: nothing to plan
+    options, planned = final_options(["--model", "m", "--dataset", data, "--plan", "auto"])
+    assert planned == ({}, None)  # this CPU machine: nothing to plan
+    assert not machine().cuda and not hasattr(options.training, "planned")  # the plan is its own value
     with pytest.raises(Exception, match="--plan 'sometimes'"):
         parse_args(["--model", "m", "--dataset", data, "--plan", "sometimes"])
 

@@ -118,7 +118,7 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
     qlora = qlora_requested(lora_args)
     model = (model_factory or AutoModelForCausalLM.from_pretrained)(
         resolve_model_path(model_args.model),
-        dtype=weights_dtype(model_args, lora_args.lora or qlora),
+        dtype=weights_dtype(model_args, lora_args.lora),
         attn_implementation=model_args.attn_implementation,
         trust_remote_code=model_args.trust_remote_code,
         use_safetensors=True,  # never unpickle weights: a .bin checkpoint can run code when loaded
@@ -130,7 +130,7 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
     if qlora:
         report_quantization(model)
     # config.use_cache stays the base's (a saved model must cache in generate): every batch turns it off (Collator)
-    if lora_args.lora or qlora:
+    if lora_args.lora:  # --qlora has set it (sft/options/resolve.py)
         model = attach_lora(model, lora_args, gradient_checkpointing)
         if model_args.fp8:  # the frozen base's linear layers in FP8 (sft/speed/fp8.py)
             from sft.speed.fp8 import apply_fp8_base

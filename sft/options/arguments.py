@@ -3,6 +3,10 @@
 Every option is a dataclass field with help text, so `python sft/train.py --help` documents them all. A recipe
 YAML holds the same names; options given on the command line win over the recipe. With no `--model` and no
 `--dataset`, the embedded demo's recipe (a tiny DeepSeek-architecture model on `data/`) fills what is not given.
+
+`read_options` only parses. A training run then plans (`--plan auto`, sft/train.py), resolves the derived values
+(sft/options/resolve.py) and checks every rule (sft/options/checks.py); `parse_args` resolves and checks, for the
+tools and tests. Nothing here imports the planner.
 """
 
 from __future__ import annotations
@@ -14,15 +18,17 @@ from pathlib import Path
 
 from transformers import TrainingArguments
 
-from sft.options.argv import (COMMON_TRAINING, Parser, apply_aliases, help_requested, short_help, split_names,
-                      unknown_options_message)
 from sft.configs import DEMO_DATA
 from sft.errors import ConfigError
-from sft.speed.lowbit import LOW_BIT_OPTIMIZERS, SR_ADAMW
+from sft.machine import Machine, launch
+from sft.options.argv import (COMMON_TRAINING, Parser, apply_aliases, help_requested, short_help, split_names,
+                              unknown_options_message)
+from sft.options.checks import CHECKS, MACHINE_CHECKS, OPTION_CHECKS, Check, Options, check_options
 from sft.options.recipe import load_recipe, recipe_to_argv
+from sft.options.resolve import resolve_defaults
+from sft.speed.lowbit import SR_ADAMW
 
 OUR_OPTIMIZERS = (SR_ADAMW,)  # --optim values beyond transformers' own
-ATTENTIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
 TINY_MODEL = "tiny-deepseek"  # the embedded default, built from its config by sft/model/tiny.py
 DEMO = {  # what `accelerate launch sft/train.py` with no arguments runs: about a minute on 2 CPU cores
@@ -192,8 +198,8 @@ class SFTTrainingArguments(TrainingArguments):
         "help": "Which Liger kernels --use_liger_kernel applies, as JSON, e.g. '{\"rms_norm\": false}' (keys: rope, "
                 "rms_norm, swiglu, cross_entropy, fused_linear_cross_entropy); default: all of the model's, or "
                 "only the fused loss under --compile_layers."})
-    # Not an option: set by sft/options/checks.py apply_setup_defaults where Liger's fused loss runs on the labelled tokens
-    # only (sft/speed/chunked_loss.py liger_causal_lm_loss) instead of Liger's own, which projects every token.
+    # Not an option: set by sft/options/resolve.py liger_loss_on_labels where Liger's fused loss runs on the labelled
+    # tokens only (sft/speed/chunked_loss.py liger_causal_lm_loss) instead of Liger's own, which projects every token.
     liger_loss_on_labels: bool = field(default=False, init=False)
     # A plain string (transformers' own field offers its OptimizerNames as the only choices): ours are added.
     optim: str = field(default=next(f.default for f in fields(TrainingArguments) if f.name == "optim"), metadata={
@@ -228,21 +234,6 @@ def check_optimizer_name(name: str) -> None:
     close = difflib.get_close_matches(name, names, n=3)
     raise ConfigError(f"--optim {name!r} is no optimizer" + (f"; did you mean {' or '.join(close)}?" if close else ".")
                       + f" The names: {', '.join(names)}.")
-
-
-def check_low_bit_args(optim: str, args: dict[str, str]) -> None:
-    """torchao's AdamW 8/4-bit through transformers takes block_size and bf16_stochastic_round, ignores any other
-    key in silence (a misspelt bf16_stochastic_round would train without it) and fails on a bad value only once
-    the model has loaded."""
-    known = {"block_size", "bf16_stochastic_round"}
-    if set(args) - known:
-        raise ConfigError(f"--optim {optim}: unknown --optim_args {', '.join(sorted(set(args) - known))} (known: "
-                          f"{', '.join(sorted(known))}).")
-    rounding = args.get("bf16_stochastic_round", "false").lower()
-    if rounding not in ("y", "yes", "t", "true", "on", "1", "n", "no", "f", "false", "off", "0"):
-        raise ConfigError(f"--optim_args bf16_stochastic_round={args['bf16_stochastic_round']}: give True or False.")
-    if not args.get("block_size", "1").isdigit() or int(args.get("block_size", "1")) < 1:
-        raise ConfigError(f"--optim_args block_size={args['block_size']}: give a positive whole number (e.g. 128).")
 
 
 def liger_config_from_json(text: str) -> dict[str, bool]:
@@ -314,9 +305,10 @@ def is_demo_output(model_args: ModelArguments, training_args) -> bool:
             Path(training_args.output_dir).resolve() == Path(DEMO["output_dir"]).resolve())
 
 
-def parse_args(argv: list[str] | None = None, data_only: bool = False):
-    """-> (ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments), validated. `data_only`: for tools
-    that prepare data and load no model (sft.data.dataset): precision and the machine are not checked, so a GPU recipe's
+def read_options(argv: list[str] | None = None, data_only: bool = False) -> Options:
+    """The options as given: the recipes, the command line, the demo's defaults; parsed, not yet resolved or
+    checked (and never planned: `--plan auto` is its own step, sft/train.py). `data_only`: for tools that prepare
+    data and load no model (sft.data.dataset): precision is not checked against the hardware, so a GPU recipe's
     data can be audited on a laptop (precision does not enter the data)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = Parser(PARSER_TYPES, allow_abbrev=False)  # a typo must not pass as an abbreviation
@@ -338,14 +330,32 @@ def parse_args(argv: list[str] | None = None, data_only: bool = False):
         raise recipe_error(parser, recipes) or ConfigError(unknown_options_message(unknown, parser,
                                                                                    our_option_names()))
     model_args, data_args, lora_args, training_args = parsed
-    if training_args.plan not in ("no", "auto"):
-        raise ConfigError(f"--plan {training_args.plan!r}: use auto (or no).")
-    if training_args.plan == "auto":  # before validate: the options it sets are checked like the user's
-        from sft.plan.planner import fill_options
+    return Options.of(model_args, data_args, lora_args, training_args, frozenset(given))
 
-        training_args.planned = fill_options(model_args, lora_args, data_args, training_args, given=given)
-    validate(model_args, data_args, lora_args, training_args, check_machine=not data_only)
-    return model_args, data_args, lora_args, training_args
+
+def parse_args(argv: list[str] | None = None, data_only: bool = False):
+    """-> (ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments), resolved and checked against this
+    machine (`data_only`: the options alone, see read_options). For the tools and tests; training also plans
+    (sft/train.py)."""
+    options = read_options(argv, data_only)
+    if data_only:
+        return settle(options, data_machine(), OPTION_CHECKS).groups()
+    return settle(options).groups()
+
+
+def settle(options: Options, machine: Machine | None = None, checks: list[Check] = CHECKS) -> Options:
+    """Resolve the derived values, then check the rules: -> the final options, only read from here on.
+    `machine`: this one unless given (tests describe one as data)."""
+    from sft.machine import machine as this_machine
+
+    m = machine or this_machine()
+    return check_options(resolve_defaults(options, m), m, checks)
+
+
+def data_machine() -> Machine:
+    """What a data-only run resolves against: the launch as the environment says, no GPUs read (CUDA is not
+    initialised; no derived value that enters the data depends on them)."""
+    return Machine(launch=launch())
 
 
 def resume_requested(value) -> str | None:
@@ -354,81 +364,14 @@ def resume_requested(value) -> str | None:
 
 
 def validate(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraArguments,
-             training_args: SFTTrainingArguments, machine=None, check_machine: bool = True) -> None:
-    """Combinations that cannot work, caught before anything is loaded (`machine`: see validate_setup)."""
-    from sft.data.formats import FORMATS
-    from sft.data.templates import TEMPLATE_NAMES
+             training_args: SFTTrainingArguments, machine: Machine | None = None,
+             check_machine: bool = True) -> Options:
+    """Resolve and check options built or changed by hand (tests): every rule, caught before anything is loaded."""
+    options = Options.of(model_args, data_args, lora_args, training_args)
+    if not check_machine:
+        return settle(options, machine or data_machine(), OPTION_CHECKS)
+    return settle(options, machine)
 
-    if not data_args.dataset:
-        raise ConfigError("--dataset is missing: give one or more data files or hub dataset names.")
-    if data_args.dataset_format not in (None, *FORMATS):
-        raise ConfigError(f"--dataset_format {data_args.dataset_format!r}: use one of {', '.join(FORMATS)}.")
-    if data_args.template not in TEMPLATE_NAMES:
-        raise ConfigError(f"--template {data_args.template!r}: use one of {', '.join(TEMPLATE_NAMES)}.")
-    if data_args.overlong not in ("truncate", "drop"):
-        raise ConfigError(f"--overlong {data_args.overlong!r}: use truncate or drop.")
-    if data_args.oasst_threads not in ("best", "all"):
-        raise ConfigError(f"--oasst_threads {data_args.oasst_threads!r}: use best or all.")
-    if not 0 <= data_args.eval_split < 1:
-        raise ConfigError(f"--eval_split {data_args.eval_split}: give a fraction in [0, 1).")
-    if training_args.eval_strategy != "no" and not (data_args.eval_dataset or data_args.eval_split):
-        raise ConfigError(f"--eval_strategy {training_args.eval_strategy.value} needs held-out data: add --eval_dataset "
-                          f"FILE or --eval_split 0.05 (a share of the training data), or --eval_strategy no.")
-    if data_args.max_length < 8:
-        raise ConfigError(f"--max_length {data_args.max_length} is too short; give at least 8 tokens.")
-    if model_args.dtype not in ("auto", "bfloat16", "float16", "float32"):
-        raise ConfigError(f"--dtype {model_args.dtype!r}: use auto, bfloat16, float16 or float32.")
-    if model_args.fp8 and not (lora_args.lora or lora_args.qlora):
-        raise ConfigError("--fp8 computes the frozen base of a LoRA run in FP8: add --lora (a full fine-tune "
-                          "trains every weight, and FP8 training of those is not supported yet).")
-    if model_args.fp8 and lora_args.qlora:
-        raise ConfigError("--fp8 with --qlora: the base is already 4-bit (bitsandbytes computes it in bf16); use "
-                          "one of them.")
-    if training_args.optim in (SR_ADAMW, *LOW_BIT_OPTIMIZERS):  # --optim_args now, not once the model has loaded
-        from sft.speed.sr_adamw import optimizer_kwargs
-
-        pairs = [kv.split("=", 1) for kv in (training_args.optim_args or "").replace(" ", "").split(",") if kv]
-        if any(len(pair) != 2 for pair in pairs):
-            raise ConfigError(f"--optim_args {training_args.optim_args!r}: give key=value pairs, comma-separated.")
-        if training_args.optim == SR_ADAMW:
-            optimizer_kwargs(dict(pairs), training_args.seed)
-        else:
-            check_low_bit_args(getattr(training_args.optim, "value", training_args.optim), dict(pairs))
-    if lora_args.lora and lora_args.lora_r <= 0:
-        raise ConfigError(f"--lora_r {lora_args.lora_r}: the rank must be positive.")
-    for option, value, fits, wanted in (  # else a traceback once the model has loaded, or a run that trains nothing
-            ("per_device_train_batch_size", training_args.per_device_train_batch_size, lambda v: v >= 1, "1 or more"),
-            ("per_device_eval_batch_size", training_args.per_device_eval_batch_size, lambda v: v >= 1, "1 or more"),
-            ("gradient_accumulation_steps", training_args.gradient_accumulation_steps, lambda v: v >= 1, "1 or more"),
-            ("learning_rate", training_args.learning_rate, lambda v: v >= 0, "0 or more, e.g. 2e-4"),
-            ("lora_dropout", lora_args.lora_dropout, lambda v: 0 <= v < 1, "a probability in [0, 1)")):
-        if not fits(value):
-            raise ConfigError(f"--{option} {value}: give {wanted}.")
-    if training_args.max_steps <= 0 and training_args.num_train_epochs <= 0:
-        raise ConfigError(f"--num_train_epochs {training_args.num_train_epochs:g} without a positive --max_steps "
-                          f"trains nothing: give --num_train_epochs (e.g. 3) or --max_steps (e.g. 1000).")
-    attention = model_args.attn_implementation
-    if attention not in ATTENTIONS and "/" not in attention and not attention.startswith("paged|"):  # hub kernels pass
-        import difflib
-
-        close = difflib.get_close_matches(attention, ATTENTIONS, n=1)
-        raise ConfigError(f"--attn_implementation {attention!r}" + (f": did you mean {close[0]}?" if close else ":")
-                          + f" use one of {', '.join(ATTENTIONS)} (or a hub kernel, e.g. kernels-community/flash-attn).")
-    if data_args.packing and model_args.attn_implementation not in ("sdpa", "eager", "flex_attention",
-                                                                   "flash_attention_2", "flash_attention_3"):
-        raise ConfigError(f"--packing needs an attention that separates packed documents by position_ids "
-                          f"(sdpa, eager, flex_attention, flash_attention_2/3), not "
-                          f"{model_args.attn_implementation!r}.")
-    if data_args.pad_to_multiple_of is not None and data_args.pad_to_multiple_of < 1:
-        raise ConfigError(f"--pad_to_multiple_of {data_args.pad_to_multiple_of}: give a positive number of tokens.")
-    flex = model_args.attn_implementation == "flex_attention"
-    if data_args.pad_to_multiple_of is None and data_args.packing and flex:
-        data_args.pad_to_multiple_of = data_args.max_length  # every new shape would compile flex's kernels again
-    if check_machine:
-        validate_setup(model_args, data_args, lora_args, training_args, machine)
-
-
-# ---- combinations that need the hardware, the launcher or the DeepSpeed config (sft/options/arguments.py's last checks) --
 
 def training_arguments_message(message: str) -> str:
     if "at most one of fp16 and bf16" in message.lower():
@@ -440,12 +383,7 @@ def training_arguments_message(message: str) -> str:
 
 
 def validate_setup(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraArguments,
-                   training_args: SFTTrainingArguments, machine=None) -> None:
-    """Checks against the machine, the launcher's settings and the DeepSpeed JSON (sft/options/checks.py, one named check
-    per rule); `machine`: this one unless given (tests describe one as data)."""
-    from sft.options.checks import Options, apply_setup_defaults, run_checks
-    from sft.machine import machine as this_machine
-
-    options, m = Options.of(model_args, data_args, lora_args, training_args), machine or this_machine()
-    run_checks(options, m)
-    apply_setup_defaults(options, m)
+                   training_args: SFTTrainingArguments, machine: Machine | None = None) -> Options:
+    """Resolve, then only the checks against the machine, the launcher's settings and the DeepSpeed JSON
+    (sft/options/checks.py MACHINE_CHECKS); `machine`: this one unless given (tests describe one as data)."""
+    return settle(Options.of(model_args, data_args, lora_args, training_args), machine, MACHINE_CHECKS)

@@ -1,12 +1,14 @@
-"""Combinations that cannot work on this machine or under this launch: one named check per rule.
+"""Combinations that cannot work: one named check per rule, run in one go, none of them writing an option.
 
-Each check takes the parsed options and the `Machine` (sft/machine.py) as plain data and raises ConfigError with
-what to do instead; `CHECKS` lists them in the order they run. Settings that follow from the options (not checks)
-are applied apart, by `apply_setup_defaults`.
+Each check takes the options (`Options`, resolved: sft/options/resolve.py) and the `Machine` (sft/machine.py) as
+plain data and raises ConfigError with what to do instead. `OPTION_CHECKS` need the options alone (a data-only run
+checks those); `MACHINE_CHECKS` also the hardware, the launcher's settings and the DeepSpeed JSON. `CHECKS` lists
+them all in the order they run.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -15,19 +17,32 @@ from sft.errors import ConfigError
 from sft.speed.lowbit import LOW_BIT_OPTIMIZERS, SR_ADAMW, rounds_stochastically
 from sft.machine import Machine
 
+ATTENTIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+# The attentions that keep packed documents apart by position_ids (the rest would let them attend to each other).
+PACKING_ATTENTIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
 
-@dataclass
+
+@dataclass(frozen=True)
 class Options:
+    """The four option groups of one run, with the option names the user gave (recipe or command line). Frozen,
+    and its groups are treated as frozen once checked: the only writers are sft/options/resolve.py's steps."""
+
     model: object      # ModelArguments
     data: object       # DataArguments
     lora: object       # LoraArguments
     training: object   # SFTTrainingArguments
     deepspeed: dict = field(default_factory=dict)  # the DeepSpeed JSON in effect ({} without DeepSpeed)
+    given: frozenset[str] = frozenset()  # the option names the user gave: --plan auto leaves them alone
 
     @classmethod
-    def of(cls, model_args, data_args, lora_args, training_args) -> Options:
+    def of(cls, model_args, data_args, lora_args, training_args, given: frozenset[str] = frozenset()) -> Options:
         hf_config = getattr(training_args, "hf_deepspeed_config", None)
-        return cls(model_args, data_args, lora_args, training_args, hf_config.config if hf_config else {})
+        return cls(model_args, data_args, lora_args, training_args, hf_config.config if hf_config else {},
+                   frozenset(given))
+
+    def groups(self) -> tuple:
+        """(ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments), as parse_args returns them."""
+        return self.model, self.data, self.lora, self.training
 
     def zero(self) -> dict:
         zero = self.deepspeed.get("zero_optimization")
@@ -47,6 +62,139 @@ class Options:
         return sorted(found | set(m.launch.offload))
 
 
+# ---- the options alone ------------------------------------------------------------------------------------
+
+def dataset_given(o: Options, m: Machine) -> None:
+    if not o.data.dataset:
+        raise ConfigError("--dataset is missing: give one or more data files or hub dataset names.")
+
+
+def data_option_values(o: Options, m: Machine) -> None:
+    from sft.data.formats import FORMATS
+    from sft.data.templates import TEMPLATE_NAMES
+
+    d = o.data
+    if d.dataset_format not in (None, *FORMATS):
+        raise ConfigError(f"--dataset_format {d.dataset_format!r}: use one of {', '.join(FORMATS)}.")
+    if d.template not in TEMPLATE_NAMES:
+        raise ConfigError(f"--template {d.template!r}: use one of {', '.join(TEMPLATE_NAMES)}.")
+    if d.overlong not in ("truncate", "drop"):
+        raise ConfigError(f"--overlong {d.overlong!r}: use truncate or drop.")
+    if d.oasst_threads not in ("best", "all"):
+        raise ConfigError(f"--oasst_threads {d.oasst_threads!r}: use best or all.")
+    if not 0 <= d.eval_split < 1:
+        raise ConfigError(f"--eval_split {d.eval_split}: give a fraction in [0, 1).")
+
+
+def evaluation_has_data(o: Options, m: Machine) -> None:
+    t, d = o.training, o.data
+    if t.eval_strategy != "no" and not (d.eval_dataset or d.eval_split):
+        raise ConfigError(f"--eval_strategy {t.eval_strategy.value} needs held-out data: add --eval_dataset "
+                          f"FILE or --eval_split 0.05 (a share of the training data), or --eval_strategy no.")
+
+
+def max_length_long_enough(o: Options, m: Machine) -> None:
+    if o.data.max_length < 8:
+        raise ConfigError(f"--max_length {o.data.max_length} is too short; give at least 8 tokens.")
+
+
+def dtype_name(o: Options, m: Machine) -> None:
+    if o.model.dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise ConfigError(f"--dtype {o.model.dtype!r}: use auto, bfloat16, float16 or float32.")
+
+
+def fp8_base_is_lora(o: Options, m: Machine) -> None:
+    if o.model.fp8 and not o.lora.lora:
+        raise ConfigError("--fp8 computes the frozen base of a LoRA run in FP8: add --lora (a full fine-tune "
+                          "trains every weight, and FP8 training of those is not supported yet).")
+    if o.model.fp8 and o.lora.qlora:
+        raise ConfigError("--fp8 with --qlora: the base is already 4-bit (bitsandbytes computes it in bf16); use "
+                          "one of them.")
+
+
+def optimizer_arguments(o: Options, m: Machine) -> None:
+    """--optim_args now, not once the model has loaded."""
+    t = o.training
+    if t.optim not in (SR_ADAMW, *LOW_BIT_OPTIMIZERS):
+        return
+    from sft.speed.sr_adamw import optimizer_kwargs
+
+    pairs = [kv.split("=", 1) for kv in (t.optim_args or "").replace(" ", "").split(",") if kv]
+    if any(len(pair) != 2 for pair in pairs):
+        raise ConfigError(f"--optim_args {t.optim_args!r}: give key=value pairs, comma-separated.")
+    if t.optim == SR_ADAMW:
+        optimizer_kwargs(dict(pairs), t.seed)
+    else:
+        check_low_bit_args(getattr(t.optim, "value", t.optim), dict(pairs))
+
+
+def check_low_bit_args(optim: str, args: dict[str, str]) -> None:
+    """torchao's AdamW 8/4-bit through transformers takes block_size and bf16_stochastic_round, ignores any other
+    key in silence (a misspelt bf16_stochastic_round would train without it) and fails on a bad value only once
+    the model has loaded."""
+    known = {"block_size", "bf16_stochastic_round"}
+    if set(args) - known:
+        raise ConfigError(f"--optim {optim}: unknown --optim_args {', '.join(sorted(set(args) - known))} (known: "
+                          f"{', '.join(sorted(known))}).")
+    rounding = args.get("bf16_stochastic_round", "false").lower()
+    if rounding not in ("y", "yes", "t", "true", "on", "1", "n", "no", "f", "false", "off", "0"):
+        raise ConfigError(f"--optim_args bf16_stochastic_round={args['bf16_stochastic_round']}: give True or False.")
+    if not args.get("block_size", "1").isdigit() or int(args.get("block_size", "1")) < 1:
+        raise ConfigError(f"--optim_args block_size={args['block_size']}: give a positive whole number (e.g. 128).")
+
+
+def lora_rank_positive(o: Options, m: Machine) -> None:
+    if o.lora.lora and o.lora.lora_r <= 0:
+        raise ConfigError(f"--lora_r {o.lora.lora_r}: the rank must be positive.")
+
+
+def sizes_in_range(o: Options, m: Machine) -> None:
+    """Else a traceback once the model has loaded, or a run that trains nothing."""
+    t = o.training
+    for option, value, fits, wanted in (
+            ("per_device_train_batch_size", t.per_device_train_batch_size, lambda v: v >= 1, "1 or more"),
+            ("per_device_eval_batch_size", t.per_device_eval_batch_size, lambda v: v >= 1, "1 or more"),
+            ("gradient_accumulation_steps", t.gradient_accumulation_steps, lambda v: v >= 1, "1 or more"),
+            ("learning_rate", t.learning_rate, lambda v: v >= 0, "0 or more, e.g. 2e-4"),
+            ("lora_dropout", o.lora.lora_dropout, lambda v: 0 <= v < 1, "a probability in [0, 1)")):
+        if not fits(value):
+            raise ConfigError(f"--{option} {value}: give {wanted}.")
+
+
+def something_to_train(o: Options, m: Machine) -> None:
+    t = o.training
+    if t.max_steps <= 0 and t.num_train_epochs <= 0:
+        raise ConfigError(f"--num_train_epochs {t.num_train_epochs:g} without a positive --max_steps "
+                          f"trains nothing: give --num_train_epochs (e.g. 3) or --max_steps (e.g. 1000).")
+
+
+def attention_name(o: Options, m: Machine) -> None:
+    attention = o.model.attn_implementation
+    if attention in ATTENTIONS or "/" in attention or attention.startswith("paged|"):  # hub kernels pass
+        return
+    close = difflib.get_close_matches(attention, ATTENTIONS, n=1)
+    raise ConfigError(f"--attn_implementation {attention!r}" + (f": did you mean {close[0]}?" if close else ":")
+                      + f" use one of {', '.join(ATTENTIONS)} (or a hub kernel, e.g. kernels-community/flash-attn).")
+
+
+def packing_attention(o: Options, m: Machine) -> None:
+    if o.data.packing and o.model.attn_implementation not in PACKING_ATTENTIONS:
+        raise ConfigError(f"--packing needs an attention that separates packed documents by position_ids "
+                          f"(sdpa, eager, flex_attention, flash_attention_2/3), not "
+                          f"{o.model.attn_implementation!r}.")
+
+
+def padding_positive(o: Options, m: Machine) -> None:
+    pad = o.data.pad_to_multiple_of
+    if pad is not None and pad < 1:
+        raise ConfigError(f"--pad_to_multiple_of {pad}: give a positive number of tokens.")
+
+
+def plan_value(o: Options, m: Machine) -> None:
+    if o.training.plan not in ("no", "auto"):
+        raise ConfigError(f"--plan {o.training.plan!r}: use auto (or no).")
+
+
 def our_option_values(o: Options, m: Machine) -> None:
     t = o.training
     if t.verify_saves not in ("auto", "all", "final", "no"):
@@ -57,6 +205,8 @@ def our_option_values(o: Options, m: Machine) -> None:
         raise ConfigError(f"--loss_spike_factor {t.loss_spike_factor}: give a factor above 1, or 0 to turn spike "
                           f"warnings off.")
 
+
+# ---- against the machine, the launch and the DeepSpeed config ----------------------------------------------
 
 def partial_checkpointing(o: Options, m: Machine) -> None:
     skip = o.training.activation_checkpointing_skip_layers
@@ -107,13 +257,6 @@ def full_fine_tune_keeps_small_updates(o: Options, m: Machine) -> None:
 
 def qlora(o: Options) -> bool:
     return o.lora.qlora
-
-
-def qlora_implies_lora(o: Options) -> None:
-    """--qlora trains a LoRA adapter on the 4-bit base: it sets --lora (a full fine-tune of 4-bit weights is not
-    possible; they are frozen). Applied before the checks, which read --lora."""
-    if qlora(o):
-        o.lora.lora = True
 
 
 def qlora_needs(o: Options, m: Machine) -> None:
@@ -276,45 +419,24 @@ def launcher_agrees(o: Options, m: Machine) -> None:
                           f"{t.deepspeed}. Keep one.")
 
 
-CHECKS: list[Callable[[Options, Machine], None]] = [
-    our_option_values, partial_checkpointing, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
+Check = Callable[[Options, Machine], None]
+OPTION_CHECKS: list[Check] = [
+    plan_value, dataset_given, data_option_values, evaluation_has_data, max_length_long_enough, dtype_name,
+    fp8_base_is_lora, optimizer_arguments, lora_rank_positive, sizes_in_range, something_to_train, attention_name,
+    packing_attention, padding_positive, our_option_values,
+]
+MACHINE_CHECKS: list[Check] = [
+    partial_checkpointing, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
     quantized_base_not_under_zero3, qlora_needs, sharding_needs_gpus, attention_kernel_available, processes_fit_gpus,
     tensor_parallel_combinations, compiled_layers_combinations, liger_kernel_available, fp8_base_needs,
     chunked_loss_combinations, deepspeed_json_agrees, launcher_agrees,
 ]
+CHECKS: list[Check] = OPTION_CHECKS + MACHINE_CHECKS
 
 
-def run_checks(o: Options, m: Machine) -> None:
-    qlora_implies_lora(o)  # options that imply others first: the checks read the result
-    for check in CHECKS:
+def check_options(o: Options, m: Machine, checks: list[Check] = CHECKS) -> Options:
+    """Every rule in `checks`, in order; -> the same options (from here on read, never written). A data-only run,
+    which loads no model, runs OPTION_CHECKS alone: a GPU recipe's data can be audited on a laptop."""
+    for check in checks:
         check(o, m)
-
-
-def apply_setup_defaults(o: Options, m: Machine) -> None:
-    """Settings that follow from the options. Tensor parallel: transformers' Trainer (5.x) refuses checkpoints
-    with optimizer state for a model sharded at load time, so `save_only_model` is set and
-    sft/parallel/tensor_parallel.py saves the rest. LoRA: DDP does not search for unused parameters."""
-    t = o.training
-    if o.model.tp_size > 1 and getattr(t.save_strategy, "value", t.save_strategy) != "no":
-        t.save_only_model = True
-    if o.lora.lora and t.ddp_find_unused_parameters is None:
-        # The Trainer turns DDP's find_unused_parameters on for any model that is not a PreTrainedModel, so for
-        # every peft model: a walk of the autograd graph each step for nothing, since every adapter weight gets a
-        # gradient every step (the bench's LoRA DDP rows have always run with it off). The user's value wins.
-        t.ddp_find_unused_parameters = False
-    if getattr(o.model, "compile_layers", False) and t.use_liger_kernel and t.liger_kernel_config is None:
-        from sft.speed.regional_compile import LIGER_WITH_COMPILED_LAYERS  # dynamo cannot trace Liger's in-layer kernels
-
-        t.liger_kernel_config = dict(LIGER_WITH_COMPILED_LAYERS)
-    if liger_loss_on_labels_fits(o, m):  # the same fused loss, the labelled tokens only (sft/speed/chunked_loss.py)
-        t.liger_kernel_config = {**(t.liger_kernel_config or {}), "fused_linear_cross_entropy": False}
-        t.liger_loss_on_labels = True
-
-
-def liger_loss_on_labels_fits(o: Options, m: Machine) -> bool:
-    """Where Liger's own fused loss would run: not when your --liger_kernel_config turns it off, not with label
-    smoothing (the Trainer then needs logits), and not under ZeRO-3, whose lm_head weight is whole only inside
-    the lm_head's own forward: there Liger's own loss stays as it was."""
-    t = o.training
-    return (t.use_liger_kernel and (t.liger_kernel_config or {}).get("fused_linear_cross_entropy", True)
-            and not t.label_smoothing_factor and o.zero_stage(m) != "3" and o.model.tp_size == 1)
+    return o

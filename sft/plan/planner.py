@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib.util
 import json
 import math
 import shlex
@@ -28,6 +27,7 @@ import statistics
 import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import NamedTuple
 
 from sft.report.console import ToolParser
 from sft.options.recipe import load_recipe
@@ -840,21 +840,33 @@ def cards(m) -> tuple[int, float]:
     return max(1, m.launch.world_size if m.launch.launched else m.gpus), min(m.gpu_memory_gib or (24.0,))
 
 
-def fill_options(model_args, lora_args, data_args, training_args, machine=None, given: set[str] | None = None):
-    """`sft/train.py --plan auto`: set the strategy options the planner predicts, leaving every option the user
-    gave (`given`: option names) alone. -> (what was set {name: value}, the chosen Plan or None).
-    `machine`: a sft.machine.Machine (this one when None)."""
+class Planned(NamedTuple):
+    """What `--plan auto` chose: the options it sets {name: value} (never one the user gave), and the plan they
+    come from (None: nothing planned)."""
+
+    options: dict
+    plan: Plan | None
+
+
+NOT_PLANNED = Planned({}, None)
+
+
+def planned_options(model_args, lora_args, data_args, training_args, machine=None,
+                    given: set[str] | frozenset[str] = frozenset()) -> Planned:
+    """`sft/train.py --plan auto`: the strategy options the planner predicts fastest, leaving out every option the
+    user gave (`given`: option names). Sets nothing itself: the caller applies them before the options are
+    resolved and checked. `machine`: a sft.machine.Machine (this one when None)."""
     from sft.machine import machine as this_machine
 
-    given = given or set()
     m = machine or this_machine()
     if not m.cuda:
-        return {}, None  # nothing to plan without GPUs: the options stay as given
+        return NOT_PLANNED  # nothing to plan without GPUs: the options stay as given
     gpus, mem = cards(m)
     peak = next((v for k, v in __import__("sft.report.callbacks", fromlist=["PEAK_FLOPS"]).PEAK_FLOPS.items()
                  if m.gpu_names and k in m.gpu_names[0]), 165e12)
     shape = resolve_shape(model_args.model)
-    method = "lora" if lora_args.lora else "full"
+    # Options as given (not yet resolved): --qlora alone has not set --lora yet, and plans its own 4-bit memory.
+    method = "qlora" if lora_args.qlora else "lora" if lora_args.lora else "full"
     mbs = (training_args.per_device_train_batch_size,) if "per_device_train_batch_size" in given else (1, 2, 4, 8)
     plans = enumerate_plans(shape, Box(gpus, mem, m.host_ram_gib or None, peak), method,
                             data_args.max_length, mbs, lora_args.lora_r)
@@ -862,25 +874,17 @@ def fill_options(model_args, lora_args, data_args, training_args, machine=None, 
     plans = [p for p in plans if strategy is None or p.w.strategy == strategy]  # the launch decides the strategy
     chosen = best_plan(plans)
     if chosen is None:
-        return {}, None
+        return NOT_PLANNED
     wanted = options_of(chosen)
-    if wanted.get("use_liger_kernel") and importlib.util.find_spec("liger_kernel") is None:
+    if wanted.get("use_liger_kernel") and not m.has("liger_kernel"):
         wanted["use_liger_kernel"] = False  # not installed here: the plan's other options still hold
     if method == "full" and "dtype" in given:  # the user's precision wins: keep plans of that precision
         wanted = {k: v for k, v in wanted.items() if k not in ("dtype", "optim", "optim_args")}
     if chosen.w.strategy == "fsdp" and method == "full" and "dtype" in wanted:
         wanted["bf16"] = False  # the weights are bf16 (sft/checks: no --bf16 with --dtype bfloat16 under FSDP)
     groups = (model_args, lora_args, data_args, training_args)
-    done = {}
-    for name, value in wanted.items():
-        if name in given:
-            continue
-        for group in groups:
-            if hasattr(group, name):
-                setattr(group, name, value)
-                done[name] = value
-                break
-    return done, chosen
+    return Planned({name: value for name, value in wanted.items()
+                    if name not in given and any(hasattr(group, name) for group in groups)}, chosen)
 
 
 def _launched_strategy(m) -> str | None:

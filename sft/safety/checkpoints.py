@@ -334,7 +334,7 @@ def check_resume_matches(checkpoint: str | None, model_args, lora_args, argv: li
     adapter, config = read_json_object(path / "adapter_config.json"), read_json_object(path / "config.json")
     if adapter is None and config is None:
         return  # a layout we do not read (e.g. DeepSpeed's or FSDP's shards alone): the Trainer checks it
-    lora = lora_args.lora or lora_args.qlora
+    lora = lora_args.lora  # --qlora has set it (sft/options/resolve.py)
     start_over = "or train these options from the start in another --output_dir"
     if adapter is not None and not lora:
         raise ConfigError(f"--resume_from_checkpoint {path} holds a LoRA adapter, and this run trains every weight "

@@ -11,8 +11,8 @@ the model's own (tests/test_chunked_loss.py): the labels shifted by one, -100 le
 Trainer's `num_items_in_batch` (the accumulated batch's label count) or by this batch's count.
 
 Under --use_liger_kernel the same forward computes the loss with Liger's fused linear cross-entropy, also on the
-labelled tokens only (`liger_causal_lm_loss`; sft/options/checks.py apply_setup_defaults switches Liger's own fused loss
-off, which projects every token): a prompt's tokens carry no label, and in the bench's Alpaca packs that is most
+labelled tokens only (`liger_causal_lm_loss`; sft/options/resolve.py liger_loss_on_labels switches Liger's own fused
+loss off, which projects every token): a prompt's tokens carry no label, and in the bench's Alpaca packs that is most
 of them: the lm_head's three matmuls took 33 ms of a 0.61 s step of a 7B full fine-tune on an H200 where TRL's
 SFTTrainer, which projects only the labelled tokens, spent 11 ms (run 20261202T0245Z-E, bench/RESULTS.md).
 

@@ -11,7 +11,8 @@ and the hooks FSDP2 adds later stay as they were, so saves, verified reloads and
 
 Liger's kernels for RMSNorm, RoPE and SwiGLU live inside the layers, and dynamo cannot trace them (a path many
 times slower, seen on GPUs): under --compile_layers only Liger's fused linear cross-entropy, which runs outside the
-layers, stays on (sft/options/checks.py apply_setup_defaults sets liger_kernel_config; a config of yours wins).
+layers, stays on (sft/options/resolve.py compiled_layers_keep_liger_loss_only sets liger_kernel_config; a config
+of yours wins).
 """
 
 from __future__ import annotations
