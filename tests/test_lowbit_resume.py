@@ -51,9 +51,9 @@ RESUME_WORKER = textwrap.dedent("""
         fully_shard(model[0])
         fully_shard(model[2])
         fully_shard(model)
-        optimizer_class = AdamW4bit if bits == 4 else AdamW8bit  # block_size as transformers passes it
+        optimizer_class = AdamW4bit if bits == 4 else AdamW8bit  # block_size as SFTTrainer passes it (a number)
         return model, optimizer_class(model.parameters(), lr=1e-2, weight_decay=0.01, bf16_stochastic_round=True,
-                                      block_size="128" if bits == 4 else "256")
+                                      block_size=128 if bits == 4 else 256)
 
     def train(model, optimizer, steps):
         for step in steps:

@@ -10,7 +10,6 @@ import pytest
 
 from conftest import REPO
 from sft.errors import LibraryMismatch
-from sft.safety import private_names
 from sft.safety.private_names import PRIVATE_NAMES, PrivateName, expect, installed_version, problem
 
 
@@ -18,9 +17,8 @@ from sft.safety.private_names import PRIVATE_NAMES, PrivateName, expect, install
 def test_every_private_name_is_what_we_expect_on_the_installed_libraries(row):
     if importlib.util.find_spec(row.module.split(".")[0]) is None:
         pytest.skip(f"{row.library} is not installed")
-    target, differs = problem(row)
+    _, differs = problem(row)  # (the object itself may be None: a module's global, unset until used)
     assert differs is None, f"{row.library} {installed_version(row.library)}: {differs}"
-    assert target is not None
 
 
 def test_a_name_that_moved_changed_or_left_the_tested_versions_is_one_error_line(monkeypatch):
@@ -50,12 +48,10 @@ def test_a_changed_trainer_method_stops_the_run_before_any_model_loads(tmp_path,
         return norm
 
     monkeypatch.setattr(Trainer, "_get_grad_norm", get_grad_norm)
-    private_names._checked.cache_clear()
     loaded = []
     rc = main(["--dataset", str(REPO / "data" / "alpaca_demo.json"), "--output_dir", str(tmp_path / "out"),
                "--max_steps", "1", "--report_to", "none", "--dataset_cache_dir", str(tmp_path / "cache")],
               model_factory=lambda *a, **k: loaded.append(1))
-    private_names._checked.cache_clear()
     err = capsys.readouterr().err
     assert rc == 2 and not loaded, err
     lines = [line for line in err.splitlines() if line.startswith("error:")]

@@ -35,11 +35,15 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, _raise_interrupt)
 
 
+_launcher_pid: int | None = None  # our parent under a launcher (end_with_launcher), to tell that it died
+
+
 def end_with_launcher() -> None:
     """Under a launcher: receive SIGTERM when the launcher process exits, however it died."""
+    global _launcher_pid
     if not launch().launched:
         return
-    parent = os.getppid()
+    parent = _launcher_pid = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0) == 0:
@@ -82,13 +86,19 @@ def leave_now(code: int) -> None:
     os._exit(code)
 
 
+def launcher_gone() -> bool:
+    """The launcher that started this worker has exited (the worker was handed to another parent)."""
+    return _launcher_pid is not None and os.getppid() != _launcher_pid
+
+
 def tell_user(message: str) -> None:
-    """The stop message, on stderr where the launcher is alive to pass it on; else on stdout. accelerate 1.16's
+    """The stop message, on stderr; and on stdout too where stderr may not reach the user. accelerate 1.16's
     launcher tees a worker's stderr through a pipe that dies with it (kill -9 of `accelerate launch`), while the
-    worker's stdout is the launcher's own terminal or file, inherited: the message still reaches the user."""
-    for stream in (sys.stderr, sys.stdout):
+    worker's stdout is the launcher's own terminal or file, inherited: there the message still reaches the user."""
+    streams = [sys.stderr, sys.stdout] if launcher_gone() else [sys.stderr]
+    for stream in streams:
         try:
             print(message, file=stream, flush=True)
-            return
-        except (BrokenPipeError, OSError):
-            continue
+        except (BrokenPipeError, OSError):  # a pipe without its reader: say it on stdout instead
+            if sys.stdout not in streams:
+                streams.append(sys.stdout)

@@ -93,6 +93,7 @@ PRIVATE_NAMES = (CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPOINT, LOAD_FROM_CHECK
                  FSDP_STATE)
 
 
+@functools.cache  # read once per process: a library's version does not change under a running process
 def installed_version(library: str) -> str:
     try:
         return importlib.metadata.version(library)
@@ -127,15 +128,10 @@ def problem(row: PrivateName, resolve=importlib.import_module) -> tuple[object |
 
 def expect(row: PrivateName):
     """The object `row` names, checked (see the module docstring); a LibraryMismatch error otherwise."""
-    target, differs = _checked(row)
+    target, differs = problem(row)  # not cached: the object as it is now (microseconds; called before each use)
     if differs:
         raise LibraryMismatch(
             f"{row.library} {installed_version(row.library)}: {differs}, which deepseek-sft uses for {row.why}. "
             f"Install the tested versions: pip install -c constraints.txt -e . (from the repository), or "
             f"pip install '{row.library}{row.versions}'.")
     return target
-
-
-@functools.cache
-def _checked(row: PrivateName):
-    return problem(row)
