@@ -36,8 +36,8 @@ from sft.safety.checkpoints import (CompleteRunCheck, ReachedEnd, check_resume_m
 from sft.speed.chunked_loss import chunked_causal_lm_loss, install_chunked_loss, liger_causal_lm_loss
 from sft.options.arguments import is_demo_output, parse_args
 from sft.data.dataset import prepare, read_datasets
-from sft.parallel.distributed import (configure_nccl_env, exit_process, is_first_process, on_main_process, preflight,
-                             report_error)
+from sft.parallel.distributed import configure_nccl_env, exit_process, on_main_process, preflight, report_error
+from sft.machine import is_first_process
 from sft.errors import NothingToDo, UserFacingError
 from sft.parallel.fsdp import consolidate_fsdp_saves, fsdp_callbacks, fsdp_training_settings
 from sft.safety.guards import LossSpikeLogger, NonFiniteGuard
@@ -143,7 +143,7 @@ def train(run: Run, seams: Seams) -> int:
     # Saves carry the template trained with (set after prepare(), whose cache key reads the tokenizer's own).
     tokenizer.chat_template = chat_template_for_saving(data_args.template, tokenizer) or tokenizer.chat_template
     preflight(model_args, lora_args, training_args)  # all-reduce check; host RAM of offload plans
-    main_process = training_args.process_index == 0
+    main_process = is_first_process()
     planned = getattr(training_args, "planned", None)  # --plan auto: (options set, the predicted plan)
     planned = planned if planned and planned[1] else None
     if main_process:

@@ -16,7 +16,7 @@ from dataclasses import MISSING, dataclass, fields
 from transformers import HfArgumentParser
 
 from sft.errors import ConfigError
-from sft.machine import launch
+from sft.machine import is_first_process
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def apply_aliases(argv: list[str]) -> list[str]:
 
 
 def _note(text: str) -> None:
-    if launch().first:
+    if is_first_process():
         print(f"note: {text}", file=sys.stderr, flush=True)
 
 

@@ -30,9 +30,9 @@ from pathlib import Path
 
 from sft.report.console import ToolParser
 from sft.options.recipe import load_recipe
+from sft.machine import GIB
 from sft.parallel.strategies import PRECISION_OPTIONS, REPO, STRATEGIES, Setup, StateBytes, Strategy
 
-GIB = 2**30
 RESULTS = REPO / "bench" / "results.jsonl"
 HEADROOM = 0.075  # a plan whose need is within the planner's worst error on the bench rows (7.3%) is "tight"
 
