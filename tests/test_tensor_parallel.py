@@ -73,7 +73,8 @@ def test_a_tensor_parallel_run_resumes_where_it_stopped(tmp_path, tiny_llama):
     whole = tp_train(tmp_path, tiny_llama, tmp_path / "whole")
     checkpoint = tmp_path / "whole" / "checkpoint-2"
     held = {p.name for p in checkpoint.iterdir()}
-    assert {TP_STATE_DIR, TP_STATE_INFO, "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth", "model.safetensors"} <= held
+    assert {TP_STATE_DIR, TP_STATE_INFO, "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth",
+            "model.safetensors"} <= held
     assert json.loads((checkpoint / TP_STATE_INFO).read_text()) == {"tp_size": 2}
 
     resumed = tp_train(tmp_path, tiny_llama, tmp_path / "resumed", resume=checkpoint)

@@ -97,8 +97,8 @@ def check_resumable(checkpoint: str | None, tp_size: int) -> None:
         return
     if saved is None:
         raise ConfigError(f"--resume_from_checkpoint {checkpoint} with --tp_size {tp_size}: that checkpoint holds no "
-                          f"tensor-parallel training state ({TP_STATE_DIR}/): it was written by another strategy or by "
-                          f"an older version that saved the weights only. Resume it with the strategy that wrote "
+                          f"tensor-parallel training state ({TP_STATE_DIR}/): it was written by another strategy or "
+                          f"by an older version that saved the weights only. Resume it with the strategy that wrote "
                           f"it, or start a new run from its weights (--model {checkpoint}).")
     raise ConfigError(f"--resume_from_checkpoint {checkpoint}: it was written by a tensor-parallel run with "
                       f"--tp_size {saved}; resume it with --tp_size {saved} (and as many processes), not "

@@ -795,9 +795,10 @@ def fill_options(model_args, lora_args, data_args, training_args, machine=None, 
     m = machine or this_machine()
     if not m.cuda:
         return {}, None  # nothing to plan without GPUs: the options stay as given
+    from sft.report.callbacks import PEAK_FLOPS  # (imports torch: only once there is a run to plan)
+
     gpus, mem = cards(m)
-    peak = next((v for k, v in __import__("sft.report.callbacks", fromlist=["PEAK_FLOPS"]).PEAK_FLOPS.items()
-                 if m.gpu_names and k in m.gpu_names[0]), 165e12)
+    peak = next((v for k, v in PEAK_FLOPS.items() if m.gpu_names and k in m.gpu_names[0]), 165e12)
     shape = resolve_shape(model_args.model)
     method = "lora" if lora_args.lora else "full"
     mbs = (training_args.per_device_train_batch_size,) if "per_device_train_batch_size" in given else (1, 2, 4, 8)

@@ -38,8 +38,8 @@ from transformers import TrainerCallback
 
 from sft.options.arguments import resume_requested
 from sft.errors import ConfigError, NothingToDo, OutOfSpaceError
-from sft.safety.run_dir import (ADAPTER_CONFIG, CHECKPOINT_MARKER, FINAL_MARKER, MODEL_FILES, TRAINER_STATE, WEIGHT_FILES,
-                                checkpoint_dir, checkpoint_step)
+from sft.safety.run_dir import (ADAPTER_CONFIG, CHECKPOINT_MARKER, FINAL_MARKER, MODEL_FILES, TRAINER_STATE,
+                                WEIGHT_FILES, checkpoint_dir, checkpoint_step)
 
 TRUE = ("true", "1", "yes", "last", "latest")
 
