@@ -10,9 +10,10 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass, field
 
-GIB = 2**30
+GIB = 2**30  # the one definition: every module that counts GiB imports it from here
 # Packages that options need and the install may lack: checks ask the Machine (tests describe them as data).
 OPTIONAL_PACKAGES = ("liger_kernel", "bitsandbytes", "torchao", "flash_attn", "flash_attn_interface")
 # Variables that send the hub's https requests through a proxy (its HTTP client reads them from the environment).
@@ -51,6 +52,7 @@ class Launch:
 
     @property
     def first(self) -> bool:
+        """Global rank 0 by the launcher; code that holds no Launch asks is_first_process() below."""
         return self.rank == 0
 
     def processes_here(self, unknown: int) -> int:
@@ -115,6 +117,18 @@ def nvml_uuid(uuid: str) -> str:
 def launch() -> Launch:
     """This process's launch facts (environment only)."""
     return read_launch()
+
+
+def is_first_process() -> bool:
+    """Whether this is global rank 0 (world process zero): the one process that prints the run's notes and writes
+    its output directory. The toolkit's one spelling of it: the process group's rank once it exists (the rank the
+    Trainer's `process_index` and `state.is_world_process_zero` are), else the launcher's RANK, which is what that
+    rank will be, so it also answers before torch is imported. Checkpoint files follow the Trainer's own
+    `args.should_save` instead, which is per machine under --save_on_each_node."""
+    dist = sys.modules.get("torch.distributed")  # not imported: no process group, and no need to import torch
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return launch().first
 
 
 @functools.lru_cache(maxsize=1)

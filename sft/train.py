@@ -37,8 +37,8 @@ from sft.options.arguments import is_demo_output, read_options, settle
 from sft.options.checks import Options
 from sft.options.resolve import with_planned
 from sft.data.dataset import prepare, read_datasets
-from sft.parallel.distributed import (configure_nccl_env, exit_process, is_first_process, on_main_process, preflight,
-                             report_error)
+from sft.parallel.distributed import configure_nccl_env, exit_process, on_main_process, preflight, report_error
+from sft.machine import is_first_process
 from sft.errors import NothingToDo, UserFacingError
 from sft.parallel.fsdp import consolidate_fsdp_saves, fsdp_callbacks, fsdp_training_settings
 from sft.safety.guards import LossSpikeLogger, NonFiniteGuard
@@ -146,7 +146,7 @@ def train(run: Run, seams: Seams) -> int:
     # Saves carry the template trained with (set after prepare(), whose cache key reads the tokenizer's own).
     tokenizer.chat_template = chat_template_for_saving(data_args.template, tokenizer) or tokenizer.chat_template
     preflight(model_args, lora_args, training_args)  # all-reduce check; host RAM of offload plans
-    main_process = training_args.process_index == 0
+    main_process = is_first_process()
     if main_process:
         print(summary, flush=True)
         if planned.plan:

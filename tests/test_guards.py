@@ -12,7 +12,8 @@ import torch
 from transformers import TrainerCallback
 
 from conftest import REPO, tensorboard_scalars
-from sft.safety.checkpoints import FINAL_MARKER, checkpoint_dirs, is_complete, newest_complete
+from sft.safety.checkpoints import checkpoint_dirs, is_complete, newest_complete
+from sft.safety.run_dir import FINAL_MARKER
 from sft.safety.guards import LossSpikeLogger, NonFiniteError, NonFiniteGuard
 
 

@@ -14,7 +14,8 @@ import torch
 from conftest import save_tiny_model, tensorboard_scalars, tiny_config
 from sft.model.moe import (DEFAULT_COEFFICIENT, MoeLoadLogger, RouterBalance, balance_loss,
                      default_coefficient, install_moe, mark_moe_leaves, moe_blocks, token_groups)
-from sft.data.packing import IGNORE, Collator, pack_rows
+from sft.data.packing import Collator, pack_rows
+from sft.data.tokenization import IGNORE
 from test_packing import assert_same_loss_and_gradients, documents
 
 MOE = ["deepseek_v2", "deepseek_v3"]

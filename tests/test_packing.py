@@ -8,7 +8,8 @@ import random
 import pytest
 
 from conftest import save_tiny_model
-from sft.data.packing import IGNORE, Collator, best_fit_decreasing, pack_rows
+from sft.data.packing import Collator, best_fit_decreasing, pack_rows
+from sft.data.tokenization import IGNORE
 
 
 def reference_bfd(lengths: list[int], capacity: int) -> list[list[int]]:

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from conftest import REPO
-from sft.safety.checkpoints import (MARKER, checkpoint_callback, checkpoint_dirs, command_with, is_complete, mark_complete,
+from sft.safety.checkpoints import (checkpoint_callback, checkpoint_dirs, command_with, is_complete, mark_complete,
                              newest_complete, resolve_resume, rotate)
+from sft.safety.run_dir import CHECKPOINT_MARKER
 from sft.options.arguments import ConfigError
 
 
@@ -232,7 +233,7 @@ def test_lora_sigkill_at_random_moments_then_resume_is_bit_identical(tmp_path, t
     assert_same_weights(reference, killed, "adapter_model.safetensors", f"seed {seed}: ")
     assert all(is_complete(p) for p in checkpoint_dirs(killed)), f"seed {seed}"
     assert len(checkpoint_dirs(killed)) <= 2  # --save_total_limit, applied by our rotation
-    assert not list(killed.rglob(f".{MARKER}.tmp"))
+    assert not list(killed.rglob(f".{CHECKPOINT_MARKER}.tmp"))
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import REPO
-from sft.safety.checkpoints import FINAL_MARKER, checkpoint_dirs, is_complete
+from sft.safety.checkpoints import checkpoint_dirs, is_complete
+from sft.safety.run_dir import FINAL_MARKER
 from sft.options.arguments import LoraArguments
 from sft.safety.verify import SaveMismatchError, SaveVerifier
 

@@ -18,7 +18,8 @@ import torch
 
 from conftest import tensorboard_scalars, tiny_config
 from sft.report import telemetry
-from sft.report.telemetry import ALL_RESULTS, LOSS_PLOT, TRAINER_LOG, EvalPerplexity, GpuTelemetry, RunRecord, run_summary
+from sft.report.telemetry import EvalPerplexity, GpuTelemetry, RunRecord, run_summary
+from sft.safety.run_dir import ALL_RESULTS, LOSS_PLOT, TRAINER_LOG
 
 GIB = 2**30
 
@@ -167,6 +168,9 @@ def test_gpu_telemetry_without_nvml_access_logs_nothing(monkeypatch, two_gpus):
 
 def test_gpu_telemetry_only_on_rank_0(monkeypatch, two_gpus):
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml())
+    from sft.machine import Launch
+
+    monkeypatch.setattr("sft.machine.launch", lambda: Launch(world_size=2, rank=1))  # what is_first_process reads
     callback = GpuTelemetry()
     callback.on_train_begin(CUDA, SimpleNamespace(is_world_process_zero=False), None)
     assert callback.thread is None

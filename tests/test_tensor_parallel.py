@@ -19,7 +19,8 @@ from conftest import REPO, run_train
 
 from sft.safety.checkpoints import mark_complete
 from sft.options.arguments import ConfigError
-from sft.parallel.tensor_parallel import STATE_DIR, STATE_INFO, check_resumable, check_tensor_parallel
+from sft.parallel.tensor_parallel import check_resumable, check_tensor_parallel
+from sft.safety.run_dir import TP_STATE_DIR, TP_STATE_INFO
 
 WORKER = r"""
 import json, sys
@@ -72,8 +73,9 @@ def test_a_tensor_parallel_run_resumes_where_it_stopped(tmp_path, tiny_llama):
     whole = tp_train(tmp_path, tiny_llama, tmp_path / "whole")
     checkpoint = tmp_path / "whole" / "checkpoint-2"
     held = {p.name for p in checkpoint.iterdir()}
-    assert {STATE_DIR, STATE_INFO, "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth", "model.safetensors"} <= held
-    assert json.loads((checkpoint / STATE_INFO).read_text()) == {"tp_size": 2}
+    assert {TP_STATE_DIR, TP_STATE_INFO, "scheduler.pt", "rng_state_0.pth", "rng_state_1.pth",
+            "model.safetensors"} <= held
+    assert json.loads((checkpoint / TP_STATE_INFO).read_text()) == {"tp_size": 2}
 
     resumed = tp_train(tmp_path, tiny_llama, tmp_path / "resumed", resume=checkpoint)
     assert sorted(whole) == sorted(resumed) == [1, 2, 3, 4]  # steps 1-2 come from the checkpoint's log history
@@ -90,8 +92,8 @@ def fake_checkpoint(path: Path, tp_size: int | None) -> Path:
     path.mkdir(parents=True)
     (path / "model.safetensors").write_bytes(b"")
     if tp_size:
-        (path / STATE_DIR).mkdir()
-        (path / STATE_INFO).write_text(json.dumps({"tp_size": tp_size}))
+        (path / TP_STATE_DIR).mkdir()
+        (path / TP_STATE_INFO).write_text(json.dumps({"tp_size": tp_size}))
     return path
 
 

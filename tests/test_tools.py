@@ -47,7 +47,8 @@ def test_a_qlora_adapter_says_its_base_was_4_bit_and_merge_tells_the_user(traine
 
     from transformers import BitsAndBytesConfig
 
-    from sft.model.loading import QUANTIZED_BASE, record_quantized_base
+    from sft.model.loading import record_quantized_base
+    from sft.safety.run_dir import QUANTIZED_BASE
 
     adapter = tmp_path / "adapter"
     shutil.copytree(trained_adapter, adapter)

@@ -16,10 +16,11 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-from sft.safety.checkpoints import FINAL_MARKER, checkpoint_dirs, is_complete, mark_complete, resolve_resume
+from sft.safety.checkpoints import checkpoint_dirs, is_complete, mark_complete, resolve_resume
 from sft.options.arguments import DEMO, is_demo_output, parse_args
 from sft.errors import ConfigError, ModelNotFoundError, NothingToDo, RunLockedError
-from sft.safety.run_lock import LOCK_NAME, RunLock
+from sft.safety.run_dir import FINAL_MARKER, LOCK_NAME
+from sft.safety.run_lock import RunLock
 
 DATA = str(REPO / "data" / "alpaca_demo.json")
 

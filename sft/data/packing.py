@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sft.data.formats import gc_paused
+from sft.data.tokenization import IGNORE
 
 if TYPE_CHECKING:
     import torch
-
-IGNORE = -100
 
 
 def best_fit_decreasing(lengths: list[int], capacity: int) -> list[list[int]]:

@@ -28,7 +28,7 @@ from sft.errors import DataError
 from sft.data.formats import gc_paused
 from sft.data.templates import Segment, Template
 
-IGNORE = -100
+IGNORE = -100  # the label of a token that is not a target (the loss's ignore_index); every module imports it from here
 STATUSES = ("ok", "truncated at a turn boundary", "too long (dropped)", "no trained tokens")
 # Facts about a tokenizer, computed once: {tokenizer: {"size": len(tokenizer), name: value}} (rebuilt if tokens
 # are added). Weak keys: a tokenizer that is gone takes its entries with it.

@@ -280,7 +280,9 @@ GPUS, GPU_GB = 3, 24  # cards as sold: the planner counts what nvidia-smi shows 
 
 
 @dataclass(frozen=True)
-class Strategy:
+class BoxRecommendation:
+    """The accelerate config recommended for the 3 x 24 GB box, and why (sft.parallel.strategies.Strategy is the
+    strategy itself: its configs and memory model)."""
     config: str | None  # accelerate_configs/<name>.yaml; None: it does not fit this box
     why: str
 
@@ -295,7 +297,7 @@ def parameter_count(config) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def strategy(model, lora: bool, host_ram_gib: float | None = None) -> Strategy:
+def strategy(model, lora: bool, host_ram_gib: float | None = None) -> BoxRecommendation:
     """The accelerate config to use on 3 x 24 GB for `model` (a sft.plan.planner.Shape, or what `python -m sft.plan.planner
     --model` takes: a family name, hub id or local directory): the planner's fastest recommended plan that fits
     (sft/plan/planner.py, the one memory model: GPU memory per card as nvidia-smi counts it, and host RAM), for 2048-token
@@ -312,17 +314,17 @@ def strategy(model, lora: bool, host_ram_gib: float | None = None) -> Strategy:
     if best is None:
         closest = plan.closest_plan(plans)
         near = f"{closest.w.strategy} {closest.why_not}" if closest else "no strategy applies"
-        return Strategy(None, f"{what} fits no plan on {GPUS} x {GPU_GB} GB with {ram:g} GiB of host RAM "
-                              f"(closest: {near})")
+        return BoxRecommendation(None, f"{what} fits no plan on {GPUS} x {GPU_GB} GB with {ram:g} GiB of host RAM "
+                                       f"(closest: {near})")
     w = best.w
     precision = "" if lora or w.setup.precision == "fp32_master" else f", {w.setup.precision} optimizer"
-    return Strategy(STRATEGIES[w.strategy].accelerate_config,
-                    f"{what}: {w.strategy}{precision}, micro-batch {w.micro_batch}, checkpointing "
-                    f"{'on' if w.checkpointing else 'off'}: {plan.shown_gib(best):.1f} GiB per card, "
-                    f"{best.prediction.host_gib:.0f} GiB host RAM (predicted by sft/plan/planner.py)")
+    return BoxRecommendation(STRATEGIES[w.strategy].accelerate_config,
+                             f"{what}: {w.strategy}{precision}, micro-batch {w.micro_batch}, checkpointing "
+                             f"{'on' if w.checkpointing else 'off'}: {plan.shown_gib(best):.1f} GiB per card, "
+                             f"{best.prediction.host_gib:.0f} GiB host RAM (predicted by sft/plan/planner.py)")
 
 
-def recommended_strategy(config, lora: bool, host_ram_gib: float | None = None) -> Strategy:
+def recommended_strategy(config, lora: bool, host_ram_gib: float | None = None) -> BoxRecommendation:
     """strategy() for the model this config describes."""
     from sft.plan.planner import shape_from_config
 

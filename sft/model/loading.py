@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import types
 from pathlib import Path
 
@@ -19,8 +18,9 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Traine
 from sft.options.arguments import TINY_MODEL, LoraArguments, ModelArguments
 from sft.errors import ConfigError, ModelNotFoundError
 from sft.model.families import MLP_PROJECTIONS, family_of
-from sft.machine import Machine, launch, machine
+from sft.machine import GIB, Machine, is_first_process, launch, machine
 from sft.model.moe import mark_moe_leaves
+from sft.safety.run_dir import QUANTIZED_BASE
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,7 +140,7 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
         from sft.speed.regional_compile import compile_decoder_layers
 
         compiled = compile_decoder_layers(model)
-        if launch().first:
+        if is_first_process():
             print(f"Compiled: {compiled} decoder layers (torch.compile in place; the first step compiles)", flush=True)
     return model
 
@@ -201,18 +201,17 @@ def quantization(model_args: ModelArguments, lora_args: LoraArguments) -> dict:
 
 def report_quantization(model) -> None:
     config = getattr(getattr(model, "hf_quantizer", None), "quantization_config", None)
-    if config is None or not launch().first:
+    if config is None or not is_first_process():
         return
     name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
     size = model.get_memory_footprint()
-    footprint = f"{size / 2**30:.2f} GiB" if size >= 2**30 else f"{size / 2**20:.1f} MiB"
+    footprint = f"{size / GIB:.2f} GiB" if size >= GIB else f"{size / 2**20:.1f} MiB"
     print(f"QLoRA: base weights quantized to 4-bit {config.bnb_4bit_quant_type.upper()}"
           f"{' with double quantization' if config.bnb_4bit_use_double_quant else ''}, computed in "
           f"{name(config.bnb_4bit_compute_dtype)}, stored as {name(config.bnb_4bit_quant_storage)}; the base "
           f"holds {footprint}", flush=True)
 
 
-QUANTIZED_BASE = "quantized_base.json"  # beside a --qlora adapter: how its base was quantized in training
 
 
 def record_quantized_base(model, output_dir: str) -> bool:
@@ -241,7 +240,7 @@ def report_zero3_partitioning(model) -> None:
     from sft.parallel.zero3 import zero3_partition_report
 
     report = zero3_partition_report(model)
-    if report and launch().first:
+    if report and is_first_process():
         print(report, flush=True)
 
 
@@ -361,6 +360,6 @@ class PartialCheckpointing(TrainerCallback):
         for name, layer in layers[len(layers) - min(self.skip_layers, len(layers)):]:
             layer.gradient_checkpointing = False
             self.unchecked.append(name)
-        if args.process_index == 0:
+        if is_first_process():
             print(f"Activation checkpointing: {len(layers) - len(self.unchecked)} of {len(layers)} layers "
                   f"checkpointed, the last {len(self.unchecked)} keep their activations", flush=True)

@@ -49,7 +49,10 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
-IGNORE = -100
+from sft.data.tokenization import IGNORE
+from sft.machine import is_first_process
+from sft.safety.run_dir import MOE_LOAD
+
 # transformers' MoE blocks (V2 spells it Moe) and DeepSeek's remote-code one (ZeRO-3 leaves: all of them).
 MOE_BLOCK_CLASSES = ("DeepseekV2Moe", "DeepseekV3MoE", "DeepseekV2MoE")
 ROUTER_CLASSES = ("DeepseekV2TopkRouter", "DeepseekV3TopkRouter")  # transformers' routers, whose output we read
@@ -87,10 +90,8 @@ def mark_moe_leaves(model) -> list[torch.nn.Module]:
         return []
     from deepspeed.utils import set_z3_leaf_modules
 
-    from sft.machine import launch
-
     leaves = set_z3_leaf_modules(model, list(MOE_BLOCK_CLASSES), raise_if_not_found=False)
-    if leaves and launch().first:
+    if leaves and is_first_process():
         print(f"ZeRO-3: {len(leaves)} MoE blocks ({type(leaves[0]).__name__}) are leaf modules: each gathered whole",
               flush=True)
     return leaves
@@ -288,8 +289,8 @@ class MoeLoadLogger(TrainerCallback):
         logs["moe/idle_experts"] = sum(c == 0 for layer in numbers["counts"] for c in layer)
         for layer, ratio in zip(self.balance.layer_index, ratios):
             logs[f"moe/load_imbalance/layer_{layer}"] = round(ratio, 3)
-        if self.write_counts and args.process_index == 0 and args.output_dir:
-            path = Path(args.output_dir) / "moe_load.jsonl"
+        if self.write_counts and is_first_process() and args.output_dir:
+            path = Path(args.output_dir) / MOE_LOAD
             path.parent.mkdir(parents=True, exist_ok=True)
             with path.open("a") as f:
                 f.write(json.dumps({"step": state.global_step, "tokens_per_expert":

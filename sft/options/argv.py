@@ -8,7 +8,6 @@ use; a bad value is one `error:` line, never argparse's usage block.
 from __future__ import annotations
 
 import difflib
-import os
 import sys
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields
@@ -16,7 +15,7 @@ from dataclasses import MISSING, dataclass, fields
 from transformers import HfArgumentParser
 
 from sft.errors import ConfigError
-from sft.machine import launch
+from sft.machine import is_first_process
 
 
 @dataclass(frozen=True)
@@ -108,7 +107,7 @@ def apply_aliases(argv: list[str]) -> list[str]:
 
 
 def _note(text: str) -> None:
-    if launch().first:
+    if is_first_process():
         print(f"note: {text}", file=sys.stderr, flush=True)
 
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from sft.errors import ConfigError, DistributedCheckError
-from sft.machine import Launch, Machine, launch as this_launch
+from sft.machine import GIB, Launch, Machine, is_first_process, launch as this_launch
 
 NCCL_VARS = ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE")
 # GeForce and TITAN cards have no (working) peer-to-peer; workstation and data-centre cards (RTX A6000, RTX 6000
@@ -29,11 +29,6 @@ CONSUMER_GPU = re.compile(r"geforce|titan|\brtx\s*[45]0\d0", re.IGNORECASE)
 class NcclDecision:
     env: dict[str, str] = field(default_factory=dict)  # variables to set (not already set by the user)
     reasons: list[str] = field(default_factory=list)   # one line each, for the log
-
-
-def is_first_process() -> bool:
-    """Rank 0 of the launch, from the launcher's environment: usable before the process group exists."""
-    return this_launch().first
 
 
 # How long a rank other than the first waits before it leaves with an error of its own (see report_error).
@@ -103,7 +98,7 @@ def on_main_process(decide):
 
     state = PartialState()
     answer, error = None, None
-    if state.is_main_process:
+    if is_first_process():
         try:
             answer = decide()
         except UserFacingError as e:
@@ -234,9 +229,6 @@ def nccl_advice(launch: Launch) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # Host RAM of ZeRO-3 offload plans
 
-GIB = 2**30
-
-
 @dataclass
 class OffloadEstimate:
     params: int             # all parameters of the model
@@ -359,7 +351,7 @@ def one_gpu_per_process(training_args) -> None:
     gpus = training_args.n_gpu  # (sets the devices up first)
     if gpus <= 1:
         return
-    if training_args.process_index == 0:
+    if is_first_process():
         print(f"One process sees {gpus} GPUs: training on {training_args.device} only. To use them all: "
               f"accelerate launch --config_file accelerate_configs/ddp.yaml (or fsdp.yaml, zero3.yaml) "
               f"--num_processes {gpus} ...", flush=True)

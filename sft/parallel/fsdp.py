@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-from sft.machine import Launch, launch as this_launch
+from sft.machine import Launch, is_first_process, launch as this_launch
 
 
 def fsdp_launched(launch: Launch | None = None) -> bool:
@@ -45,7 +45,7 @@ def fsdp_training_settings(training_args, lora: bool = False, launch: Launch | N
             config.gradient_accumulation_kwargs = {**kwargs, "sync_each_batch": True}
             notes.append("gradients reduce-scattered after every micro-batch (sync_each_batch: sharded, not "
                          "full, gradients between micro-batches)")
-    if notes and training_args.process_index == 0:
+    if notes and is_first_process():
         print("FSDP: " + "; ".join(notes), flush=True)
 
 
@@ -67,7 +67,7 @@ def fsdp_callbacks(launch: Launch | None = None, qlora: bool = False) -> list:
             if unsafe:
                 raise RuntimeError(f"FSDP + QLoRA: {len(unsafe)} FSDP units would all-gather 4-bit weights as "
                                    f"floats, which rewrites some of their bits on GPUs ({', '.join(unsafe[:3])})")
-            if args.process_index == 0:  # the fix is in; its run on two GPUs is not (bench/RESULTS.md)
+            if is_first_process():  # the fix is in; its run on two GPUs is not (bench/RESULTS.md)
                 print("warning: FSDP + QLoRA gathers the 4-bit weights as bytes, a fix not yet checked on GPUs (its "
                       "last GPU run failed the verified save). Every checkpoint is verified, so a wrong adapter "
                       "stops the run at its first checkpoint; accelerate_configs/ddp.yaml is the checked path.",
@@ -75,7 +75,7 @@ def fsdp_callbacks(launch: Launch | None = None, qlora: bool = False) -> list:
 
     class EmbeddingBackwardWithoutAllGather(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            if skip_embedding_unshard_in_backward(model) and args.process_index == 0:
+            if skip_embedding_unshard_in_backward(model) and is_first_process():
                 print("FSDP: the input embedding's backward runs without gathering its weight", flush=True)
 
     return [EmbeddingBackwardWithoutAllGather(), *([FourBitWeightsGatheredAsBytes()] if qlora else [])]

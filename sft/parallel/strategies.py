@@ -9,7 +9,7 @@ strategy's transient buffers; the constants it fits against bench/results.jsonl 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from sft.configs import CONFIGS

@@ -24,13 +24,11 @@ from pathlib import Path
 import torch
 
 from sft.errors import ConfigError
+from sft.machine import is_first_process
 from sft.safety.private_names import (GET_OUTPUT_DIR, LOAD_FROM_CHECKPOINT, LOAD_OPTIMIZER, SAVE_CHECKPOINT,
                                       SAVE_RNG_STATE)
+from sft.safety.run_dir import SCHEDULER_FILE, TP_STATE_DIR, TP_STATE_INFO, checkpoint_dir
 from sft.trainer import SFTTrainer
-
-STATE_DIR = "tp_state"
-STATE_INFO = "tp_state.json"
-SCHEDULER_FILE = "scheduler.pt"  # the Trainer's name, so that a checkpoint reads the same whatever wrote it
 
 
 def _options():
@@ -59,9 +57,9 @@ def save_training_state(model, optimizer, tp_size: int, checkpoint: str | Path) 
 
     checkpoint = Path(checkpoint)
     state = {"model": _weights(model), "optimizer": _optimizer_state(model, optimizer)}
-    dcp.save(state, checkpoint_id=str(checkpoint / STATE_DIR))
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        (checkpoint / STATE_INFO).write_text(json.dumps({"tp_size": tp_size}) + "\n")
+    dcp.save(state, checkpoint_id=str(checkpoint / TP_STATE_DIR))
+    if is_first_process():
+        (checkpoint / TP_STATE_INFO).write_text(json.dumps({"tp_size": tp_size}) + "\n")
 
 
 def load_weights(model, checkpoint: str | Path) -> None:
@@ -70,7 +68,7 @@ def load_weights(model, checkpoint: str | Path) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
     state = {"model": _weights(model)}
-    dcp.load(state, checkpoint_id=str(Path(checkpoint) / STATE_DIR))
+    dcp.load(state, checkpoint_id=str(Path(checkpoint) / TP_STATE_DIR))
     set_model_state_dict(model, state["model"], options=_options())
 
 
@@ -80,14 +78,14 @@ def load_optimizer(model, optimizer, checkpoint: str | Path) -> None:
     from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
     state = {"optimizer": _optimizer_state(model, optimizer)}
-    dcp.load(state, checkpoint_id=str(Path(checkpoint) / STATE_DIR))
+    dcp.load(state, checkpoint_id=str(Path(checkpoint) / TP_STATE_DIR))
     set_optimizer_state_dict(model, optimizer, state["optimizer"], options=_options())
 
 
 def saved_tp_size(checkpoint: str | Path) -> int | None:
     """The TP size a checkpoint's training state was written with; None if it holds none (not a TP run's)."""
-    info = Path(checkpoint) / STATE_INFO
-    if not info.is_file() or not (Path(checkpoint) / STATE_DIR).is_dir():
+    info = Path(checkpoint) / TP_STATE_INFO
+    if not info.is_file() or not (Path(checkpoint) / TP_STATE_DIR).is_dir():
         return None
     return int(json.loads(info.read_text())["tp_size"])
 
@@ -101,8 +99,8 @@ def check_resumable(checkpoint: str | None, tp_size: int) -> None:
         return
     if saved is None:
         raise ConfigError(f"--resume_from_checkpoint {checkpoint} with --tp_size {tp_size}: that checkpoint holds no "
-                          f"tensor-parallel training state ({STATE_DIR}/): it was written by another strategy or by "
-                          f"an older version that saved the weights only. Resume it with the strategy that wrote "
+                          f"tensor-parallel training state ({TP_STATE_DIR}/): it was written by another strategy or "
+                          f"by an older version that saved the weights only. Resume it with the strategy that wrote "
                           f"it, or start a new run from its weights (--model {checkpoint}).")
     raise ConfigError(f"--resume_from_checkpoint {checkpoint}: it was written by a tensor-parallel run with "
                       f"--tp_size {saved}; resume it with --tp_size {saved} (and as many processes), not "
@@ -144,10 +142,8 @@ class TensorParallelTrainer(SFTTrainer):
 
     def _save_checkpoint(self, model, trial) -> None:
         super()._save_checkpoint(model, trial)
-        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
-
-        run_dir = self._get_output_dir(trial=trial)  # the directory super() just wrote, named as it names it
-        checkpoint = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        # the directory super() just wrote, named as it names it
+        checkpoint = str(checkpoint_dir(self._get_output_dir(trial=trial), self.state.global_step))
         save_training_state(self.model, self._torch_optimizer(), self.model.tp_size, checkpoint)
         if self.args.should_save:
             torch.save(self.lr_scheduler.state_dict(), os.path.join(checkpoint, SCHEDULER_FILE))

@@ -25,15 +25,15 @@ import math
 import shlex
 import statistics
 import sys
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
 from sft.report.console import ToolParser
 from sft.options.recipe import load_recipe
-from sft.parallel.strategies import PRECISION_OPTIONS, REPO, STRATEGIES, Setup, StateBytes, Strategy
+from sft.machine import GIB
+from sft.parallel.strategies import PRECISION_OPTIONS, REPO, STRATEGIES, Setup, StateBytes
 
-GIB = 2**30
 RESULTS = REPO / "bench" / "results.jsonl"  # the source of truth, in a checkout only
 # What the planner fits from RESULTS, snapshotted as package data: plans read this, so that a wheel plans as a checkout
 FITTED = Path(__file__).resolve().with_name("fitted.json")
@@ -861,9 +861,10 @@ def planned_options(model_args, lora_args, data_args, training_args, machine=Non
     m = machine or this_machine()
     if not m.cuda:
         return NOT_PLANNED  # nothing to plan without GPUs: the options stay as given
+    from sft.report.callbacks import PEAK_FLOPS  # (imports torch: only once there is a run to plan)
+
     gpus, mem = cards(m)
-    peak = next((v for k, v in __import__("sft.report.callbacks", fromlist=["PEAK_FLOPS"]).PEAK_FLOPS.items()
-                 if m.gpu_names and k in m.gpu_names[0]), 165e12)
+    peak = next((v for k, v in PEAK_FLOPS.items() if m.gpu_names and k in m.gpu_names[0]), 165e12)
     shape = resolve_shape(model_args.model)
     # Options as given (not yet resolved): --qlora alone has not set --lora yet, and plans its own 4-bit memory.
     method = "qlora" if lora_args.qlora else "lora" if lora_args.lora else "full"

@@ -10,7 +10,7 @@ import torch
 from transformers import TrainerCallback
 
 from sft.report.console import run_overview, tensorboard_dir
-from sft.machine import Machine, machine
+from sft.machine import GIB, Machine, is_first_process, machine
 
 # Dense bf16 matmul peak per GPU, FLOP/s. H200: measured on our lent machines (the ceiling MFU is quoted
 # against); the others are vendor datasheet figures (RTX 4090: tensor cores with fp32 accumulation).
@@ -108,7 +108,7 @@ class ThroughputCallback(TrainerCallback):
         if self.peak:
             logs["mfu"] = round(rate * self.flops_per_token / (self.peak * max(1, args.world_size)), 4)
         if torch.cuda.is_available():
-            logs["peak_memory_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+            logs["peak_memory_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 2)
         self.tokens_at_last_log = state.num_input_tokens_seen
         self.busy = 0.0
 
@@ -124,7 +124,7 @@ class ThroughputCallback(TrainerCallback):
         if tokens > 0 and logs.get("train_runtime", 0) > 0:
             logs["effective_tokens_per_sec"] = round(tokens / logs["train_runtime"] / max(1, args.world_size), 2)
         if torch.cuda.is_available():
-            logs["peak_memory_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+            logs["peak_memory_gib"] = round(torch.cuda.max_memory_reserved() / GIB, 2)
 
 
 def offloads_parameters(policy) -> bool:
@@ -207,7 +207,7 @@ class RunOverview(TrainerCallback):
         self.text: str | None = None  # what was printed (tests read it)
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero:
+        if not is_first_process():
             return
         strategy, devices = describe_strategy(args, self.tp_size)
         save = str(getattr(args.save_strategy, "value", args.save_strategy))

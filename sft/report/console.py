@@ -28,7 +28,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 
-from sft.machine import launch  # the environment only: cheap, and no torch
+from sft.machine import is_first_process, launch  # the environment only: cheap, and no torch
+from sft.safety.run_dir import TENSORBOARD_DIR
 
 
 class _Drop(logging.Filter):
@@ -96,7 +97,7 @@ def quiet_libraries(main_process: bool | None = None) -> None:
     main_process: None reads the launcher's RANK (torchrun, accelerate launch and deepspeed set it; unset = one
     process), which is known before TrainingArguments exists."""
     if main_process is None:
-        main_process = launch().first
+        main_process = is_first_process()
     quiet_imports()
     if "libraries" in _installed:
         return
@@ -134,7 +135,7 @@ def tensorboard_dir(output_dir: str, report_to: list[str] | str | None) -> str |
     $TENSORBOARD_LOGGING_DIR, else <output_dir>/runs/<date>_<host>; --logdir on the `runs` folder shows every run."""
     if "tensorboard" not in ([report_to] if isinstance(report_to, str) else (report_to or [])):
         return None
-    return os.path.expanduser(launch().tensorboard_logging_dir or str(Path(output_dir).resolve() / "runs"))
+    return os.path.expanduser(launch().tensorboard_logging_dir or str(Path(output_dir).resolve() / TENSORBOARD_DIR))
 
 
 def run_overview(*, model: str, architecture: str, total_params: int, trainable_params: int, dtype: str,

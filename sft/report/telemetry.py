@@ -18,12 +18,8 @@ from pathlib import Path
 
 from transformers import TrainerCallback
 
-from sft.machine import Machine, machine as this_machine
-
-TRAINER_LOG = "trainer_log.jsonl"
-ALL_RESULTS = "all_results.json"
-LOSS_PLOT = "loss.png"
-GIB = 2**30
+from sft.machine import GIB, Machine, is_first_process, machine as this_machine
+from sft.safety.run_dir import ALL_RESULTS, LOSS_PLOT, TRAINER_LOG
 
 
 # ---- GPU telemetry -------------------------------------------------------------------------------------------------
@@ -86,7 +82,7 @@ class GpuTelemetry(TrainerCallback):
         self.session_peak = 0.0  # GiB, any GPU
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if not state.is_world_process_zero or self.thread is not None or args.device.type != "cuda":
+        if not is_first_process() or self.thread is not None or args.device.type != "cuda":
             return  # (--use_cpu on a GPU machine: the GPUs are not this run's)
         uuids = visible_gpus()
         if not uuids:
@@ -265,7 +261,7 @@ class RunRecord(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.start, self.train_metrics, self.ended = time.time(), None, False
-        if not state.is_world_process_zero:
+        if not is_first_process():
             return
         path = Path(args.output_dir) / TRAINER_LOG
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -276,7 +272,7 @@ class RunRecord(TrainerCallback):
             path.unlink(missing_ok=True)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs:
+        if not is_first_process() or not logs:
             return
         append_line(Path(args.output_dir) / TRAINER_LOG, {"step": state.global_step, "total_steps": state.max_steps,
                                                           **scalars(logs),
@@ -288,7 +284,7 @@ class RunRecord(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.ended = True
-        if state.is_world_process_zero:
+        if is_first_process():
             self._write_outputs(args, state)
 
     def _write_outputs(self, args, state) -> None:

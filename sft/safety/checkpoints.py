@@ -28,7 +28,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import shlex
 import shutil
 import sys
@@ -39,16 +38,10 @@ from transformers import TrainerCallback
 
 from sft.options.arguments import resume_requested
 from sft.errors import ConfigError, NothingToDo, OutOfSpaceError
+from sft.safety.run_dir import (ADAPTER_CONFIG, CHECKPOINT_MARKER, FINAL_MARKER, MODEL_FILES, TRAINER_STATE,
+                                WEIGHT_FILES, checkpoint_dir, checkpoint_step)
 
-MARKER = "checkpoint_complete.json"
-FINAL_MARKER = "training_complete.json"  # written after the final model was saved and verified
-CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 TRUE = ("true", "1", "yes", "last", "latest")
-# What a finished run leaves at the top of --output_dir (the model or adapter, written by save_model).
-MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
-               "pytorch_model.bin", "adapter_model.bin", FINAL_MARKER)
-# Weights a final save writes (sharded or not); a new final save first removes any left by an interrupted one.
-WEIGHT_FILES = ("model*.safetensors", "*.safetensors.index.json", "adapter_model.*", "adapter_config.json")
 
 
 # ---- completeness -------------------------------------------------------------------------------------------
@@ -62,14 +55,14 @@ def _fsync(path: Path) -> None:
 
 
 def _files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MARKER)
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != CHECKPOINT_MARKER)
 
 
-def mark_complete(directory: Path, marker: str = MARKER) -> None:
+def mark_complete(directory: Path, marker: str = CHECKPOINT_MARKER) -> None:
     """Flush every file of `directory` to disk, then write the marker listing them (the last write)."""
     directory = Path(directory)
     # The final marker lists the top-level files of the run (not the lock or other dot-files, which come and go).
-    files = _files(directory) if marker == MARKER else [p for p in directory.iterdir() if p.is_file()
+    files = _files(directory) if marker == CHECKPOINT_MARKER else [p for p in directory.iterdir() if p.is_file()
                                                          and p.name != marker and not p.name.startswith(".")]
     for path in files:
         _fsync(path)
@@ -84,7 +77,7 @@ def mark_complete(directory: Path, marker: str = MARKER) -> None:
     _fsync(directory.parent)
 
 
-def is_complete(directory: Path, marker: str = MARKER) -> bool:
+def is_complete(directory: Path, marker: str = CHECKPOINT_MARKER) -> bool:
     try:
         manifest = json.loads((Path(directory) / marker).read_text())
         return all((Path(directory) / name).stat().st_size == size for name, size in manifest["files"].items())
@@ -97,7 +90,7 @@ def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
     root = Path(output_dir)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := CHECKPOINT_RE.match(p.name))]
+    found = [(step, p) for p in root.iterdir() if p.is_dir() and (step := checkpoint_step(p)) is not None]
     return [p for _, p in sorted(found)]
 
 
@@ -109,7 +102,7 @@ def newest_complete(output_dir: str | Path) -> Path | None:
 def remove_checkpoint(path: Path) -> None:
     """Marker first, so that a kill during the deletion leaves a directory no one takes for complete."""
     try:
-        (path / MARKER).unlink()
+        (path / CHECKPOINT_MARKER).unlink()
         _fsync(path)
     except FileNotFoundError:
         pass
@@ -121,7 +114,7 @@ def rotate(output_dir: str | Path, limit: int | None, keep: str | None = None) -
     if not limit or limit <= 0:
         return
     complete = [p for p in checkpoint_dirs(output_dir) if is_complete(p)]
-    complete.sort(key=lambda p: (p / MARKER).stat().st_mtime_ns)
+    complete.sort(key=lambda p: (p / CHECKPOINT_MARKER).stat().st_mtime_ns)
     protected = set(complete[-limit:]) | ({Path(keep)} if keep else set())
     for path in complete:
         if path not in protected:
@@ -213,7 +206,7 @@ def replace_run(output_dir: str | Path, disposable: bool) -> str | None:
 def trained_steps(checkpoint: Path) -> tuple[int, int] | None:
     """(global_step, max_steps) recorded in a checkpoint's trainer_state.json, None when unreadable."""
     try:
-        state = json.loads((Path(checkpoint) / "trainer_state.json").read_text())
+        state = json.loads((Path(checkpoint) / TRAINER_STATE).read_text())
         return int(state["global_step"]), int(state["max_steps"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
@@ -299,8 +292,8 @@ def resolve_resume(training_args, argv: list[str] | None = None, disposable: boo
             raise ConfigError(f"--resume_from_checkpoint {value} is a run's output directory, not a checkpoint. Its "
                               f"newest complete checkpoint: "
                               f"`{command_with(argv, resume_from_checkpoint=str(inside))}`.")
-        if not is_complete(checkpoint) and not (CHECKPOINT_RE.match(checkpoint.name) or
-                                                (checkpoint / "trainer_state.json").exists()):
+        if not is_complete(checkpoint) and checkpoint_step(checkpoint) is None \
+                and not (checkpoint / TRAINER_STATE).exists():
             raise ConfigError(f"--resume_from_checkpoint {value} is not a checkpoint (no trainer_state.json): give "
                               f"a checkpoint-N directory that a run wrote, or `true` for the newest complete one in "
                               f"--output_dir.")
@@ -309,8 +302,8 @@ def resolve_resume(training_args, argv: list[str] | None = None, disposable: boo
             hint = (f" The newest complete one there is {newest}: "
                     f"{command_with(argv, resume_from_checkpoint=str(newest))}" if newest else
                     " No complete checkpoint is beside it: start the run over, without --resume_from_checkpoint.")
-            raise ConfigError(f"--resume_from_checkpoint {value}: this checkpoint has no {MARKER} (or its files "
-                              f"changed since), so it was left half-written by an interrupted run.{hint}")
+            raise ConfigError(f"--resume_from_checkpoint {value}: this checkpoint has no {CHECKPOINT_MARKER} (or its "
+                              f"files changed since), so it was left half-written by an interrupted run.{hint}")
     steps = trained_steps(checkpoint)
     finished = (output_dir / FINAL_MARKER).exists()
     if finished and steps and training_args.max_steps and 0 < training_args.max_steps <= steps[0]:
@@ -331,7 +324,7 @@ def check_resume_matches(checkpoint: str | None, model_args, lora_args, argv: li
     if checkpoint is None:
         return
     path = Path(checkpoint)
-    adapter, config = read_json_object(path / "adapter_config.json"), read_json_object(path / "config.json")
+    adapter, config = read_json_object(path / ADAPTER_CONFIG), read_json_object(path / "config.json")
     if adapter is None and config is None:
         return  # a layout we do not read (e.g. DeepSpeed's or FSDP's shards alone): the Trainer checks it
     lora = lora_args.lora  # --qlora has set it (sft/options/resolve.py)
@@ -466,7 +459,7 @@ def checkpoint_callback(training_args, verifier=None):
             directory before the Trainer writes into it, or a kill mid-write would leave it marked complete."""
             save_ahead = control.should_save or (control.should_evaluate and args.save_strategy == "best")
             if args.should_save and save_ahead:
-                stale = Path(args.output_dir) / f"checkpoint-{state.global_step}" / MARKER
+                stale = checkpoint_dir(args.output_dir, state.global_step) / CHECKPOINT_MARKER
                 if stale.exists():
                     stale.unlink()
                     _fsync(stale.parent)
@@ -474,7 +467,7 @@ def checkpoint_callback(training_args, verifier=None):
         on_epoch_end = on_step_end
 
         def on_save(self, args, state, control, model=None, **kwargs):
-            path = Path(args.output_dir) / f"checkpoint-{state.global_step}"
+            path = checkpoint_dir(args.output_dir, state.global_step)
             _barrier()  # every rank has written its part (RNG states, ZeRO shards)
             if verifier is not None and verifier.checkpoints and verifier.verifiable(path):
                 verifier.check(model, path)

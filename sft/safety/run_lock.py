@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 
 from sft.errors import ConfigError, RunLockedError
-
-LOCK_NAME = ".run.lock"
+from sft.safety.run_dir import LOCK_NAME
 
 
 def _start_time(pid: int) -> str | None:

@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 
 from sft.errors import SaveMismatchError
+from sft.machine import GIB, is_first_process
+from sft.safety.run_dir import ADAPTER_WEIGHTS
 from sft.safety.private_names import ACCELERATE_ORIGINAL_FORWARD, expect
 
 CHEAP_PARAMETERS = 1e9  # below this, reloading at every checkpoint costs seconds: `--verify_saves auto` does it
@@ -84,13 +86,7 @@ def reload_device(model) -> torch.device:
         return torch.device("cpu")
     need = sum(p.numel() * p.element_size() for p in model.parameters())
     free, _ = torch.cuda.mem_get_info(device)
-    return device if free > 1.5 * need + 2**30 else torch.device("cpu")
-
-
-def _is_main() -> bool:
-    from accelerate import PartialState
-
-    return PartialState().is_main_process
+    return device if free > 1.5 * need + GIB else torch.device("cpu")
 
 
 def _broadcast(value):
@@ -116,7 +112,7 @@ class SaveVerifier:
     def verifiable(self, path: str | Path) -> bool:
         """Whether `path` holds consolidated weights. Sharded checkpoints (FSDP's SHARDED_STATE_DICT, ZeRO-3
         without the gather flag) hold none: they resume, and the consolidated final save is what gets checked."""
-        pattern = "adapter_model.safetensors" if self.lora else "model*.safetensors"
+        pattern = ADAPTER_WEIGHTS if self.lora else "model*.safetensors"
         return any(Path(path).glob(pattern))
 
     def reload(self, path: Path, dtype: torch.dtype, device: torch.device):
@@ -194,11 +190,11 @@ class SaveVerifier:
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
             if self.lora and self.lora_in_place and not is_sharded(model):
-                if _is_main():
+                if is_first_process():
                     error = self.adapter_in_place(model, path, input_ids)
             else:
                 expected = logits_of(model, input_ids)
-                if _is_main():
+                if is_first_process():
                     error = self.reload_and_compare(model, base, path, input_ids, expected)
         error = _broadcast(error)
         if error and self.lora and is_sharded(model):  # every rank: the explanation gathers shards
@@ -219,7 +215,7 @@ class SaveVerifier:
                     f"across ranks {ranks_note(expected)}"]
         trained = gathered_trainable(model)  # collective: every rank
         base_bits = gathered_4bit_base(base)  # collective; {} without a 4-bit base
-        if _is_main():
+        if is_first_process():
             findings.append(f"the saved adapter {adapter_note(trained, path)}")
             if base_bits:
                 findings.append(f"the reloaded 4-bit base {self.base_note(base_bits, base)}")
@@ -250,7 +246,7 @@ def ranks_note(expected: torch.Tensor) -> str:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return "nothing to compare (one process)"
-    reference = [expected if dist.get_rank() == 0 else None]
+    reference = [expected if is_first_process() else None]
     dist.broadcast_object_list(reference, src=0)
     diffs = [None] * dist.get_world_size()
     dist.all_gather_object(diffs, (expected - reference[0]).abs().max().item())
@@ -303,7 +299,7 @@ def adapter_note(trained: dict[str, torch.Tensor], path: Path) -> str:
     from safetensors.torch import load_file
 
     try:
-        saved = load_file(Path(path) / "adapter_model.safetensors")
+        saved = load_file(Path(path) / ADAPTER_WEIGHTS)
     except Exception as e:  # noqa: BLE001
         return f"could not be read ({type(e).__name__}: {e})"
     names = {k: k.replace(".default.", ".") for k in trained}

@@ -30,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-IGNORE = -100
+from sft.data.tokenization import IGNORE
+
 CHUNK_TOKENS = 1024  # one chunk's fp32 logits: 0.4 GB at a 102,400-token vocabulary
 
 

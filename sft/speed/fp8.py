@@ -28,7 +28,7 @@ import functools
 import torch
 from torch import nn
 
-from sft.machine import launch
+from sft.machine import is_first_process, launch
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -262,6 +262,6 @@ def apply_fp8_base(model) -> None:
     if why:  # normally refused before loading (fp8_base_needs); this guards callers that skip the checks
         raise ConfigError(f"--fp8: {why}. Drop --fp8 (the same LoRA in bf16).")
     converted, skipped = use_fp8_base(model)
-    if launch().first:
+    if is_first_process():
         print(f"FP8: {converted} frozen base linear layers compute in e4m3 (rowwise scales)"
               f"{f'; {skipped} left in bf16 (a dimension not a multiple of 16)' if skipped else ''}", flush=True)

@@ -13,13 +13,15 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from sft.safety.run_dir import ADAPTER_CONFIG
+
 
 def load(path: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     dtype = torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
-    if (path / "adapter_config.json").is_file():
+    if (path / ADAPTER_CONFIG).is_file():
         from peft import AutoPeftModelForCausalLM
 
         model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)

@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoTokenizer
 
-    from sft.model.loading import QUANTIZED_BASE, resolve_model_path
+    from sft.model.loading import resolve_model_path
+    from sft.safety.run_dir import QUANTIZED_BASE
 
     if (adapter / QUANTIZED_BASE).is_file():  # a --qlora adapter (sft/model/loading.py: record_quantized_base)
         quant = json.loads((adapter / QUANTIZED_BASE).read_text())

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from sft.safety.checkpoints import newest_complete, read_json_object
 from sft.errors import ConfigError, ModelNotFoundError
+from sft.safety.run_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 
 
 def check_trained_dir(path: Path, adapter_only: bool = False) -> None:
@@ -15,9 +16,9 @@ def check_trained_dir(path: Path, adapter_only: bool = False) -> None:
     what `path` is and what to give instead."""
     from sft.model.loading import resolve_model_path  # (imports transformers: only when asked)
 
-    adapter, config = read_json_object(path / "adapter_config.json"), read_json_object(path / "config.json")
+    adapter, config = read_json_object(path / ADAPTER_CONFIG), read_json_object(path / "config.json")
     if adapter is None and (adapter_only or config is None):
-        files = ("adapter_config.json",) if adapter_only else ("adapter_config.json", "config.json")
+        files = (ADAPTER_CONFIG,) if adapter_only else (ADAPTER_CONFIG, "config.json")
         if not path.is_dir():
             found = "no such directory" if not path.exists() else "a file, not a directory"
         elif any((path / name).exists() for name in files):
@@ -33,8 +34,8 @@ def check_trained_dir(path: Path, adapter_only: bool = False) -> None:
         raise ConfigError(f"{path}: {found}; {hint}.")
     if adapter is not None:
         if "peft_type" not in adapter:
-            raise ConfigError(f"{path}/adapter_config.json is not a peft adapter's config (no peft_type).")
-        base, where = adapter.get("base_model_name_or_path"), path / "adapter_config.json"
+            raise ConfigError(f"{path}/{ADAPTER_CONFIG} is not a peft adapter's config (no peft_type).")
+        base, where = adapter.get("base_model_name_or_path"), path / ADAPTER_CONFIG
         if not base:
             raise ConfigError(f"{where} names no base model (base_model_name_or_path): set it to the base's "
                               f"directory or hub id.")
@@ -44,7 +45,7 @@ def check_trained_dir(path: Path, adapter_only: bool = False) -> None:
             raise ModelNotFoundError(f"{path} is a LoRA adapter whose base cannot be loaded ({str(e).split('. ')[0]}). "
                                      f"Make the base available there (put it back, or download it), or set "
                                      f"base_model_name_or_path in {where} to where it is now.") from None
-    weights = "adapter_model.safetensors" if adapter is not None else "*.safetensors"
+    weights = ADAPTER_WEIGHTS if adapter is not None else "*.safetensors"
     if not any(path.glob(weights)):
         raise ConfigError(f"{path} holds a {'adapter_config' if adapter is not None else 'config'}.json but no "
                           f"weights ({weights}): a save that did not finish, or only a config. Give a finished "
