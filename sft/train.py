@@ -42,8 +42,8 @@ from sft.machine import is_first_process
 from sft.errors import NothingToDo, UserFacingError
 from sft.parallel.fsdp import consolidate_fsdp_saves, fsdp_callbacks, fsdp_training_settings
 from sft.safety.guards import LossSpikeLogger, NonFiniteGuard
-from sft.safety.interrupts import (end_with_launcher, exit_code, ignore_further_interrupts, leave_now, signal_name,
-                                   stop_on_sigterm, tell_user)
+from sft.safety.interrupts import (SIGTERM_MARK, end_with_launcher, exit_code, ignore_further_interrupts,
+                                   launcher_gone, leave_now, signal_name, stop_on_sigterm, tell_user)
 from sft.speed.lowbit import prepare_optimizer
 from sft.model.families import check_family
 from sft.model.loading import (PartialCheckpointing, check_lora_targets, load_config, load_model, load_tokenizer,
@@ -100,18 +100,15 @@ def main(argv: list[str] | None = None, callbacks: list | None = None, model_fac
         report_error(e)  # once, from the first process; the other ranks leave after it
         return e.exit_code
     except Exception as failure:  # a full disk: one line with what is kept and how to resume (--debug: raised)
+        if launcher_gone():  # its pipe broke under a write (BrokenPipeError) before its SIGTERM came: a stop too
+            stop(run, KeyboardInterrupt(SIGTERM_MARK))
         full = out_of_space(failure, run.output_dir, run.argv) if run.output_dir and not debug else None
         if full is None:
             raise
         report_error(full)
         return full.exit_code
     except KeyboardInterrupt as interrupt:
-        ignore_further_interrupts()
-        if is_first_process():
-            tell_user(f"\n{stopped_message(run, signal_name(interrupt))}")  # after tqdm's line
-        if run.lock:
-            run.lock.release()
-        leave_now(exit_code(interrupt))  # other ranks may sit in a collective that will never complete
+        stop(run, interrupt)
     finally:
         if run.lock:
             run.lock.release()
@@ -251,6 +248,17 @@ def plan(options: Options, m: Machine) -> Planned:
     if options.training.plan != "auto":
         return NOT_PLANNED
     return planned_options(options.model, options.lora, options.data, options.training, m, options.given)
+
+
+def stop(run: Run, interrupt: KeyboardInterrupt) -> None:
+    """Ctrl-C / SIGTERM / a dead launcher: say where the run stopped, free the directory, leave at once."""
+    ignore_further_interrupts()
+    if is_first_process():
+        what = signal_name(interrupt)
+        tell_user(f"\n{stopped_message(run, what)}", sigterm=what == "SIGTERM")  # after tqdm's line
+    if run.lock:
+        run.lock.release()
+    leave_now(exit_code(interrupt))  # other ranks may sit in a collective that will never complete
 
 
 def stopped_message(run: Run, what: str) -> str:

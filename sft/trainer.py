@@ -85,7 +85,10 @@ class SFTTrainer(Trainer):
             inputs["logits_to_keep"] = 1
         outputs = model(**inputs, output_hidden_states=True)
         items = num_items_in_batch if self.model_accepts_loss_kwargs else None
-        loss = self.labelled_token_loss(outputs.hidden_states[-1], causal_lm.lm_head, labels, items)
+        # Under the mixed precision the model's forward ran in (accelerate wraps only the forward): an fp32 norm's
+        # output meets a bf16 lm_head there, as it would inside the model.
+        with self.accelerator.autocast():
+            loss = self.labelled_token_loss(outputs.hidden_states[-1], causal_lm.lm_head, labels, items)
         if self.args.average_tokens_across_devices and items is not None:  # as Trainer.compute_loss does
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
         return loss, outputs

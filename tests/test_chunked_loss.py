@@ -77,6 +77,25 @@ def test_same_loss_and_gradients_as_the_models_own(model_type, num_items, monkey
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_under_mixed_precision_the_loss_runs_in_the_models_autocast(tmp_path):
+    """bf16 autocast, a bf16 lm_head beside an fp32 final norm (whose output is fp32): inside the model autocast
+    casts both; the labelled-token loss, computed after the forward, must run under the same autocast (on a GPU,
+    Liger's kernel failed on 'float != BFloat16' without it). Same loss as the model's own under autocast."""
+    from sft.options.arguments import SFTTrainingArguments
+    from sft.trainer import SFTTrainer
+
+    model = tiny("llama")
+    model.lm_head.to(torch.bfloat16)
+    batch = packed_batch(model.config.vocab_size)
+    args = SFTTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=True)
+    trainer = SFTTrainer(model=model, args=args, labelled_token_loss=chunked_causal_lm_loss)
+    wrapped = trainer.accelerator.prepare_model(trainer.model)  # as training wraps it: forward under autocast
+    got = trainer.compute_loss(wrapped, {**batch, "use_cache": False})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(**batch, use_cache=False).loss
+    assert got.item() == pytest.approx(expected.item(), rel=2e-2)
+
+
 def test_chunks_are_at_most_chunk_tokens_and_only_labelled_tokens():
     seen = []
     head = torch.nn.Linear(8, 11, bias=False)

@@ -271,8 +271,10 @@ def test_killing_the_launcher_ends_the_worker_and_frees_the_directory(tmp_path, 
     launcher.wait()
     assert wait_for(lambda: not alive(worker), 600), "the worker outlived its launcher"
     assert not (out / LOCK_NAME).exists()
-    # accelerate <= 1.15 passes the worker's stderr on as it is; 1.16 tees it through a pipe that died with the
-    # launcher, and the worker then says it on the stdout it inherited: either way it reaches the user's terminal
+    # accelerate <= 1.15 passes the worker's stderr on as it is; 1.16 tees it through a pipe that dies with the
+    # launcher (its reader thread can take the line and die before passing it on), and the worker then says it on the
+    # stdout it inherited too: either way it reaches the user's terminal. (Flaky before the worker waited for its
+    # dying launcher to be gone: about one run in two, after an in-process run in the same test process.)
     said = (tmp_path / "stderr").read_text() + (tmp_path / "stdout").read_text()
     assert "stopped (SIGTERM) at step" in said, said[-2000:]
 

@@ -86,16 +86,25 @@ def leave_now(code: int) -> None:
     os._exit(code)
 
 
-def launcher_gone() -> bool:
-    """The launcher that started this worker has exited (the worker was handed to another parent)."""
-    return _launcher_pid is not None and os.getppid() != _launcher_pid
+def launcher_gone(wait_s: float = 0.0) -> bool:
+    """The launcher that started this worker has exited (the worker was handed to another parent). `wait_s`: how
+    long to give a launcher that is dying: when its main thread is killed first, the kernel sends our SIGTERM and
+    hands us to one of its other threads (the same pid) until the last one is gone, a few milliseconds."""
+    deadline = time.monotonic() + wait_s
+    while _launcher_pid is not None and os.getppid() == _launcher_pid:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return _launcher_pid is not None
 
 
-def tell_user(message: str) -> None:
+def tell_user(message: str, sigterm: bool = False) -> None:
     """The stop message, on stderr; and on stdout too where stderr may not reach the user. accelerate 1.16's
-    launcher tees a worker's stderr through a pipe that dies with it (kill -9 of `accelerate launch`), while the
-    worker's stdout is the launcher's own terminal or file, inherited: there the message still reaches the user."""
-    streams = [sys.stderr, sys.stdout] if launcher_gone() else [sys.stderr]
+    launcher tees a worker's stderr through a pipe that dies with it (kill -9 of `accelerate launch`: its reader
+    thread can even take the message in and die before passing it on), while the worker's stdout is the launcher's
+    own terminal or file, inherited: there the message still reaches the user. A launcher that stops its workers
+    itself (SIGTERM or Ctrl-C to it) stays alive meanwhile and passes stderr on: the message is said once."""
+    streams = [sys.stderr, sys.stdout] if launcher_gone(wait_s=1.0 if sigterm else 0.0) else [sys.stderr]
     for stream in streams:
         try:
             print(message, file=stream, flush=True)
