@@ -143,3 +143,14 @@ def test_tool_data_on_deepseek_llm_gets_one_advice():
     (warning,) = check_family(config, tokenizer, "deepseek_v3")
     assert "use --template deepseek, which has no tool-call format" in warning
     assert "right for tool data" in warning
+
+
+def test_dataset_names_without_dataset_dir_read_data_like_llamafactory(tmp_path, monkeypatch, capsys):
+    (tmp_path / "data").mkdir()
+    write(tmp_path / "data" / "demo.json", [{"instruction": "Q", "input": "", "output": "A"}])
+    write(tmp_path / "data" / "dataset_info.json", {"demo": {"file_name": "demo.json"}})
+    monkeypatch.chdir(tmp_path)
+    assert len(read_datasets(data_args("--dataset", "demo,demo")).train) == 2  # its default dataset_dir: data
+    assert "(LLaMA-Factory's default --dataset_dir data)" in capsys.readouterr().err
+    with pytest.raises(DataError, match=r"--dataset a,b: LLaMA-Factory's dataset names\? Give --dataset_dir"):
+        read_datasets(data_args("--dataset", "a,b"))

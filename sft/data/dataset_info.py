@@ -11,9 +11,11 @@ is read as a file.
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from sft.data.formats import is_local
 from sft.errors import DataError
 
 INFO_FILE = "dataset_info.json"
@@ -49,6 +51,12 @@ def sources(specs: list[str], dataset_dir: str | None, fmt: str | None = None, c
     --dataset_format/--dataset_columns/--dataset_tags given; with it, LLaMA-Factory's comma-separated names too."""
     plain = dict(fmt=fmt, columns=dict(columns or {}), tags=dict(tags or {}))
     if not dataset_dir:
+        dataset_dir = default_dir(specs)
+    if not dataset_dir:
+        for spec in specs:
+            if "," in spec and not is_local(spec):
+                raise DataError(f"--dataset {spec}: LLaMA-Factory's dataset names? Give --dataset_dir, the folder of "
+                                f"its {INFO_FILE}; files or hub names are separate words (--dataset a.json b.json).")
         return [Source(spec, **plain) for spec in specs]
     info = load_info(dataset_dir)
     out = []
@@ -66,6 +74,29 @@ def sources(specs: list[str], dataset_dir: str | None, fmt: str | None = None, c
             continue
         out.append(entry_source(name, entry, dataset_dir))
     return out
+
+
+def default_dir(specs: list[str]) -> str | None:
+    """LLaMA-Factory's default dataset_dir, `data`, where its dataset_info.json names every --dataset that is no
+    file (a LLaMA-Factory YAML without dataset_dir reads its data so); else None."""
+    names = [n.strip() for spec in specs if not is_local(spec) for n in spec.split(",") if n.strip()]
+    if not names or not (Path("data") / INFO_FILE).is_file():
+        return None
+    try:
+        info = load_info("data")
+    except DataError:
+        return None
+    if not all(name in info for name in names):
+        return None
+    note(f"--dataset {' '.join(specs)}: the names of data/{INFO_FILE} (LLaMA-Factory's default --dataset_dir data)")
+    return "data"
+
+
+def note(text: str) -> None:
+    from sft.machine import launch
+
+    if launch().first:
+        print(f"note: {text}", file=sys.stderr, flush=True)
 
 
 def entry_source(name: str, entry: dict, dataset_dir: str) -> Source:
