@@ -68,3 +68,8 @@ def test_an_example_with_nothing_kept_says_it_was_dropped_as_too_long():
                                                        {"role": "assistant", "content": "A"}]}
     text = show_masks([conversation], args, tokenizer, get_template("deepseek", tokenizer))
     assert "(nothing kept: dropped as longer than --max_length 32 with no reply that fits; raise --max_length" in text
+
+
+def test_an_option_error_of_the_data_tool_points_at_its_own_help(capsys):
+    assert cli.main(["data", "--model", "m", "--dataset", "x.json", "--max_lenght", "64"]) == 2
+    assert "`deepseek-sft data --help` lists the options" in capsys.readouterr().err

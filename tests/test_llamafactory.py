@@ -110,6 +110,11 @@ def test_llamafactory_yaml_keys_map_or_are_noted(tmp_path, capsys):
     assert data_args("--dataset", DEMO, "--cutoff_len", "64", "--overlong", "drop").overlong == "drop"
     with pytest.raises(ConfigError, match="stage 'dpo': this toolkit does supervised fine-tuning only"):
         data_args("--dataset", DEMO, "--stage", "dpo")
+    _, args, lora, _ = parse_args(["--model", "m", "--dataset", DEMO, "--quantization_bit", "4", "--neat_packing",
+                                   "true"], data_only=True)
+    assert lora.qlora and args.packing
+    with pytest.raises(ConfigError, match="quantization_bit 8: this toolkit quantizes the base to 4 bits only"):
+        data_args("--dataset", DEMO, "--quantization_bit", "8")
 
 
 def test_overlong_cut_keeps_the_start_where_no_reply_fits():

@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sft.data.dataset"
     try:
         if not any(a.split("=")[0] == "--show_masks" for a in argv):
             argv += ["--show_masks", str(SHOWN)]
-        model_args, data_args, _, training_args = parse_args(argv, data_only=True)
+        model_args, data_args, _, training_args = parse_args(argv, data_only=True, help_command=f"{prog} --help")
         conversations = read_datasets(data_args, training_args.seed)
         from sft.model.loading import load_tokenizer
 

@@ -21,8 +21,8 @@ from transformers import TrainingArguments
 from sft.configs import DEMO_DATA
 from sft.errors import ConfigError
 from sft.machine import Machine, launch
-from sft.options.argv import (COMMON_TRAINING, Parser, apply_aliases, help_requested, short_help, split_names,
-                              unknown_options_message)
+from sft.options.argv import (COMMON_TRAINING, TRAIN_HELP, Parser, apply_aliases, help_requested, short_help,
+                              split_names, unknown_options_message)
 from sft.options.checks import CHECKS, MACHINE_CHECKS, OPTION_CHECKS, Check, Options, check_options
 from sft.options.recipe import load_recipe, recipe_to_argv
 from sft.options.resolve import resolve_defaults
@@ -343,13 +343,14 @@ def is_demo_output(model_args: ModelArguments, training_args) -> bool:
             Path(training_args.output_dir).resolve() == Path(DEMO["output_dir"]).resolve())
 
 
-def read_options(argv: list[str] | None = None, data_only: bool = False) -> Options:
+def read_options(argv: list[str] | None = None, data_only: bool = False, help_command: str = TRAIN_HELP) -> Options:
     """The options as given: the recipes, the command line, the demo's defaults; parsed, not yet resolved or
     checked (and never planned: `--plan auto` is its own step, sft/train.py). `data_only`: for tools that prepare
     data and load no model (sft.data.dataset): precision is not checked against the hardware, so a GPU recipe's
-    data can be audited on a laptop (precision does not enter the data)."""
+    data can be audited on a laptop (precision does not enter the data). `help_command`: the tool's own help, which
+    an option error points at."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = Parser(PARSER_TYPES, allow_abbrev=False)  # a typo must not pass as an abbreviation
+    parser = Parser(PARSER_TYPES, allow_abbrev=False, help_command=help_command)  # no typo passes as an abbreviation
     wanted = help_requested(argv)
     if wanted:
         print(parser.format_help() if wanted == "all" else short_help(HELP_GROUPS))
@@ -371,11 +372,11 @@ def read_options(argv: list[str] | None = None, data_only: bool = False) -> Opti
     return Options.of(model_args, data_args, lora_args, training_args, frozenset(given))
 
 
-def parse_args(argv: list[str] | None = None, data_only: bool = False):
+def parse_args(argv: list[str] | None = None, data_only: bool = False, help_command: str = TRAIN_HELP):
     """-> (ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments), resolved and checked against this
     machine (`data_only`: the options alone, see read_options). For the tools and tests; training also plans
     (sft/train.py)."""
-    options = read_options(argv, data_only)
+    options = read_options(argv, data_only, help_command)
     if data_only:
         return settle(options, data_machine(), OPTION_CHECKS).groups()
     return settle(options).groups()

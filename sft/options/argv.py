@@ -55,6 +55,13 @@ def _nothing(value: str) -> list[str]:
     return []
 
 
+def _quantization_bit(value: str) -> list[str]:
+    """`quantization_bit: 4` (bitsandbytes) -> --qlora true; no other width is offered."""
+    if value.strip() in ("4", ""):
+        return ["true"] if value.strip() else []
+    raise ConfigError(f"quantization_bit {value}: this toolkit quantizes the base to 4 bits only (--qlora).")
+
+
 def _attention(value: str) -> list[str]:
     """LLaMA-Factory's `flash_attn: auto|disabled|sdpa|fa2|fa3` -> --attn_implementation (auto: ours, sdpa)."""
     names = {"auto": [], "disabled": ["eager"], "sdpa": ["sdpa"], "fa2": ["flash_attention_2"],
@@ -83,6 +90,8 @@ ALIASES: dict[str, Alias] = {
         "the prepared-data cache is keyed on the data, the options and the tokenizer, so a change already "
         "prepares anew; to rebuild an entry, delete it under --dataset_cache_dir")),
     "enable_liger_kernel": Alias("use_liger_kernel", "LLaMA-Factory"),
+    "quantization_bit": Alias("qlora", "LLaMA-Factory", _quantization_bit),
+    "neat_packing": Alias("packing", "LLaMA-Factory", note="our packing never attends across conversations"),
     "flash_attn": Alias("attn_implementation", "LLaMA-Factory", _attention),
     "sequence_len": Alias("max_length", "Axolotl"),
     "max_seq_length": Alias("max_length", "TRL < 0.20"),
@@ -149,11 +158,19 @@ def _note(text: str) -> None:
         print(f"note: {text}", file=sys.stderr, flush=True)
 
 
+TRAIN_HELP = "python sft/train.py --help"  # the help an option error points at: the tool's own (sft.data.dataset)
+
+
 class Parser(HfArgumentParser):
-    """HfArgumentParser whose errors are one ConfigError line instead of argparse's usage block and exit."""
+    """HfArgumentParser whose errors are one ConfigError line instead of argparse's usage block and exit;
+    `help_command`: the help that lists the options, as the user would type it."""
+
+    def __init__(self, *args, help_command: str = TRAIN_HELP, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.help_command = help_command
 
     def error(self, message: str):
-        raise ConfigError(f"{message.rstrip('.')}. `python sft/train.py --help` lists the options.")
+        raise ConfigError(f"{message.rstrip('.')}. `{self.help_command}` lists the options.")
 
 
 def known_options(parser: HfArgumentParser) -> list[str]:
@@ -175,7 +192,7 @@ def unknown_options_message(unknown: list[str], parser: HfArgumentParser, ours: 
         return (f"unexpected value(s) {' '.join(unknown)}: an option takes one value unless it takes a list "
                 f"(--dataset a.json b.json; in a recipe, dataset: [a.json, b.json]).")
     return (f"unknown option(s): {', '.join(parts)}. "
-            f"`python sft/train.py --help` lists the options (`--help all`: every one).")
+            f"`{getattr(parser, 'help_command', TRAIN_HELP)}` lists the options (`--help all`: every one).")
 
 
 def help_requested(argv: list[str]) -> str | None:
