@@ -1,10 +1,12 @@
 """`deepseek-sft`: one command for the toolkit, in the same flag style as training.
 
-    deepseek-sft train [launch options] [training options]   # = accelerate launch sft/train.py ..., see below
-    deepseek-sft data [training options]                      # = python -m sft.data.dataset: prepare, summarise, masks
-    deepseek-sft chat OUTPUT_DIR [--prompt TEXT]              # = python -m sft.tools.chat
-    deepseek-sft merge ADAPTER_DIR OUTPUT_DIR [--dtype bfloat16]  # = python -m sft.tools.merge
+    deepseek-sft train [launch options] [training options]   # = accelerate launch sft/train.py ...: train
+    deepseek-sft data [training options]                      # = python -m sft.data.dataset: the data's summary
+                                                              #   and first 3 examples, trained tokens marked
+    deepseek-sft chat OUTPUT_DIR [--prompt TEXT]              # = python -m sft.tools.chat: talk to a trained run
+    deepseek-sft merge ADAPTER_DIR OUTPUT_DIR [--dtype bfloat16]  # = python -m sft.tools.merge: adapter -> model
     deepseek-sft plan --model M [--gpus 3 --gpu_mem 24 --lora]  # = python -m sft.plan.planner: which strategy fits
+  `deepseek-sft COMMAND --help`: each command's options (`deepseek-sft train --help all`: every training option).
 
 `train --config_file` takes a file or the name of a shipped strategy config (ddp.yaml, zero3.yaml, ...: the
 repository's accelerate_configs/, shipped in sft/configs/), from any directory, a wheel install included.
@@ -117,13 +119,13 @@ def main(argv: list[str] | None = None) -> int:
         return launch_training(rest)
     if command == "data":
         from sft.data.dataset import main as data
-        return data(rest)
+        return data(rest, prog="deepseek-sft data")
     if command == "chat":
         from sft.tools.chat import main as chat
-        return chat(rest)
+        return chat(rest, prog="deepseek-sft chat")
     if command == "merge":
         from sft.tools.merge import main as merge
-        return merge(rest)
+        return merge(rest, prog="deepseek-sft merge")
     if command == "plan":
         from sft.plan.planner import main as plan
         return plan(rest)

@@ -15,14 +15,15 @@ import os
 import random
 import shutil
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from sft.options.arguments import DataArguments
-from sft.data.formats import DataError, ReadOptions, ReadStats, read_conversations
+from sft.data.dataset_info import sources
+from sft.data.formats import PREFERENCE, DataError, ReadOptions, ReadStats, read_conversations
 from sft.data.packing import pack_rows
 from sft.data.templates import get_template
 from sft.data.tokenization import IGNORE, render_mask, tokenize_batch, tokenize_examples, tokenizer_facts
@@ -53,8 +54,10 @@ def read_datasets(args: DataArguments, seed: int = 0) -> Conversations:
 
     def read(specs: list[str], stats: ReadStats) -> list[dict]:
         conversations = []
-        for spec in specs:
-            part, part_stats = read_conversations(spec, args.dataset_format, options)
+        for source in sources(specs, args.dataset_dir, args.dataset_format, args.dataset_columns, args.dataset_tags):
+            spec = source.spec
+            part, part_stats = read_conversations(spec, source.fmt, replace(options, columns=source.columns,
+                                                                            tags=source.tags))
             if args.max_samples is not None:
                 part = part[: args.max_samples]
             if not part:
@@ -221,6 +224,9 @@ def _part_lines(stats: ReadStats, counts: dict, lengths: np.ndarray, args: DataA
     lines = []
     if len(stats.sources) > 1:
         lines += [f"  {spec}: {read} records read, {used} conversations used" for spec, read, used in stats.sources]
+    if stats.preferred:
+        lines.append(f"  {PREFERENCE}: {stats.preferred} (preference data, for DPO or a reward model: ranked "
+                     f"`output` lists or chosen/rejected pairs; SFT trains on the first / the chosen reply)")
     lines += [f"  skipped ({reason}): {n}" for reason, n in sorted(stats.skipped.items()) if n]
     lines += [f"  {status}: {n}" for status, n in sorted(counts.items()) if status != "ok"]
     if len(lengths):
@@ -243,21 +249,58 @@ def show_masks(conversations: list[dict], args: DataArguments, tokenizer, templa
             part = f" (example {k + 1} of {len(rows)})" if len(rows) > 1 else ""
             out.append(f"--- {conversation['source']}{part}: {row['length']} tokens, {trained} trained "
                        f"({row['status']}); trained tokens between [[ and ]] ---")
-            out.append(render_mask(row["input_ids"], row["labels"], tokenizer) if row["length"] else "(nothing kept)")
+            out.append(render_mask(row["input_ids"], row["labels"], tokenizer) if row["length"] else
+                       f"(nothing kept: {why_empty(row['status'], args.max_length)})")
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> int:
+SHOWN = 3  # examples shown unless --show_masks is given
+
+
+def data_help(wanted: str, prog: str) -> str:
+    """This tool's own --help: what it does, then the options that decide the data (`all`: every option)."""
+    from dataclasses import fields
+
+    from sft.options.arguments import PARSER_TYPES, ModelArguments
+    from sft.options.argv import Parser, short_help
+
+    if wanted == "all":
+        return Parser(PARSER_TYPES, prog=prog, allow_abbrev=False).format_help()
+    groups = [("Model (only its tokenizer is loaded)", ModelArguments, ("model", "tokenizer", "trust_remote_code")),
+              ("Data", DataArguments, tuple(f.name for f in fields(DataArguments)))]
+    return short_help(groups, usage=f"usage: {prog} [training options]", intro=[
+        "  reads, checks, tokenizes and packs the data exactly as training would (and caches it for it), then prints",
+        f"  the summary and the first {SHOWN} examples with the trained tokens between [[ and ]] (--show_masks N: N",
+        "  of them, 0: none); loads no model. It takes the training command's options (--config recipe.yaml too)."])
+
+
+def why_empty(status: str, max_length: int) -> str:
+    """An example with no tokens left, said as why and what to do (--show_masks)."""
+    if status == "too long (dropped)":
+        return (f"dropped as longer than --max_length {max_length} with no reply that fits; raise --max_length, or "
+                f"--overlong cut keeps its first {max_length} tokens")
+    if status == "no trained tokens":
+        return "no reply token is left to train on (e.g. every reply past --max_length); it is not trained"
+    return status
+
+
+def main(argv: list[str] | None = None, prog: str = "python -m sft.data.dataset") -> int:
     """`python -m sft.data.dataset <the training options>`: read, validate, tokenize and pack the data exactly as
-    training would (and cache it), print the summary and --show_masks examples (3 unless given), load no model."""
+    training would (and cache it), print the summary and --show_masks examples (SHOWN unless given), load no
+    model."""
     from sft.options.arguments import parse_args
+    from sft.options.argv import help_requested
     from sft.errors import UserFacingError
 
+    argv = list(sys.argv[1:] if argv is None else argv)
+    wanted = help_requested(argv)
+    if wanted:
+        print(data_help(wanted, prog))
+        return 0
     try:
-        argv = list(sys.argv[1:] if argv is None else argv)
         if not any(a.split("=")[0] == "--show_masks" for a in argv):
-            argv += ["--show_masks", "3"]
-        model_args, data_args, _, training_args = parse_args(argv, data_only=True)
+            argv += ["--show_masks", str(SHOWN)]
+        model_args, data_args, _, training_args = parse_args(argv, data_only=True, help_command=f"{prog} --help")
         conversations = read_datasets(data_args, training_args.seed)
         from sft.model.loading import load_tokenizer
 

@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,21 @@ from sft.errors import DataError
 from sft.data.tool_calls import TOOLS_ROLE, dump_arguments
 
 FORMATS = ("alpaca", "oasst", "messages")
+# Other trainers' names for our readers: LLaMA-Factory's `formatting: sharegpt` (and the OpenAI layout it reads with
+# role/content tags), Axolotl's `type: sharegpt` / `chat_template`.
+FORMAT_NAMES = {"sharegpt": "messages", "openai": "messages", "chat_template": "messages", "chatml": "messages",
+                "conversations": "messages", "oasst1": "oasst", "oasst2": "oasst"}
+# LLaMA-Factory's dataset_info.json `columns` and `tags` keys that this reader takes (sft/data/dataset_info.py).
+ALPACA_COLUMNS = {"prompt": "instruction", "query": "input", "response": "output", "system": "system",
+                  "history": "history"}
+MESSAGES_COLUMNS = ("messages", "system", "tools")
+TAGS = ("role_tag", "content_tag", "user_tag", "assistant_tag", "observation_tag", "function_tag", "system_tag")
+PREFERENCE = "preference records, trained on the preferred reply"  # the summary's count of ranked records
+
+
+def format_name(fmt: str | None) -> str | None:
+    """--dataset_format as given -> our reader's name (an unknown name stays, for read_conversations to refuse)."""
+    return None if fmt is None else FORMAT_NAMES.get(fmt.lower(), fmt.lower())
 LOCAL_SUFFIXES = (".json", ".jsonl", ".parquet", ".csv")
 # Values that real Alpaca-style data uses for "this record has no input", compared after lower-casing and
 # removing spaces, a trailing full stop and surrounding brackets ("<No Input>", "< noinput >", "No input.").
@@ -52,6 +68,8 @@ class ReadStats:
     skipped: Counter = field(default_factory=Counter)
     sources: list = field(default_factory=list)  # (dataset, records read, conversations used), per dataset
 
+    preferred: int = 0  # preference records (ranked replies, chosen/rejected) read as their preferred reply
+
     def skip(self, reason: str) -> None:
         self.skipped[reason] += 1
 
@@ -60,6 +78,7 @@ class ReadStats:
         self.kept += other.kept
         self.skipped.update(other.skipped)
         self.sources += other.sources
+        self.preferred += other.preferred
 
 
 @dataclass
@@ -67,6 +86,8 @@ class ReadOptions:
     skip_bad: bool = False  # count and drop bad records instead of stopping
     oasst_threads: str = "best"  # "best": follow the best-ranked reply; "all": every root-to-leaf path
     languages: tuple[str, ...] = ()  # OASST language filter; empty keeps all
+    columns: dict = field(default_factory=dict)  # LLaMA-Factory's dataset_info.json `columns` (our keys: see TAGS)
+    tags: dict = field(default_factory=dict)  # and its `tags` (ShareGPT role and content keys, role names)
 
 
 # --------------------------------------------------------------------------------------------- raw records
@@ -234,16 +255,17 @@ def _iter_hub(spec: str) -> Iterator[tuple[Any, str]]:
 def detect_format(record: Any, where: str) -> str:
     """Guess the format from the keys of the first record."""
     if isinstance(record, dict):
-        if "instruction" in record and "output" in record:
+        if "instruction" in record and ("output" in record or "chosen" in record):
             return "alpaca"
-        if "messages" in record or "conversations" in record:
+        if "messages" in record or "conversations" in record or "chosen" in record and "rejected" in record:
             return "messages"
         if "message_id" in record and "role" in record or "prompt" in record and "message_tree_id" in record:
             return "oasst"
     keys = sorted(map(str, record)) if isinstance(record, dict) else type(record).__name__
     raise DataError(f"{where}: cannot tell the dataset format from the record's keys {keys}. Expected alpaca "
                     f"(instruction/input/output), oasst (message_id/parent_id/role/text) or messages "
-                    f"(messages or conversations); pass --dataset_format.")
+                    f"(messages or conversations; ShareGPT too); pass --dataset_format, or for other column names "
+                    f"--dataset_columns (LLaMA-Factory's dataset_info.json `columns`).")
 
 
 def read_conversations(spec: str, fmt: str | None, options: ReadOptions) -> tuple[list[dict], ReadStats]:
@@ -253,9 +275,11 @@ def read_conversations(spec: str, fmt: str | None, options: ReadOptions) -> tupl
     first = next(records, None)
     if first is None:
         raise DataError(f"{spec}: holds no records" + (" that parse." if stats.read else "."))
-    fmt = fmt or detect_format(*first)
+    given = fmt
+    fmt = format_name(fmt) or _format_by_columns(options.columns) or detect_format(*first)
     if fmt not in FORMATS:
-        raise DataError(f"--dataset_format {fmt!r} is unknown; use one of {', '.join(FORMATS)}.")
+        raise DataError(f"--dataset_format {given!r} is unknown; use one of {', '.join(FORMATS)} (messages reads "
+                        f"OpenAI messages and ShareGPT conversations; also named {', '.join(FORMAT_NAMES)}).")
     all_records = _chain([first], records)
     if fmt == "oasst":
         conversations = list(oasst_conversations(all_records, stats, options))
@@ -269,7 +293,8 @@ def convert_records(records: Iterable[tuple[Any, str]], fmt: str, stats: ReadSta
                     options: ReadOptions) -> list[dict]:
     """alpaca or messages records, each with where it comes from -> conversations; a bad record raises DataError
     or (skip_bad) is counted, a well-formed one with nothing to train on is counted under its reason."""
-    convert = alpaca_conversation if fmt == "alpaca" else messages_conversation
+    convert = partial(alpaca_conversation if fmt == "alpaca" else messages_conversation,
+                      columns=options.columns, tags=options.tags)
     conversations = []
     with gc_paused():
         for record, where in records:
@@ -284,6 +309,8 @@ def convert_records(records: Iterable[tuple[Any, str]], fmt: str, stats: ReadSta
             if isinstance(conversation, str):  # a reason to skip a well-formed record
                 stats.skip(conversation)
                 continue
+            if conversation.pop("preferred", False):
+                stats.preferred += 1
             conversations.append(conversation)
     return conversations
 
@@ -347,9 +374,37 @@ def _expect_dict(record: Any, where: str, what: str) -> dict:
     return record
 
 
-def alpaca_conversation(record: Any, where: str) -> dict | str:
-    """instruction/input/output (+ optional system and history pairs, as LLaMA-Factory allows)."""
+def _format_by_columns(columns: dict) -> str | None:
+    """The reader that dataset_info.json's `columns` name: messages/tools -> messages, prompt/query/response ->
+    alpaca; None: detect from the records."""
+    if any(k in columns for k in ("messages", "tools")):
+        return "messages"
+    if any(k in columns for k in ("prompt", "query", "response", "history")):
+        return "alpaca"
+    return None
+
+
+def _ranked(value: Any) -> bool:
+    """LLaMA-Factory's ranked replies: `output` as a list of replies, the preferred one first."""
+    return isinstance(value, list) and bool(value) and all(isinstance(v, str) for v in value)
+
+
+def alpaca_conversation(record: Any, where: str, columns: dict | None = None, tags: dict | None = None) -> dict | str:
+    """instruction/input/output (+ optional system and history pairs, as LLaMA-Factory allows); `columns`: its
+    dataset_info.json names for them (prompt, query, response, system, history). A preference record (`output` a
+    list of ranked replies, or `chosen`/`rejected`) trains on the preferred reply: the first, or the chosen one."""
     record = _expect_dict(record, where, "instruction/input/output")
+    if columns:
+        record = {**record, **{ALPACA_COLUMNS.get(k, k): record[v] for k, v in columns.items()
+                               if isinstance(v, str) and v in record and k in (*ALPACA_COLUMNS, "chosen", "rejected")}}
+    preferred = False
+    if _ranked(record.get("output")):
+        record, preferred = {**record, "output": record["output"][0]}, True
+    elif record.get("output") is None and "chosen" in record:
+        chosen = record["chosen"]
+        if isinstance(chosen, dict):  # ShareGPT-style turn
+            chosen = chosen.get("value", chosen.get("content"))
+        record, preferred = {**record, "output": chosen}, True
     instruction = _expect_str(record, "instruction", where)
     context = _expect_str(record, "input", where, required=False)
     output = _expect_str(record, "output", where)
@@ -370,25 +425,60 @@ def alpaca_conversation(record: Any, where: str) -> dict | str:
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
     # The input stays apart so that the Alpaca template can place it; every other template joins the two.
     messages += [{"role": "user", "content": instruction, "input": context}, {"role": "assistant", "content": output}]
-    return {"messages": messages, "source": where}
+    return {"messages": messages, "source": where, **({"preferred": True} if preferred else {})}
 
 
-def messages_conversation(record: Any, where: str) -> dict | str:
-    """OpenAI-style `messages` (role/content) or ShareGPT `conversations` (from/value)."""
+def _preference_turns(record: dict, where: str) -> tuple[str, list] | None:
+    """A preference record without a messages list (TRL's prompt/chosen/rejected, as text or as turns) -> (the key
+    its turns are reported under, the turns up to the chosen reply); None when it is none."""
+    chosen, prompt = record.get("chosen"), record.get("prompt")
+    if "chosen" not in record:
+        return None
+    if isinstance(chosen, str) and isinstance(prompt, str):
+        return "chosen", [{"role": "user", "content": prompt}, {"role": "assistant", "content": chosen}]
+    if isinstance(chosen, list):  # the whole conversation, or its replies after a `prompt` list
+        return "chosen", (prompt if isinstance(prompt, list) else []) + chosen
+    raise DataError(f"{where}: a preference record (chosen/rejected) whose 'chosen' is {_short(chosen)}; expected "
+                    f"a reply (with a 'prompt' text) or a list of turns. Fix the record, or pass --skip_bad_records.")
+
+
+def messages_conversation(record: Any, where: str, columns: dict | None = None, tags: dict | None = None) -> dict | str:
+    """OpenAI-style `messages` (role/content) or ShareGPT `conversations` (from/value); `columns` and `tags`: the
+    other names of LLaMA-Factory's dataset_info.json (the list, system and tools columns; the role and content keys
+    and the role names). A preference record trains on its chosen reply (ShareGPT's `chosen` turn after the
+    conversation, or TRL's chosen turns)."""
     record = _expect_dict(record, where, "with 'messages' or 'conversations'")
-    if "messages" in record:
-        key, role_key, text_key, roles = "messages", "role", "content", OPENAI_ROLES
-    elif "conversations" in record:
-        key, role_key, text_key, roles = "conversations", "from", "value", SHAREGPT_ROLES
+    columns, tags = columns or {}, tags or {}
+    key = columns.get("messages") or next((k for k in ("messages", "conversations") if k in record), None)
+    preferred = False
+    if key in record:
+        turns = record[key]
+        chosen = record.get(columns.get("chosen", "chosen"))
+        if isinstance(chosen, dict) and isinstance(turns, list):  # ShareGPT ranking: one chosen, one rejected turn
+            turns, preferred = turns + [chosen], True
     else:
-        raise DataError(f"{where}: expected a 'messages' (role/content) or 'conversations' (from/value) list, "
-                        f"found keys {sorted(record)}.")
-    turns = record[key]
+        found = _preference_turns(record, where)
+        if found is None:
+            raise DataError(f"{where}: expected a '{key or 'messages'}' list"
+                            + ("" if key else " (role/content) or 'conversations' (from/value)")
+                            + f", found keys {sorted(record)}"
+                            + (" (--dataset_columns names the list's column)." if key else "."))
+        (key, turns), preferred = found, True
+    first = turns[0] if isinstance(turns, list) and turns and isinstance(turns[0], dict) else {}
+    role_key = tags.get("role_tag", "from" if "from" in first else "role" if "role" in first or key != "conversations"
+                        else "from")
+    text_key = tags.get("content_tag", "content" if role_key == "role" else "value")
+    roles = {**SHAREGPT_ROLES, **OPENAI_ROLES}
+    call_role = tags.get("function_tag", "function_call").lower()
+    for tag, role in (("user_tag", "user"), ("assistant_tag", "assistant"), ("observation_tag", "tool"),
+                      ("system_tag", "system"), ("function_tag", "assistant")):
+        if isinstance(tags.get(tag), str):
+            roles[tags[tag].lower()] = role
     if not isinstance(turns, list):
         raise DataError(f"{where}: field '{key}' must be a list of turns, got {type(turns).__name__}. "
                         f"Fix the record, or pass --skip_bad_records to skip it.")
     messages = []
-    system = _expect_str(record, "system", where, required=False)
+    system = _expect_str(record, columns.get("system", "system"), where, required=False)
     if system.strip():
         messages.append({"role": "system", "content": system})
     for i, turn in enumerate(turns):
@@ -396,9 +486,10 @@ def messages_conversation(record: Any, where: str) -> dict | str:
         role = turn.get(role_key)
         if not isinstance(role, str) or role.lower() not in roles:
             raise DataError(f"{where}: {key}[{i}].{role_key} is {_short(role)}; expected one of {sorted(roles)}. "
-                            f"Fix the record, or pass --skip_bad_records to skip it.")
+                            f"Fix the record, name the roles with --dataset_tags, or pass --skip_bad_records to "
+                            f"skip it.")
         turn_where = f"{where}: {key}[{i}]"
-        if role.lower() == "function_call":  # ShareGPT (LLaMA-Factory): value is {"name", "arguments"} or a list
+        if role.lower() == call_role:  # ShareGPT (LLaMA-Factory): value is {"name", "arguments"} or a list
             messages.append({"role": "assistant", "content": "",
                              "tool_calls": _sharegpt_calls(_expect_str(turn, text_key, turn_where), turn_where)})
             continue
@@ -411,13 +502,16 @@ def messages_conversation(record: Any, where: str) -> dict | str:
         else:
             content = _expect_str(turn, text_key, turn_where)
         message = {"role": roles[role.lower()], "content": content}
-        if key == "messages" and message["role"] == "assistant" and turn.get("tool_calls"):
+        if role_key == "role" and message["role"] == "assistant" and turn.get("tool_calls"):
             message["tool_calls"] = _openai_calls(turn["tool_calls"], content, turn_where)
         messages.append(message)
-    tools = _tools(record.get("tools"), where)
+    tools = _tools(record.get(columns.get("tools", "tools")), where)
     if tools:
         messages.insert(0, {"role": TOOLS_ROLE, "content": json.dumps(tools, ensure_ascii=False)})
-    return _finish_thread(messages, where)
+    conversation = _finish_thread(messages, where)
+    if preferred and isinstance(conversation, dict):
+        conversation["preferred"] = True
+    return conversation
 
 
 def _openai_calls(calls: Any, content: str, where: str) -> list[dict]:

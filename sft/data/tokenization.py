@@ -29,7 +29,7 @@ from sft.data.formats import gc_paused
 from sft.data.templates import Segment, Template
 
 IGNORE = -100  # the label of a token that is not a target (the loss's ignore_index); every module imports it from here
-STATUSES = ("ok", "truncated at a turn boundary", "too long (dropped)", "no trained tokens")
+STATUSES = ("ok", "truncated at a turn boundary", "cut at --max_length", "too long (dropped)", "no trained tokens")
 # Facts about a tokenizer, computed once: {tokenizer: {"size": len(tokenizer), name: value}} (rebuilt if tokens
 # are added). Weak keys: a tokenizer that is gone takes its entries with it.
 _FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -434,8 +434,10 @@ def _mask(ids: np.ndarray, starts: np.ndarray, bounds: np.ndarray, trained: list
             turn_ends = np.append(turn_ends, bounds[-1])
         cuts = np.searchsorted(starts, turn_ends, side="left")
         fitting = cuts[(cuts <= max_length) & (cuts > 0)]
-        if overlong == "truncate" and len(fitting):
+        if overlong in ("truncate", "cut") and len(fitting):
             ids, labels, status = ids[: fitting[-1]], labels[: fitting[-1]], "truncated at a turn boundary"
+        elif overlong == "cut":  # no reply fits whole: keep the first max_length tokens (LLaMA-Factory's cutoff_len)
+            ids, labels, status = ids[:max_length], labels[:max_length], "cut at --max_length"
         else:
             ids, labels, status = ids[:0], labels[:0], "too long (dropped)"
     if status != "too long (dropped)" and not (labels != IGNORE).any():

@@ -67,7 +67,9 @@ def refuse_tools(template: str, messages: list[dict[str, Any]]) -> None:
     """For templates without a tool-call format: one clear error instead of rendering calls as plain turns."""
     if has_tools(messages):
         raise DataError(f"--template {template} has no tool-call format; conversations with tools, tool_calls or "
-                        f"tool results train with --template {', '.join(TOOL_TEMPLATES)} (or drop those records).")
+                        f"tool results train with --template {', '.join(TOOL_TEMPLATES)} (or drop those records); "
+                        f"on deepseek-llm or deepseek-coder, whose own templates have none, the model learns "
+                        f"deepseek_v3's layout from the data.")
 
 
 def dump_arguments(arguments: Any) -> str:

@@ -230,10 +230,20 @@ def check_family(config, tokenizer, template_name: str, trust_remote_code: bool 
         how = f"--template {template_name}" + (f" (resolved to {template})" if template != template_name else "")
         why = " (the tokenizer has no chat template)" if template_name == "auto" and not \
             getattr(tokenizer, "chat_template", None) else ""
-        warnings.append(f"{how} on {variant.name}{why}: this family's chat models use --template "
-                        f"{variant.template}, {TEMPLATE_LOOKS[variant.template]}"
-                        + (f" (some: {', '.join(variant.other_templates)})" if variant.other_templates else "")
-                        + f"; {template} writes {TEMPLATE_LOOKS.get(template, 'another layout')}.")
+        from sft.data.tool_calls import TOOL_TEMPLATES
+
+        if template in TOOL_TEMPLATES and not set(expected) & set(TOOL_TEMPLATES):
+            # what refuse_tools (sft/data/tool_calls.py) recommends for tool data on this family: say it agrees
+            warnings.append(f"{how} on {variant.name}: this family's chat models use --template {variant.template}, "
+                            f"which has no tool-call format; {template} writes "
+                            f"{TEMPLATE_LOOKS.get(template, 'another layout')} and its tool calls: right for tool "
+                            f"data (the model learns that layout from it), while data without tools trains best "
+                            f"with --template {variant.template}.")
+        else:
+            warnings.append(f"{how} on {variant.name}{why}: this family's chat models use --template "
+                            f"{variant.template}, {TEMPLATE_LOOKS[variant.template]}"
+                            + (f" (some: {', '.join(variant.other_templates)})" if variant.other_templates else "")
+                            + f"; {template} writes {TEMPLATE_LOOKS.get(template, 'another layout')}.")
     if tokenizer is not None:
         end = {"deepseek_coder": CODER_EOT, "deepseek_v3": EOS, "r1": EOS, "r1_distill": EOS}.get(
             template, tokenizer.eos_token)

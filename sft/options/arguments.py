@@ -21,8 +21,8 @@ from transformers import TrainingArguments
 from sft.configs import DEMO_DATA
 from sft.errors import ConfigError
 from sft.machine import Machine, launch
-from sft.options.argv import (COMMON_TRAINING, Parser, apply_aliases, help_requested, short_help, split_names,
-                              unknown_options_message)
+from sft.options.argv import (COMMON_TRAINING, TRAIN_HELP, Parser, apply_aliases, help_requested, short_help,
+                              split_names, unknown_options_message)
 from sft.options.checks import CHECKS, MACHINE_CHECKS, OPTION_CHECKS, Check, Options, check_options
 from sft.options.recipe import load_recipe, recipe_to_argv
 from sft.options.resolve import resolve_defaults
@@ -118,7 +118,17 @@ class DataArguments:
         "help": "Training data: one or more .json/.jsonl/.parquet/.csv files or hub names (`name` or "
                 "`name:split`), mixed in one run."})
     dataset_format: str | None = field(default=None, metadata={
-        "help": "alpaca, oasst or messages; detected from each file's first record when omitted."})
+        "help": "alpaca, oasst or messages (OpenAI messages and ShareGPT conversations; also named sharegpt, openai); "
+                "detected from each file's first record when omitted."})
+    dataset_dir: str | None = field(default=None, metadata={
+        "help": "LLaMA-Factory's data directory: --dataset then takes the names of its dataset_info.json "
+                "(comma-separated too), each read with its own formatting, columns and tags."})
+    dataset_columns: dict | str | None = field(default=None, metadata={
+        "help": "Column names, as dataset_info.json's `columns` (JSON; a mapping in a recipe): prompt, query, "
+                "response, system, history (alpaca) or messages, system, tools (messages); chosen, rejected."})
+    dataset_tags: dict | str | None = field(default=None, metadata={
+        "help": "Turn keys and role names, as dataset_info.json's `tags` (JSON; a mapping in a recipe): role_tag, "
+                "content_tag, user_tag, assistant_tag, observation_tag, function_tag, system_tag."})
     template: str = field(default="auto", metadata={
         "help": "Chat template: auto (the model's own if it has one, else deepseek), model, deepseek, "
                 "deepseek_coder, deepseek_v3, r1 (DeepSeek-R1: all system texts, <think> text trained), r1_distill "
@@ -130,7 +140,9 @@ class DataArguments:
     max_samples: int | None = field(default=None, metadata={"help": "Use at most this many conversations per dataset."})
     max_length: int = field(default=2048, metadata={"help": "Longest sequence (and packed row), in tokens."})
     overlong: str = field(default="truncate", metadata={
-        "help": "Conversations over --max_length: truncate (after the last assistant turn that fits) or drop."})
+        "help": "Conversations over --max_length: truncate (after the last assistant turn that fits, else drop), "
+                "cut (the same, else keep the first --max_length tokens, cutting the reply: LLaMA-Factory's "
+                "cutoff_len) or drop."})
     packing: bool = field(default=False, metadata={
         "help": "Pack conversations into rows of --max_length (best-fit decreasing; no attention across them)."})
     pad_to_multiple_of: int | None = field(default=None, metadata={
@@ -149,6 +161,27 @@ class DataArguments:
     show_masks: int = field(default=0, metadata={
         "help": "Print this many rendered examples with the trained tokens marked, then continue. "
                 "`python -m sft.data.dataset <options>` does only that (and the summary), loading no model."})
+
+    def __post_init__(self):
+        from sft.data.formats import ALPACA_COLUMNS, MESSAGES_COLUMNS, TAGS
+
+        columns = (*ALPACA_COLUMNS, *MESSAGES_COLUMNS, "chosen", "rejected")
+        self.dataset_columns = names_mapping(self.dataset_columns, "--dataset_columns", columns)
+        self.dataset_tags = names_mapping(self.dataset_tags, "--dataset_tags", TAGS)
+
+
+def names_mapping(value, option: str, keys: tuple[str, ...]) -> dict[str, str] | None:
+    """--dataset_columns / --dataset_tags: JSON on the command line, a mapping in a recipe -> {key: name}."""
+    if value is None or isinstance(value, dict) and not value:
+        return None
+    if isinstance(value, str):
+        value = json_option(value, option, f'{{"{keys[0]}": "..."}}')
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise ConfigError(f"{option}: give an object of key: name (keys: {', '.join(keys)}).")
+    unknown = sorted(set(value) - set(keys))
+    if unknown:
+        raise ConfigError(f"{option}: unknown key(s) {', '.join(unknown)}; the keys are {', '.join(keys)}.")
+    return dict(value)
 
 
 @dataclass
@@ -236,12 +269,16 @@ def check_optimizer_name(name: str) -> None:
                       + f" The names: {', '.join(names)}.")
 
 
-def liger_config_from_json(text: str) -> dict[str, bool]:
+def json_option(text: str, option: str, example: str):
+    """An option's JSON value, or one line saying it is not JSON."""
     try:
-        config = json.loads(text)
+        return json.loads(text)
     except json.JSONDecodeError as e:
-        raise ConfigError(f"--liger_kernel_config {text}: not JSON ({e.msg}). Give an object, e.g. "
-                          f"'{{\"rms_norm\": false}}'.") from None
+        raise ConfigError(f"{option} {text}: not JSON ({e.msg}). Give an object, e.g. '{example}'.") from None
+
+
+def liger_config_from_json(text: str) -> dict[str, bool]:
+    config = json_option(text, "--liger_kernel_config", '{"rms_norm": false}')
     if not isinstance(config, dict) or not all(isinstance(v, bool) for v in config.values()):
         raise ConfigError(f"--liger_kernel_config {text}: give a JSON object of kernel names and true/false, e.g. "
                           f"'{{\"rms_norm\": false}}'.")
@@ -252,7 +289,8 @@ PARSER_TYPES = (ModelArguments, DataArguments, LoraArguments, SFTTrainingArgumen
 HELP_GROUPS = [  # the one-screen --help: our options, then the TrainingArguments people use most
     ("Model", ModelArguments, tuple(f.name for f in fields(ModelArguments))),
     ("LoRA", LoraArguments, tuple(f.name for f in fields(LoraArguments))),
-    ("Data", DataArguments, tuple(f.name for f in fields(DataArguments))),
+    ("Data", DataArguments, tuple(f.name for f in fields(DataArguments)  # these: in --help all
+                                  if f.name not in ("dataset_columns", "dataset_tags", "pad_to_multiple_of"))),
     ("Nothing lost", SFTTrainingArguments, ("overwrite_output_dir", "verify_saves", "nan_policy", "loss_spike_factor")),
     ("Training (transformers' TrainingArguments; --help all lists all)", SFTTrainingArguments,
      COMMON_TRAINING + ("activation_checkpointing_skip_layers",)),
@@ -305,13 +343,14 @@ def is_demo_output(model_args: ModelArguments, training_args) -> bool:
             Path(training_args.output_dir).resolve() == Path(DEMO["output_dir"]).resolve())
 
 
-def read_options(argv: list[str] | None = None, data_only: bool = False) -> Options:
+def read_options(argv: list[str] | None = None, data_only: bool = False, help_command: str = TRAIN_HELP) -> Options:
     """The options as given: the recipes, the command line, the demo's defaults; parsed, not yet resolved or
     checked (and never planned: `--plan auto` is its own step, sft/train.py). `data_only`: for tools that prepare
     data and load no model (sft.data.dataset): precision is not checked against the hardware, so a GPU recipe's
-    data can be audited on a laptop (precision does not enter the data)."""
+    data can be audited on a laptop (precision does not enter the data). `help_command`: the tool's own help, which
+    an option error points at."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = Parser(PARSER_TYPES, allow_abbrev=False)  # a typo must not pass as an abbreviation
+    parser = Parser(PARSER_TYPES, allow_abbrev=False, help_command=help_command)  # no typo passes as an abbreviation
     wanted = help_requested(argv)
     if wanted:
         print(parser.format_help() if wanted == "all" else short_help(HELP_GROUPS))
@@ -333,11 +372,11 @@ def read_options(argv: list[str] | None = None, data_only: bool = False) -> Opti
     return Options.of(model_args, data_args, lora_args, training_args, frozenset(given))
 
 
-def parse_args(argv: list[str] | None = None, data_only: bool = False):
+def parse_args(argv: list[str] | None = None, data_only: bool = False, help_command: str = TRAIN_HELP):
     """-> (ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments), resolved and checked against this
     machine (`data_only`: the options alone, see read_options). For the tools and tests; training also plans
     (sft/train.py)."""
-    options = read_options(argv, data_only)
+    options = read_options(argv, data_only, help_command)
     if data_only:
         return settle(options, data_machine(), OPTION_CHECKS).groups()
     return settle(options).groups()

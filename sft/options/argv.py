@@ -23,6 +23,7 @@ class Alias:
     ours: str             # our option, without the dashes
     where: str            # whose name it is
     value: Callable[[str], list[str]] | None = None  # their value -> our option's values ([] drops the option)
+    note: str = ""        # what differs, or (no values) what this toolkit does instead, for the one-line note
 
 
 def split_names(value: str) -> list[str]:
@@ -41,6 +42,34 @@ def _method(value: str) -> list[str]:
                       f"(--lora).")
 
 
+def _stage(value: str) -> list[str]:
+    """LLaMA-Factory's `stage: sft` is what this toolkit does; another stage is another trainer."""
+    if value.lower() == "sft":
+        return []
+    raise ConfigError(f"stage {value!r}: this toolkit does supervised fine-tuning only (stage: sft); train "
+                      f"{value} with LLaMA-Factory or TRL.")
+
+
+def _nothing(value: str) -> list[str]:
+    return []
+
+
+def _quantization_bit(value: str) -> list[str]:
+    """`quantization_bit: 4` (bitsandbytes) -> --qlora true; no other width is offered."""
+    if value.strip() in ("4", ""):
+        return ["true"] if value.strip() else []
+    raise ConfigError(f"quantization_bit {value}: this toolkit quantizes the base to 4 bits only (--qlora).")
+
+
+def _attention(value: str) -> list[str]:
+    """LLaMA-Factory's `flash_attn: auto|disabled|sdpa|fa2|fa3` -> --attn_implementation (auto: ours, sdpa)."""
+    names = {"auto": [], "disabled": ["eager"], "sdpa": ["sdpa"], "fa2": ["flash_attention_2"],
+             "fa3": ["flash_attention_3"]}
+    if value.lower() not in names:
+        raise ConfigError(f"flash_attn {value!r}: use auto, disabled, sdpa, fa2 or fa3 (or --attn_implementation).")
+    return names[value.lower()]
+
+
 # LLaMA-Factory's template names for the DeepSeek families -> ours.
 TEMPLATE_NAMES = {"deepseekcoder": "deepseek_coder", "deepseek3": "deepseek_v3", "deepseekr1": "r1_distill",
                   "deepseek_r1": "r1", "deepseek_v2": "deepseek", "llama3": "model", "qwen": "model"}
@@ -49,7 +78,20 @@ ALIASES: dict[str, Alias] = {
     "model_name_or_path": Alias("model", "LLaMA-Factory/TRL"),
     "base_model": Alias("model", "Axolotl"),
     "dataset_name": Alias("dataset", "TRL"),
-    "cutoff_len": Alias("max_length", "LLaMA-Factory"),
+    "cutoff_len": Alias("max_length", "LLaMA-Factory", note=(
+        "and --overlong cut, which keeps LLaMA-Factory's meaning: a conversation over it ends after its last reply "
+        "that fits, or, when none does, is cut at it mid-reply; --max_length alone drops those")),
+    "preprocessing_num_workers": Alias("num_proc", "LLaMA-Factory"),
+    "stage": Alias("stage", "LLaMA-Factory", _stage, note="supervised fine-tuning is what this toolkit does"),
+    "plot_loss": Alias("plot_loss", "LLaMA-Factory", _nothing,
+                       note="loss.png is always written to the output directory"),
+    "overwrite_cache": Alias("overwrite_cache", "LLaMA-Factory", _nothing, note=(
+        "the prepared-data cache is keyed on the data, the options and the tokenizer, so a change already "
+        "prepares anew; to rebuild an entry, delete it under --dataset_cache_dir")),
+    "enable_liger_kernel": Alias("use_liger_kernel", "LLaMA-Factory"),
+    "quantization_bit": Alias("qlora", "LLaMA-Factory", _quantization_bit),
+    "neat_packing": Alias("packing", "LLaMA-Factory", note="our packing never attends across conversations"),
+    "flash_attn": Alias("attn_implementation", "LLaMA-Factory", _attention),
     "sequence_len": Alias("max_length", "Axolotl"),
     "max_seq_length": Alias("max_length", "TRL < 0.20"),
     "lora_rank": Alias("lora_r", "LLaMA-Factory"),
@@ -99,10 +141,14 @@ def apply_aliases(argv: list[str]) -> list[str]:
         values = [v for value in given for v in alias.value(value)] if alias.value else given
         i = end
         if alias.value and not values:  # e.g. finetuning_type: full, our default
-            _note(f"--{name} {' '.join(given)} ({alias.where}) is this toolkit's default: nothing to set.")
+            _note(f"--{name} {' '.join(given)} ({alias.where}): " + (f"{alias.note}; nothing to set." if alias.note
+                                                                     else "this toolkit's default: nothing to set."))
             continue
         out += [f"--{alias.ours}", *values]
-        _note(f"--{name} is {alias.where}'s name for --{alias.ours}: using --{alias.ours} {' '.join(values)}".rstrip())
+        if name == "cutoff_len" and not any(a.split("=")[0] == "--overlong" for a in argv):
+            out += ["--overlong", "cut"]
+        _note(f"--{name} is {alias.where}'s name for --{alias.ours}: using --{alias.ours} {' '.join(values)}".rstrip()
+              + (f" ({alias.note})" if alias.note else ""))
     return out
 
 
@@ -111,11 +157,19 @@ def _note(text: str) -> None:
         print(f"note: {text}", file=sys.stderr, flush=True)
 
 
+TRAIN_HELP = "python sft/train.py --help"  # the help an option error points at: the tool's own (sft.data.dataset)
+
+
 class Parser(HfArgumentParser):
-    """HfArgumentParser whose errors are one ConfigError line instead of argparse's usage block and exit."""
+    """HfArgumentParser whose errors are one ConfigError line instead of argparse's usage block and exit;
+    `help_command`: the help that lists the options, as the user would type it."""
+
+    def __init__(self, *args, help_command: str = TRAIN_HELP, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.help_command = help_command
 
     def error(self, message: str):
-        raise ConfigError(f"{message.rstrip('.')}. `python sft/train.py --help` lists the options.")
+        raise ConfigError(f"{message.rstrip('.')}. `{self.help_command}` lists the options.")
 
 
 def known_options(parser: HfArgumentParser) -> list[str]:
@@ -137,7 +191,7 @@ def unknown_options_message(unknown: list[str], parser: HfArgumentParser, ours: 
         return (f"unexpected value(s) {' '.join(unknown)}: an option takes one value unless it takes a list "
                 f"(--dataset a.json b.json; in a recipe, dataset: [a.json, b.json]).")
     return (f"unknown option(s): {', '.join(parts)}. "
-            f"`python sft/train.py --help` lists the options (`--help all`: every one).")
+            f"`{getattr(parser, 'help_command', TRAIN_HELP)}` lists the options (`--help all`: every one).")
 
 
 def help_requested(argv: list[str]) -> str | None:
@@ -148,11 +202,16 @@ def help_requested(argv: list[str]) -> str | None:
     return None
 
 
-def short_help(groups: list[tuple[str, type, tuple[str, ...]]]) -> str:
-    """One line per option: (title, dataclass, the fields to show, in order)."""
-    lines = ["usage: accelerate launch [--config_file accelerate_configs/<strategy>.yaml] sft/train.py [options]",
-             "  no options: the embedded demo; --config recipe.yaml: the options in a YAML file (the command line",
-             "  wins over it); --help all: every option"]
+def short_help(groups: list[tuple[str, type, tuple[str, ...]]], usage: str = "",
+               intro: list[str] | None = None) -> str:
+    """One line per option: (title, dataclass, the fields to show, in order); `usage` and `intro`: another
+    tool's first lines (sft.data.dataset), instead of training's."""
+    lines = [usage or "usage: accelerate launch [--config_file accelerate_configs/<strategy>.yaml] sft/train.py "
+                      "[options]",
+             *(intro if intro is not None else [
+                 "  no options: the embedded demo; --config recipe.yaml: the options in a YAML file (the command line "
+                 "wins over it)"]),
+             "  --help all: every option, and each description whole (here one cut short ends in ...)"]
     for title, cls, names in groups:
         by_name = {f.name: f for f in fields(cls)}
         lines.append(f"\n{title}:")

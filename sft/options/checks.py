@@ -70,16 +70,17 @@ def dataset_given(o: Options, m: Machine) -> None:
 
 
 def data_option_values(o: Options, m: Machine) -> None:
-    from sft.data.formats import FORMATS
+    from sft.data.formats import FORMAT_NAMES, FORMATS, format_name
     from sft.data.templates import TEMPLATE_NAMES
 
     d = o.data
-    if d.dataset_format not in (None, *FORMATS):
-        raise ConfigError(f"--dataset_format {d.dataset_format!r}: use one of {', '.join(FORMATS)}.")
+    if format_name(d.dataset_format) not in (None, *FORMATS):
+        raise ConfigError(f"--dataset_format {d.dataset_format!r}: use one of {', '.join(FORMATS)} (messages reads "
+                          f"OpenAI messages and ShareGPT conversations; also named {', '.join(FORMAT_NAMES)}).")
     if d.template not in TEMPLATE_NAMES:
         raise ConfigError(f"--template {d.template!r}: use one of {', '.join(TEMPLATE_NAMES)}.")
-    if d.overlong not in ("truncate", "drop"):
-        raise ConfigError(f"--overlong {d.overlong!r}: use truncate or drop.")
+    if d.overlong not in ("truncate", "cut", "drop"):
+        raise ConfigError(f"--overlong {d.overlong!r}: use truncate, cut or drop.")
     if d.oasst_threads not in ("best", "all"):
         raise ConfigError(f"--oasst_threads {d.oasst_threads!r}: use best or all.")
     if not 0 <= d.eval_split < 1:

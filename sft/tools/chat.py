@@ -69,12 +69,12 @@ def reply(model, tokenizer, template, messages: list[dict], max_new_tokens: int,
     return (answer.removesuffix(after) if finished else answer), finished
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m sft.tools.chat") -> int:
     from sft.data.templates import TEMPLATE_NAMES
 
     from sft.report.console import ToolParser
 
-    parser = ToolParser(prog="python -m sft.tools.chat", description=__doc__.split("\n\n")[0])
+    parser = ToolParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("model", help="a trained output directory (model or LoRA adapter)")
     parser.add_argument("--prompt", help="ask one question, print the answer and exit")
     parser.add_argument("--system", help="a system prompt")

@@ -13,10 +13,10 @@ import sys
 from pathlib import Path
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m sft.tools.merge") -> int:
     from sft.report.console import ToolParser
 
-    parser = ToolParser(prog="python -m sft.tools.merge", description=__doc__.split("\n\n")[0])
+    parser = ToolParser(prog=prog, description=__doc__.split("\n\n")[0])
     parser.add_argument("adapter", help="directory of the trained adapter (the training --output_dir)")
     parser.add_argument("output", help="directory for the merged model")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],

@@ -1,0 +1,161 @@
+"""LLaMA-Factory's (and Axolotl's) data and recipes at the format boundary: its format names, dataset_info.json
+(dataset_dir, columns, tags), preference files given to SFT, its YAML keys, cutoff_len's meaning, tool data on a
+family without a tool-call format."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import REPO, tiny_config
+from sft.data.dataset import read_datasets, summarize
+from sft.data.formats import DataError, ReadOptions, read_conversations
+from sft.errors import ConfigError
+from sft.options.arguments import parse_args
+
+DEMO = str(REPO / "data" / "alpaca_demo.json")
+QA = [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "A"}]
+
+
+def write(path: Path, records) -> str:
+    path.write_text(json.dumps(records, ensure_ascii=False))
+    return str(path)
+
+
+def data_args(*argv: str):
+    return parse_args(["--model", "m", *argv], data_only=True)[1]
+
+
+def test_sharegpt_and_openai_are_names_of_the_messages_reader(tmp_path):
+    path = write(tmp_path / "s.json", [{"conversations": [{"from": "human", "value": "Q"},
+                                                          {"from": "gpt", "value": "A"}]}])
+    for name in ("sharegpt", "ShareGPT", "openai", "messages"):
+        args = data_args("--dataset", path, "--dataset_format", name)  # the option check accepts it
+        assert read_datasets(args).train[0]["messages"] == QA
+    with pytest.raises(ConfigError, match=r"--dataset_format 'alpacca'.*messages reads OpenAI messages and "
+                                          r"ShareGPT conversations; also named sharegpt"):
+        data_args("--dataset", path, "--dataset_format", "alpacca")
+
+
+def test_dataset_dir_reads_dataset_info_entries_with_their_columns_and_tags(tmp_path):
+    write(tmp_path / "qa.json", [{"question": "Q", "answer": "A", "sys": "Be brief."}])
+    write(tmp_path / "chat.json", [{"msgs": [{"speaker": "me", "text": "Q"}, {"speaker": "bot", "text": "A"},
+                                             {"speaker": "fn", "text": '{"name": "now", "arguments": {}}'},
+                                             {"speaker": "result", "text": "12:00"},
+                                             {"speaker": "bot", "text": "Noon."}],
+                                    "functions": json.dumps([{"name": "now", "parameters": {}}])}])
+    write(tmp_path / "plain.json", [{"instruction": "Q", "input": "", "output": "A"}])
+    write(tmp_path / "dataset_info.json", {
+        "qa": {"file_name": "qa.json", "columns": {"prompt": "question", "response": "answer", "system": "sys"}},
+        "chat": {"file_name": "chat.json", "formatting": "sharegpt",
+                 "columns": {"messages": "msgs", "tools": "functions"},
+                 "tags": {"role_tag": "speaker", "content_tag": "text", "user_tag": "me", "assistant_tag": "bot",
+                          "function_tag": "fn", "observation_tag": "result"}}})
+    # LLaMA-Factory's comma-separated names, and a file of the directory that is no entry
+    args = data_args("--dataset_dir", str(tmp_path), "--dataset", "qa,chat", "plain.json")
+    qa, chat, plain = read_datasets(args).train
+    assert [m["content"] for m in qa["messages"]] == ["Be brief.", "Q", "A"]
+    assert [m["role"] for m in chat["messages"]] == ["tools", "user", "assistant", "assistant", "tool", "assistant"]
+    assert chat["messages"][3]["tool_calls"][0]["function"]["name"] == "now"
+    assert [m["content"] for m in plain["messages"]] == ["Q", "A"]
+    with pytest.raises(DataError, match=r"--dataset nope: no such entry in .*dataset_info.json \(chat, qa\)"):
+        read_datasets(data_args("--dataset_dir", str(tmp_path), "--dataset", "nope"))
+    # the same settings as options, without a dataset_info.json (a recipe gives them as mappings)
+    args = data_args("--dataset", str(tmp_path / "qa.json"), "--dataset_columns",
+                     '{"prompt": "question", "response": "answer"}')
+    assert [m["content"] for m in read_datasets(args).train[0]["messages"]] == ["Q", "A"]
+    with pytest.raises(ConfigError, match=r"--dataset_tags: unknown key\(s\) speaker_tag; the keys are role_tag"):
+        data_args("--dataset", DEMO, "--dataset_tags", '{"speaker_tag": "x"}')
+
+
+def test_a_preference_file_trains_on_the_preferred_reply_and_is_counted(tmp_path):
+    files = {
+        "ranked": [{"instruction": "Q", "input": "", "output": ["A", "worse"]}] * 3,  # LLaMA-Factory's ranked replies
+        "pairs": [{"instruction": "Q", "input": "", "chosen": "A", "rejected": "worse"}],  # its alpaca ranking
+        "sharegpt": [{"conversations": [{"from": "human", "value": "Q"}], "chosen": {"from": "gpt", "value": "A"},
+                      "rejected": {"from": "gpt", "value": "worse"}}],
+        "trl": [{"prompt": "Q", "chosen": "A", "rejected": "worse"},
+                {"chosen": QA, "rejected": [QA[0], {"role": "assistant", "content": "worse"}]}],
+    }
+    for name, records in files.items():
+        conversations, stats = read_conversations(write(tmp_path / f"{name}.json", records), None, ReadOptions())
+        turns = [[{k: v for k, v in m.items() if k != "input"} for m in c["messages"]] for c in conversations]
+        assert turns == [QA] * len(records), name
+        assert stats.preferred == len(records) and not stats.skipped and "preferred" not in conversations[0]
+    args = data_args("--dataset", str(tmp_path / "ranked.json"), str(tmp_path / "trl.json"))
+    stats = read_datasets(args).stats
+    summary = summarize(stats, {"ok": 5}, np.array([4] * 5), [], args)
+    assert "preference records, trained on the preferred reply: 5 (preference data" in summary
+
+
+def test_llamafactory_yaml_keys_map_or_are_noted(tmp_path, capsys):
+    write(tmp_path / "dataset_info.json", {"demo": {"file_name": DEMO}})
+    recipe = tmp_path / "llamafactory.yaml"
+    recipe.write_text(f"stage: sft\ndo_train: true\nmodel_name_or_path: m\ndataset: demo\ndataset_dir: {tmp_path}\n"
+                      "cutoff_len: 512\noverwrite_cache: true\npreprocessing_num_workers: 3\nplot_loss: true\n")
+    _, args, _, _ = parse_args(["--config", str(recipe)], data_only=True)
+    assert (args.num_proc, args.max_length, args.overlong) == (3, 512, "cut")
+    assert len(read_datasets(args).train) > 0
+    notes = capsys.readouterr().err
+    assert "did you mean" not in notes
+    assert "--stage sft (LLaMA-Factory): supervised fine-tuning is what this toolkit does; nothing to set." in notes
+    assert "--plot_loss true (LLaMA-Factory): loss.png is always written to the output directory" in notes
+    assert "--overwrite_cache true (LLaMA-Factory): the prepared-data cache is keyed on the data" in notes
+    assert "using --max_length 512 (and --overlong cut, which keeps LLaMA-Factory's meaning" in notes
+    assert "--preprocessing_num_workers is LLaMA-Factory's name for --num_proc" in notes
+    # an explicit --overlong wins over cutoff_len's
+    assert data_args("--dataset", DEMO, "--cutoff_len", "64", "--overlong", "drop").overlong == "drop"
+    with pytest.raises(ConfigError, match="stage 'dpo': this toolkit does supervised fine-tuning only"):
+        data_args("--dataset", DEMO, "--stage", "dpo")
+    _, args, lora, _ = parse_args(["--model", "m", "--dataset", DEMO, "--quantization_bit", "4", "--neat_packing",
+                                   "true"], data_only=True)
+    assert lora.qlora and args.packing
+    with pytest.raises(ConfigError, match="quantization_bit 8: this toolkit quantizes the base to 4 bits only"):
+        data_args("--dataset", DEMO, "--quantization_bit", "8")
+
+
+def test_overlong_cut_keeps_the_start_where_no_reply_fits():
+    from sft.data.templates import get_template
+    from sft.data.tokenization import IGNORE, tokenize_examples
+    from sft.model.tiny import ensure_tiny_model
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
+    long_reply = [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": "word " * 200}]
+    template = get_template("deepseek", tokenizer)
+    (dropped,) = tokenize_examples(long_reply, tokenizer=tokenizer, template=template, max_length=64)
+    assert dropped["status"] == "too long (dropped)"
+    (cut,) = tokenize_examples(long_reply, tokenizer=tokenizer, template=template, max_length=64, overlong="cut")
+    assert cut["status"] == "cut at --max_length" and cut["length"] == 64
+    assert any(label != IGNORE for label in cut["labels"])
+
+
+def test_tool_data_on_deepseek_llm_gets_one_advice():
+    from transformers import AutoTokenizer
+
+    from sft.data.tool_calls import refuse_tools
+    from sft.model.families import check_family
+    from sft.model.tiny import ensure_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())  # deepseek-llm's tokens and chat template
+    config = tiny_config("llama", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id)
+    with pytest.raises(DataError) as refused:
+        refuse_tools("deepseek", [{"role": "assistant", "content": "", "tool_calls": [{}]}])
+    assert "--template deepseek_v3" in str(refused.value) and "deepseek-llm" in str(refused.value)
+    (warning,) = check_family(config, tokenizer, "deepseek_v3")
+    assert "use --template deepseek, which has no tool-call format" in warning
+    assert "right for tool data" in warning
+
+
+def test_dataset_names_without_dataset_dir_read_data_like_llamafactory(tmp_path, monkeypatch, capsys):
+    (tmp_path / "data").mkdir()
+    write(tmp_path / "data" / "demo.json", [{"instruction": "Q", "input": "", "output": "A"}])
+    write(tmp_path / "data" / "dataset_info.json", {"demo": {"file_name": "demo.json"}})
+    monkeypatch.chdir(tmp_path)
+    assert len(read_datasets(data_args("--dataset", "demo,demo")).train) == 2  # its default dataset_dir: data
+    assert "(LLaMA-Factory's default --dataset_dir data)" in capsys.readouterr().err
+    with pytest.raises(DataError, match=r"--dataset a,b: LLaMA-Factory's dataset names\? Give --dataset_dir"):
+        read_datasets(data_args("--dataset", "a,b"))
