@@ -3,7 +3,9 @@
 fine-tune with `adamw_bf16_sr` (its clipping folded into the update) trains. One PASS/FAIL line per check; exit
 status 1 if any failed. CPU tests hold the same equalities exactly (tests/test_chunked_loss.py, test_sr_adamw.py).
 
-    python bench/trainer_paths_check.py [--steps 20] [--work /tmp/trainer-paths]
+    python bench/trainer_paths_check.py [--steps 20] [--work /tmp/trainer-paths] [--run_id R] [--results FILE]
+
+With --run_id the run appends one row to --results (bench/results.jsonl): each run's logged losses and the checks.
 
 Each run is `sft/train.py` on a ~85M Llama (bench/gpu_strategy_checks.py's), bf16 autocast, the same seed and
 data; the losses are read from each run's trainer_log.jsonl. Equal means within bf16 autocast's run-to-run
@@ -13,6 +15,7 @@ difference: each logged loss within 2% of the plain run's (the paths sum the cro
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -49,6 +52,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--work", type=Path, default=Path("/tmp/trainer-paths"))
+    parser.add_argument("--run_id", help="append this run's row to --results under this id")
+    parser.add_argument("--results", type=Path, default=REPO / "bench" / "results.jsonl")
     args = parser.parse_args()
     model = build_model(args.work / "model", small=False)
     fsdp = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
@@ -61,7 +66,7 @@ def main() -> int:
         "full-adamw_bf16_sr-clipped": (["--lora", "false", "--optim", "adamw_bf16_sr", "--max_grad_norm", "0.1"],
                                        None),
     }
-    losses, ok = {}, True
+    losses, ok, checks = {}, True, {}
     for name, (extra, launcher) in runs.items():
         lora = [] if "--lora" in extra else ["--lora", "true", "--lora_dropout", "0"]
         rc, tail = train(model, args.work / name, lora + extra, args.steps, launcher)
@@ -82,8 +87,24 @@ def main() -> int:
         else:
             detail = f"loss {values[0]:.4f} -> {values[-1]:.4f}" if finite else f"{len(values)} finite losses"
         print(f"{'PASS' if good else 'FAIL'} {name}: {detail}", flush=True)
+        checks[name] = {"ok": good, "detail": detail}
         ok = ok and good
+    if args.run_id:
+        record(args, losses, checks, ok)
     return 0 if ok else 1
+
+
+def record(args, losses: dict, checks: dict, ok: bool) -> None:
+    import torch
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    row = {"run_id": args.run_id, "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "commit": commit, "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "n_gpus": 1,
+           "bench": "trainer_paths", "steps": args.steps, "losses": losses, "checks": checks, "ok": ok,
+           "notes": f"python bench/trainer_paths_check.py --steps {args.steps}; correctness only, no timing"}
+    with open(args.results, "a") as f:
+        f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ from sft.safety.guards import NonFiniteGuard
 from sft.safety.private_names import CLIP_GRAD_NORM, GET_GRAD_NORM, expect
 from sft.speed.chunked_loss import LossFn
 from sft.speed.lowbit import LOW_BIT_OPTIMIZERS, SR_ADAMW
-from sft.speed.sr_adamw import AdamWBf16SR, optimizer_kwargs
+from sft.speed.sr_adamw import AdamWBf16SR, optim_arg_pairs, optimizer_kwargs
 
 
 class SFTTrainer(Trainer):
@@ -55,6 +55,9 @@ class SFTTrainer(Trainer):
         self.labelled_token_loss = labelled_token_loss
         self.balance = balance
         self.guard = guard
+        # Read once (after the Trainer's own set-up, Liger's forward included): whether the forward can keep the
+        # logits of one position only while the labelled-token loss projects the rest.
+        self.keeps_one_logit = "logits_to_keep" in inspect.signature(_causal_lm(self.model).forward).parameters
         if self.pop_callback(TensorBoardCallback):  # after ours, so that it logs what ours add
             self.add_callback(TensorBoardCallback)
 
@@ -81,7 +84,7 @@ class SFTTrainer(Trainer):
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         causal_lm = _causal_lm(self.accelerator.unwrap_model(model))
-        if "logits_to_keep" in inspect.signature(causal_lm.forward).parameters:
+        if self.keeps_one_logit:
             inputs["logits_to_keep"] = 1
         outputs = model(**inputs, output_hidden_states=True)
         items = num_items_in_batch if self.model_accepts_loss_kwargs else None
@@ -139,7 +142,7 @@ class SFTTrainer(Trainer):
     @staticmethod
     def get_optimizer_cls_and_kwargs(args, model=None):
         if args.optim == SR_ADAMW:
-            optim_args = dict(kv.split("=", 1) for kv in (args.optim_args or "").replace(" ", "").split(",") if kv)
+            optim_args = dict(optim_arg_pairs(args.optim_args))
             return AdamWBf16SR, {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2),
                                  "eps": args.adam_epsilon, **optimizer_kwargs(optim_args, args.seed)}
         cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(args, model)

@@ -118,9 +118,9 @@ def optimizer_arguments(o: Options, m: Machine) -> None:
     t = o.training
     if t.optim not in (SR_ADAMW, *LOW_BIT_OPTIMIZERS):
         return
-    from sft.speed.sr_adamw import optimizer_kwargs
+    from sft.speed.sr_adamw import optim_arg_pairs, optimizer_kwargs
 
-    pairs = [kv.split("=", 1) for kv in (t.optim_args or "").replace(" ", "").split(",") if kv]
+    pairs = optim_arg_pairs(t.optim_args)
     if any(len(pair) != 2 for pair in pairs):
         raise ConfigError(f"--optim_args {t.optim_args!r}: give key=value pairs, comma-separated.")
     if t.optim == SR_ADAMW:

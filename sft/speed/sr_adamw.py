@@ -146,6 +146,7 @@ class AdamWBf16SR(torch.optim.Optimizer):
             raise ValueError(f"adamw_bf16_sr: state_dtype {state_dtype}: use bfloat16 or float32")
         if not 0.0 <= lr or not 0.0 <= eps or not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"adamw_bf16_sr: invalid lr {lr}, eps {eps} or betas {betas}")
+        expect(DUCK_SHAPE)  # the private torch setting each step relies on (below): checked once, here
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay))
         self.state_dtype, self.seed, self.compile = state_dtype, seed, compile
         self.clip_coefficient: torch.Tensor | None = None  # set by clip_gradients, used by the next step
@@ -208,7 +209,6 @@ class AdamWBf16SR(torch.optim.Optimizer):
             if self.clip_coefficient is not None:  # on the device: no wait for the norm
                 hyper[1:, 7] = self.clip_coefficient.to(device)
             update = self._update_function(device)
-            expect(DUCK_SHAPE)  # a private torch setting: checked once (cached), before it is relied on
             # Without duck sizing, a view's offset that happens to equal some size is not taken for a relation
             # between them (which the next view breaks: a recompile). Read when a graph compiles, harmless after.
             with torch.fx.experimental._config.patch(use_duck_shape=False):
@@ -228,6 +228,12 @@ class AdamWBf16SR(torch.optim.Optimizer):
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in saved and saved[key].dtype != self.state[p][key].dtype:
                     self.state[p][key] = saved[key].to(device=p.device, copy=True)
+
+
+def optim_arg_pairs(text: str | None) -> list[list[str]]:
+    """`--optim_args "a=1, b=2"` as transformers writes it -> [["a", "1"], ["b", "2"]] (a malformed item stays a
+    one-element list, for the caller's error)."""
+    return [kv.split("=", 1) for kv in (text or "").replace(" ", "").split(",") if kv]
 
 
 def optimizer_kwargs(optim_args: dict[str, str], seed: int) -> dict:
