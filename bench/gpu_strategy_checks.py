@@ -100,7 +100,8 @@ def base_train_args(args, model: Path, method: str, extra: list[str]) -> list[st
              "--max_length", "256", "--packing", "true", "--per_device_train_batch_size", "2",
              "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--logging_steps", "1",
              "--learning_rate", lr, "--warmup_steps", "0", "--lr_scheduler_type", "constant",
-             "--report_to", "none", "--seed", "0", "--dataloader_num_workers", "0"]
+             "--report_to", "none", "--seed", "0", "--dataloader_num_workers", "0",
+             "--fp8", "false", "--compile_layers", "false"]
     if not args.cpu:
         train += ["--bf16", "true", "--activation_checkpointing", "true"]
     if method == "lora":

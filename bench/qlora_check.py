@@ -157,6 +157,7 @@ def train_args(args, model: Path, output: Path, qlora: bool) -> list[str]:
             "--learning_rate", str(args.learning_rate), "--lr_scheduler_type", "constant", "--warmup_steps", "0",
             "--activation_checkpointing", "true", "--save_strategy", "no", "--eval_strategy", "no",
             "--report_to", "none", "--seed", "0", "--dataloader_num_workers", "2", "--verify_saves", "final",
+            "--fp8", "false", "--compile_layers", "false",
             "--output_dir", str(output), "--dataset_cache_dir", str(args.workdir / "dataset-cache"),
             *precision, "--lora", "true", *(["--qlora", "true"] if qlora else [])]
 

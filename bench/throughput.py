@@ -189,6 +189,18 @@ MATRIX += [
     Row("full-sr16-compile", "full", micro_batch=4, mem_cap_gib=0, warmup=3, precision="none",
         args=("--dtype", "bfloat16", *LIGER, *FLEX, "--compile_layers", "true"), optim=("--optim", "adamw_bf16_sr"),
         vs="trl-full", timeout=420),
+    # Issue 28: the full fine-tune's linear layers in FP8 (torchao's float8 training, sft/speed/fp8_training.py),
+    # bf16 weights with adamw_bf16_sr, compiled layers: tensorwise (the default) and rowwise scales
+    Row("full-fp8", "full", micro_batch=4, mem_cap_gib=0, warmup=3, precision="none",
+        args=("--dtype", "bfloat16", *LIGER, *FLEX, "--fp8", "true", "--compile_layers", "true"),
+        optim=("--optim", "adamw_bf16_sr"), vs="trl-full", timeout=420),
+    Row("full-fp8-rowwise", "full", micro_batch=4, mem_cap_gib=0, warmup=3, precision="none",
+        args=("--dtype", "bfloat16", *LIGER, *FLEX, "--fp8", "true", "--fp8_recipe", "rowwise", "--compile_layers",
+              "true"), optim=("--optim", "adamw_bf16_sr"), vs="trl-full", timeout=420),
+    # what a user gets with no speed option: --fp8 and --compile_layers left at auto (sft/options/resolve.py)
+    Row("lora-best-default", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
+        args=(*LIGER, "--lora_dropout", "0", *FLEX, "--fp8", "auto", "--compile_layers", "auto"),
+        vs="trl-lora-best", timeout=420),
     # ... and the box's LoRA plan on one 24 GiB card (lora-1's options) with them
     Row("lora-1-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--compile_layers", "true"), timeout=420),
     Row("lora-1-fp8-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--fp8", "true", "--compile_layers", "true"),
@@ -260,6 +272,9 @@ GROUPS = {
     # (lora-best-flce = lora-best, run 20261202T0245Z-E); flex_attention's masks (the sdpa twins), with
     # bench/compile_check.py --attn flex_attention
     "compile-check": ["lora-best-compile", "lora-best-compile-sdpa", "lora-best-sdpa", "lora-best"],
+    "fp8-full": ["trl-full", "full-fp8", "full-fp8-rowwise", "full-sr16", "lora-best-fp8-compile",
+                 "lora-best-fp8-compile-eagerround"],
+    "defaults": ["trl-lora-best", "lora-best-default"],
     "compile-full": ["full-sr16-compile", "full-sr16", "trl-full", "lora-1-fp8-compile", "lora-1-compile", "lora-1"],
     # bench/run_matrix.sh's groups
     "lora": ["lora-1", "lora-ddp"], "lora-ckpt": ["lora-1-ckpt", "lora-ddp-ckpt"],

@@ -447,7 +447,9 @@ def common_train_args(args, cpu: bool) -> list[str]:
 def worker_train_args(args, model: Path, cpu: bool) -> list[str]:
     """Options of sft/train.py every bench row shares; a row's own options come after and win."""
     data = Path(args.data).resolve()
-    return ["--model", str(model), "--dataset", *[str(data)] * args.repeat_data, "--packing", "true",
+    # --fp8/--compile_layers default to auto (on where the GPU allows): a row names the fast paths it measures
+    return ["--fp8", "false", "--compile_layers", "false",
+            "--model", str(model), "--dataset", *[str(data)] * args.repeat_data, "--packing", "true",
             *common_train_args(args, cpu),
             "--dataset_cache_dir", str(Path(args.out).resolve() / "dataset-cache"), "--verify_saves", "no",
             *(["--lora", "true"] if args.method in ("lora", "qlora") else []),

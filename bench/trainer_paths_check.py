@@ -37,6 +37,7 @@ def train(model: Path, out: Path, extra: list[str], steps: int, launcher: list[s
                "--dataset", str(REPO / "data" / "alpaca_demo.json"), "--output_dir", str(out),
                "--max_length", "512", "--packing", "true", "--per_device_train_batch_size", "4",
                "--max_steps", str(steps), "--logging_steps", "1", "--save_strategy", "no", "--report_to", "none",
+               "--fp8", "false", "--compile_layers", "false",
                "--bf16", "true", "--seed", "0", "--learning_rate", "1e-4", "--verify_saves", "no", *extra]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)

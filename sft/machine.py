@@ -46,6 +46,7 @@ class Launch:
     tensorboard_logging_dir: str | None = None    # TENSORBOARD_LOGGING_DIR: where the Trainer's TensorBoard logs go
     fp8_compile: bool = True                      # SFT_FP8_COMPILE; "0": --fp8 quantizes eagerly on CUDA too
     peft_input_cast: bool = False                 # SFT_PEFT_INPUT_CAST=1: keep peft's input casts (bench rows)
+    fp8_on_cpu: bool = False                      # SFT_FP8_ON_CPU=1: --fp8 on torch's CPU FP8 matmul (slow; tests)
     # HTTPS_PROXY, https_proxy, ALL_PROXY or all_proxy is set (only whether: a proxy URL may hold a password)
     hub_proxied: bool = False
     xdg_cache_home: str | None = None             # XDG_CACHE_HOME (unset: ~/.cache): where the tiny model is built
@@ -65,6 +66,8 @@ class Machine:
     gpu_names: tuple[str, ...] = ()
     gpu_memory_gib: tuple[float, ...] = ()
     gpu_uuids: tuple[str, ...] = ()               # NVML's names of the visible GPUs, in torch's order (telemetry)
+    gpu_capabilities: tuple[tuple[int, int], ...] = ()  # CUDA compute capability of each visible GPU
+    fp8_probe_error: str | None = None            # why a rowwise-scaled FP8 matmul failed on GPU 0 (None: it ran)
     bf16: bool = False                            # every visible GPU computes in bf16 (Ampere or newer)
     host_ram_gib: float = 0.0                     # SFT_HOST_RAM_GIB when set (VMs whose RAM grows on demand)
     host_ram_available_gib: float = 0.0
@@ -85,6 +88,19 @@ class Machine:
     def cuda(self) -> bool:
         return self.gpus > 0
 
+    def fp8_problem(self) -> str | None:
+        """Why --fp8 cannot run here (None when it can): every visible GPU needs FP8 tensor cores, compute
+        capability 8.9+ (RTX 4090, L40, H100, H200), and torch's FP8 matmul must run on it."""
+        if not self.cuda:
+            return None if self.launch.fp8_on_cpu else "no CUDA GPU here"
+        if len(self.gpu_capabilities) != self.gpus:
+            return "the GPUs' compute capability is not known"
+        for i, (major, minor) in enumerate(self.gpu_capabilities):
+            if (major, minor) < (8, 9):
+                return (f"GPU {i} ({self.gpu_names[i]}) has compute capability {major}.{minor}; FP8 matmuls need "
+                        f"8.9 or newer (RTX 4090, L40, H100, H200)")
+        return self.fp8_probe_error
+
 
 def read_launch(env: os._Environ | dict = os.environ) -> Launch:
     world = int(env.get("WORLD_SIZE", "1"))
@@ -104,6 +120,7 @@ def read_launch(env: os._Environ | dict = os.environ) -> Launch:
                   tensorboard_logging_dir=env.get("TENSORBOARD_LOGGING_DIR") or None,
                   fp8_compile=env.get("SFT_FP8_COMPILE", "1") != "0",
                   peft_input_cast=env.get("SFT_PEFT_INPUT_CAST") == "1",
+                  fp8_on_cpu=env.get("SFT_FP8_ON_CPU") == "1",
                   hub_proxied=any(env.get(v) for v in PROXY_VARS),
                   xdg_cache_home=env.get("XDG_CACHE_HOME") or None)
 
@@ -146,6 +163,24 @@ def machine() -> Machine:
     return Machine(gpu_names=tuple(p.name for p in properties),
                    gpu_memory_gib=tuple(p.total_memory / GIB for p in properties),
                    gpu_uuids=tuple(nvml_uuid(str(p.uuid)) for p in properties),
+                   gpu_capabilities=tuple((p.major, p.minor) for p in properties),
+                   fp8_probe_error=fp8_probe_error(properties),
                    bf16=bool(count) and torch.cuda.is_bf16_supported(), host_ram_gib=total,
                    host_ram_available_gib=available, launch=launch(),
                    packages=frozenset(p for p in OPTIONAL_PACKAGES if importlib.util.find_spec(p) is not None))
+
+
+def fp8_probe_error(properties) -> str | None:
+    """Run one 16 x 16 rowwise-scaled FP8 matmul on GPU 0 where every GPU has FP8 tensor cores (some torch/GPU
+    pairs lack the kernel); -> its error, or None."""
+    import torch
+
+    if not properties or min((p.major, p.minor) for p in properties) < (8, 9):
+        return None  # Machine.fp8_problem names the capability instead
+    try:
+        a = torch.ones(16, 16, device="cuda").to(torch.float8_e4m3fn)
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1, device="cuda"), scale_b=torch.ones(1, 16, device="cuda"),
+                         out_dtype=torch.bfloat16)
+    except RuntimeError as e:
+        return f"torch {torch.__version__} cannot run a rowwise-scaled FP8 matmul on this GPU ({e})"
+    return None

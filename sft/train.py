@@ -166,13 +166,14 @@ def train(run: Run, seams: Seams) -> int:
     use_cache = model.config.use_cache  # the base's, which a saved model keeps (restored once the Trainer exists)
     balance = install_moe(model, training_args.router_aux_loss_coef, pad_token_id=tokenizer.pad_token_id)  # MoE only
     verifier = make_verifier(training_args.verify_saves, model, resolve_model_path(model_args.model), lora_args.lora,
-                             model_args.attn_implementation, model_args.trust_remote_code)
+                             model_args.attn_implementation, model_args.trust_remote_code,
+                             model_args.fp8_recipe if model_args.fp8_on and not lora_args.lora else None)
     resume_command = command_with(run.argv, resume_from_checkpoint="true")
     skip = training_args.activation_checkpointing_skip_layers  # spare memory: fewer layers recomputed
     # NaN/inf loss or gradient: stop (or skip the step) before the weights take it
     guard = NonFiniteGuard(training_args.nan_policy, lambda: newest_complete(training_args.output_dir), resume_command)
     callbacks = [
-        RunOverview(model, train_data, model_args.model),  # the first screen, at train begin (rank 0)
+        RunOverview(model, train_data, model_args.model, model_args.speed_choices),  # the first screen (rank 0)
         ThroughputCallback(flops_per_token(model, lora_args.lora), peak_flops()),  # real tok/s, MFU, memory
         *seams.callbacks,
         checkpoint_callback(training_args, verifier),  # verified, complete-marked, rotated checkpoints

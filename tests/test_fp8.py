@@ -152,24 +152,31 @@ def test_layers_whose_shape_fp8_cannot_take_stay_bf16():
     assert use_fp8_base(model) == (1, 0)
 
 
-def test_fp8_option_needs_lora_and_a_gpu_with_fp8():
+def test_fp8_option_needs_a_gpu_with_fp8_and_no_4bit_base():
     from sft.options.checks import Options
     from sft.options.arguments import parse_args
     from sft.errors import ConfigError
     from sft.speed.fp8 import fp8_base_needs
     from sft.machine import Launch, Machine
 
-    with pytest.raises(ConfigError, match="--fp8 computes the frozen base of a LoRA run"):
-        parse_args(["--fp8", "true"])
     with pytest.raises(ConfigError, match="--fp8 with --qlora"):
         parse_args(["--fp8", "true", "--qlora", "true"])
     if not torch.cuda.is_available():  # listed in sft/options/checks.py's CHECKS: refused before any model loads
         with pytest.raises(ConfigError, match="--fp8 needs a GPU with FP8"):
             parse_args(["--fp8", "true", "--lora", "true"])
-    parsed = parse_args(["--fp8", "true", "--lora", "true"], data_only=True)  # the options alone are fine
-    options = Options.of(*parsed)
+        with pytest.raises(ConfigError, match=r"--fp8 needs a GPU with FP8.*the same fine-tune in bf16"):
+            parse_args(["--fp8"])  # a bare --fp8 means true; a full fine-tune in FP8 needs the GPU too
+    options = Options.of(*parse_args(["--fp8", "true", "--lora", "true"], data_only=True))  # the options alone
     with pytest.raises(ConfigError, match="--fp8 needs a GPU with FP8"):
         fp8_base_needs(options, Machine())
-    if not torch.cuda.is_available():  # a described GPU box, with FSDP: the GPU check comes first here
-        with pytest.raises(ConfigError, match="no CUDA GPU here"):
-            fp8_base_needs(options, Machine(gpu_names=("NVIDIA H200",), launch=Launch(fsdp=True)))
+    ampere = Machine(gpu_names=("NVIDIA GeForce RTX 3090",), gpu_capabilities=((8, 6),))
+    with pytest.raises(ConfigError, match="compute capability 8.6; FP8 matmuls need 8.9"):
+        fp8_base_needs(options, ampere)
+    h200 = dict(gpu_names=("NVIDIA H200",), gpu_capabilities=((9, 0),))
+    fp8_base_needs(options, Machine(**h200))  # one GPU: fine
+    with pytest.raises(ConfigError, match="--fp8 with FSDP under LoRA"):
+        fp8_base_needs(options, Machine(**h200, launch=Launch(fsdp=True)))
+    full = Options.of(*parse_args(["--fp8", "true"], data_only=True))
+    fp8_base_needs(full, Machine(**h200, launch=Launch(fsdp=True)))  # a full fine-tune in FP8 under FSDP2: fine
+    with pytest.raises(ConfigError, match="--fp8 with DeepSpeed ZeRO-3"):
+        fp8_base_needs(full, Machine(**h200, launch=Launch(zero_stage="3")))

@@ -132,11 +132,15 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
     # config.use_cache stays the base's (a saved model must cache in generate): every batch turns it off (Collator)
     if lora_args.lora:  # --qlora has set it (sft/options/resolve.py)
         model = attach_lora(model, lora_args, gradient_checkpointing)
-        if model_args.fp8:  # the frozen base's linear layers in FP8 (sft/speed/fp8.py)
+        if model_args.fp8_on:  # the frozen base's linear layers in FP8 (sft/speed/fp8.py)
             from sft.speed.fp8 import apply_fp8_base
 
             apply_fp8_base(model)
-    if model_args.compile_layers:  # last: the layers are compiled as they will run (sft/speed/regional_compile.py)
+    elif model_args.fp8_on:  # a full fine-tune's linear layers train in FP8 (sft/speed/fp8_training.py)
+        from sft.speed.fp8_training import apply_fp8_training
+
+        apply_fp8_training(model, model_args.fp8_recipe)
+    if model_args.compile_layers_on:  # last: the layers are compiled as they will run (sft/speed/regional_compile.py)
         from sft.speed.regional_compile import compile_decoder_layers
 
         compiled = compile_decoder_layers(model)

@@ -15,6 +15,7 @@ import json
 import sys
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Literal
 
 from transformers import TrainingArguments
 
@@ -63,20 +64,39 @@ class ModelArguments:
     dtype: str = field(default="auto", metadata={
         "help": "Weights dtype: auto (fp32 master weights for full fine-tuning, bf16 base weights under LoRA "
                 "where the hardware has bf16), bfloat16, float16 or float32."})
-    fp8: bool = field(default=False, metadata={
-        "help": "With --lora: the frozen base's linear layers compute in FP8 (e4m3, rowwise scales; forward and "
-                "input gradient), the adapter stays bf16. Needs compute capability 8.9+ (RTX 4090, H100, H200), "
-                "one process per GPU or DDP (not FSDP or DeepSpeed). Off by default: bench/fp8_check.py compares "
-                "its loss with bf16's."})
+    fp8: Literal["auto", "true", "false"] = field(default="auto", metadata={
+        "nargs": "?", "const": "true", "help":
+        "Linear layers compute in FP8 (e4m3) on GPUs with FP8 matmuls (compute capability 8.9+: RTX 4090, L40, "
+        "H100, H200). auto (the default): on wherever the GPU and the run allow it, and the first screen says "
+        "so; false turns it off. With --lora the frozen base's matmuls (forward, input gradient; ours, "
+        "sft/speed/fp8.py) under one GPU or DDP; without it every decoder linear layer's three matmuls through "
+        "torchao's float8 training (--fp8_recipe), weights kept as they are, under one GPU, DDP or FSDP2. Not "
+        "with --qlora, DeepSpeed or --tp_size. bench/RESULTS.md compares its loss and speed with bf16's."})
+    fp8_recipe: Literal["tensorwise", "rowwise"] = field(default="tensorwise", metadata={
+        "help": "A full fine-tune under --fp8: torchao's scales, one per tensor (tensorwise, the fastest) or one per "
+                "row (rowwise: finer, slower)."})
     chunked_loss: bool = field(default=False, metadata={
         "help": "The training loss from the last hidden states, 1024 labelled tokens at a time, each chunk's logits "
                 "recomputed in the backward: no [tokens x vocabulary] logits tensor (sft/speed/chunked_loss.py). For "
                 "models without Liger's fused loss (DeepSeek-V2/V3); not with --use_liger_kernel or --tp_size."})
-    compile_layers: bool = field(default=False, metadata={
-        "help": "torch.compile each decoder layer in place (one compile shared by all layers; the first step "
-                "compiles, later runs reuse inductor's cache): inductor fuses norms, RoPE, SwiGLU and LoRA's adds "
-                "between the matmuls. With --use_liger_kernel only Liger's fused loss stays on. Single GPU, DDP or "
-                "FSDP; with --fp8 too; not DeepSpeed, --tp_size or the Trainer's --torch_compile."})
+    compile_layers: Literal["auto", "true", "false"] = field(default="auto", metadata={
+        "nargs": "?", "const": "true", "help":
+        "torch.compile each decoder layer in place (one compile shared by all layers; the first step "
+        "compiles, later runs reuse inductor's cache): inductor fuses norms, RoPE, SwiGLU and LoRA's adds "
+        "between the matmuls. auto (the default): on GPUs wherever the run allows it; false turns it off. With "
+        "--use_liger_kernel only Liger's fused loss stays on. Single GPU, DDP or FSDP; with --fp8 too; not "
+        "DeepSpeed, --tp_size or the Trainer's --torch_compile."})
+    # Not options: what sft/options/resolve.py's fast_paths_where_supported chose for --fp8/--compile_layers auto
+    # on a GPU, and why, for the first screen.
+    speed_choices: tuple[str, ...] = field(default=(), init=False)
+
+    @property
+    def fp8_on(self) -> bool:
+        return self.fp8 == "true"
+
+    @property
+    def compile_layers_on(self) -> bool:
+        return self.compile_layers == "true"
     attn_implementation: str = field(default="sdpa", metadata={
         "help": "Attention kernel: sdpa, eager, flex_attention, flash_attention_2 (needs flash-attn)."})
     trust_remote_code: bool = field(default=False, metadata={

@@ -104,13 +104,16 @@ def dtype_name(o: Options, m: Machine) -> None:
         raise ConfigError(f"--dtype {o.model.dtype!r}: use auto, bfloat16, float16 or float32.")
 
 
-def fp8_base_is_lora(o: Options, m: Machine) -> None:
-    if o.model.fp8 and not o.lora.lora:
-        raise ConfigError("--fp8 computes the frozen base of a LoRA run in FP8: add --lora (a full fine-tune "
-                          "trains every weight, and FP8 training of those is not supported yet).")
-    if o.model.fp8 and o.lora.qlora:
+def fp8_combinations(o: Options, m: Machine) -> None:
+    """--fp8: a LoRA base in FP8 or a full fine-tune through torchao; a 4-bit base is neither."""
+    if not o.model.fp8_on:
+        return
+    if o.lora.qlora:
         raise ConfigError("--fp8 with --qlora: the base is already 4-bit (bitsandbytes computes it in bf16); use "
                           "one of them.")
+    if not o.lora.lora and not m.has("torchao"):
+        raise ConfigError("--fp8 without --lora trains through torchao's float8 training, which is not installed: "
+                          "pip install 'deepseek-sft[lowbit]' (or torchao), or --fp8 false.")
 
 
 def optimizer_arguments(o: Options, m: Machine) -> None:
@@ -332,7 +335,7 @@ def liger_kernel_available(o: Options, m: Machine) -> None:
 
 def fp8_base_needs(o: Options, m: Machine) -> None:
     """--fp8: a GPU with FP8 matmuls (compute capability 8.9+) and a strategy that keeps the base whole."""
-    if getattr(o.model, "fp8", False):
+    if o.model.fp8_on:
         from sft.speed.fp8 import fp8_base_needs as needs  # imports torch: only when asked
 
         needs(o, m)
@@ -353,7 +356,7 @@ def chunked_loss_combinations(o: Options, m: Machine) -> None:
 def compiled_layers_combinations(o: Options, m: Machine) -> None:
     """--compile_layers compiles the layers in place; DeepSpeed's hooks and TP's DTensors are not measured with it,
     and the Trainer's --torch_compile would compile the whole model around them."""
-    if not getattr(o.model, "compile_layers", False):
+    if not o.model.compile_layers_on:
         return
     if o.training.torch_compile:
         raise ConfigError("--compile_layers with --torch_compile: keep one (--compile_layers compiles each decoder "
@@ -423,7 +426,7 @@ def launcher_agrees(o: Options, m: Machine) -> None:
 Check = Callable[[Options, Machine], None]
 OPTION_CHECKS: list[Check] = [
     plan_value, dataset_given, data_option_values, evaluation_has_data, max_length_long_enough, dtype_name,
-    fp8_base_is_lora, optimizer_arguments, lora_rank_positive, sizes_in_range, something_to_train, attention_name,
+    fp8_combinations, optimizer_arguments, lora_rank_positive, sizes_in_range, something_to_train, attention_name,
     packing_attention, padding_positive, our_option_values,
 ]
 MACHINE_CHECKS: list[Check] = [

@@ -190,7 +190,7 @@ class RunOverview(TrainerCallback):
     Parameters are counted here, before the Trainer wraps the model: FSDP1 would leave this rank's flat shard only.
     ZeRO-3 (partitioned at creation) and DTensor parameters (FSDP2, TP) report their full size through full_numel."""
 
-    def __init__(self, model, train_dataset, model_name: str):
+    def __init__(self, model, train_dataset, model_name: str, speed: tuple[str, ...] = ()):
         params = list(model.parameters())
         self.total = sum(full_numel(p) for p in params)
         self.trainable = sum(full_numel(p) for p in params if p.requires_grad)
@@ -204,6 +204,7 @@ class RunOverview(TrainerCallback):
         self.tp_size = getattr(model, "tp_size", None) or 1
         self.mean_row_tokens = mean_tokens_per_row(train_dataset)
         self.model_name = model_name
+        self.speed = speed  # the fast paths chosen by default (ModelArguments.speed_choices)
         self.text: str | None = None  # what was printed (tests read it)
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -225,5 +226,5 @@ class RunOverview(TrainerCallback):
             data_parallel=max(1, args.world_size // self.tp_size), mean_row_tokens=self.mean_row_tokens,
             max_steps=state.max_steps, epochs=None if args.max_steps > 0 else args.num_train_epochs,
             resume_step=state.global_step, output_dir=args.output_dir, saves=saves,
-            tensorboard=tensorboard_dir(args.output_dir, args.report_to))
+            tensorboard=tensorboard_dir(args.output_dir, args.report_to), speed=self.speed)
         print(self.text, flush=True)

@@ -108,6 +108,7 @@ class SaveVerifier:
     final: bool = True
     lora_in_place: bool = True  # False: reload base + adapter from disk even when the in-place check could run
     quantization: dict | None = None  # QLoRA: the base's BitsAndBytesConfig (as a dict), to reload it the same way
+    fp8_recipe: str | None = None  # a full fine-tune in FP8: the reload computes as the trained model did
 
     def verifiable(self, path: str | Path) -> bool:
         """Whether `path` holds consolidated weights. Sharded checkpoints (FSDP's SHARDED_STATE_DICT, ZeRO-3
@@ -121,6 +122,10 @@ class SaveVerifier:
             from peft import PeftModel
 
             model = PeftModel.from_pretrained(model, str(path))
+        elif self.fp8_recipe:  # the saved weights are plain; FP8's rounding is the computation's, so compare like
+            from sft.speed.fp8_training import use_fp8_training  # with like (a plain reload is checked in tests)
+
+            use_fp8_training(model, self.fp8_recipe)
         return model
 
     def load_whole(self, source: str, dtype: torch.dtype, device: torch.device):
@@ -176,7 +181,9 @@ class SaveVerifier:
             return f"{type(e).__name__}: {e}"
         # A sharded model computes under FSDP's mixed-precision policy (a LoRA adapter's fp32 weights cast to
         # bf16), the reloaded one through peft's own casts: other rounding, so the other-device tolerance.
-        same_kernels = device == next(model.parameters()).device and not is_sharded(model)
+        # FP8 (a full fine-tune's): a rounding difference between the trained model's compiled code and the eager
+        # reload moves a value across an e4m3 step (1/16 of it), so that too is other kernels' rounding.
+        same_kernels = device == next(model.parameters()).device and not is_sharded(model) and not self.fp8_recipe
         return compare(expected, got, dtype, same_device=same_kernels)
 
     def check(self, model, path: str | Path) -> None:
@@ -329,16 +336,16 @@ def compare(expected: torch.Tensor, got: torch.Tensor, dtype: torch.dtype, same_
 
 
 def make_verifier(mode: str, model, model_path: str, lora: bool, attn_implementation: str,
-                  trust_remote_code: bool) -> SaveVerifier | None:
+                  trust_remote_code: bool, fp8_recipe: str | None = None) -> SaveVerifier | None:
     """--verify_saves: auto (final save always; checkpoints too under LoRA, checked in place, or when the model
-    has < 1e9 parameters), all, final, no."""
+    has < 1e9 parameters), all, final, no. `fp8_recipe`: torchao's recipe of a full fine-tune in FP8."""
     if mode == "no":
         return None
     n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 holds shards
     cheap = (lora and not is_sharded(model)) or n < CHEAP_PARAMETERS
     every_checkpoint = mode == "all" or (mode == "auto" and cheap)
     return SaveVerifier(model_path, lora, attn_implementation, trust_remote_code, checkpoints=every_checkpoint,
-                        quantization=quantization_of(model))
+                        quantization=quantization_of(model), fp8_recipe=fp8_recipe)
 
 
 def quantization_of(model) -> dict | None:

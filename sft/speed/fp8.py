@@ -217,48 +217,46 @@ def use_fp8_base(model, device: torch.device | None = None) -> tuple[int, int]:
     return converted, skipped
 
 
-def fp8_missing_here() -> str | None:
-    """Why this machine cannot run --fp8 (None when it can): every visible GPU needs compute capability 8.9+,
-    and a rowwise-scaled _scaled_mm must run there (a 16 x 16 probe: some torch/GPU pairs lack the kernel)."""
-    if not torch.cuda.is_available():
-        return "no CUDA GPU here"
-    for i in range(torch.cuda.device_count()):
-        capability = torch.cuda.get_device_capability(i)
-        if capability < MIN_CAPABILITY:
-            return (f"GPU {i} ({torch.cuda.get_device_name(i)}) has compute capability "
-                    f"{capability[0]}.{capability[1]}; FP8 matmuls need 8.9 or newer (RTX 4090, L40, H100, H200)")
-    try:
-        a = torch.ones(16, 16, device="cuda").to(E4M3)
-        scaled_matmul(a, torch.ones(16, 1, device="cuda"), a, torch.ones(1, 16, device="cuda"))
-    except RuntimeError as e:
-        return f"torch {torch.__version__} cannot run a rowwise-scaled FP8 matmul on this GPU ({e})"
+def fp8_strategy_conflict(o, m) -> str | None:
+    """Why the run's strategy excludes --fp8 (None when it does not). LoRA: the FP8 base is quantized once and
+    must stay whole on each GPU (one process per GPU or DDP). Full fine-tune: torchao's Float8Linear under one
+    GPU, DDP or FSDP2; DeepSpeed's flattened parameters and TP's DTensors are not tested with it."""
+    if o.zero_stage(m) is not None:
+        return f"DeepSpeed ZeRO-{o.zero_stage(m)} (its flattened parameters are not tested with FP8)"
+    if o.model.tp_size > 1:
+        return "--tp_size (the layers' weights are DTensors)"
+    if o.lora.lora and o.fsdp(m):
+        return "FSDP under LoRA (the FP8 base is quantized once and must stay whole on each GPU)"
     return None
 
 
 def fp8_base_needs(o, m) -> None:
-    """The check for sft/options/checks.py's CHECKS (options `o`, Machine `m`): --fp8 needs FP8 GPUs, and a base that is
-    quantized once and stays whole on each GPU (one process per GPU, or DDP)."""
+    """The check for sft/options/checks.py's CHECKS (options `o`, Machine `m`): --fp8 needs FP8 GPUs and a
+    strategy that allows it (fp8_strategy_conflict)."""
     from sft.errors import ConfigError
 
-    if not getattr(o.model, "fp8", False):
+    if not o.model.fp8_on:
         return
-    if not m.cuda:
-        raise ConfigError("--fp8 needs a GPU with FP8 matmuls (compute capability 8.9+: RTX 4090, L40, H100, "
-                          "H200) and this machine has none. Drop --fp8 (the same LoRA in bf16).")
-    why = fp8_missing_here()
+    same = "the same LoRA in bf16" if o.lora.lora else "the same fine-tune in bf16"
+    if not m.cuda and not m.launch.fp8_on_cpu:
+        raise ConfigError(f"--fp8 needs a GPU with FP8 matmuls (compute capability 8.9+: RTX 4090, L40, H100, "
+                          f"H200) and this machine has none. Drop --fp8 ({same}).")
+    why = m.fp8_problem()
     if why:
-        raise ConfigError(f"--fp8: {why}. Drop --fp8 (the same LoRA in bf16).")
-    if o.fsdp(m) or o.zero_stage(m) is not None:
-        raise ConfigError(f"--fp8 with {'FSDP' if o.fsdp(m) else 'DeepSpeed'}: the FP8 base is quantized once "
-                          f"and must stay whole on each GPU, which sharding does not allow. A 7B LoRA fits one "
-                          f"24 GB card: use accelerate_configs/ddp.yaml.")
+        raise ConfigError(f"--fp8: {why}. Drop --fp8 ({same}).")
+    conflict = fp8_strategy_conflict(o, m)
+    if conflict:
+        hint = ("A 7B LoRA fits one 24 GB card: use accelerate_configs/ddp.yaml." if o.lora.lora else
+                "Use accelerate_configs/fsdp.yaml (the box's full fine-tune) or ddp.yaml.")
+        raise ConfigError(f"--fp8 with {conflict}. {hint}")
 
 
 def apply_fp8_base(model) -> None:
     """The hook sft/model/loading.py calls after attaching LoRA under --fp8: convert, and say what was converted."""
     from sft.errors import ConfigError
+    from sft.machine import machine
 
-    why = fp8_missing_here()
+    why = machine().fp8_problem()
     if why:  # normally refused before loading (fp8_base_needs); this guards callers that skip the checks
         raise ConfigError(f"--fp8: {why}. Drop --fp8 (the same LoRA in bf16).")
     converted, skipped = use_fp8_base(model)

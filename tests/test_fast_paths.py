@@ -1,0 +1,72 @@
+"""The fastest correct path by default: --fp8 auto and --compile_layers auto (sft/options/resolve.py
+fast_paths_where_supported) turn each on where the run's own checks for it pass, off elsewhere with the reason,
+and a user's true/false wins. Machines are described as data; the GPU measurements are bench/RESULTS.md's."""
+
+from __future__ import annotations
+
+import pytest
+
+from sft.machine import Launch, Machine
+from sft.options.arguments import parse_args, read_options, settle
+
+DATA = "data/sample_sft.jsonl"
+
+
+def gpu(capability=(8, 9), gpus: int = 1, **launch) -> Machine:
+    return Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * gpus, gpu_memory_gib=(23.5,) * gpus, bf16=True,
+                   gpu_capabilities=(capability,) * gpus, host_ram_gib=64, host_ram_available_gib=60,
+                   launch=Launch(world_size=gpus, **launch), packages=frozenset({"liger_kernel", "torchao", "bitsandbytes"}))
+
+
+def settled(machine: Machine, *extra: str):
+    options = read_options(["--model", "m", "--dataset", DATA, "--output_dir", "/nonexistent/out", *extra])
+    return settle(options, machine).model
+
+
+def test_a_lora_run_on_an_fp8_gpu_gets_both_and_the_first_screen_says_how_to_turn_each_off():
+    m = settled(gpu(), "--lora")
+    assert m.fp8_on and m.compile_layers_on
+    assert m.speed_choices == ("compiled layers on (--compile_layers false turns them off)",
+                               "FP8 on (compute capability 8.9; --fp8 false turns it off)")
+
+
+def test_each_is_off_where_its_check_refuses_it_with_the_checks_reason():
+    m = settled(gpu(gpus=2, zero_stage="3"), "--lora")  # DeepSpeed: neither is tested with its hooks
+    assert not m.fp8_on and not m.compile_layers_on
+    assert m.speed_choices[0].startswith("compiled layers off (DeepSpeed ZeRO-3: not supported")
+    assert m.speed_choices[1].startswith("FP8 off (DeepSpeed ZeRO-3")
+    m = settled(gpu(gpus=2, fsdp=True), "--lora")  # FSDP LoRA: compiled layers yes, the FP8 base no
+    assert m.compile_layers_on and not m.fp8_on
+    assert m.speed_choices[1] == ("FP8 off (FSDP under LoRA (the FP8 base is quantized once and must stay whole "
+                                  "on each GPU))")
+    m = settled(gpu((8, 6)), "--lora")  # an RTX 3090: no FP8 tensor cores
+    assert m.compile_layers_on and not m.fp8_on and "compute capability 8.6" in m.speed_choices[1]
+    m = settled(gpu(), "--qlora")
+    assert not m.fp8_on and m.speed_choices[1].startswith("FP8 off (--qlora: the base is already 4-bit")
+    m = settled(gpu(), "--lora", "--torch_compile", "true")
+    assert not m.compile_layers_on and "--torch_compile" in m.speed_choices[0]
+
+
+def test_a_full_fine_tune_gets_fp8_only_with_the_compiled_layers():
+    sr = ("--dtype", "bfloat16", "--optim", "adamw_bf16_sr")
+    m = settled(gpu(gpus=2, fsdp=True), *sr)
+    assert m.fp8_on and m.compile_layers_on
+    m = settled(gpu(), *sr, "--compile_layers", "false")
+    assert not m.fp8_on and m.speed_choices == ("FP8 off (a full fine-tune in FP8 needs the compiled layers to "
+                                                "be fast: --fp8 true to try it eager)",)
+
+
+def test_the_users_word_wins_and_cpu_gets_neither_without_a_note():
+    m = settled(gpu(), "--lora", "--fp8", "false", "--compile_layers", "false")
+    assert not m.fp8_on and not m.compile_layers_on and m.speed_choices == ()
+    m = settled(Machine(), "--lora")
+    assert not m.fp8_on and not m.compile_layers_on and m.speed_choices == ()
+    m = settled(gpu(), "--lora", "--fp8")  # a bare flag means true
+    assert m.fp8_on
+
+
+def test_an_unknown_value_is_one_error_line():
+    from sft.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--fp8: invalid choice: 'maybe'"):
+        parse_args(["--fp8", "maybe"], data_only=True)
