@@ -14,6 +14,7 @@ same batches in the same order, with the same LR schedule, in one process, one v
   bf16plain  bf16 weights, torch AdamW (fused): what TRL does                 the negative control
   fp8        fp32 weights, torchao float8 training (tensorwise) on every Linear but lm_head, bf16 autocast
   fp8rw      the same with the rowwise recipe
+  fp8sr16    bf16 weights, adamw_bf16_sr, FP8 as sft/speed/fp8_training.py    --fp8 true (full), the default path
 
 The optimizers are built as our trainer builds them: `sft.speed.lowbit.prepare_optimizer` (torchao patches), then
 `SFTTrainer.get_optimizer_cls_and_kwargs` (sft/trainer.py) and the Trainer's weight-decay grouping. A new optimizer is one entry in
@@ -161,6 +162,7 @@ VARIANTS: dict[str, Variant] = {
     "bf16plain": Variant("bfloat16", "adamw_torch_fused", "control"),
     "fp8": Variant("float32", "adamw_torch_fused", "candidate", fp8="tensorwise"),
     "fp8rw": Variant("float32", "adamw_torch_fused", "candidate", fp8="rowwise"),
+    "fp8sr16": Variant("bfloat16", "adamw_bf16_sr", "candidate", fp8="tensorwise"),
 }
 
 
@@ -247,12 +249,10 @@ def build_model(shape: dict, vocab_size: int, variant: Variant, seed: int, devic
     torch.manual_seed(seed)  # the init on the CPU, then cast: every variant starts from the same weights
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.to(device=device, dtype=getattr(torch, variant.weights))
-    if variant.fp8:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    if variant.fp8:  # as `sft/train.py --fp8 true` converts: the decoder layers' Linears (lm_head stays bf16)
+        from sft.speed.fp8_training import use_fp8_training
 
-        # lm_head stays in bf16: its 32k-wide output feeds the loss directly (torchtitan leaves it out too).
-        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(variant.fp8),
-                                   module_filter_fn=lambda module, fqn: fqn != "lm_head")
+        use_fp8_training(model, variant.fp8)
     return model
 
 

@@ -161,15 +161,21 @@ CANDIDATES = {"fp8": ["--fp8", "true"], "compile": ["--compile_layers", "true"],
               "fp32": ["--bf16", "false", "--dtype", "float32"]}
 
 
+# --method: LoRA (the base in FP8, sft/speed/fp8.py), or a full fine-tune (every decoder linear layer in FP8
+# through torchao, sft/speed/fp8_training.py) with bf16 weights and adamw_bf16_sr, as the full recipe trains.
+METHODS = {"lora": ["--lora", "true", "--lora_dropout", "0"],
+           "full": ["--dtype", "bfloat16", "--optim", "adamw_bf16_sr"]}
+
+
 def train(args, model: Path, seed: int, label: str) -> dict:
-    """One LoRA run: plain bf16 (label "bf16"), or with a candidate's options."""
+    """One run (--method): plain bf16 (label "bf16"), or with a candidate's options."""
     out = args.workdir / f"{label}-seed{seed}"
     shutil.rmtree(out, ignore_errors=True)
     command = [sys.executable, str(REPO / "sft" / "train.py"), "--model", str(model), "--dataset", str(args.data),
                "--packing", "true", "--max_length", str(args.seq_len), "--per_device_train_batch_size",
                str(args.micro_batch), "--max_steps", str(args.steps), "--logging_steps", "1", "--learning_rate",
-               str(args.learning_rate), "--lr_scheduler_type", "constant", "--warmup_steps", "0", "--lora", "true",
-               "--lora_dropout", "0", "--save_strategy", "no", "--eval_strategy", "no", "--report_to", "none",
+               str(args.learning_rate), "--lr_scheduler_type", "constant", "--warmup_steps", "0", *METHODS[args.method],
+               "--save_strategy", "no", "--eval_strategy", "no", "--report_to", "none",
                "--fp8", "false", "--compile_layers", "false",
                "--verify_saves", "final", "--seed", str(seed), "--output_dir", str(out),
                "--dataset_cache_dir", str(args.workdir / "dataset-cache"),
@@ -234,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--micro_batch", type=int, default=4)
-    p.add_argument("--learning_rate", type=float, default=2e-4)
+    p.add_argument("--method", choices=sorted(METHODS), default="lora")
+    p.add_argument("--learning_rate", type=float, help="default 2e-4 (LoRA), 1e-5 (full)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per training run")
     p.add_argument("--candidate", default="fp8",
                    help=f"the paths checked against plain bf16 LoRA, comma-separated, the bf16 runs shared: "
@@ -248,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                                                             "runs' verdicts (no FP8 GPU)")
     args = p.parse_args(argv)
     args.candidates = args.candidate.split(",")
+    if args.learning_rate is None:
+        args.learning_rate = 1e-5 if args.method == "full" else 2e-4
     unknown = set(args.candidates) - set(CANDIDATES)
     if unknown:
         p.error(f"--candidate {','.join(sorted(unknown))}: choose from {', '.join(sorted(CANDIDATES))}")
