@@ -558,7 +558,7 @@ def test_zero3_init_can_be_switched_off_for_a_one_process_reload():
     from transformers.integrations import is_deepspeed_zero3_enabled
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
-    from sft.parallel.zero3 import zero3_init_disabled
+    from sft.model.zero3 import zero3_init_disabled
 
     config = HfDeepSpeedConfig(json.loads((DS_CONFIGS / "zero3.json").read_text()))  # sets the global
     try:
