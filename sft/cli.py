@@ -9,7 +9,8 @@
   `deepseek-sft COMMAND --help`: each command's options (`deepseek-sft train --help all`: every training option).
 
 `train --config_file` takes a file or the name of a shipped strategy config (ddp.yaml, zero3.yaml, ...: the
-repository's accelerate_configs/, shipped in sft/configs/), from any directory, a wheel install included.
+repository's accelerate_configs/, shipped in sft/configs/), from any directory, a wheel install included; `--config`
+likewise a recipe file or a shipped recipe's name (deepseek-llm-7b-lora.yaml, ...: the repository's recipes/).
 
 `train` runs accelerate's own launcher in this process, so that the launch is exactly `accelerate launch`'s, but
 exits with the training's exit code and nothing more: `accelerate launch` itself follows every failed run (even

@@ -40,7 +40,7 @@ from sft.data.dataset import prepare, read_datasets
 from sft.parallel.distributed import configure_nccl_env, exit_process, on_main_process, preflight, report_error
 from sft.machine import is_first_process
 from sft.errors import NothingToDo, UserFacingError
-from sft.parallel.fsdp import consolidate_fsdp_saves, fsdp_callbacks, fsdp_training_settings
+from sft.parallel.fsdp import consolidate_fsdp_saves, fsdp_callbacks, hand_over_to_fsdp
 from sft.safety.guards import LossSpikeLogger, NonFiniteGuard
 from sft.safety.interrupts import (SIGTERM_MARK, end_with_launcher, exit_code, ignore_further_interrupts,
                                    launcher_gone, leave_now, signal_name, stop_on_sigterm, tell_user)
@@ -155,7 +155,7 @@ def train(run: Run, seams: Seams) -> int:
 
     trainer_class = TensorParallelTrainer if model_args.tp_size > 1 else SFTTrainer  # TP: checkpoints that resume
     trainer_class.check_overrides()  # the library methods it overrides are what it was built on
-    fsdp_training_settings(training_args, lora_args.lora)  # activation checkpointing; sharded gradients
+    hand_over_to_fsdp(training_args)  # FSDP's own activation checkpointing, for its plugin
     prepare_optimizer(training_args.optim)  # torchao's low-bit AdamW patched (checked first); ours is SFTTrainer's
     set_seed(training_args.seed)  # the LoRA init happens before the Trainer seeds: make it follow --seed too
     model = load_model(model_args, lora_args, training_args.activation_checkpointing, seams.model_factory)
@@ -176,7 +176,7 @@ def train(run: Run, seams: Seams) -> int:
         RunOverview(model, train_data, model_args.model, model_args.speed_choices),  # the first screen (rank 0)
         ThroughputCallback(flops_per_token(model, lora_args.lora), peak_flops()),  # real tok/s, MFU, memory
         *seams.callbacks,
-        checkpoint_callback(training_args, verifier),  # verified, complete-marked, rotated checkpoints
+        checkpoint_callback(verifier),  # verified, complete-marked, rotated checkpoints
         CompleteRunCheck(),  # a resumed run already at its last step trains no step past it
         guard,
         *([LossSpikeLogger(training_args.loss_spike_factor)] if training_args.loss_spike_factor > 0 else []),

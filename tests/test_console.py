@@ -32,12 +32,15 @@ def tiny_model(lora: bool):
 
 
 def overview(tmp_path, lora: bool, **args) -> tuple[str, object]:
-    """Train one step in this process with RunOverview among the callbacks; -> (its text, the model)."""
+    """Train one step in this process with RunOverview and our checkpoint callback among the callbacks, on
+    arguments resolved as a run's are (sft/options/resolve.py); -> (its text, the model)."""
     import datasets
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
-    from sft.report.callbacks import RunOverview
     from sft.data.packing import Collator
+    from sft.options.arguments import DataArguments, LoraArguments, ModelArguments, SFTTrainingArguments, validate
+    from sft.report.callbacks import RunOverview
+    from sft.safety.checkpoints import checkpoint_callback
 
     model = tiny_model(lora)
     rows = datasets.Dataset.from_list([{"input_ids": list(range(1, n)), "labels": list(range(1, n))}
@@ -46,8 +49,10 @@ def overview(tmp_path, lora: bool, **args) -> tuple[str, object]:
     settings = dict(output_dir=str(tmp_path / "out"), max_steps=1, per_device_train_batch_size=2,
                     gradient_accumulation_steps=2, use_cpu=True, report_to=["tensorboard"], save_strategy="no",
                     remove_unused_columns=False, disable_tqdm=True)
-    trainer = Trainer(model=model, args=TrainingArguments(**{**settings, **args}), train_dataset=rows,
-                      data_collator=Collator(0), callbacks=[callback])
+    training_args = SFTTrainingArguments(**{**settings, **args})
+    validate(ModelArguments(), DataArguments(dataset=["rows"]), LoraArguments(), training_args, check_machine=False)
+    trainer = Trainer(model=model, args=training_args, train_dataset=rows, data_collator=Collator(0),
+                      callbacks=[callback, checkpoint_callback()])
     trainer.train()
     return callback.text, model
 
@@ -217,9 +222,11 @@ def test_a_run_shows_the_overview_and_the_next_commands_and_no_noise(tmp_path, t
     out = tmp_path / "out"
     result = run_train(["--model", str(tiny_llama), "--dataset", str(REPO / "data" / "alpaca_demo.json"),
                         "--output_dir", str(out), "--max_steps", "1", "--max_length", "128", "--lora",
-                        "--dataset_cache_dir", str(tmp_path / "cache"), "--save_strategy", "no"])
+                        "--dataset_cache_dir", str(tmp_path / "cache"), "--save_steps", "50",
+                        "--save_total_limit", "2"])
     assert result.returncode == 0, result.stderr[-3000:]
     assert "Training on 1 process(es) (no parallelism) on CPU" in result.stdout, result.stdout
+    assert "checkpoints  every 50 steps (the last 2 kept)" in result.stdout  # ours keeps the limit the Trainer lacks
     assert "LoRA r=16:" in result.stdout and "1 optimizer step (--max_steps)" in result.stdout
     assert f"python -m sft.tools.merge {out} {out}-merged" in result.stdout, result.stdout
     assert not [line for line in result.stderr.splitlines() if any(word in line for word in NOISE)], result.stderr

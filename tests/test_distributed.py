@@ -210,23 +210,26 @@ def test_processes_without_a_backend_are_refused():
     check_data_parallel(args(1, DistributedType.NO), Launch())
 
 
-def test_one_process_trains_on_one_gpu(capsys):
+def test_one_process_trains_on_one_gpu(tmp_path, monkeypatch, capsys):
     """A single process on a multi-GPU machine (python sft/train.py, single_gpu.yaml) would otherwise get
     nn.DataParallel over every GPU and twice the batch: seen on two H200s, where a one-GPU reference run read 4 rows
-    per step at --per_device_train_batch_size 2."""
+    per step at --per_device_train_batch_size 2. Our TrainingArguments' n_gpu, which the Trainer reads, is at most
+    one from the start (nothing rewrites it later); the run says so."""
+    from transformers import TrainingArguments
+
+    from sft.options.arguments import SFTTrainingArguments
     from sft.parallel.distributed import one_gpu_per_process
 
-    class Arguments(SimpleNamespace):  # TrainingArguments' n_gpu reads _n_gpu
-        n_gpu = property(lambda self: self._n_gpu)
-
-    alone = Arguments(_n_gpu=2, process_index=0, device="cuda:0")
+    for seen, trained in ((2, 1), (1, 1), (0, 0)):  # transformers' count: two GPUs, one (or a launch), CPU
+        monkeypatch.setattr(TrainingArguments, "n_gpu", property(lambda self, seen=seen: seen))
+        args = SFTTrainingArguments(output_dir=str(tmp_path), report_to="none")
+        assert (args.gpus_seen, args.n_gpu) == (seen, trained)
+        assert args.train_batch_size == args.per_device_train_batch_size  # the global batch: not x GPUs
+    alone = SimpleNamespace(gpus_seen=2, device="cuda:0")
     one_gpu_per_process(alone)
-    assert alone.n_gpu == 1
     assert "One process sees 2 GPUs: training on cuda:0 only" in capsys.readouterr().out
-    for n in (0, 1):  # CPU, one GPU, and every distributed process (TrainingArguments sets 1 there)
-        one = Arguments(_n_gpu=n, process_index=0, device="cpu")
-        one_gpu_per_process(one)
-        assert one.n_gpu == n
+    for n in (0, 1):  # CPU, one GPU, and every distributed process (TrainingArguments gives each 1)
+        one_gpu_per_process(SimpleNamespace(gpus_seen=n, device="cpu"))
     assert capsys.readouterr().out == ""
 
 
@@ -508,45 +511,54 @@ def test_fsdp_lora_adapter_is_saved_complete(tmp_path):
     assert counts["removed"] == 2 and counts["unwrapped"] == 8 and counts["equal"]  # 2 layers x q,v x A,B
 
 
-def test_fsdp_training_settings(monkeypatch, capsys):
+def test_fsdp_settings_are_resolved_with_the_options(tmp_path, monkeypatch, capsys):
     """Under FSDP: the Trainer's --activation_checkpointing becomes FSDP's own, and gradient accumulation keeps
-    gradients sharded (sync_each_batch) unless the user chose otherwise. Without FSDP nothing changes."""
-    from transformers.trainer_pt_utils import AcceleratorConfig
+    gradients sharded (sync_each_batch) unless the user chose otherwise, decided once with the other derived
+    options (sft/options/resolve.py), so the Trainer's arguments are final before it is built. Without FSDP
+    nothing changes. sft/parallel/fsdp.py then only hands FSDP's checkpointing to accelerate's plugin (its
+    environment variable) and says what changed."""
+    from sft.machine import Launch, Machine
+    from sft.options.arguments import parse_args, validate_setup
+    from sft.parallel.fsdp import hand_over_to_fsdp
 
-    from sft.parallel.fsdp import fsdp_training_settings
-    from sft.machine import Launch
+    data = str(REPO / "data" / "alpaca_demo.json")
 
-    def args(**kw):
-        return SimpleNamespace(activation_checkpointing=True, gradient_checkpointing=True, process_index=0,
-                               gradient_accumulation_steps=4, accelerator_config=AcceleratorConfig(**kw))
+    def resolved(launch: Launch, *extra: str):
+        groups = parse_args(["--model", "m", "--dataset", data, "--output_dir", str(tmp_path), "--report_to", "none",
+                             "--activation_checkpointing", "true", "--gradient_accumulation_steps", "4", *extra])
+        validate_setup(*groups, machine=Machine(gpu_names=("H200",) * 2, gpu_memory_gib=(139.0,) * 2, bf16=True,
+                                                launch=launch))
+        return groups[3]
 
     monkeypatch.delenv("FSDP_ACTIVATION_CHECKPOINTING", raising=False)
-    plain = args()
-    fsdp_training_settings(plain, launch=Launch(world_size=2))
+    plain = resolved(Launch(world_size=2, local_world_size=2, launched=True))
     assert plain.activation_checkpointing and plain.accelerator_config.gradient_accumulation_kwargs is None
-    assert "FSDP_ACTIVATION_CHECKPOINTING" not in os.environ
+    hand_over_to_fsdp(plain, launch=Launch(world_size=2))
+    assert "FSDP_ACTIVATION_CHECKPOINTING" not in os.environ and capsys.readouterr().out == ""
 
-    on = Launch(world_size=2, fsdp=True)
-    fsdp = args()
-    fsdp_training_settings(fsdp, launch=on)
+    on = Launch(world_size=2, local_world_size=2, launched=True, fsdp=True)
+    fsdp = resolved(on)
     assert not fsdp.activation_checkpointing and not fsdp.gradient_checkpointing
-    assert os.environ["FSDP_ACTIVATION_CHECKPOINTING"] == "true"
+    assert fsdp.fsdp_activation_checkpointing
     assert fsdp.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": True}
-    assert "FSDP: --activation_checkpointing applied as FSDP's" in capsys.readouterr().out
-    chosen = args(gradient_accumulation_kwargs={"sync_each_batch": False})
-    fsdp_training_settings(chosen, launch=on)
+    hand_over_to_fsdp(fsdp, launch=on)
+    assert os.environ["FSDP_ACTIVATION_CHECKPOINTING"] == "true"
+    out = capsys.readouterr().out
+    assert "FSDP: --activation_checkpointing applied as FSDP's" in out and "sync_each_batch" in out
+    chosen = resolved(on, "--accelerator_config", '{"gradient_accumulation_kwargs": {"sync_each_batch": false}}')
     assert chosen.accelerator_config.gradient_accumulation_kwargs == {"sync_each_batch": False}
     monkeypatch.delenv("FSDP_ACTIVATION_CHECKPOINTING")
-    lora = args()  # LoRA keeps transformers' checkpointing: FSDP's wrappers hide the adapter from peft's saves
-    fsdp_training_settings(lora, lora=True, launch=on)
-    assert lora.activation_checkpointing and "FSDP_ACTIVATION_CHECKPOINTING" not in os.environ
+    lora = resolved(on, "--lora")  # LoRA keeps transformers' checkpointing: FSDP's wrappers hide the adapter
+    assert lora.activation_checkpointing and not lora.fsdp_activation_checkpointing
+    hand_over_to_fsdp(lora, launch=on)
+    assert "FSDP_ACTIVATION_CHECKPOINTING" not in os.environ and "as transformers' own" in capsys.readouterr().out
 
 
 def test_zero3_init_can_be_switched_off_for_a_one_process_reload():
     from transformers.integrations import is_deepspeed_zero3_enabled
     from transformers.integrations.deepspeed import HfDeepSpeedConfig, unset_hf_deepspeed_config
 
-    from sft.parallel.zero3 import zero3_init_disabled
+    from sft.model.zero3 import zero3_init_disabled
 
     config = HfDeepSpeedConfig(json.loads((DS_CONFIGS / "zero3.json").read_text()))  # sets the global
     try:

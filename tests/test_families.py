@@ -58,7 +58,8 @@ def test_lora_targets_survive_save_and_reload(tmp_path, model_type):
 
 from conftest import DEEPSEEK_TOKENIZER, needs_shared, tiny_config  # noqa: E402
 from sft.model.families import (VARIANTS, R1DistillWithoutReasoning, check_family, family_template, identify,  # noqa: E402
-                          parameter_count, strategy, strip_reasoning)
+                          parameter_count, strip_reasoning)
+from sft.plan.box import strategy  # noqa: E402
 
 
 def tiny_tokenizer():
@@ -175,12 +176,12 @@ def test_strategy_on_three_24gb_cards(model, lora, config):
 
 
 def test_strategy_is_the_planners_choice():
-    """One memory model: the family table's strategy is the planner's best plan for the box (sft/plan/planner.py), host RAM
-    included; a config that the planner has no built-in shape for is read through its config (no weights)."""
+    """One memory model: the box's strategy (sft/plan/box.py) is the planner's best plan for it (sft/plan/planner.py),
+    host RAM included; a config that the planner has no built-in shape for is read through its config (no weights)."""
     from transformers import AutoConfig
 
     from sft.plan import planner as plan
-    from sft.model.families import recommended_strategy
+    from sft.plan.box import recommended_strategy
     from sft.parallel.strategies import STRATEGIES
 
     for name in ("deepseek-llm-7b", "deepseek-v2-lite"):

@@ -1,7 +1,7 @@
-"""What a wheel install carries and finds: the accelerate and DeepSpeed configs, the demo data and the planner's fitted
-numbers as package data (one copy in git; the repository's accelerate_configs/, ds_configs/ and data/*.json(l) link
-to them), a shipped config by its bare name from any directory, and a snapshot that stays equal to what the planner
-fits from bench/results.jsonl."""
+"""What a wheel install carries and finds: the accelerate and DeepSpeed configs, the recipes, the demo data and the
+planner's fitted numbers as package data (one copy in git; the repository's accelerate_configs/, ds_configs/,
+recipes/ and data/*.json(l) link to them), a shipped config or recipe by its bare name from any directory, and a
+snapshot that stays equal to what the planner fits from bench/results.jsonl."""
 
 from __future__ import annotations
 
@@ -18,16 +18,18 @@ import pytest
 
 from conftest import REPO
 from sft import cli
-from sft.configs import ACCELERATE_CONFIGS, CONFIGS, DEMO_DATA, shipped_names
-from sft.options.arguments import DEMO
+from sft.configs import ACCELERATE_CONFIGS, CONFIGS, DEMO_DATA, RECIPES, shipped_names, shipped_recipe_names
+from sft.errors import ConfigError
+from sft.options.arguments import DEMO, read_options
 from sft.parallel.strategies import STRATEGIES
 from sft.plan import planner as plan
 
 LINKS = {"accelerate_configs": "sft/configs/accelerate_configs", "ds_configs": "sft/configs/ds_configs",
-         "data/alpaca_demo.json": "sft/data/demo/alpaca_demo.json",
+         "recipes": "sft/configs/recipes", "data/alpaca_demo.json": "sft/data/demo/alpaca_demo.json",
          "data/oasst_demo.jsonl": "sft/data/demo/oasst_demo.jsonl"}
 SHIPPED = [f"sft/configs/accelerate_configs/{n}" for n in shipped_names()] + \
     [f"sft/configs/ds_configs/{p.name}" for p in (CONFIGS / "ds_configs").glob("*.json")] + \
+    [f"sft/configs/recipes/{n}" for n in shipped_recipe_names()] + \
     ["sft/data/demo/alpaca_demo.json", "sft/data/demo/oasst_demo.jsonl", "sft/plan/fitted.json"]
 PLAN = ["plan", "--model", "deepseek-llm-7b", "--gpus", "3", "--gpu_mem", "24", "--lora"]
 
@@ -95,6 +97,23 @@ def test_a_shipped_config_by_its_bare_name_from_any_directory(tmp_path, monkeypa
     assert cli.resolve_config(["--config_file", "zero3.yaml"]) == (
         ["--config_file", "zero3.yaml"], "--config_file zero3.yaml: its deepspeed_config_file /nowhere/ds.json is not "
         "found (a relative path is read from the current directory); give its absolute path in the config.")
+
+
+def test_a_shipped_recipe_by_its_name_from_any_directory(tmp_path, monkeypatch):
+    """`--config deepseek-llm-7b-lora.yaml` (or without .yaml, or the checkout's recipes/ path typed elsewhere) is
+    the shipped recipe; a file of the user's own of that name wins, and a name that is neither is one error line."""
+    monkeypatch.chdir(tmp_path)
+    data = ["--dataset", str(DEMO_DATA / "alpaca_demo.json")]
+    assert len(shipped_recipe_names()) >= 5 and (RECIPES / "deepseek-llm-7b-lora.yaml").is_file()
+    for given in ("deepseek-llm-7b-lora.yaml", "deepseek-llm-7b-lora", "recipes/deepseek-llm-7b-lora.yaml"):
+        options = read_options(["--config", given, *data, "--bf16", "false"])  # (no bf16 on this CPU)
+        assert options.model.model == "deepseek-ai/deepseek-llm-7b-base" and options.lora.lora_r == 16, given
+    (tmp_path / "deepseek-llm-7b-lora.yaml").write_text("model: my/model\n")
+    assert read_options(["--config", "deepseek-llm-7b-lora.yaml", *data]).model.model == "my/model"
+    with pytest.raises(ConfigError) as missing:
+        read_options(["--config", "deepseek-llm-70b-lora.yaml", *data])
+    assert str(missing.value) == (f"--config deepseek-llm-70b-lora.yaml: no such file; give a recipe file or a "
+                                  f"shipped recipe's name ({', '.join(shipped_recipe_names())}).")
 
 
 def test_from_the_checkout_root_accelerate_reads_the_relative_deepspeed_path_as_before(monkeypatch):
@@ -176,3 +195,10 @@ def test_the_wheel_carries_its_files_and_plans_and_trains_from_any_directory(tmp
                        timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     assert (out / "model.safetensors").is_file() and str(unpacked / "sft" / "data" / "demo") in run.stdout + run.stderr
+
+    # a shipped recipe by the checkout's path, typed where there is none: its data audited (no GPU needed for that)
+    audit = deepseek_sft(unpacked, elsewhere, "data", "--config", "recipes/deepseek-llm-7b-lora.yaml", "--model",
+                         "tiny-deepseek", "--dataset", str(unpacked / "sft" / "data" / "demo" / "alpaca_demo.json"),
+                         "--max_length", "256", "--show_masks", "1")
+    assert audit.returncode == 0, audit.stdout[-3000:] + audit.stderr[-3000:]
+    assert "packed" in audit.stdout and "trained tokens between [[ and ]]" in audit.stdout, audit.stdout

@@ -41,8 +41,10 @@ def test_bad_recipe_names_file_and_line(tmp_path):
     recipe.write_text("model: x\ndataset: [a.json\nlora: true\n")
     with pytest.raises(ConfigError, match=r"bad\.yaml:\d+: invalid YAML"):
         parse_args(["--config", str(recipe)])
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(ConfigError, match="missing.yaml: no such file; give a recipe file or a shipped recipe's"):
         parse_args(["--config", str(tmp_path / "missing.yaml")])
+    with pytest.raises(ConfigError, match="cannot read the file"):
+        parse_args(["--config", str(tmp_path)])  # a directory
 
 
 def test_unknown_option_in_recipe_is_an_error(tmp_path):

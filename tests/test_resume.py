@@ -130,12 +130,32 @@ def test_rotation_keeps_newest_complete_and_best(tmp_path):
                                                           "checkpoint-10"]
 
 
+def test_save_total_limit_is_ours_and_the_trainer_gets_none(tmp_path):
+    """The Trainer rotates before any callback can mark the new checkpoint complete: the options hand it no limit
+    (decided with the other derived options, not rewritten when the Trainer is built), and our rotation keeps it."""
+    from sft.options.arguments import parse_args
+
+    common = ["--model", "m", "--dataset", str(REPO / "data" / "alpaca_demo.json"), "--output_dir", str(tmp_path)]
+    training_args = parse_args([*common, "--save_total_limit", "2"])[3]
+    assert (training_args.save_total_limit, training_args.checkpoints_to_keep) == (None, 2)
+    unlimited = parse_args(common)[3]
+    assert (unlimited.save_total_limit, unlimited.checkpoints_to_keep) == (None, None)
+    with pytest.raises(ConfigError) as typed:  # a value the options resolve to, not an option to type or suggest
+        parse_args([*common, "--checkpoints_to_keep", "2"])
+    assert "unknown option(s): --checkpoints_to_keep" in str(typed.value) and "did you mean" not in str(typed.value)
+    for step in (2, 4, 6):
+        fake_checkpoint(tmp_path, step)
+        time.sleep(0.01)  # distinct completion times
+    checkpoint_callback().on_save(training_args, SimpleNamespace(global_step=6, best_model_checkpoint=None), None)
+    assert [p.name for p in checkpoint_dirs(tmp_path)] == ["checkpoint-4", "checkpoint-6"]
+
+
 def test_old_checkpoint_is_unmarked_before_being_rewritten(tmp_path):
     """Resumed from checkpoint-4 of a run that reached checkpoint-6: step 6 is written again, in place."""
     fake_checkpoint(tmp_path, 4)
     old = fake_checkpoint(tmp_path, 6)
-    args = SimpleNamespace(output_dir=str(tmp_path), should_save=True, save_strategy="steps", save_total_limit=None)
-    callback = checkpoint_callback(args)
+    args = SimpleNamespace(output_dir=str(tmp_path), should_save=True, save_strategy="steps", checkpoints_to_keep=None)
+    callback = checkpoint_callback()
     control = SimpleNamespace(should_save=False, should_evaluate=False)
     callback.on_step_end(args, SimpleNamespace(global_step=6), control)
     assert is_complete(old)  # no save at this step: left alone

@@ -55,7 +55,12 @@ def import_graph(root: Path = SFT) -> dict[str, set[str]]:
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
-    """One circle of imports per strongly connected group of modules (Tarjan), each as a path a -> ... -> a."""
+    """One circle of imports per strongly connected group of modules, each as a path a -> ... -> a."""
+    return [_circle(graph, group) for group in tangles(graph)]
+
+
+def tangles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected groups of more than one node (Tarjan): nodes that import each other in circles."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -83,7 +88,19 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     for v in sorted(graph):
         if v not in index:
             visit(v)
-    return [_circle(graph, group) for group in groups]
+    return groups
+
+
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """folder -> the folders it imports from: sft/data/*.py are `data`; a module at the top (sft/train.py) is its
+    own `train`."""
+    def folder(module: str) -> str:
+        return module.split(".")[1] if "." in module else module
+
+    folders: dict[str, set[str]] = {folder(m): set() for m in graph}
+    for module, targets in graph.items():
+        folders[folder(module)] |= {folder(t) for t in targets} - {folder(module)}
+    return folders
 
 
 def _circle(graph: dict[str, set[str]], group: set[str]) -> list[str]:
@@ -107,6 +124,20 @@ def test_no_import_cycles():
     assert not found, "import cycles among sft modules:\n" + "\n".join(" -> ".join(c) for c in found)
 
 
+# The folders that still import each other in circles: the data audit's command (python -m sft.data.dataset)
+# reads the options and loads a tokenizer, while sft/options/ checks data names and sft/model/ renders templates;
+# sft/model/ and sft/speed/ read sft/safety/'s tables (run_dir, private_names) while sft/safety/ reloads models.
+# No other folder may join them (parallel, plan, report and the trainer left in issue 25).
+TANGLED = {"data", "model", "options", "safety", "speed"}
+
+
+def test_no_folder_joins_the_known_import_circles():
+    graph = folder_graph(import_graph())
+    grown = [group for group in tangles(graph) if not group <= TANGLED]
+    assert not grown, "folders importing each other in a circle:\n" + "\n".join(
+        " -> ".join(_circle(graph, group)) + f" (the group: {', '.join(sorted(group))})" for group in grown)
+
+
 def test_the_cycle_finder_finds_one(tmp_path):
     package = tmp_path / "sft"
     (package / "a").mkdir(parents=True)
@@ -119,3 +150,4 @@ def test_the_cycle_finder_finds_one(tmp_path):
     graph = import_graph(package)
     assert graph["sft.b"] == {"sft.a.x"} and graph["sft.c"] == set() and graph["sft.b2"] == {"sft.c", "sft.b"}
     assert cycles(graph) == [["sft.a.x", "sft.b", "sft.a.x"]]
+    assert tangles(folder_graph(graph)) == [{"a", "b"}]

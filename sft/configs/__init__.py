@@ -2,11 +2,14 @@
 
     sft/configs/accelerate_configs/*.yaml   the strategies' accelerate configs
     sft/configs/ds_configs/*.json           the DeepSpeed configs they name
+    sft/configs/recipes/*.yaml              the recipes for the box (`--config`)
     sft/data/demo/*.json(l)                 the demo's default dataset
 
-This folder mirrors the repository root: `accelerate_configs/` and `ds_configs/` there are links to the folders
-here (one copy in git), so the DeepSpeed yamls' relative `deepspeed_config_file: ds_configs/zero3.json` resolves
-from the checkout root as accelerate reads it (from the current directory), and from this folder otherwise.
+This folder mirrors the repository root: `accelerate_configs/`, `ds_configs/` and `recipes/` there are links to
+the folders here (one copy in git), so the DeepSpeed yamls' relative `deepspeed_config_file: ds_configs/zero3.json`
+resolves from the checkout root as accelerate reads it (from the current directory), and from this folder
+otherwise; and `--config recipes/deepseek-llm-7b-lora.yaml` reads the same file in a checkout and, typed anywhere
+else, the shipped one.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import yaml
 
 CONFIGS = Path(__file__).resolve().parent
 ACCELERATE_CONFIGS = CONFIGS / "accelerate_configs"
+RECIPES = CONFIGS / "recipes"
 DEMO_DATA = CONFIGS.parent / "data" / "demo"
 
 
@@ -27,10 +31,25 @@ def shipped_names() -> list[str]:
 def shipped_config(name: str) -> Path | None:
     """The shipped accelerate config a user means by `zero3.yaml`, `zero3` or `accelerate_configs/zero3.yaml` (the
     checkout's path, typed elsewhere), else None. Any other path is the user's own file."""
+    return _shipped(name, ACCELERATE_CONFIGS)
+
+
+def shipped_recipe(name: str) -> Path | None:
+    """The shipped recipe a user means by `deepseek-llm-7b-lora.yaml`, `deepseek-llm-7b-lora` or
+    `recipes/deepseek-llm-7b-lora.yaml` (the checkout's path, typed elsewhere), else None."""
+    return _shipped(name, RECIPES)
+
+
+def shipped_recipe_names() -> list[str]:
+    return sorted(p.name for p in RECIPES.glob("*.yaml"))
+
+
+def _shipped(name: str, folder: Path) -> Path | None:
+    """`name` as a file of `folder`: its bare name, without .yaml, or under the folder's name in the checkout."""
     path = Path(name)
-    if str(path.parent) not in (".", "accelerate_configs"):
+    if str(path.parent) not in (".", folder.name):
         return None
-    found = ACCELERATE_CONFIGS / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
+    found = folder / (path.name if path.suffix == ".yaml" else f"{path.name}.yaml")
     return found if found.is_file() else None
 
 

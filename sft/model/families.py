@@ -26,7 +26,7 @@ adapter modules.
 Presets per released model (`VARIANTS`, which sub-family a config is: `identify`), checked when the model loads
 (`check_family`: a template the family does not use, an end-of-turn token the tokenizer lacks or that generate()
 would not stop at, a BOS the family does not have, deepseek-coder without its RoPE scaling, remote code that is
-not needed), and the strategy for a box of 3 x 24 GB GPUs (`strategy`):
+not needed). (The strategy for a box of 3 x 24 GB GPUs is the planner's: sft/plan/box.py.)
 
 - llama: deepseek-llm-7b/67b (vocabulary 102400): template deepseek; deepseek-coder-6.7b/33b (vocabulary 32256,
   `<|EOT|>` and FIM tokens, linear RoPE scaling x4): deepseek_coder, EOS `<|EOT|>`; R1-Distill-Llama-8B/70B
@@ -284,19 +284,6 @@ def family_template(config, tokenizer=None) -> str:
     return family.template if family else "deepseek"
 
 
-# ---- the strategy for a box of 3 x 24 GB GPUs (docs/strategies.md; bench/RESULTS.md) --------------------------
-
-GPUS, GPU_GB = 3, 24  # cards as sold: the planner counts what nvidia-smi shows of them (context and NCCL included)
-
-
-@dataclass(frozen=True)
-class BoxRecommendation:
-    """The accelerate config recommended for the 3 x 24 GB box, and why (sft.parallel.strategies.Strategy is the
-    strategy itself: its configs and memory model)."""
-    config: str | None  # accelerate_configs/<name>.yaml; None: it does not fit this box
-    why: str
-
-
 def parameter_count(config) -> int:
     """All parameters of the model the config describes, counted on a weightless (meta) copy."""
     import torch
@@ -305,38 +292,3 @@ def parameter_count(config) -> int:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     return sum(p.numel() for p in model.parameters())
-
-
-def strategy(model, lora: bool, host_ram_gib: float | None = None) -> BoxRecommendation:
-    """The accelerate config to use on 3 x 24 GB for `model` (a sft.plan.planner.Shape, or what `python -m sft.plan.planner
-    --model` takes: a family name, hub id or local directory): the planner's fastest recommended plan that fits
-    (sft/plan/planner.py, the one memory model: GPU memory per card as nvidia-smi counts it, and host RAM), for 2048-token
-    packed rows. Plans whose host RAM exceeds `host_ram_gib` (default 512) do not fit; none fits: config None."""
-    from sft.plan import planner as plan
-    from sft.parallel.strategies import STRATEGIES
-
-    shape = model if isinstance(model, plan.Shape) else plan.resolve_shape(model)
-    ram = host_ram_gib or 512.0
-    method = "lora" if lora else "full"
-    plans = plan.enumerate_plans(shape, plan.Box(GPUS, GPU_GB, ram), method)
-    best = plan.best_plan(plans)
-    what = f"{'LoRA' if lora else 'full fine-tuning'} of {shape.name} ({shape.params() / 1e9:.1f}B parameters)"
-    if best is None:
-        closest = plan.closest_plan(plans)
-        near = f"{closest.w.strategy} {closest.why_not}" if closest else "no strategy applies"
-        return BoxRecommendation(None, f"{what} fits no plan on {GPUS} x {GPU_GB} GB with {ram:g} GiB of host RAM "
-                                       f"(closest: {near})")
-    w = best.w
-    precision = "" if lora or w.setup.precision == "fp32_master" else f", {w.setup.precision} optimizer"
-    return BoxRecommendation(STRATEGIES[w.strategy].accelerate_config,
-                             f"{what}: {w.strategy}{precision}, micro-batch {w.micro_batch}, checkpointing "
-                             f"{'on' if w.checkpointing else 'off'}: {plan.shown_gib(best):.1f} GiB per card, "
-                             f"{best.prediction.host_gib:.0f} GiB host RAM (predicted by sft/plan/planner.py)")
-
-
-def recommended_strategy(config, lora: bool, host_ram_gib: float | None = None) -> BoxRecommendation:
-    """strategy() for the model this config describes."""
-    from sft.plan.planner import shape_from_config
-
-    return strategy(shape_from_config(config, getattr(config, "name_or_path", "") or config.model_type), lora,
-                    host_ram_gib)

@@ -193,12 +193,10 @@ def quantization(model_args: ModelArguments, lora_args: LoraArguments) -> dict:
         return {}
     from transformers import BitsAndBytesConfig
 
-    from sft.parallel.fsdp import fsdp_launched
-
     m = machine()
     weights = weights_dtype(model_args, True, m)
     compute = qlora_compute_dtype(m.cuda, m.bf16, weights)
-    config = BitsAndBytesConfig(**qlora_quantization_kwargs(weights, compute, fsdp_launched()))
+    config = BitsAndBytesConfig(**qlora_quantization_kwargs(weights, compute, m.launch.fsdp))
     device = m.launch.local_rank if m.cuda else "cpu"
     return {"quantization_config": config, "device_map": {"": device}}
 
@@ -241,7 +239,7 @@ def tensor_parallel(model_args: ModelArguments) -> dict:
 
 
 def report_zero3_partitioning(model) -> None:
-    from sft.parallel.zero3 import zero3_partition_report
+    from sft.model.zero3 import zero3_partition_report
 
     report = zero3_partition_report(model)
     if report and is_first_process():

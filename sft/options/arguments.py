@@ -254,6 +254,11 @@ class SFTTrainingArguments(TrainingArguments):
     # Not an option: set by sft/options/resolve.py liger_loss_on_labels where Liger's fused loss runs on the labelled
     # tokens only (sft/speed/chunked_loss.py liger_causal_lm_loss) instead of Liger's own, which projects every token.
     liger_loss_on_labels: bool = field(default=False, init=False)
+    # Not options either, set by sft/options/resolve.py: a full fine-tune's --activation_checkpointing applied as
+    # FSDP's own (fsdp_checkpoints_activations; sft/parallel/fsdp.py hands it to accelerate's plugin), and
+    # --save_total_limit kept by our checkpoint rotation (our_rotation_keeps_checkpoints; the Trainer's gets None).
+    fsdp_activation_checkpointing: bool = field(default=False, init=False)
+    checkpoints_to_keep: int | None = field(default=None, init=False)
     # A plain string (transformers' own field offers its OptimizerNames as the only choices): ours are added.
     optim: str = field(default=next(f.default for f in fields(TrainingArguments) if f.name == "optim"), metadata={
         "help": f"The optimizer: transformers' (adamw_torch_fused, adamw_torch_8bit, ...) or {SR_ADAMW} (bf16 "
@@ -272,6 +277,20 @@ class SFTTrainingArguments(TrainingArguments):
         super().__post_init__()
         if ours:
             self.optim = ours
+
+    @property
+    def gpus_seen(self) -> int:
+        """The GPUs transformers gives this process: every visible one when a single process runs without a
+        launcher, else 1 (0 on CPU)."""
+        return super().n_gpu
+
+    @property
+    def n_gpu(self) -> int:
+        """The GPUs this process trains on, which the Trainer reads (its nn.DataParallel, batch sizes): at most one.
+        A process that sees several trains on the first (sft/parallel/distributed.py one_gpu_per_process says so):
+        nn.DataParallel over them all is slower than DDP, makes the global batch per-device x GPUs, and the
+        world-size-based numbers (MFU) wrong. Several GPUs are used through a launcher config."""
+        return min(self.gpus_seen, 1)
 
 
 def check_optimizer_name(name: str) -> None:
@@ -353,7 +372,10 @@ def recipe_error(parser: Parser, recipes: list[tuple[str, list[str]]]) -> Config
 
 
 def our_option_names() -> list[str]:
-    return [f.name for cls in PARSER_TYPES[:3] for f in fields(cls)] + list(SFTTrainingArguments.__annotations__)
+    """Our options (not the values resolve.py sets, which no one types)."""
+    ours = SFTTrainingArguments.__annotations__
+    return [f.name for cls in PARSER_TYPES[:3] for f in fields(cls)] + [
+        f.name for f in fields(SFTTrainingArguments) if f.name in ours and f.init]
 
 
 def is_demo_output(model_args: ModelArguments, training_args) -> bool:

@@ -216,12 +216,12 @@ def partial_checkpointing(o: Options, m: Machine) -> None:
     skip = o.training.activation_checkpointing_skip_layers
     if skip < 0:
         raise ConfigError(f"--activation_checkpointing_skip_layers {skip}: give a number of layers (0 or more).")
+    if skip and o.fsdp(m) and not o.lora.lora:  # first: resolve.py has moved --activation_checkpointing to FSDP's
+        raise ConfigError("--activation_checkpointing_skip_layers: a full fine-tune under FSDP uses FSDP's own "
+                          "activation checkpointing of every layer; drop the option.")
     if skip and not o.training.activation_checkpointing:
         raise ConfigError(f"--activation_checkpointing_skip_layers {skip} needs --activation_checkpointing true "
                           f"(it leaves some layers out of the checkpointing).")
-    if skip and o.fsdp(m) and not o.lora.lora:
-        raise ConfigError("--activation_checkpointing_skip_layers: a full fine-tune under FSDP uses FSDP's own "
-                          "activation checkpointing of every layer; drop the option.")
 
 
 def precision_the_hardware_has(o: Options, m: Machine) -> None:

@@ -33,10 +33,19 @@ def _json_if_dict(value) -> str:
 
 
 def load_recipe(path: str) -> list[str]:
+    """A recipe file's options; a path that is no file but names a shipped recipe (`deepseek-llm-7b-lora.yaml`, or
+    the checkout's `recipes/deepseek-llm-7b-lora.yaml` typed elsewhere) is that recipe, from any directory, a wheel
+    install included. A file of the user's own wins."""
     import yaml
 
+    from sft.configs import shipped_recipe, shipped_recipe_names
+
+    shipped = None if Path(path).expanduser().exists() else shipped_recipe(path)
     try:
-        text = Path(path).read_text()
+        text = (shipped or Path(path).expanduser()).read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"--config {path}: no such file; give a recipe file or a shipped recipe's name "
+                          f"({', '.join(shipped_recipe_names())}).") from None
     except OSError as e:
         raise ConfigError(f"--config {path}: cannot read the file ({e.strerror}).") from None
     try:

@@ -4,9 +4,11 @@ A run's options go: parsed (sft/options/arguments.py) -> the plan's options set 
 (`with_planned`, for `--plan auto`) -> the derived values below (`resolve_defaults`) -> checked
 (sft/options/checks.py). These two steps are the only ones that write an option; from the checks on, every reader
 sees final values and asks one question (`--qlora` has already set `lora`, so no reader asks `lora or qlora`).
-(Two hand-overs to the Trainer still write its arguments just before it is built: sft/parallel/fsdp.py moves
---activation_checkpointing to FSDP's own under an FSDP full fine-tune, sft/safety/checkpoints.py takes
---save_total_limit over from the Trainer's rotation.)
+That includes what the Trainer is handed: its arguments are these options, so what it must be given other than
+as typed is decided here too (our checkpoint rotation keeps --save_total_limit, the Trainer's gets none; under
+FSDP, FSDP's own activation checkpointing and sharded gradients under accumulation), and nothing rewrites them
+once the Trainer is built. (The GPUs one process trains on, the Trainer's `n_gpu`, are at most one from the
+start: a property of SFTTrainingArguments, sft/options/arguments.py.)
 """
 
 from __future__ import annotations
@@ -128,18 +130,54 @@ def liger_loss_on_labels_fits(o: Options, m: Machine) -> bool:
             and not t.label_smoothing_factor and o.zero_stage(m) != "3" and o.model.tp_size == 1)
 
 
+def fsdp_checkpoints_activations(o: Options, m: Machine) -> None:
+    """Under an accelerate FSDP config, a full fine-tune's --activation_checkpointing becomes FSDP's own
+    (sft/parallel/fsdp.py hands it to accelerate's plugin), as transformers recommends: the Trainer refuses both at
+    once (issue 30404). A LoRA run keeps transformers' own (per layer, non-reentrant): FSDP's wraps every layer in
+    a CheckpointWrapper, and peft then finds no adapter weights in the state dict (remove_checkpoint_wrappers), so
+    every checkpoint's adapter was empty and resuming silently restarted from the untrained adapter (seen on
+    2 x H200). Under FSDP2 each layer is already gathered when its backward recomputes it: no extra all-gather."""
+    t = o.training
+    if m.launch.fsdp and t.activation_checkpointing and not o.lora.lora:
+        t.fsdp_activation_checkpointing = True
+        t.activation_checkpointing = t.gradient_checkpointing = False  # (the deprecated alias follows it)
+
+
+def fsdp_reduce_scatters_each_micro_batch(o: Options, m: Machine) -> None:
+    """Under FSDP with gradient accumulation, gradients are reduce-scattered after every micro-batch (accelerate's
+    `sync_each_batch`): FSDP2's no-sync mode keeps UNSHARDED gradients between micro-batches on every rank
+    (12.9 GiB in bf16 for 7B), which a 24 GB card cannot hold. An explicit
+    `--accelerator_config '{"gradient_accumulation_kwargs": {"sync_each_batch": false}}'` is kept."""
+    t = o.training
+    config = t.accelerator_config
+    kwargs = dict(config.gradient_accumulation_kwargs or {})
+    if m.launch.fsdp and t.gradient_accumulation_steps > 1 and "sync_each_batch" not in kwargs:
+        config.gradient_accumulation_kwargs = {**kwargs, "sync_each_batch": True}
+
+
+def our_rotation_keeps_checkpoints(o: Options, m: Machine) -> None:
+    """--save_total_limit is kept by our checkpoint callback (sft/safety/checkpoints.py), which deletes old
+    checkpoints only after it has verified and marked the new one complete; the Trainer, whose own rotation runs
+    before any callback could mark it, is handed none."""
+    t = o.training
+    if t.save_total_limit is not None:
+        t.checkpoints_to_keep, t.save_total_limit = t.save_total_limit, None
+
+
 Derivation = Callable[[Options, Machine], None]
 # In order: --lora first (the others read it), the fast paths before Liger's kernel choice (which reads
 # --compile_layers), Liger's kernel choice before its loss reads that choice.
 DERIVED: list[Derivation] = [
-    qlora_trains_lora, fast_paths_where_supported, flex_pads_packed_rows, tensor_parallel_saves_model_only, lora_skips_unused_parameter_search,
-    compiled_layers_keep_liger_loss_only, liger_loss_on_labels,
+    qlora_trains_lora, fast_paths_where_supported, flex_pads_packed_rows, tensor_parallel_saves_model_only,
+    lora_skips_unused_parameter_search, compiled_layers_keep_liger_loss_only, liger_loss_on_labels,
+    fsdp_checkpoints_activations, fsdp_reduce_scatters_each_micro_batch, our_rotation_keeps_checkpoints,
 ]
 
 
 def resolve_defaults(o: Options, m: Machine) -> Options:
     """Every derived value, once; -> the final options (checked next, then only read). Only the launch part of
-    `m` enters (ZeRO-3 from the accelerate config), so a data-only run resolves against a machine without GPUs."""
+    `m` enters (ZeRO-3 and FSDP from the accelerate config), so a data-only run resolves against a machine without
+    GPUs."""
     for derive in DERIVED:
         derive(o, m)
     return o

@@ -345,25 +345,15 @@ def check_data_parallel(training_args, launch: Launch | None = None) -> None:
 
 
 def one_gpu_per_process(training_args) -> None:
-    """One process that sees several GPUs trains on the first. The Trainer would wrap the model in
-    nn.DataParallel over all of them (its `n_gpu`): slower than DDP, a global batch of per-device x GPUs, and
-    world-size-based numbers (MFU) wrong. Several GPUs are used through a launcher config (ddp.yaml, fsdp.yaml...)."""
-    gpus = training_args.n_gpu  # (sets the devices up first)
-    if gpus <= 1:
-        return
-    if is_first_process():
+    """Say that one process that sees several GPUs trains on the first: SFTTrainingArguments.n_gpu, which the
+    Trainer reads, is at most one (nn.DataParallel over all of them would be slower than DDP, make the global batch
+    per-device x GPUs, and the world-size-based numbers (MFU) wrong). Several GPUs are used through a launcher
+    config (ddp.yaml, fsdp.yaml...)."""
+    gpus = training_args.gpus_seen  # (sets the devices up first)
+    if gpus > 1 and is_first_process():
         print(f"One process sees {gpus} GPUs: training on {training_args.device} only. To use them all: "
               f"accelerate launch --config_file accelerate_configs/ddp.yaml (or fsdp.yaml, zero3.yaml) "
               f"--num_processes {gpus} ...", flush=True)
-    from sft.errors import LibraryMismatch
-    from sft.safety.private_names import TRAINING_ARGS_N_GPU, expect, installed_version
-
-    expect(TRAINING_ARGS_N_GPU)
-    training_args._n_gpu = 1  # read through TrainingArguments.n_gpu by the Trainer (batch size, DataParallel)
-    if training_args.n_gpu != 1:  # the property no longer reads this attribute: say so rather than use DataParallel
-        raise LibraryMismatch(f"transformers {installed_version('transformers')}: TrainingArguments.n_gpu no longer "
-                              f"reads _n_gpu, which deepseek-sft sets to train one process on one GPU. Install the "
-                              f"tested versions: pip install -c constraints.txt -e .")
 
 
 def preflight(model_args, lora_args, training_args, machine: Machine | None = None) -> None:

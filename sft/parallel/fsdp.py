@@ -13,38 +13,24 @@ def fsdp_launched(launch: Launch | None = None) -> bool:
     return (launch or this_launch()).fsdp
 
 
-def fsdp_training_settings(training_args, lora: bool = False, launch: Launch | None = None) -> None:
-    """Trainer settings that FSDP needs, applied before the Trainer (and its FSDP plugin) is created.
-
-    - Full fine-tuning: `--activation_checkpointing` becomes FSDP's own (FSDP_ACTIVATION_CHECKPOINTING, read by
-      the plugin), as transformers recommends (the Trainer refuses both at once; issue 30404).
-    - LoRA keeps the Trainer's (transformers' per-layer checkpointing, non-reentrant): FSDP's wraps every layer
-      in a CheckpointWrapper, and peft then finds no adapter weights in the state dict (see
-      remove_checkpoint_wrappers), so every CHECKPOINT's adapter was empty and resuming silently restarted from
-      the untrained adapter (seen on 2 x H200). Under FSDP2 each layer is already gathered when its backward
-      recomputes it, so this costs no extra all-gather.
-    - With gradient accumulation, gradients are reduce-scattered after every micro-batch (accelerate's
-      `sync_each_batch`): FSDP2's no-sync mode keeps UNSHARDED gradients between micro-batches on every rank
-      (12.9 GiB in bf16 for 7B), which a 24 GB card cannot hold. An explicit
-      `--accelerator_config '{"gradient_accumulation_kwargs": {"sync_each_batch": false}}'` is kept.
-    """
+def hand_over_to_fsdp(training_args, launch: Launch | None = None) -> None:
+    """Before the Trainer (and its FSDP plugin) exists: give accelerate's plugin FSDP's own activation
+    checkpointing, which it reads from the environment only, and say what FSDP changes. The options themselves
+    were settled in sft/options/resolve.py (fsdp_checkpoints_activations, fsdp_reduce_scatters_each_micro_batch);
+    nothing here writes one."""
     if not fsdp_launched(launch):
         return
     notes = []
-    if training_args.activation_checkpointing and not lora:
+    if training_args.fsdp_activation_checkpointing:
         os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = "true"  # written for accelerate's FSDP plugin, which reads it
-        training_args.activation_checkpointing = training_args.gradient_checkpointing = False
         notes.append("--activation_checkpointing applied as FSDP's activation checkpointing")
     elif training_args.activation_checkpointing:
         notes.append("--activation_checkpointing applied as transformers' own (LoRA: FSDP's wrappers would hide "
                      "the adapter from checkpoint saves)")
-    if training_args.gradient_accumulation_steps > 1:
-        config = training_args.accelerator_config
-        kwargs = dict(config.gradient_accumulation_kwargs or {})
-        if "sync_each_batch" not in kwargs:
-            config.gradient_accumulation_kwargs = {**kwargs, "sync_each_batch": True}
-            notes.append("gradients reduce-scattered after every micro-batch (sync_each_batch: sharded, not "
-                         "full, gradients between micro-batches)")
+    kwargs = training_args.accelerator_config.gradient_accumulation_kwargs or {}
+    if training_args.gradient_accumulation_steps > 1 and kwargs.get("sync_each_batch"):
+        notes.append("gradients reduce-scattered after every micro-batch (sync_each_batch: sharded, not "
+                     "full, gradients between micro-batches)")
     if notes and is_first_process():
         print("FSDP: " + "; ".join(notes), flush=True)
 

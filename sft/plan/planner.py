@@ -31,6 +31,7 @@ from typing import NamedTuple
 
 from sft.report.console import ToolParser
 from sft.options.recipe import load_recipe
+from sft.configs import RECIPES
 from sft.machine import GIB
 from sft.parallel.strategies import PRECISION_OPTIONS, REPO, STRATEGIES, Setup, StateBytes
 
@@ -449,8 +450,8 @@ def _arg(args: list[str], name: str, default=None):
 
 
 def row_options(row: dict) -> list[str]:
-    """The sft/train.py options of a bench row: its recipe's (`--config recipes/<x>.yaml`, read from this checkout's
-    recipes/, wherever the row ran) before its own."""
+    """The sft/train.py options of a bench row: its recipe's (`--config recipes/<x>.yaml`, the shipped recipe of that
+    name, wherever the row ran) before its own."""
     return list(_options(row.get("train_args") or ""))
 
 
@@ -458,7 +459,7 @@ def row_options(row: dict) -> list[str]:
 def _options(train_args: str) -> tuple[str, ...]:  # every plan's estimate reads every row: parse each text once
     args = shlex.split(train_args)
     recipe = _arg(args, "--config")
-    return tuple((load_recipe(str(REPO / "recipes" / Path(recipe).name)) if recipe else []) + args)
+    return tuple((load_recipe(str(RECIPES / Path(recipe).name)) if recipe else []) + args)
 
 
 def workload_of_row(row: dict) -> Workload:

@@ -214,8 +214,8 @@ class RunOverview(TrainerCallback):
         save = str(getattr(args.save_strategy, "value", args.save_strategy))
         saves = {"no": "none (--save_strategy no)", "epoch": "every epoch", "best": "the best one"}.get(
             save, f"every {state.save_steps or args.save_steps:,} steps")
-        if save != "no" and args.save_total_limit:
-            saves += f" (the last {args.save_total_limit} kept)"
+        if save != "no" and args.checkpoints_to_keep:  # --save_total_limit, which our rotation keeps
+            saves += f" (the last {args.checkpoints_to_keep} kept)"
         self.text = run_overview(
             model=self.model_name, architecture=self.architecture, total_params=self.total,
             trainable_params=self.trainable, dtype=self.dtype, lora_rank=self.lora_rank,

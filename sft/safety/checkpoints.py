@@ -9,9 +9,9 @@ whatever its state. So:
   process fsyncs every file and writes `checkpoint_complete.json` last (atomically: temp file, fsync, rename),
   listing each file with its size. A checkpoint is complete only if that marker is there and every listed file
   still has its size, so a directory that was being written or being deleted is never taken for a complete one.
-- We rotate (`--save_total_limit`) ourselves, after marking, instead of the Trainer (which rotates before
-  `on_save`: with a limit of 1 a kill there would leave no complete checkpoint). A rotated checkpoint loses its
-  marker before its files.
+- We rotate (`--save_total_limit`, kept as `checkpoints_to_keep`) ourselves, after marking, instead of the
+  Trainer (which rotates before `on_save`: with a limit of 1 a kill there would leave no complete checkpoint). A
+  rotated checkpoint loses its marker before its files.
 - `--resume_from_checkpoint true` resumes from the newest complete checkpoint in `--output_dir`; incomplete ones
   are deleted first, since the Trainer would write into them in place.
 - A run into an output directory that holds a run stops with the exact command to resume or to overwrite.
@@ -446,12 +446,11 @@ def _barrier() -> None:
     PartialState().wait_for_everyone()
 
 
-def checkpoint_callback(training_args, verifier=None):
-    """The Trainer callback that verifies, marks and rotates each checkpoint. It takes `--save_total_limit` over
-    from the Trainer (whose rotation runs before any callback can mark the new checkpoint complete)."""
+def checkpoint_callback(verifier=None):
+    """The Trainer callback that verifies, marks and rotates each checkpoint. It keeps `--save_total_limit`
+    (args.checkpoints_to_keep); the Trainer, whose rotation runs before any callback can mark the new checkpoint
+    complete, is handed none (sft/options/resolve.py our_rotation_keeps_checkpoints)."""
     from transformers import TrainerCallback
-
-    limit, training_args.save_total_limit = training_args.save_total_limit, None
 
     class CompleteCheckpoints(TrainerCallback):
         def on_step_end(self, args, state, control, **kwargs):
@@ -473,7 +472,7 @@ def checkpoint_callback(training_args, verifier=None):
                 verifier.check(model, path)
             if args.should_save:
                 mark_complete(path)
-                rotate(args.output_dir, limit, state.best_model_checkpoint)
+                rotate(args.output_dir, args.checkpoints_to_keep, state.best_model_checkpoint)
             _barrier()
 
     return CompleteCheckpoints()

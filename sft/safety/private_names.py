@@ -80,9 +80,6 @@ DTENSOR_CACHE_KEY = PrivateName("torch", "torch.distributed.tensor", "DTensor._s
                                 TESTED_TORCH, "one compiled torchao update per state type under FSDP2")
 DUCK_SHAPE = PrivateName("torch", "torch.fx.experimental._config", "use_duck_shape", None, TESTED_TORCH,
                          "adamw_bf16_sr's one compiled update for every parameter")
-# The device count the Trainer reads through the `n_gpu` property: set to 1 where one process sees several GPUs.
-TRAINING_ARGS_N_GPU = PrivateName("transformers", "transformers.training_args", "TrainingArguments.n_gpu", None,
-                                  TESTED_TRANSFORMERS, "one process that sees several GPUs trains on one (_n_gpu)")
 # Read, not patched, but a rename would change what we decide in silence.
 HF_DEEPSPEED_CONFIG = PrivateName("transformers", "transformers.integrations.deepspeed", "_hf_deepspeed_config_weak_ref",
                                   None, TESTED_TRANSFORMERS, "loading a whole model for verification under ZeRO-3")
@@ -93,7 +90,7 @@ PRIVATE_NAMES = (CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPOINT, LOAD_FROM_CHECK
                  SAVE_RNG_STATE,
                  PEFT_INPUT_CAST, ACCELERATE_ORIGINAL_FORWARD, TORCHAO_ADAM_LOAD,
                  TORCHAO_SUBCLASS_ZEROS, TORCHAO_SINGLE_PARAM_ADAM, DTENSOR_CACHE_KEY, DUCK_SHAPE, HF_DEEPSPEED_CONFIG,
-                 FSDP_STATE, TRAINING_ARGS_N_GPU)
+                 FSDP_STATE)
 
 
 @functools.cache  # read once per process: a library's version does not change under a running process

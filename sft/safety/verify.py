@@ -133,7 +133,7 @@ class SaveVerifier:
         process, on `device`."""
         from transformers import AutoModelForCausalLM
 
-        from sft.parallel.zero3 import zero3_init_disabled
+        from sft.model.zero3 import zero3_init_disabled
 
         quantized = {}
         if self.lora and self.quantization:
