@@ -69,7 +69,7 @@ class Machine:
     gpu_capabilities: tuple[tuple[int, int], ...] = ()  # CUDA compute capability of each visible GPU
     fp8_probe_error: str | None = None            # why a rowwise-scaled FP8 matmul failed on GPU 0 (None: it ran)
     bf16: bool = False                            # every visible GPU computes in bf16 (Ampere or newer)
-    host_ram_gib: float = 0.0                     # SFT_HOST_RAM_GIB when set (VMs whose RAM grows on demand)
+    host_ram_gib: float = 0.0                     # total, as host_ram_gib() reads it; 0: unknown
     host_ram_available_gib: float = 0.0
     launch: Launch = field(default_factory=Launch)
     # The optional packages importable here (OPTIONAL_PACKAGES); None: not described, so looked up when asked.
@@ -148,6 +148,25 @@ def is_first_process() -> bool:
     return launch().first
 
 
+def host_ram_gib(env: os._Environ | dict = os.environ, meminfo: str = "/proc/meminfo") -> float | None:
+    """This machine's RAM in GiB without importing torch: SFT_HOST_RAM_GIB when set (VMs whose RAM grows on demand),
+    else psutil's total, else /proc/meminfo's MemTotal; None where neither can be read (unknown, never assumed)."""
+    if env.get("SFT_HOST_RAM_GIB"):
+        return float(env["SFT_HOST_RAM_GIB"])
+    try:
+        import psutil
+
+        return psutil.virtual_memory().total / GIB
+    except (ImportError, OSError, RuntimeError):  # no psutil, or it cannot read this system
+        pass
+    try:
+        with open(meminfo) as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
+        return kib * 1024 / GIB
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
 @functools.lru_cache(maxsize=1)
 def machine() -> Machine:
     """This machine, read once per process (CUDA is initialised here if it is not already)."""
@@ -156,10 +175,8 @@ def machine() -> Machine:
 
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     properties = [torch.cuda.get_device_properties(i) for i in range(count)]
-    memory = psutil.virtual_memory()
-    total, available = memory.total / GIB, memory.available / GIB
-    if os.environ.get("SFT_HOST_RAM_GIB"):
-        total = available = float(os.environ["SFT_HOST_RAM_GIB"])
+    total = host_ram_gib() or 0.0
+    available = total if os.environ.get("SFT_HOST_RAM_GIB") else psutil.virtual_memory().available / GIB
     return Machine(gpu_names=tuple(p.name for p in properties),
                    gpu_memory_gib=tuple(p.total_memory / GIB for p in properties),
                    gpu_uuids=tuple(nvml_uuid(str(p.uuid)) for p in properties),

@@ -3,6 +3,7 @@ a local config.json, predicted against every measured bench row, and the command
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -139,8 +140,14 @@ def test_plan_auto_is_applied_after_parsing_and_checked_like_the_users_options()
     assert options.training.liger_loss_on_labels == bool(planned.options.get("use_liger_kernel"))  # the plan's Liger
 
 
+def run_planner(*args: str, host_ram: str = "64") -> subprocess.CompletedProcess:
+    """`python -m sft.plan.planner ...` on a machine of `host_ram` GiB (SFT_HOST_RAM_GIB: sft/machine.py reads it)."""
+    env = {**os.environ, "SFT_HOST_RAM_GIB": host_ram}
+    return subprocess.run([sys.executable, "-m", "sft.plan.planner", *args], capture_output=True, text=True, env=env)
+
+
 def test_cli_help_is_one_screen_and_bad_options_one_line():
-    run = lambda *a: subprocess.run([sys.executable, "-m", "sft.plan.planner", *a], capture_output=True, text=True)  # noqa
+    run = run_planner
     out = run("--help")
     assert out.returncode == 0 and len(out.stdout.splitlines()) <= 40
     for bad in (["--bogus"], ["--model", "deepseek-llm-7b", "--gpus", "0"], ["--model", "no-such-model"],
@@ -302,3 +309,227 @@ def test_an_unmeasured_sharded_plan_is_bounded_by_the_models_own_sharded_row(tmp
     assert offload == pytest.approx(0.011) and "at most" in why
     dense, _ = plan.mfu_reference("zero3_offload", "lora", True, results, model="deepseek-llm-7b")
     assert dense == pytest.approx(0.043)
+
+
+# ---- issue 29: a plan keeps its margin, host RAM is the machine's, commands run as printed, the header says them
+
+def test_a_plan_keeps_a_margin_and_equal_speed_goes_to_headroom():
+    """7B full fine-tune on 3 x 24 GB: the 8-bit AdamW plan at micro-batch 8 (24.5 GiB by nvidia-smi on a 23.99 GiB
+    card) is tight, never "yes" nor recommended; of the plans of one estimated speed, the one with room for the
+    memory model's worst error (4-bit AdamW, 20.6 GiB) is."""
+    shape = plan.SHAPES["deepseek-llm-7b"]
+    box = plan.Box(3, 24, host_ram_gib=128)
+    plans = plan.enumerate_plans(shape, box, "full", 2048)
+    best = plan.best_plan(plans)
+    assert best.prediction.smi_gib <= box.card_gib - plan.MARGIN_GIB
+    edge = next(p for p in plans if (p.w.setup.precision, p.w.micro_batch, p.w.checkpointing) == ("lowbit8", 8, True))
+    assert edge.prediction.smi_gib > box.card_gib - 1 and edge.fits and not edge.roomy
+    assert edge.mark().startswith("tight") and edge.tok_s == pytest.approx(best.tok_s)
+    assert (best.w.strategy, best.w.setup.precision, best.w.checkpointing) == ("fsdp", "lowbit4", True)
+    assert round(plan.shown_gib(best), 1) == 20.6 and plan.safe(best)
+    for model, method in (("deepseek-llm-7b", "lora"), ("deepseek-coder-1.3b", "full"), ("deepseek-v2-lite", "lora"),
+                          ("deepseek-r1-distill-qwen-14b", "lora"), ("deepseek-r1-distill-llama-8b", "full")):
+        for gpus in (1, 2, 3):
+            box = plan.Box(gpus, 24, host_ram_gib=512)
+            plans = plan.enumerate_plans(plan.SHAPES[model], box, method, 2048)
+            assert all(p.prediction.smi_gib <= box.card_gib - 1 for p in plans if p.mark() == "yes"), (model, gpus)
+            best = plan.best_plan(plans)
+            assert best is None or best.prediction.smi_gib <= box.card_gib - 1, (model, method, gpus)
+    out = run_planner("--model", "deepseek-llm-7b", "--gpus", "3", "--gpu_mem", "24")
+    assert out.returncode == 0 and "--per_device_train_batch_size 4 " in out.stdout
+    assert "--optim adamw_torch_4bit" in out.stdout and "predicted 20.6 GiB per GPU" in out.stdout
+
+
+def test_nothing_at_the_edge_is_recommended():
+    """A box where every plan is tight: nothing is recommended, and the closest plan says it is tight."""
+    plans = plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], plan.Box(1, 24, host_ram_gib=64), "lora", 2048,
+                                 micro_batches=(8,))
+    ckpt_off = [p for p in plans if not p.w.checkpointing and p.w.strategy == "single_gpu"]
+    assert plan.best_plan([p for p in plans if p.w.strategy == "single_gpu"]) is not None  # checkpointing on fits
+    assert ckpt_off and plan.best_plan(ckpt_off) is None
+    out = run_planner("--model", "deepseek-r1-distill-qwen-14b", "--lora", "--gpus", "2", "--micro_batch", "4",
+                      host_ram="32")
+    assert out.returncode == 1 and "Recommended" not in out.stdout and "Nothing fits with 1 GiB" in out.stdout
+
+
+def test_host_ram_is_this_machines_or_unknown(monkeypatch, capsys):
+    """Without --host_ram the plans are for this machine's RAM: V2-Lite's full fine-tune (475 GiB of host RAM for
+    its offload) fits no 64 GiB machine; where the RAM cannot be read it is "unknown", never assumed."""
+    out = run_planner("--model", "deepseek-v2-lite", "--gpus", "3", host_ram="64")
+    assert out.returncode == 1 and "host RAM 64 GiB (this machine)" in out.stdout.splitlines()[0]
+    assert "Recommended" not in out.stdout
+    assert out.stdout.splitlines()[-1] == "With more host RAM: zero3_offload, micro-batch 4: needs 475 GiB host RAM > 64"
+    out = run_planner("--model", "deepseek-v2-lite", "--gpus", "3", "--host_ram", "512", host_ram="64")
+    assert out.returncode == 0 and "475 of 512 GiB host RAM" in out.stdout
+    monkeypatch.setattr(plan, "this_host_ram", lambda: None)
+    assert plan.main(["--model", "deepseek-v2-lite", "--gpus", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "host RAM: unknown (give --host_ram)" in printed.splitlines()[0]
+    offload = [line for line in printed.splitlines() if line.startswith("zero3_offload")]
+    assert offload and all(line.endswith("host RAM: unknown, needs 475 GiB") for line in offload)
+    assert "yes" not in " ".join(line.split("  ")[-1] for line in offload)
+    assert "predicted 20.3 GiB per GPU (nvidia-smi), host RAM: unknown, needs 475 GiB" in printed
+
+
+def test_host_ram_is_read_without_torch(tmp_path, monkeypatch):
+    from sft.machine import GIB, host_ram_gib
+
+    assert host_ram_gib({"SFT_HOST_RAM_GIB": "96"}) == 96.0
+    import psutil
+
+    assert host_ram_gib({}) == pytest.approx(psutil.virtual_memory().total / GIB)
+    monkeypatch.setitem(sys.modules, "psutil", None)  # no psutil: /proc/meminfo's MemTotal
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       65536000 kB\nMemFree:        1 kB\n")
+    assert host_ram_gib({}, str(meminfo)) == pytest.approx(65536000 * 1024 / GIB)
+    assert host_ram_gib({}, str(tmp_path / "absent")) is None
+
+
+def test_commands_name_the_models_hub_ids(tmp_path):
+    """A family name trains its base model, a released name its own model (with deepseek-ai/, in its case), a hub id
+    or directory itself; every hub id the planner names is a released model (sft/model/families.py)."""
+    from sft.model.families import VARIANTS
+
+    released = {m for v in VARIANTS for m in v.models}
+    assert {hub for hubs in plan.RELEASES.values() for hub in hubs} <= released
+    assert set(plan.RELEASES) == set(plan.SHAPES)
+    for typed, hub in [("deepseek-llm-7b", "deepseek-ai/deepseek-llm-7b-base"),
+                       ("deepseek-coder-6.7b", "deepseek-ai/deepseek-coder-6.7b-base"),
+                       ("deepseek-coder-1.3b", "deepseek-ai/deepseek-coder-1.3b-base"),
+                       ("deepseek-v2-lite", "deepseek-ai/DeepSeek-V2-Lite"),
+                       ("DeepSeek-V2-Lite", "deepseek-ai/DeepSeek-V2-Lite"),
+                       ("deepseek-v2-lite-chat", "deepseek-ai/DeepSeek-V2-Lite-Chat"),
+                       ("deepseek-llm-7b-chat", "deepseek-ai/deepseek-llm-7b-chat"),
+                       ("deepseek-coder-6.7b-instruct", "deepseek-ai/deepseek-coder-6.7b-instruct"),
+                       ("deepseek-r1-distill-qwen-7b", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"),
+                       ("deepseek-ai/DeepSeek-V2-Lite-Chat", "deepseek-ai/DeepSeek-V2-Lite-Chat"),
+                       (str(tmp_path), str(tmp_path))]:
+        assert plan.hub_id(typed) == hub, typed
+        assert plan.resolve_shape(hub if typed != str(tmp_path) else "deepseek-llm-7b")  # the shape is known
+    out = run_planner("--model", "DeepSeek-V2-Lite", "--lora", "--host_ram", "128")
+    assert out.returncode == 0 and "--model deepseek-ai/DeepSeek-V2-Lite " in out.stdout
+
+
+@pytest.mark.parametrize("model, method, gpus", [
+    ("deepseek-llm-7b", "full", 3), ("deepseek-llm-7b", "lora", 3), ("deepseek-llm-7b", "qlora", 1),
+    ("DeepSeek-V2-Lite", "full", 3), ("deepseek-v2-lite", "lora", 2), ("deepseek-coder-1.3b", "full", 2),
+])
+def test_the_recommended_command_runs_as_printed(model, method, gpus):
+    """The recommended command's options parse and pass every check on the box it is for (described as data, as
+    tests/test_recipes.py does), with the launch its accelerate config sets up; the header names its kernels."""
+    import io
+    import re
+    import shlex
+    from contextlib import redirect_stdout
+
+    from sft.machine import Launch, Machine
+    from sft.options.arguments import parse_args, validate_setup
+
+    flags = {"full": [], "lora": ["--lora"], "qlora": ["--qlora"]}[method]
+    printed = io.StringIO()
+    with redirect_stdout(printed):
+        assert plan.main(["--model", model, "--gpus", str(gpus), "--host_ram", "512", *flags]) == 0
+    header, *_ = printed.getvalue().splitlines()
+    line = re.search(r"^Recommended: (.+)$", printed.getvalue(), re.M).group(1)
+    words = shlex.split(line)
+    config = words[words.index("--config_file") + 1].rsplit("/", 1)[-1]
+    attention = words[words.index("--attn_implementation") + 1]
+    liger = "--use_liger_kernel" in words
+    kernels = re.search(r"tokens(?: x \d+ micro-batches per step)?, (.+)$", header).group(1)
+    assert kernels.startswith(attention + (" + Liger" if liger else ", no Liger")), header  # others: in brackets
+    args = words[words.index("sft/train.py") + 1:]
+    args[args.index("--dataset") + 1] = str(plan.REPO / "data" / "alpaca_demo.json")
+    # what this CPU machine refuses at parsing (--bf16 without bf16 hardware, Liger not installed, QLoRA without
+    # CUDA): parsed off, then set back for the checks against the box
+    gpu_only = {"--bf16", "--use_liger_kernel", "--qlora"}
+    given = gpu_only & set(args)
+    args = [a for a in args if a not in gpu_only] + (["--lora"] if "--qlora" in given and "--lora" not in args else [])
+    args[args.index("--attn_implementation") + 1] = "sdpa"
+    parsed = parse_args(args)
+    model_args, _, lora_args, training_args = parsed
+    model_args.attn_implementation = attention
+    training_args.bf16, training_args.use_liger_kernel = "--bf16" in given, liger
+    lora_args.qlora = "--qlora" in given
+    assert model_args.model.startswith("deepseek-ai/")
+    launch = Launch(world_size=gpus, local_world_size=gpus, launched=True, fsdp=config == "fsdp.yaml",
+                    zero_stage={"zero3.yaml": "3", "zero3_offload.yaml": "3", "zero2.yaml": "2"}.get(config),
+                    offload=("optimizer", "param") if config == "zero3_offload.yaml" else ())
+    box = Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * gpus, gpu_memory_gib=(23.99,) * gpus, bf16=True,
+                  host_ram_gib=512, host_ram_available_gib=500, launch=launch,
+                  packages=frozenset({"liger_kernel", "torchao", "bitsandbytes"}))
+    validate_setup(*parsed, machine=box)
+
+
+def test_qlora_rows_are_lora_rows_never_full_fine_tune_rows(tmp_path):
+    """A QLoRA bench row (method qlora, its base quantized) speaks for LoRA plans: it set the full DDP plans' MFU
+    (5.5%, from 1.3b-qlora-1, 1.3b-qlora-ddp-2 and 7b-qlora-1) before."""
+    import json
+
+    base = {"run_id": "r", "peer": "ours", "gpu": "NVIDIA H200", "n_gpus": 1, "strategy": "single",
+            "model": "deepseek-coder-1.3b", "seq_len": 2048, "micro_batch": 2, "peak_mem_gib": 4.0,
+            "train_args": "--activation_checkpointing true"}
+    rows = [{**base, "name": "q", "method": "qlora", "mfu": 0.05, "quantization": "4-bit NF4"},
+            {**base, "name": "f", "method": "full", "mfu": 0.3, "train_args": "--activation_checkpointing false"}]
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    full, why = plan.mfu_reference("ddp", "full", True, results)
+    assert "q" not in why.split("(")[1].split(")")[0].split(", ") and full == pytest.approx(0.3 * 6 / 8)
+    lora, why = plan.mfu_reference("ddp", "lora", True, results)
+    assert lora == pytest.approx(0.05) and "(q)" in why
+    for table in plan.fitted()["mfu"].values():  # the snapshot of bench/results.jsonl
+        for key, (_, why) in table.items():
+            assert " full " not in key or "qlora" not in why, (key, why)
+
+
+@pytest.mark.parametrize("recipe", sorted((plan.REPO / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
+def test_each_recipe_is_the_planners_plan_for_its_micro_batch(recipe):
+    """Asked for a recipe's micro-batch and accumulation on its box (3 x 24 GB), the planner recommends its
+    strategy, precision and checkpointing, and the recipe itself keeps the margin. The full fine-tune's recipe
+    says why its micro-batch is not the planner's own choice, with the planner's prediction for it."""
+    import re
+
+    import yaml
+
+    from sft.parallel.strategies import PRECISION_OPTIONS
+
+    text = recipe.read_text()
+    options = yaml.safe_load(text)
+    config = re.search(r"--config_file (accelerate_configs/\S+)", text).group(1)
+    method = "lora" if options.get("lora") else "full"
+    mb, accumulation = options.get("per_device_train_batch_size", 1), options.get("gradient_accumulation_steps", 1)
+    shape = plan.resolve_shape(options["model"])
+    box = plan.Box(3, 24, host_ram_gib=64)
+    best = plan.best_plan(plan.enumerate_plans(shape, box, method, options.get("max_length", 2048), (mb,),
+                                               options.get("lora_r", 16), accumulation))
+    precision = next((k for k, v in PRECISION_OPTIONS.items() if v and v["optim"] == options.get("optim")),
+                     "fp32_master")
+    assert (STRATEGIES[best.w.strategy].accelerate_config, best.w.setup.precision, best.w.checkpointing) == \
+        (config, precision, bool(options.get("activation_checkpointing")))
+    skip = options.get("activation_checkpointing_skip_layers", 0)
+    own = plan.predict(shape, plan.Workload(best.w.strategy, Setup(method, precision), 3, mb, best.w.seq_len,
+                                            best.w.checkpointing, skip, bool(options.get("use_liger_kernel")),
+                                            grad_accum=accumulation))
+    assert own.smi_gib <= box.card_gib - plan.MARGIN_GIB, recipe.name
+    if method == "full":
+        assert f"predicted at {own.smi_gib:.1f} GiB per GPU by nvidia-smi" in text
+        assert f"deepseek-sft plan --model deepseek-llm-7b --micro_batch {mb} --gradient_accumulation_steps " \
+               f"{accumulation}" in text
+
+
+def test_plan_auto_plans_the_users_accumulation():
+    from sft.machine import Launch, Machine
+
+    m = Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * 3, gpu_memory_gib=(23.99,) * 3, bf16=True,
+                host_ram_gib=128, launch=Launch(world_size=3, local_world_size=3, launched=True, fsdp=True))
+    model = SimpleNamespace(model="deepseek-llm-7b")
+    lora = SimpleNamespace(lora=False, qlora=False, lora_r=16)
+    training = SimpleNamespace(per_device_train_batch_size=1, gradient_accumulation_steps=8)
+    _, chosen = plan.planned_options(model, lora, SimpleNamespace(max_length=2048), training, m)
+    assert chosen.w.grad_accum == 8 and chosen.w.strategy == "fsdp" and chosen.roomy
+
+
+def test_the_header_names_each_strategys_kernels():
+    dense, mla = plan.SHAPES["deepseek-coder-1.3b"], plan.SHAPES["deepseek-v2-lite"]
+    assert plan.kernels_text(dense, ["ddp", "fsdp"]) == "flex_attention + Liger"
+    assert plan.kernels_text(dense, ["ddp", "tp", "fsdp"]) == "flex_attention + Liger (tp: sdpa, no Liger)"
+    assert plan.kernels_text(mla, ["zero3_offload", "zero3"]) == "sdpa, no Liger"

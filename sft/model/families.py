@@ -28,7 +28,7 @@ Presets per released model (`VARIANTS`, which sub-family a config is: `identify`
 would not stop at, a BOS the family does not have, deepseek-coder without its RoPE scaling, remote code that is
 not needed). (The strategy for a box of 3 x 24 GB GPUs is the planner's: sft/plan/box.py.)
 
-- llama: deepseek-llm-7b/67b (vocabulary 102400): template deepseek; deepseek-coder-6.7b/33b (vocabulary 32256,
+- llama: deepseek-llm-7b/67b (vocabulary 102400): template deepseek; deepseek-coder-1.3b/6.7b/33b (vocabulary 32256,
   `<|EOT|>` and FIM tokens, linear RoPE scaling x4): deepseek_coder, EOS `<|EOT|>`; R1-Distill-Llama-8B/70B
   (vocabulary 128256 with DeepSeek's BOS): r1_distill.
 - qwen2: R1-Distill-Qwen-1.5B/7B/14B/32B (vocabulary 151936/152064): r1_distill.
@@ -110,7 +110,9 @@ VARIANTS = (
                                       "deepseek-ai/deepseek-llm-67b-base": 67.4,
                                       "deepseek-ai/deepseek-llm-67b-chat": 67.4},
             "deepseek", vocab_sizes=(102400,)),
-    Variant("deepseek-coder", "llama", {"deepseek-ai/deepseek-coder-6.7b-base": 6.7,
+    Variant("deepseek-coder", "llama", {"deepseek-ai/deepseek-coder-1.3b-base": 1.3,
+                                        "deepseek-ai/deepseek-coder-1.3b-instruct": 1.3,
+                                        "deepseek-ai/deepseek-coder-6.7b-base": 6.7,
                                         "deepseek-ai/deepseek-coder-6.7b-instruct": 6.7,
                                         "deepseek-ai/deepseek-coder-33b-base": 33.3,
                                         "deepseek-ai/deepseek-coder-33b-instruct": 33.3},

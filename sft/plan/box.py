@@ -35,7 +35,7 @@ def strategy(model, lora: bool, host_ram_gib: float | None = None) -> BoxRecomme
     what = f"{'LoRA' if lora else 'full fine-tuning'} of {shape.name} ({shape.params() / 1e9:.1f}B parameters)"
     if best is None:
         closest = plan.closest_plan(plans)
-        near = f"{closest.w.strategy} {closest.why_not}" if closest else "no strategy applies"
+        near = f"{closest.w.strategy} {closest.mark()}" if closest else "no strategy applies"
         return BoxRecommendation(None, f"{what} fits no plan on {GPUS} x {GPU_GB} GB with {ram:g} GiB of host RAM "
                                        f"(closest: {near})")
     w = best.w

@@ -1,6 +1,8 @@
 """`deepseek-sft plan` / `python -m sft.plan.planner`: which strategy, activation checkpointing and micro-batch to use on
 this box, with the predicted GPU memory per card (as nvidia-smi shows it), host RAM and tokens/s of each plan,
-the fastest plan that fits as an exact command, and why the others do not fit.
+the fastest plan that fits with MARGIN_GIB of the card to spare as an exact command (the model's hub id, the
+kernels its first line names), and why the others do not fit. Host RAM is this machine's unless --host_ram says
+another box's; where it cannot be read it is unknown, and each plan says what it needs.
 
     python -m sft.plan.planner --model deepseek-llm-7b --gpus 3 --gpu_mem 24 --lora --max_length 2048
     python -m sft.plan.planner --model ./my-model-dir --gpus 2 --gpu_mem 24 --host_ram 128
@@ -32,7 +34,7 @@ from typing import NamedTuple
 from sft.report.console import ToolParser
 from sft.options.recipe import load_recipe
 from sft.configs import RECIPES
-from sft.machine import GIB
+from sft.machine import GIB, host_ram_gib as this_host_ram
 from sft.parallel.strategies import PRECISION_OPTIONS, REPO, STRATEGIES, Setup, StateBytes
 
 RESULTS = REPO / "bench" / "results.jsonl"  # the source of truth, in a checkout only
@@ -40,7 +42,15 @@ RESULTS = REPO / "bench" / "results.jsonl"  # the source of truth, in a checkout
 FITTED = Path(__file__).resolve().with_name("fitted.json")
 SNAPSHOT_COMMAND = "python -m sft.plan.planner --write_snapshot"
 ANY_MODEL = "*"  # the snapshot's MFU table for a model that has no bench row of its own
-HEADROOM = 0.075  # a plan whose need is within the planner's worst error on the bench rows (7.3%) is "tight"
+# A plan is recommended only with this much of the card left free by nvidia-smi's count (the bench's target on 24 GB
+# cards: nvidia-smi <= 23 GiB): below it, the allocator's cache and the prediction's own error meet the card's edge.
+MARGIN_GIB = 1.0
+# The memory model's worst error on the bench rows (7.3% of the allocator's peak, 6.5% of nvidia-smi's): plans whose
+# predictions are closer than this cannot be told apart by their headroom.
+HEADROOM = 0.075
+# tok/s estimates this close are one speed: the estimate is one measured MFU per kind of plan, and one configuration
+# measured again moves that much (full-sr16, 7 runs on the H200: MFU 65.0-68.8%).
+SPEED_TIE = 0.05
 
 # ---------------------------------------------------------------------------------------------------------------
 # Shapes: built in for the DeepSeek families (offline), else from a config.json.
@@ -220,19 +230,32 @@ SHAPES: dict[str, Shape] = {s.name: s for s in [
           qk_nope=128, qk_rope=64, v_head=128, routed_experts=64, shared_experts=2, experts_per_token=6,
           moe_intermediate=1408, first_dense=1, checked="config.json copy (third party)"),
 ]}
-ALIASES = {  # hub ids and the names people type -> the built-in shape
-    "deepseek-llm-7b-base": "deepseek-llm-7b", "deepseek-llm-7b-chat": "deepseek-llm-7b",
-    "deepseek-llm-67b-base": "deepseek-llm-67b", "deepseek-llm-67b-chat": "deepseek-llm-67b",
-    "deepseek-coder-6.7b-base": "deepseek-coder-6.7b", "deepseek-coder-6.7b-instruct": "deepseek-coder-6.7b",
-    "deepseek-coder-1.3b-base": "deepseek-coder-1.3b", "deepseek-coder-1.3b-instruct": "deepseek-coder-1.3b",
-    "deepseek-v2-lite-chat": "deepseek-v2-lite",
+# The released models of each built-in shape, as hub ids (each one in sft/model/families.py VARIANTS; a test keeps
+# them so): the first is what a family name trains, the base model where there is one, as a recipe's fine-tune
+# starts from; a released name typed in any case, with or without `deepseek-ai/`, trains that model.
+RELEASES: dict[str, tuple[str, ...]] = {
+    "deepseek-llm-7b": ("deepseek-ai/deepseek-llm-7b-base", "deepseek-ai/deepseek-llm-7b-chat"),
+    "deepseek-llm-67b": ("deepseek-ai/deepseek-llm-67b-base", "deepseek-ai/deepseek-llm-67b-chat"),
+    "deepseek-coder-6.7b": ("deepseek-ai/deepseek-coder-6.7b-base", "deepseek-ai/deepseek-coder-6.7b-instruct"),
+    "deepseek-coder-1.3b": ("deepseek-ai/deepseek-coder-1.3b-base", "deepseek-ai/deepseek-coder-1.3b-instruct"),
+    "deepseek-r1-distill-qwen-1.5b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",),
+    "deepseek-r1-distill-qwen-7b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",),
+    "deepseek-r1-distill-qwen-14b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-14B",),
+    "deepseek-r1-distill-llama-8b": ("deepseek-ai/DeepSeek-R1-Distill-Llama-8B",),
+    "deepseek-v2-lite": ("deepseek-ai/DeepSeek-V2-Lite", "deepseek-ai/DeepSeek-V2-Lite-Chat"),
 }
-HUB_IDS = {  # a family name typed to the planner -> the hub id its command trains
-    "deepseek-llm-7b": "deepseek-ai/deepseek-llm-7b-base", "deepseek-llm-67b": "deepseek-ai/deepseek-llm-67b-base",
-    "deepseek-coder-6.7b": "deepseek-ai/deepseek-coder-6.7b-instruct",
-    "deepseek-coder-1.3b": "deepseek-ai/deepseek-coder-1.3b-instruct",
-    "deepseek-v2-lite": "deepseek-ai/DeepSeek-V2-Lite-Chat",
-}
+ALIASES = {hub.rsplit("/", 1)[1].lower(): name for name, hubs in RELEASES.items() for hub in hubs}  # -> the shape
+
+
+def hub_id(model: str) -> str:
+    """What a plan's command passes to --model: a local directory or a hub id (`owner/name`) as given; a released
+    name without its owner, in any case, as its hub id; a family name as its base model's hub id (RELEASES)."""
+    if "/" in model or Path(model).expanduser().is_dir():
+        return model
+    key = model.lower()
+    if key in RELEASES:
+        return RELEASES[key][0]
+    return next((hub for hubs in RELEASES.values() for hub in hubs if hub.rsplit("/", 1)[1].lower() == key), model)
 
 
 def shape_from_config(config, name: str) -> Shape:
@@ -318,6 +341,18 @@ def kernels(strategy: str, shape: "Shape") -> dict:
     if strategy == "tp" or shape.kv_lora_rank:
         return {"attn_implementation": "sdpa", "use_liger_kernel": False}
     return {"attn_implementation": "flex_attention", "use_liger_kernel": True}
+
+
+def kernels_text(shape: "Shape", strategies: list[str]) -> str:
+    """What the plans of these strategies run, as their commands pass it (kernels): one description where they
+    agree, else the first strategy's and each other's."""
+    def text(k: dict) -> str:
+        return k["attn_implementation"] + (" + Liger" if k["use_liger_kernel"] else ", no Liger")
+
+    seen = {s: text(kernels(s, shape)) for s in strategies}
+    first = next(iter(seen.values()), "")
+    others = sorted({f"{s}: {t}" for s, t in seen.items() if t != first})
+    return first + (f" ({'; '.join(others)})" if others else "")
 
 
 @dataclass(frozen=True)
@@ -582,7 +617,8 @@ def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path | 
 
     def kind(r):
         s = STRATEGY_OF_ROW.get(r["strategy"], r["strategy"])
-        return family[s], r["method"] == "lora", _arg(options[id(r)], "--activation_checkpointing") == "true"
+        # a QLoRA row is a LoRA row (its adapter is all that trains), never a full fine-tune's
+        return family[s], r["method"] in ("lora", "qlora"), _arg(options[id(r)], "--activation_checkpointing") == "true"
 
     want = (family[strategy], lora, checkpointing)
     found = [r for r in rows if kind(r) == want]
@@ -700,7 +736,7 @@ class Box:
 
     gpus: int = 3
     gpu_mem_gib: float = 24.0          # the card's memory as sold (24 GB cards show 23.99 GiB in nvidia-smi)
-    host_ram_gib: float | None = None
+    host_ram_gib: float | None = None  # None: unknown (plans then say what they need, never assume it is there)
     peak_flops: float = 165e12         # RTX 4090 dense bf16 (sft/callbacks.PEAK_FLOPS)
 
     @property
@@ -714,19 +750,80 @@ class Plan:
     prediction: Prediction
     tok_s: float
     tok_s_source: str
-    fits: bool
+    fits: bool                         # it could run: the card holds what it needs, and so does host RAM if known
     why_not: str
     shape: Shape
     machine_card: float = 24.0
-    host_ram_gib: float | None = None  # the box's, when given
+    host_ram_gib: float | None = None  # the box's; None: unknown
 
     @property
     def w(self) -> Workload:
         return self.prediction.workload
 
+    @property
+    def roomy(self) -> bool:
+        """It fits with MARGIN_GIB of the card left free by nvidia-smi's count: the only plans recommended."""
+        return self.fits and self.prediction.smi_gib <= self.machine_card - MARGIN_GIB
+
+    @property
+    def host_unknown(self) -> bool:
+        return self.host_ram_gib is None
+
+    @property
+    def host_short(self) -> bool:
+        """It needs more host RAM than the box is known to have."""
+        return self.host_ram_gib is not None and self.prediction.host_gib > self.host_ram_gib
+
+    def mark(self) -> str:
+        """The table's `fits?`: "yes" only for a plan with its margin on a box whose host RAM is known to hold it."""
+        unknown = f"host RAM: unknown, needs {self.prediction.host_gib:.0f} GiB"
+        if not self.fits:
+            text = f"no: {self.why_not}"
+        elif not self.roomy:
+            text = f"tight: nvidia-smi {self.prediction.smi_gib:.1f} > {self.machine_card - MARGIN_GIB:.1f} " \
+                   f"(the card less {MARGIN_GIB:g} GiB)" + (f"; {unknown}" if self.host_unknown else "")
+        else:
+            text = unknown if self.host_unknown else "yes"
+        return text + ("" if STRATEGIES[self.w.strategy].recommended else " (not recommended)")
+
+
+def _speed_tiers(plans: list[Plan]) -> list[list[Plan]]:
+    """`plans` fastest first, cut into tiers of one speed: each holds the plans within SPEED_TIE of its first."""
+    tiers: list[list[Plan]] = []
+    for p in sorted(plans, key=lambda p: -p.tok_s):
+        if tiers and p.tok_s >= tiers[-1][0].tok_s * (1 - SPEED_TIE):
+            tiers[-1].append(p)
+        else:
+            tiers.append([p])
+    return tiers
+
+
+def safe(plan: Plan) -> bool:
+    """It keeps its margin even where the memory model is off by its worst error on the bench rows (HEADROOM)."""
+    return plan.prediction.smi_gib * (1 + HEADROOM) <= plan.machine_card - MARGIN_GIB
+
+
+def ranked(plans: list[Plan]) -> list[Plan]:
+    """Best first: the plans that fit with their margin (recommended strategies first), then the tight ones, then
+    those that do not fit. Within each, the fastest; among plans of one speed (SPEED_TIE) those with headroom
+    enough for the memory model's worst error first (safe), then the larger micro-batch (measured: micro-batch 4
+    ran faster than 1 and 2 at the same MFU class), then the order of the strategy table (sft/parallel/strategies.py:
+    simpler strategies, and bf16_sr, measured faster than torchao's 8-bit AdamW, first)."""
+    def group(p: Plan) -> int:
+        return 0 if p.roomy and STRATEGIES[p.w.strategy].recommended else 1 if p.roomy else 2 if p.fits else 3
+
+    out: list[Plan] = []
+    order = {id(p): i for i, p in enumerate(plans)}
+    for g in range(4):
+        for tier in _speed_tiers([p for p in plans if group(p) == g]):
+            tier.sort(key=lambda p: order[id(p)])
+            out += sorted(tier, key=lambda p: (not safe(p), -p.w.micro_batch))  # stable: the table's order
+    return out
+
 
 def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: int = 2048,
-                    micro_batches: tuple[int, ...] = (1, 2, 4, 8), lora_r: int = 16) -> list[Plan]:
+                    micro_batches: tuple[int, ...] = (1, 2, 4, 8), lora_r: int = 16, grad_accum: int = 1) -> list[Plan]:
+    """Every strategy x precision x checkpointing x micro-batch for `shape` on `box`, best first (ranked)."""
     plans = []
     for strategy in STRATEGIES.values():
         if method not in strategy.methods or box.gpus < strategy.min_gpus:
@@ -741,7 +838,8 @@ def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: in
             for ckpt in (True, False):
                 for mb in micro_batches:
                     w = Workload(strategy.name, Setup(method, precision), world, mb, max_length, ckpt,
-                                 fused_loss=kernels(strategy.name, shape)["use_liger_kernel"], lora_r=lora_r)
+                                 fused_loss=kernels(strategy.name, shape)["use_liger_kernel"], lora_r=lora_r,
+                                 grad_accum=grad_accum)
                     p = predict(shape, w)
                     tok_s, source = tokens_per_second(shape, w, box.peak_flops)
                     why = []
@@ -753,11 +851,7 @@ def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: in
                         why.append("TP takes no LoRA")
                     plans.append(Plan(p, tok_s, source, not why, "; ".join(why), shape, box.card_gib,
                                       box.host_ram_gib))
-    # fastest first; among equal estimates, plans with headroom first, then the larger micro-batch
-    # (measured: micro-batch 4 ran faster than 1 and 2 at the same MFU class)
-    plans.sort(key=lambda x: (not x.fits, not STRATEGIES[x.w.strategy].recommended, -round(x.tok_s),
-                              x.prediction.need_gib * (1 + HEADROOM) > box.card_gib, -x.w.micro_batch))
-    return plans
+    return ranked(plans)
 
 
 def command(plan: Plan, model: str, box: Box) -> str:
@@ -767,8 +861,10 @@ def command(plan: Plan, model: str, box: Box) -> str:
         launch = f"accelerate launch --config_file {s.accelerate_config}{processes} sft/train.py"
     else:  # an install without the repository: the shipped config by name, from any directory
         launch = f"deepseek-sft train --config_file {Path(s.accelerate_config).name}{processes}"
-    opts = [f"--model {HUB_IDS.get(model, model)}", "--dataset data.jsonl", "--packing", f"--max_length {w.seq_len}",
+    opts = [f"--model {hub_id(model)}", "--dataset data.jsonl", "--packing", f"--max_length {w.seq_len}",
             f"--per_device_train_batch_size {w.micro_batch}"]
+    if w.grad_accum > 1:
+        opts += [f"--gradient_accumulation_steps {w.grad_accum}"]
     if w.setup.method in ("lora", "qlora"):
         opts += ["--lora", "--lora_dropout 0", "--bf16"]
         if w.setup.method == "qlora":
@@ -805,26 +901,25 @@ def plan_table(plans: list[Plan], limit: int | None = None) -> str:
     for p in plans[:limit]:
         w = p.w
         prec = "-" if w.setup.method != "full" else w.setup.precision
-        tight = p.prediction.need_gib * (1 + HEADROOM) > p.machine_card
-        mark = ("yes (tight)" if tight else "yes") if p.fits else f"no: {p.why_not}"
-        if not STRATEGIES[w.strategy].recommended:
-            mark += " (not recommended)"
         lines.append(f"{w.strategy:<14} {prec:<11} {'yes' if w.checkpointing else 'no':<4} {w.micro_batch:>2} "
-                     f"{min(p.prediction.smi_gib, p.machine_card):>12.1f} {p.prediction.host_gib:>8.0f} {p.tok_s:>10,.0f}  {mark}")
+                     f"{shown_gib(p):>12.1f} {p.prediction.host_gib:>8.0f} {p.tok_s:>10,.0f}  {p.mark()}")
     return "\n".join(lines)
 
 
 def best_plan(plans: list[Plan]) -> Plan | None:
-    """The fastest recommended plan that fits with headroom (the planner's worst error on the bench rows), else the
-    fastest that fits at all: a plan predicted at 23.9 of 24 GiB is a coin toss on a real card."""
-    fitting = [p for p in plans if p.fits and STRATEGIES[p.w.strategy].recommended]
-    roomy = [p for p in fitting if p.prediction.need_gib * (1 + HEADROOM) <= p.machine_card]
-    return (roomy or fitting or [None])[0]
+    """The first of the ranked plans that fits with its margin (nvidia-smi at most the card less MARGIN_GIB) under a
+    recommended strategy; None when there is none: a plan at the card's edge is never recommended (what it leaves
+    is less than the prediction's own error, and the allocator's cache grows into it)."""
+    return next((p for p in ranked(plans) if p.roomy and STRATEGIES[p.w.strategy].recommended), None)
 
 
 def closest_plan(plans: list[Plan]) -> Plan | None:
-    """When nothing fits: the plan that misses by the least (GPU memory and host RAM, each against what the box
-    has)."""
+    """When nothing fits with its margin: a tight plan (it may run, at the card's edge), else the plan that misses
+    by the least (GPU memory and host RAM, each against what the box has)."""
+    tight = [p for p in ranked(plans) if p.fits]
+    if tight:
+        return tight[0]
+
     def miss(p: Plan) -> float:
         return max(p.prediction.need_gib / p.machine_card, p.prediction.host_gib / (p.host_ram_gib or math.inf))
 
@@ -870,8 +965,9 @@ def planned_options(model_args, lora_args, data_args, training_args, machine=Non
     # Options as given (not yet resolved): --qlora alone has not set --lora yet, and plans its own 4-bit memory.
     method = "qlora" if lora_args.qlora else "lora" if lora_args.lora else "full"
     mbs = (training_args.per_device_train_batch_size,) if "per_device_train_batch_size" in given else (1, 2, 4, 8)
+    accumulation = getattr(training_args, "gradient_accumulation_steps", 1) or 1  # its gradients live in between
     plans = enumerate_plans(shape, Box(gpus, mem, m.host_ram_gib or None, peak), method,
-                            data_args.max_length, mbs, lora_args.lora_r)
+                            data_args.max_length, mbs, lora_args.lora_r, accumulation)
     strategy = _launched_strategy(m)
     plans = [p for p in plans if strategy is None or p.w.strategy == strategy]  # the launch decides the strategy
     chosen = best_plan(plans)
@@ -917,7 +1013,8 @@ def nothing_planned_line(model: str, lora: bool, machine=None) -> str:
         return "Plan (--plan auto): nothing set: this machine has no CUDA GPU (the planner plans GPUs); the options " \
                "stay as given."
     gpus, mem = cards(m)
-    return (f"Plan (--plan auto): nothing set: no plan fits {gpus} x {mem:.0f} GiB; the options stay as given. "
+    return (f"Plan (--plan auto): nothing set: no plan fits {gpus} x {mem:.0f} GiB with {MARGIN_GIB:g} GiB to spare; "
+            f"the options stay as given. "
             f"`python -m sft.plan.planner --model {model} --gpus {gpus} --gpu_mem {mem:.0f}{' --lora' if lora else ''}` says "
             f"why each does not fit.")
 
@@ -937,7 +1034,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--qlora", action="store_true", help="LoRA on a 4-bit NF4 base (bitsandbytes)")
     p.add_argument("--max_length", type=int, default=2048, help="tokens per packed row (default 2048)")
     p.add_argument("--micro_batch", type=int, help="only this micro-batch (default: 1, 2, 4, 8)")
-    p.add_argument("--host_ram", type=float, help="host RAM in GiB (plans that need more do not fit)")
+    p.add_argument("--host_ram", type=float, metavar="GIB", help="host RAM in GiB (default: this machine's)")
+    p.add_argument("--gradient_accumulation_steps", type=int, default=1, metavar="N",
+                   help="micro-batches per step (default 1)")
     p.add_argument("--lora_r", type=int, default=16, help="LoRA rank (default 16)")
     p.add_argument("--peak_tflops", type=float, default=165, help="bf16 peak per GPU (default RTX 4090: 165)")
     p.add_argument("--all", action="store_true", help="list every plan, not the first 20")
@@ -967,7 +1066,7 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --model is missing: a hub id, a local directory or a family name "
               f"({', '.join(SHAPES)}).", file=sys.stderr)
         return 2
-    for name in ("gpus", "gpu_mem", "max_length", "micro_batch", "lora_r"):
+    for name in ("gpus", "gpu_mem", "max_length", "micro_batch", "lora_r", "gradient_accumulation_steps", "host_ram"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             print(f"error: --{name} {value:g}: give a positive number.", file=sys.stderr)
@@ -978,24 +1077,37 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     method = "qlora" if args.qlora else "lora" if args.lora else "full"
-    box = Box(args.gpus, args.gpu_mem, args.host_ram, args.peak_tflops * 1e12)
+    ram = args.host_ram if args.host_ram is not None else this_host_ram()
+    box = Box(args.gpus, args.gpu_mem, ram, args.peak_tflops * 1e12)
     mbs = (args.micro_batch,) if args.micro_batch else (1, 2, 4, 8)
-    plans = enumerate_plans(shape, box, method, args.max_length, mbs, args.lora_r)
-    params = shape.params()
-    print(f"{shape.name} ({shape.model_type}, {params / 1e9:.2f}B parameters; shape: {shape.checked}), {method}, "
-          f"{args.gpus} x {args.gpu_mem:g} GB ({box.card_gib:.2f} GiB by nvidia-smi), rows of {args.max_length} "
-          f"tokens, flex_attention + Liger")
-    print(plan_table(plans, None if args.all else 20))
+    accumulation = args.gradient_accumulation_steps
+    plans = enumerate_plans(shape, box, method, args.max_length, mbs, args.lora_r, accumulation)
+    shown = plans if args.all else plans[:20]
+    host = "host RAM: unknown (give --host_ram)" if ram is None else \
+        f"host RAM {ram:.0f} GiB ({'--host_ram' if args.host_ram is not None else 'this machine'})"
+    print(f"{shape.name} ({shape.model_type}, {shape.params() / 1e9:.2f}B parameters; shape: {shape.checked}), "
+          f"{method}, {args.gpus} x {args.gpu_mem:g} GB ({box.card_gib:.2f} GiB by nvidia-smi; a plan keeps "
+          f"{MARGIN_GIB:g} GiB of it free), {host}, rows of {args.max_length} tokens"
+          f"{f' x {accumulation} micro-batches per step' if accumulation > 1 else ''}, "
+          f"{kernels_text(shape, [p.w.strategy for p in shown])}")
+    print(plan_table(shown))
     best = best_plan(plans)
     if best is None:
         closest = closest_plan(plans)
-        print("\nNothing fits. Closest: " + (f"{closest.w.strategy}, micro-batch {closest.w.micro_batch}: "
-                                             f"{closest.why_not}" if closest else "no strategy applies"))
+        print(f"\nNothing fits with {MARGIN_GIB:g} GiB of the card to spare. Closest: "
+              + (f"{closest.w.strategy}, micro-batch {closest.w.micro_batch}: {closest.mark()}" if closest
+                 else "no strategy applies"))
+        more_ram = next((p for p in plans if p.host_short and STRATEGIES[p.w.strategy].recommended
+                         and p.prediction.smi_gib <= box.card_gib - MARGIN_GIB), None)  # host RAM is all it lacks
+        if more_ram:
+            print(f"With more host RAM: {more_ram.w.strategy}, micro-batch {more_ram.w.micro_batch}: "
+                  f"{more_ram.why_not}")
         return 1
     print(f"\nRecommended: {command(best, args.model, box)}")
-    print(f"  predicted {shown_gib(best):.1f} GiB per GPU (nvidia-smi), {best.prediction.host_gib:.0f} GiB "
-          f"host RAM; ~{best.tok_s:,.0f} tok/s, an estimate: {best.tok_s_source}, scaled to "
-          f"{box.peak_flops / 1e12:g} TFLOP/s per GPU")
+    needs = f"host RAM: unknown, needs {best.prediction.host_gib:.0f} GiB" if ram is None else \
+        f"{best.prediction.host_gib:.0f} of {ram:.0f} GiB host RAM"
+    print(f"  predicted {shown_gib(best):.1f} GiB per GPU (nvidia-smi), {needs}; ~{best.tok_s:,.0f} tok/s, an "
+          f"estimate: {best.tok_s_source}, scaled to {box.peak_flops / 1e12:g} TFLOP/s per GPU")
     return 0
 
 
