@@ -6,6 +6,8 @@ order of what happens in a step is the Trainer's own, held by code:
 - `compute_loss`: the loss from the labelled tokens' last hidden states (`labelled_token_loss`: Liger's fused
   kernel, or `--chunked_loss`'s torch chunks, sft/speed/chunked_loss.py) instead of the model's loss over whole
   logits; then the MoE routers' balance loss (sft/model/moe.py) added to a training micro-batch's loss.
+- `compute_loss` under `--offload_activations`: what the forward saves outside the checkpointed layers (their
+  checkpoints) waits in pinned host RAM until the backward needs it.
 - `_clip_grad_norm`: with `--optim adamw_bf16_sr`, the clipping's scaling is handed to the optimizer's own pass
   over the gradients (sr_adamw.py `clip_gradients`) instead of another read and write of every gradient.
 - `_get_grad_norm`: the NaN guard (sft/safety/guards.py) sees the total gradient norm just computed, before the
@@ -66,7 +68,7 @@ class SFTTrainer(Trainer):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         training = model.training
         capture = self.balance.capture() if training and self.balance else contextlib.nullcontext()
-        with capture:
+        with capture, self._offloaded_activations(training):
             if training and self.labelled_token_loss is not None and "labels" in inputs:
                 loss, outputs = self._loss_from_hidden_states(model, inputs, num_items_in_batch)
             else:
@@ -75,6 +77,14 @@ class SFTTrainer(Trainer):
         if training and self.balance:
             loss = self._with_balance_loss(loss, inputs, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
+
+    def _offloaded_activations(self, training: bool):
+        """--offload_activations: what the forward saves for the backward outside the checkpointed layers (their
+        checkpoints: each layer's input) goes to pinned host RAM and comes back as the backward reaches it. At long
+        rows a layer computes for far longer than its checkpoint takes over PCIe (0.25 GB a layer at 32k tokens)."""
+        if not (training and self.args.offload_activations):
+            return contextlib.nullcontext()
+        return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
 
     def _loss_from_hidden_states(self, model, inputs: dict, num_items_in_batch):
         """The causal-LM loss of the labelled tokens from the last hidden states: the model runs without its

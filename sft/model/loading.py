@@ -140,6 +140,10 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
         from sft.speed.fp8_training import apply_fp8_training
 
         apply_fp8_training(model, model_args.fp8_recipe)
+    if model_args.mlp_tile_tokens:  # before compiling: the compiled layers trace the tiled forward
+        from sft.speed.tiled_mlp import apply_tiled_mlp
+
+        apply_tiled_mlp(model, model_args.mlp_tile_tokens)
     if model_args.compile_layers_on:  # last: the layers are compiled as they will run (sft/speed/regional_compile.py)
         from sft.speed.regional_compile import compile_decoder_layers
 

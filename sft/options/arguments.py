@@ -79,6 +79,10 @@ class ModelArguments:
         "help": "The training loss from the last hidden states, 1024 labelled tokens at a time, each chunk's logits "
                 "recomputed in the backward: no [tokens x vocabulary] logits tensor (sft/speed/chunked_loss.py). For "
                 "models without Liger's fused loss (DeepSeek-V2/V3); not with --use_liger_kernel or --tp_size."})
+    mlp_tile_tokens: int = field(default=0, metadata={
+        "help": "Run each decoder layer's dense MLP this many tokens at a time, each tile checkpointed (ALST's "
+                "tiled MLP; sft/speed/tiled_mlp.py): the MLP's [tokens x intermediate] tensors of a long row exist "
+                "one tile at a time. 0: off. For rows of 16k+ tokens, e.g. 4096."})
     compile_layers: Literal["auto", "true", "false"] = field(default="auto", metadata={
         "nargs": "?", "const": "true", "help":
         "torch.compile each decoder layer in place (one compile shared by all layers; the first step "
@@ -236,6 +240,10 @@ class SFTTrainingArguments(TrainingArguments):
     activation_checkpointing_skip_layers: int = field(default=0, metadata={
         "help": "With --activation_checkpointing: leave this many of the last decoder layers unchecked, which "
                 "spends spare GPU memory to skip their recomputation (each layer ~1/num_layers of it)."})
+    offload_activations: bool = field(default=False, metadata={
+        "help": "With --activation_checkpointing: the checkpoints (each decoder layer's input) wait in host RAM "
+                "between the forward and the backward instead of on the GPU (pinned; ~0.25 GB a layer at 32k "
+                "tokens of hidden 4096): for long rows on 24 GB cards (docs/speed.md, Long rows)."})
     verify_saves: str = field(default="auto", metadata={
         "help": "Reload each save and compare its logits with the trained model: auto (the final save, and every "
                 "checkpoint under LoRA or when the model has < 1e9 parameters), all, final, no."})

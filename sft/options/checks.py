@@ -116,6 +116,17 @@ def fp8_combinations(o: Options, m: Machine) -> None:
                           "pip install 'deepseek-sft[lowbit]' (or torchao), or --fp8 false.")
 
 
+def long_row_levers(o: Options, m: Machine) -> None:
+    """--mlp_tile_tokens is a count of tokens; --offload_activations moves the activation checkpoints, so it needs
+    them (offloading every saved activation of an unchecked model would stream all of them over PCIe)."""
+    if o.model.mlp_tile_tokens < 0:
+        raise ConfigError(f"--mlp_tile_tokens {o.model.mlp_tile_tokens}: give a number of tokens (0: off).")
+    t = o.training
+    if t.offload_activations and not (t.activation_checkpointing or getattr(t, "fsdp_activation_checkpointing", False)):
+        raise ConfigError("--offload_activations keeps the activation checkpoints in host RAM: add "
+                          "--activation_checkpointing true.")
+
+
 def optimizer_arguments(o: Options, m: Machine) -> None:
     """--optim_args now, not once the model has loaded."""
     t = o.training
@@ -426,7 +437,7 @@ def launcher_agrees(o: Options, m: Machine) -> None:
 Check = Callable[[Options, Machine], None]
 OPTION_CHECKS: list[Check] = [
     plan_value, dataset_given, data_option_values, evaluation_has_data, max_length_long_enough, dtype_name,
-    fp8_combinations, optimizer_arguments, lora_rank_positive, sizes_in_range, something_to_train, attention_name,
+    fp8_combinations, long_row_levers, optimizer_arguments, lora_rank_positive, sizes_in_range, something_to_train, attention_name,
     packing_attention, padding_positive, our_option_values,
 ]
 MACHINE_CHECKS: list[Check] = [

@@ -1,0 +1,77 @@
+"""`--mlp_tile_tokens N`: each decoder layer's MLP runs over the sequence N tokens at a time, each tile under its
+own activation checkpoint (DeepSpeed ALST's TiledMLP, as Arctic and Axolotl use it for long rows).
+
+An MLP acts on every token alone, so tiling it changes no number but the matmuls' blocking. What it changes is
+memory: at 32,768 tokens one MLP's intermediate tensors (gate, up, their product, and their gradients:
+[tokens x intermediate] each, 1.2 GB apiece for R1-Distill-Qwen-7B's 18,944) are the largest a layer makes, and
+activation checkpointing recomputes them whole in the backward. Tiled, only one tile's exist at a time; the
+price is one more forward of the MLP per tile in the backward (the checkpoint's recomputation).
+
+The MLP module keeps its name, parameters and state dict: its class becomes a subclass of its own whose forward
+tiles and calls the original forward per tile (the way torch's FSDP2 gives a module its FSDP class), so saves,
+peft's adapter names and reloads see the model they know. Dense MLPs only: an MoE block routes each token and
+adds a balance loss over the sequence, which tiles would split.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from sft.machine import is_first_process
+
+
+def tile_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """The MLP's own forward, `mlp_tile_tokens` tokens of the sequence (dimension -2) at a time; each tile
+    checkpointed where gradients are taken."""
+    forward = super(type(self), self).forward
+    tokens = hidden_states.shape[-2]
+    if hidden_states.dim() < 2 or tokens <= self.mlp_tile_tokens:
+        return forward(hidden_states, *args, **kwargs)
+    tiles = hidden_states.split(self.mlp_tile_tokens, dim=-2)
+    if not torch.is_grad_enabled():
+        return torch.cat([forward(tile, *args, **kwargs) for tile in tiles], dim=-2)
+    return torch.cat([checkpoint(forward, tile, *args, use_reentrant=False, **kwargs) for tile in tiles], dim=-2)
+
+
+@functools.lru_cache(maxsize=None)
+def tiled_class(cls: type) -> type:
+    """`cls` with a tiling forward (one subclass per MLP class)."""
+    return type(f"Tiled{cls.__name__}", (cls,), {"forward": tile_forward, "__module__": cls.__module__})
+
+
+def is_dense_mlp(module: nn.Module) -> bool:
+    """A decoder layer's dense MLP (LlamaMLP, Qwen2MLP, DeepseekV2MLP/V3MLP, ...): not an MoE block, whose class
+    names it "MoE" and which routes tokens."""
+    name = type(module).__name__
+    return name.endswith("MLP") and "MoE" not in name and not name.startswith("Tiled")
+
+
+def tile_mlps(model: nn.Module, tile_tokens: int) -> tuple[int, int]:
+    """Give every dense MLP of the decoder layers the tiling forward; -> (tiled, MoE blocks left whole)."""
+    from sft.speed.regional_compile import decoder_layers
+
+    tiled = moe = 0
+    for layer in decoder_layers(model):
+        mlp = getattr(layer, "mlp", None)
+        if mlp is None:
+            continue
+        if not is_dense_mlp(mlp):
+            moe += 1
+            continue
+        mlp.__class__ = tiled_class(type(mlp))
+        mlp.mlp_tile_tokens = tile_tokens
+        tiled += 1
+    return tiled, moe
+
+
+def apply_tiled_mlp(model: nn.Module, tile_tokens: int) -> None:
+    """The hook sft/model/loading.py calls under --mlp_tile_tokens: tile, and say what was tiled."""
+    tiled, moe = tile_mlps(model, tile_tokens)
+    if is_first_process():
+        print(f"Tiled MLP: {tiled} decoder MLPs run {tile_tokens:,} tokens at a time"
+              f"{f'; {moe} MoE blocks left whole (their routing and balance loss span the sequence)' if moe else ''}",
+              flush=True)

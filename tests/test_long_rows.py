@@ -1,0 +1,86 @@
+"""Long rows on one card: --mlp_tile_tokens (sft/speed/tiled_mlp.py) and --offload_activations (SFTTrainer) give
+the plain path's loss and gradients. Their memory and speed at 16k-32k tokens are bench/RESULTS.md's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import run_train
+
+
+def tiny_lora_llama(checkpointing: bool):
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+    return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]))
+
+
+def loss_and_grads(model, ids):
+    model.train()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_a_tiled_mlp_gives_the_whole_mlps_loss_and_gradients_and_keeps_its_names(checkpointing):
+    from sft.speed.tiled_mlp import tile_mlps
+
+    ids = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(1))  # 100 = 6 x 16 + 4
+    plain = tiny_lora_llama(checkpointing)
+    tiled = tiny_lora_llama(checkpointing)
+    keys = tiled.state_dict().keys()
+    assert tile_mlps(tiled, 16) == (3, 0)
+    assert type(tiled.base_model.model.model.layers[0].mlp).__name__ == "TiledLlamaMLP"
+    assert tiled.state_dict().keys() == keys
+    want_loss, want = loss_and_grads(plain, ids)
+    got_loss, got = loss_and_grads(tiled, ids)
+    assert got_loss == pytest.approx(want_loss, rel=1e-6)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_moe_blocks_stay_whole():
+    from sft.speed.tiled_mlp import is_dense_mlp
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2MLP, DeepseekV2Moe
+
+    assert is_dense_mlp(DeepseekV2MLP.__new__(DeepseekV2MLP))  # V2's first (dense) layers
+    assert not is_dense_mlp(DeepseekV2Moe.__new__(DeepseekV2Moe))  # routes each token: left whole
+
+
+def short_run(tmp_path, name: str, *extra: str) -> list[float]:
+    output = tmp_path / name
+    result = run_train(["--max_steps", "3", "--logging_steps", "1", "--lora", "--report_to", "none",
+                        "--eval_strategy", "no", "--seed", "0", "--activation_checkpointing", "true",
+                        "--output_dir", str(output), "--dataset_cache_dir", str(tmp_path / "cache"), *extra])
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return [json.loads(line)["loss"] for line in (output / "trainer_log.jsonl").read_text().splitlines()
+            if '"loss"' in line and '"step"' in line], result.stdout
+
+
+@pytest.mark.slow
+def test_the_demo_trains_the_same_with_offloaded_checkpoints_and_tiled_mlps(tmp_path):
+    plain, _ = short_run(tmp_path, "plain")
+    levers, stdout = short_run(tmp_path, "levers", "--offload_activations", "true", "--mlp_tile_tokens", "32")
+    assert "Tiled MLP: 4 decoder MLPs run 32 tokens at a time" in stdout
+    assert levers == pytest.approx(plain, rel=1e-5)
+
+
+def test_offloading_needs_the_checkpoints_and_a_tile_is_a_count():
+    from sft.errors import ConfigError
+    from sft.options.arguments import parse_args
+
+    with pytest.raises(ConfigError, match="--offload_activations keeps the activation checkpoints in host RAM"):
+        parse_args(["--offload_activations", "true"], data_only=True)
+    with pytest.raises(ConfigError, match="--mlp_tile_tokens -1: give a number of tokens"):
+        parse_args(["--mlp_tile_tokens", "-1"], data_only=True)
