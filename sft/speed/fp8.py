@@ -238,13 +238,13 @@ def fp8_missing_here() -> str | None:
 def fp8_base_needs(o, m) -> None:
     """The check for sft/options/checks.py's CHECKS (options `o`, Machine `m`): --fp8 needs FP8 GPUs, and a base that is
     quantized once and stays whole on each GPU (one process per GPU, or DDP)."""
-    from sft.errors import ConfigError
+    from sft.errors import ConfigError, NeedsHardware
 
     if not getattr(o.model, "fp8", False):
         return
     if not m.cuda:
-        raise ConfigError("--fp8 needs a GPU with FP8 matmuls (compute capability 8.9+: RTX 4090, L40, H100, "
-                          "H200) and this machine has none. Drop --fp8 (the same LoRA in bf16).")
+        raise NeedsHardware("--fp8 needs a GPU with FP8 matmuls (compute capability 8.9+: RTX 4090, L40, H100, "
+                            "H200) and this machine has none. Drop --fp8 (the same LoRA in bf16).", "--fp8")
     why = fp8_missing_here()
     if why:
         raise ConfigError(f"--fp8: {why}. Drop --fp8 (the same LoRA in bf16).")
