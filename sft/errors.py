@@ -17,6 +17,30 @@ class ConfigError(UserFacingError, ValueError):
     """A bad option or combination, caught before anything is loaded."""
 
 
+class NeedsHardware(ConfigError):
+    """An option that needs what this machine lacks (a GPU, bf16): `need` names the option ("--bf16", "FSDP"),
+    so that several of them can be said together on the first line (ConfigErrors)."""
+
+    def __init__(self, message: str, need: str):
+        super().__init__(message)
+        self.need = need
+
+
+class ConfigErrors(ConfigError):
+    """Every problem the checks found in one go (sft/options/checks.py runs them all), so that a run that cannot
+    start says everything at once instead of one problem per try. The message is one `error:` line per problem,
+    the first one first: a reader of the first line alone still learns what stops the run."""
+
+    def __init__(self, problems: list[UserFacingError], lead: str | None = None):
+        self.problems = list(problems)
+        super().__init__("\nerror: ".join([*([lead] if lead else []), *(str(p) for p in self.problems)]))
+
+    @classmethod
+    def of(cls, problems: list[UserFacingError], lead: str | None = None) -> UserFacingError:
+        """One problem as itself (its own class and message), several as one ConfigErrors."""
+        return problems[0] if len(problems) == 1 and not lead else cls(problems, lead)
+
+
 class DataError(UserFacingError, ValueError):
     """A record or file that cannot be read as training data; the message names the file and line."""
 

@@ -18,6 +18,8 @@ GIB = 2**30  # the one definition: every module that counts GiB imports it from 
 OPTIONAL_PACKAGES = ("liger_kernel", "bitsandbytes", "torchao", "flash_attn", "flash_attn_interface")
 # Variables that send the hub's https requests through a proxy (its HTTP client reads them from the environment).
 PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
+# What several processes on a CPU machine need so that they form one run (said where they turn out not to).
+CPU_BACKEND_ADVICE = "On a machine without GPUs add --use_cpu true (DDP) or --ddp_backend gloo (DeepSpeed configs)."
 
 
 def _true(value: str | None) -> bool:

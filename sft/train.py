@@ -29,17 +29,18 @@ import torch
 from transformers import set_seed
 
 from sft.report.callbacks import RunOverview, ThroughputCallback, flops_per_token, peak_flops
+from sft.report.progress import LastStepLogged
 from sft.safety.checkpoints import (CompleteRunCheck, ReachedEnd, check_resume_matches, checkpoint_callback, command_with,
                              complete_run_message, newest_complete, out_of_space, resolve_resume, run_is_finished,
                              save_final)
 from sft.speed.chunked_loss import chunked_causal_lm_loss, liger_causal_lm_loss
-from sft.options.arguments import is_demo_output, read_options, settle
-from sft.options.checks import Options
+from sft.options.arguments import DEMO_PROMPT, TINY_MODEL, is_demo_output, read_options, settle
+from sft.options.checks import Options, all_problems
 from sft.options.resolve import with_planned
 from sft.data.dataset import prepare, read_datasets
 from sft.parallel.distributed import configure_nccl_env, exit_process, on_main_process, preflight, report_error
 from sft.machine import is_first_process
-from sft.errors import NothingToDo, UserFacingError
+from sft.errors import ConfigError, ModelNotFoundError, NothingToDo, UserFacingError
 from sft.parallel.fsdp import consolidate_fsdp_saves, fsdp_callbacks, hand_over_to_fsdp
 from sft.safety.guards import LossSpikeLogger, NonFiniteGuard
 from sft.safety.interrupts import (SIGTERM_MARK, end_with_launcher, exit_code, ignore_further_interrupts,
@@ -175,6 +176,7 @@ def train(run: Run, seams: Seams) -> int:
     callbacks = [
         RunOverview(model, train_data, model_args.model, model_args.speed_choices),  # the first screen (rank 0)
         ThroughputCallback(flops_per_token(model, lora_args.lora), peak_flops()),  # real tok/s, MFU, memory
+        LastStepLogged(),  # a run shorter than --logging_steps still logs its loss
         *seams.callbacks,
         checkpoint_callback(verifier),  # verified, complete-marked, rotated checkpoints
         CompleteRunCheck(),  # a resumed run already at its last step trains no step past it
@@ -229,8 +231,10 @@ def train(run: Run, seams: Seams) -> int:
         if summary:
             print(summary, flush=True)
         if seams.save:
+            first_question = {"prompt": DEMO_PROMPT} if model_args.model == TINY_MODEL else {}  # one it learnt
             print(closing_lines(training_args.output_dir, lora_args.lora,
-                                tensorboard_dir(training_args.output_dir, training_args.report_to)), flush=True)
+                                tensorboard_dir(training_args.output_dir, training_args.report_to), **first_question),
+                  flush=True)
     return 0
 
 
@@ -240,8 +244,22 @@ def final_options(argv: list[str], m: Machine | None = None) -> tuple[Options, P
     the machine. -> (the final options, what the plan set). `m`: this machine unless given (tests)."""
     options = read_options(argv)
     m = m or machine()
-    planned = plan(options, m)
-    return settle(with_planned(options, planned.options), m), planned
+    try:
+        planned = plan(options, m)
+        return settle(with_planned(options, planned.options), m), planned
+    except ConfigError as refused:
+        raise with_model_problem(refused, options.model.model, m) from None
+
+
+def with_model_problem(refused: ConfigError, model: str, m: Machine) -> UserFacingError:
+    """A run its checks refuse also says whether its --model can be found (checked next otherwise, after the
+    output directory): one try tells everything that stops it."""
+    try:
+        if model != TINY_MODEL:  # built here, never missing
+            resolve_model_path(model)
+    except ModelNotFoundError as missing:
+        return all_problems([*getattr(refused, "problems", [refused]), missing], m)
+    return refused
 
 
 def plan(options: Options, m: Machine) -> Planned:

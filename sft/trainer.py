@@ -14,7 +14,8 @@ order of what happens in a step is the Trainer's own, held by code:
   optimizer step, instead of reading every gradient again.
 - `get_optimizer_cls_and_kwargs`: builds `adamw_bf16_sr` and gives torchao's low-bit AdamW its `--optim_args` as
   numbers.
-- TensorBoard's callback runs after ours, so that it logs what ours add to the logs.
+- TensorBoard's callback runs after ours, so that it logs what ours add to the logs; the console's progress
+  callback is ours (sft/report/progress.py): one short line per log instead of the metric dicts.
 
 The two overridden private methods are checked against the installed transformers before the Trainer is built
 (sft/safety/private_names.py): a release that renames them stops with one error line instead of training on
@@ -27,10 +28,11 @@ import contextlib
 import inspect
 
 import torch
-from transformers import Trainer
+from transformers import PrinterCallback, ProgressCallback, Trainer
 from transformers.integrations import TensorBoardCallback
 
 from sft.model.moe import RouterBalance
+from sft.report.progress import ConsolePrinter, ConsoleProgress
 from sft.safety.guards import NonFiniteGuard
 from sft.safety.private_names import CLIP_GRAD_NORM, GET_GRAD_NORM, expect
 from sft.speed.chunked_loss import LossFn
@@ -62,6 +64,9 @@ class SFTTrainer(Trainer):
         self.keeps_one_logit = "logits_to_keep" in inspect.signature(_causal_lm(self.model).forward).parameters
         if self.pop_callback(TensorBoardCallback):  # after ours, so that it logs what ours add
             self.add_callback(TensorBoardCallback)
+        for library, ours in ((ProgressCallback, ConsoleProgress), (PrinterCallback, ConsolePrinter)):
+            if self.pop_callback(library):  # the one the Trainer chose (--disable_tqdm), in our form
+                self.add_callback(ours)
 
     # ---- the loss ----------------------------------------------------------------------------------------------
 

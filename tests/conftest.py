@@ -1,17 +1,71 @@
-"""Shared test fixtures: tiny random-init models saved with save_pretrained, the shared real data, and a way to
-run the training entry point in a fresh process (as a user does)."""
+"""Shared test fixtures: tiny random-init models saved with save_pretrained, the shared real data, a way to
+run the training entry point in a fresh process (as a user does), and the check that no test writes into the
+repository (where a user's own runs live)."""
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 SHARED = REPO.parent / "shared"
+# The folders a run writes by default (the demo's output/demo, a run's runs/, the Trainer's trainer_output): a user's
+# runs are there, and a test's must not be. What the tools that run the tests keep is theirs: pytest's cache,
+# bytecode, .cache (DeepSpeed's CPU op compiled once: TORCH_EXTENSIONS_DIR), the virtual environment.
+RUN_FOLDERS = ("output", "runs", "trainer_output")
+TOOL_FILES = {".pytest_cache", "__pycache__", ".cache", ".venv", ".git", ".coverage"}
+
+# hypothesis keeps its example database and caches in ./.hypothesis, the repository when pytest runs from there.
+if "HYPOTHESIS_STORAGE_DIRECTORY" not in os.environ:
+    os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = tempfile.mkdtemp(prefix="deepseek-sft-hypothesis-")
+    atexit.register(shutil.rmtree, os.environ["HYPOTHESIS_STORAGE_DIRECTORY"], ignore_errors=True)
+
+
+def repository_state() -> dict[str, int]:
+    """The repository's top-level names (-> 0), and each entry two levels into the run folders with its mtime: a
+    new name anywhere there, or a run written into a user's output/demo, shows as a difference."""
+    state = {name: 0 for name in os.listdir(REPO) if name not in TOOL_FILES}
+    for folder in RUN_FOLDERS:
+        for entry in [REPO / folder] if (REPO / folder).is_dir() else []:
+            for child in entry.iterdir():
+                state[str(child.relative_to(REPO))] = child.stat().st_mtime_ns
+                for grandchild in child.iterdir() if child.is_dir() else []:
+                    state[str(grandchild.relative_to(REPO))] = grandchild.stat().st_mtime_ns
+    return state
+
+
+AT_START = repository_state()
+
+
+def changes_since(before: dict[str, int]) -> list[str]:
+    after = repository_state()
+    return sorted(name for name in after.keys() | before.keys() if after.get(name) != before.get(name))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Also what nothing of one test wrote: collecting the tests, a library's set-up at the first use."""
+    changed = changes_since(AT_START)
+    if changed:
+        print(f"\nerror: the test session wrote into the repository {REPO}: {changed}", file=sys.stderr)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(autouse=True)
+def writes_nothing_into_the_repository():
+    """Every test writes into its own tmp_path only: never a run (output/, runs/), a data cache or a library's
+    files into the repository, where they would mix with the user's (or a user's earlier run make the test fail)."""
+    before = repository_state()
+    yield
+    changed = changes_since(before)
+    assert not changed, (f"this test (or one running beside it) wrote into the repository {REPO}: {changed}; "
+                         f"write under tmp_path instead")
 ALPACA_SAMPLE = SHARED / "datasets" / "alpaca_sample.json"
 OASST_SAMPLE = SHARED / "datasets" / "oasst1_sample.jsonl"
 DEEPSEEK_TOKENIZER = SHARED / "tokenizers" / "deepseek-coder-6.7b-instruct"

@@ -163,9 +163,46 @@ def test_torchao_optim_args_are_checked_before_loading():
 def test_train_prints_one_line_and_exits_2(capsys, tmp_path):
     from sft.train import main
 
-    assert main(["--model", "m", "--dataset", DATA, "--output_dir", str(tmp_path), "--fp16", "true"]) == 2
+    assert main(["--model", "tiny-deepseek", "--dataset", DATA, "--output_dir", str(tmp_path), "--fp16", "true"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --fp16") and "\n" not in err and "Traceback" not in err
+
+
+def test_a_gpu_recipe_on_a_laptop_hears_every_problem_at_once(capsys, tmp_path):
+    """Was: four runs to learn four problems (bf16, flex_attention, Liger, the model), one `error:` line each time.
+    Now every check runs: one `error:` line per problem, exit code 2, what needs GPUs first (said on the first line
+    where there are several), and the model that cannot be found among them."""
+    from sft.train import main
+
+    recipe = str(REPO / "recipes" / "deepseek-llm-7b-lora.yaml")
+    assert main(["--config", recipe, "--dataset", DATA, "--output_dir", str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert all(line.startswith("error: ") for line in lines) and len(lines) == 5, lines
+    assert lines[0] == ("error: this run needs GPUs and this machine has none (--bf16, --attn_implementation "
+                        "flex_attention, --use_liger_kernel): run it on a GPU machine, or drop each as its line "
+                        "below says.")
+    assert lines[1].startswith("error: --bf16: this machine has no bf16 support")
+    assert "flex_attention cannot train on CPU" in lines[2] and "--use_liger_kernel needs a GPU" in lines[3]
+    assert lines[4].startswith("error: --model deepseek-ai/deepseek-llm-7b-base: not in the local Hugging Face cache")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_checks_say_every_problem_and_one_as_itself():
+    """check_options runs every check: one problem is raised as itself (its class, its message), several as one
+    ConfigErrors whose lines keep the checks' order, what needs hardware first."""
+    from sft.errors import ConfigErrors, NeedsHardware
+
+    args = parse()
+    args[0].attn_implementation, args[2].lora_r, args[2].lora = "flex_attention", 0, True
+    with pytest.raises(ConfigErrors) as several:
+        validate(*args, machine=box(0))
+    assert [type(p) for p in several.value.problems] == [NeedsHardware, ConfigError]
+    assert str(several.value) == ("--attn_implementation flex_attention cannot train on CPU (no backward there); "
+                                  "use sdpa.\nerror: --lora_r 0: the rank must be positive.")
+    args[2].lora_r = 8
+    with pytest.raises(NeedsHardware, match="^--attn_implementation flex_attention cannot train on CPU"):
+        validate(*args, machine=box(0))
+    validate(*args, machine=box(1))
 
 
 def test_flex_attention_pads_packed_rows_to_one_shape():

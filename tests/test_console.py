@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -127,19 +128,64 @@ def test_strategy_is_read_from_accelerate_state(monkeypatch, kind, plugin, label
     assert describe_strategy(args) == (label, "2 GPUs")
 
 
-def test_closing_lines_full_and_lora(tmp_path):
+def test_closing_lines_full_and_lora(tmp_path, monkeypatch):
     from sft.report.console import closing_lines
 
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))  # no deepseek-sft on PATH: a checkout used as it is
     out = tmp_path / "my run"
     full = closing_lines(str(out), lora=False, tensorboard=str(out / "runs"))
     assert f"Saved model and tokenizer: {out}" in full
-    assert f"python -m sft.tools.chat '{out}' --prompt" in full
+    assert f"python -m sft.tools.chat '{out}' --prompt 'Hello! Who are you?'" in full
     assert f"tensorboard --logdir '{out / 'runs'}'" in full and f"TensorBoard logs: {out / 'runs'}" in full
     assert "sft.tools.merge" not in full
     lora = closing_lines(str(out), lora=True, tensorboard=None)
     assert f"Saved LoRA adapter and tokenizer: {out}" in lora
     assert f"python -m sft.tools.merge '{out}' '{out}-merged'" in lora
     assert "tensorboard" not in lora.lower()
+
+
+def test_the_next_commands_are_what_the_user_types(tmp_path, monkeypatch):
+    """Was `python -m sft.tools.chat` even where pip had installed the `deepseek-sft` command (pyproject.toml's
+    console script); the demo suggested "Hello! Who are you?", which its data never taught (an unrelated answer)."""
+    from sft.options.arguments import DEMO_PROMPT
+    from sft.report.console import closing_lines
+
+    installed = tmp_path / "bin"
+    installed.mkdir()
+    (installed / "deepseek-sft").write_text("#!/bin/sh\n")
+    (installed / "deepseek-sft").chmod(0o755)
+    monkeypatch.setenv("PATH", str(installed))
+    lines = closing_lines(str(tmp_path / "out"), lora=True, tensorboard=None, prompt=DEMO_PROMPT).splitlines()
+    assert f"  deepseek-sft chat {tmp_path / 'out'} --prompt 'What is the capital of France?'   # or without " \
+           f"--prompt: a chat" in lines
+    assert any(line.startswith(f"  deepseek-sft merge {tmp_path / 'out'} {tmp_path / 'out'}-merged") for line in lines)
+    assert "capital of France" in (REPO / "data" / "alpaca_demo.json").read_text()  # what the demo trains on
+
+
+def test_a_log_is_one_short_line():
+    """Was the Trainer's dict of 7-9 fields per log (the demo: 43 of them, wrapping into the progress bar)."""
+    from sft.report.progress import log_line
+
+    train = {"loss": 5.8451, "grad_norm": 2.689, "learning_rate": 0.0029971, "epoch": 0.90909,
+             "num_input_tokens_seen": 9476, "train_runtime": 2.57, "train_tokens_per_second": 3687,
+             "real_tokens_per_second": 3838.4, "loss_spikes": 0}
+    assert log_line(train, 10, 220) == "step 10/220 (epoch 0.909): loss 5.845, lr 3.00e-03, 3,838 tok/s"
+    evaluation = {"eval_loss": 3.8093, "eval_runtime": 0.0758, "epoch": 1.0, "eval_perplexity": 45.123}
+    assert log_line(evaluation, 11, 220) == "step 11/220 (epoch 1): eval loss 3.809 (perplexity 45.12)"
+    assert log_line({"train_runtime": 53.8, "train_loss": 1.24, "epoch": 20.0}, 220, 220) is None  # the summary's
+
+
+def test_the_progress_callback_prints_lines_and_no_eval_bar_when_piped(capsys, monkeypatch):
+    from sft.report.progress import ConsolePrinter, ConsoleProgress
+
+    state = SimpleNamespace(is_world_process_zero=True, is_local_process_zero=True, global_step=3, max_steps=9)
+    progress = ConsoleProgress()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: False)
+    progress.on_prediction_step(None, state, None, eval_dataloader=[1, 2])
+    assert progress.prediction_bar is None  # piped: no bar of cursor codes per evaluation
+    progress.on_log(None, state, None, logs={"eval_loss": 1.5})  # after training (its bar closed): still said
+    ConsolePrinter().on_log(None, state, None, logs={"loss": 2.0, "learning_rate": 1e-4})
+    assert capsys.readouterr().out.splitlines() == ["step 3/9: eval loss 1.5", "step 3/9: loss 2, lr 1.00e-04"]
 
 
 def test_filters_drop_only_the_known_messages(capsys):
@@ -228,5 +274,6 @@ def test_a_run_shows_the_overview_and_the_next_commands_and_no_noise(tmp_path, t
     assert "Training on 1 process(es) (no parallelism) on CPU" in result.stdout, result.stdout
     assert "checkpoints  every 50 steps (the last 2 kept)" in result.stdout  # ours keeps the limit the Trainer lacks
     assert "LoRA r=16:" in result.stdout and "1 optimizer step (--max_steps)" in result.stdout
-    assert f"python -m sft.tools.merge {out} {out}-merged" in result.stdout, result.stdout
+    merge = "deepseek-sft merge" if shutil.which("deepseek-sft") else "python -m sft.tools.merge"
+    assert f"{merge} {out} {out}-merged" in result.stdout, result.stdout
     assert not [line for line in result.stderr.splitlines() if any(word in line for word in NOISE)], result.stderr

@@ -84,7 +84,7 @@ def test_several_datasets_mixed_with_eval_split_and_max_samples(tmp_path):
     assert len(data.train) + len(data.eval) == 16 and len(data.eval) == 4
     sources = Counter(Path(c["source"].rsplit(":", 1)[0]).name for c in data.train + data.eval)
     assert sources == {"a.jsonl": 8, "c.jsonl": 8}
-    assert data.stats.read == 50 and data.stats.kept == 50  # read in full; --max_samples caps what is used
+    assert data.stats.read == 50 and data.stats.kept == 16 and data.stats.capped == 34  # kept: what trains
     again = read_datasets(args, seed=0)
     assert again.eval == data.eval  # the split is deterministic for a seed
     separate = read_datasets(DataArguments(dataset=[str(alpaca)], eval_dataset=[str(chat)]), seed=0)

@@ -128,3 +128,42 @@ def test_chat_answer_that_ended_keeps_its_text(tiny_llama, name, generated, answ
 
     template = get_template(name, tokenizer)
     assert reply(Model(), tokenizer, template, [{"role": "user", "content": "Hi"}], 50, 0.0) == (answer, True)
+
+
+def test_max_samples_counts_what_is_kept(tmp_path):
+    """Was "Data: 2000 records read, 1999 conversations kept" under --max_samples 100: the count before the cap."""
+    from transformers import AutoTokenizer
+
+    from sft.data.dataset import prepare, read_datasets
+    from sft.model.tiny import ensure_tiny_model
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())
+    data = write_jsonl(tmp_path / "data.jsonl", [[("user", f"Question {i}?"), ("assistant", "Answer.")]
+                                                 for i in range(12)])
+    args = DataArguments(dataset=[data], max_samples=5, max_length=64, num_proc=1,
+                         dataset_cache_dir=str(tmp_path / "cache"))
+    rows, _, summary = prepare(args, tokenizer, read_datasets(args))
+    assert len(rows) == 5
+    assert summary.splitlines()[0] == ("Data: 12 records read, 5 conversations kept (--max_samples 5: 7 more left "
+                                       "out) (template deepseek)")
+
+
+@pytest.mark.slow
+def test_a_run_shorter_than_logging_steps_logs_its_last_step_in_one_line(tmp_path, tiny_llama, capsys):
+    """Was: 2 steps under the default --logging_steps 10 printed no loss, left TensorBoard without train/loss and
+    drew an empty loss.png. Each log is one line on the terminal, the dicts whole in trainer_log.jsonl."""
+    from conftest import tensorboard_scalars
+    from sft.safety.run_dir import TRAINER_LOG
+    from sft.train import main
+
+    out = tmp_path / "out"
+    assert main(["--model", str(tiny_llama), "--dataset", str(REPO / "data" / "alpaca_demo.json"), "--output_dir",
+                 str(out), "--max_steps", "2", "--max_length", "64", "--report_to", "tensorboard", "--save_strategy",
+                 "no", "--dataset_cache_dir", str(tmp_path / "cache")]) == 0
+    printed = capsys.readouterr().out
+    logged = [line for line in printed.splitlines() if line.startswith("step ")]
+    assert len(logged) == 1 and logged[0].startswith("step 2/2 (epoch ") and " tok/s" in logged[0], printed
+    assert "{'loss'" not in printed and "'grad_norm'" not in printed
+    assert len(tensorboard_scalars(out / "runs", "train/loss")) == 1
+    history = [json.loads(line) for line in (out / TRAINER_LOG).read_text().splitlines()]
+    assert [h["step"] for h in history if "loss" in h] == [2] and "grad_norm" in history[0]

@@ -48,6 +48,14 @@ def test_demo_with_no_arguments(tmp_path):
     reply = tokenizer.decode(generated[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Tokyo" in reply, reply  # the demo data is learnable: the tiny model answers it after a minute
 
+    from sft.options.arguments import DEMO_PROMPT
+
+    assert f"--prompt '{DEMO_PROMPT}'" in result.stdout  # the chat question its closing lines suggest is one it learnt
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": DEMO_PROMPT}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    generated = model.generate(**prompt, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tokenizer.decode(generated[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_fine_tune_saves_a_loadable_model(tmp_path, tiny_llama, lora):

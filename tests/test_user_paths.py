@@ -212,6 +212,31 @@ def test_lock_refuses_a_second_run_and_takes_over_a_stale_one(tmp_path, capsys):
         RunLock(tmp_path).acquire()
 
 
+def test_a_lock_held_by_a_rank_of_the_same_launch_is_not_another_run(tmp_path):
+    """Was (DDP on a CPU machine without --use_cpu): "in use by another run (pid N) ... kill N", N the run's own
+    second rank. Ranks of one launch share their launcher (our parent): the lock says which rank holds it and why
+    two ranks took it, not to kill it."""
+    from sft.machine import Launch
+
+    sibling = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])  # a rank beside this one
+    try:
+        RunLock(tmp_path, "python sft/train.py", launch=Launch(launched=True, rank=1))._create()  # as it writes it
+        held = json.loads((tmp_path / LOCK_NAME).read_text())
+        assert held["launcher"] == os.getppid() and held["rank"] == 1
+        (tmp_path / LOCK_NAME).write_text(json.dumps({**held, "pid": sibling.pid, "start": None}))
+        with pytest.raises(RunLockedError) as same_launch:
+            RunLock(tmp_path, launch=Launch(launched=True)).acquire()
+        message = str(same_launch.value)
+        assert message.startswith(f"--output_dir {tmp_path} is held by rank 1 of this same launch (pid "
+                                  f"{sibling.pid}), not by another run") and "--use_cpu true" in message
+        assert "kill" not in message
+        with pytest.raises(RunLockedError, match=rf"in use by another run \(pid {sibling.pid}"):
+            RunLock(tmp_path).acquire()  # a process started by hand (no launcher): another run
+    finally:
+        sibling.kill()
+        sibling.wait()
+
+
 def test_an_output_directory_that_cannot_be_written_is_one_line(tmp_path, monkeypatch, capsys):
     # was: FileExistsError / OSError(EROFS) tracebacks from the lock's mkdir
     from sft.train import main
@@ -336,6 +361,34 @@ def test_ctrl_c_says_where_it_stopped_and_how_to_resume(tmp_path, tiny_llama):
     assert not (out / LOCK_NAME).exists()
 
 
+def test_the_launchers_sigterm_after_a_ctrl_c_is_the_users_ctrl_c(monkeypatch):
+    """A terminal's Ctrl-C reaches `accelerate launch` (or `deepseek-sft train`) and its worker, and the launcher then
+    stops the worker with SIGTERM within milliseconds: was reported "stopped (SIGTERM)". A SIGTERM alone stays one."""
+    import sft.safety.interrupts as interrupts
+
+    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    monkeypatch.setattr(interrupts, "_ctrl_c_at", None)
+
+    def stop_by(*signals) -> KeyboardInterrupt:
+        """The interrupt the run sees last: each signal arrives while the one before it is being handled."""
+        try:
+            os.kill(os.getpid(), signals[0])
+            time.sleep(5)
+        except KeyboardInterrupt as interrupt:
+            return stop_by(*signals[1:]) if signals[1:] else interrupt
+        raise AssertionError(f"{signals[0]} raised nothing")
+
+    try:
+        interrupts.stop_on_sigterm()
+        alone = stop_by(signal.SIGTERM)
+        assert interrupts.signal_name(alone) == "SIGTERM" and interrupts.exit_code(alone) == 143
+        after_ctrl_c = stop_by(signal.SIGINT, signal.SIGTERM)
+        assert interrupts.signal_name(after_ctrl_c) == "Ctrl-C" and interrupts.exit_code(after_ctrl_c) == 130
+    finally:
+        signal.signal(signal.SIGINT, saved[0])
+        signal.signal(signal.SIGTERM, saved[1])
+
+
 # ---- 6. names users bring from other trainers; one-line errors; one-screen help ------------------------------
 
 def test_other_trainers_names_map_to_ours(tmp_path, capsys):
@@ -391,14 +444,35 @@ def test_help_is_one_screen_and_help_all_lists_everything():
 
 @pytest.mark.slow
 def test_deepseek_sft_train_exits_with_our_code_and_nothing_more(tmp_path):
-    """`accelerate launch` adds its launcher's traceback after our error line; `deepseek-sft train` does not."""
+    """`accelerate launch` adds its launcher's traceback after our error line; `deepseek-sft train` does not. (Run in
+    its own directory into its own --output_dir: in the repository with the default one, a user's run there
+    answered first.)"""
     result = subprocess.run([str(Path(sys.executable).with_name("deepseek-sft")), "train", "--num_processes", "1",
-                             "--model", str(tmp_path / "missing"), "--dataset", DATA], capture_output=True, text=True,
-                            timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                             "--model", str(tmp_path / "missing"), "--dataset", DATA, "--output_dir",
+                             str(tmp_path / "out")], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines == [f"error: --model {tmp_path / 'missing'}: no such directory ({tmp_path / 'missing'}). Give a "
                      f"local model directory or a hub id such as deepseek-ai/deepseek-llm-7b-base."], result.stderr
+
+
+@pytest.mark.slow
+def test_accelerate_launch_after_a_failure_is_what_the_docs_say(tmp_path):
+    """accelerate 1.16's launcher, as docs/reliability.md describes it: with -q (the README's commands) it adds
+    nothing to our one line but exits 1, not our 2; without -q our line comes back as `RuntimeError: error: ...`
+    inside its traceback. A release that changes this fails here, not in a user's terminal."""
+    launch = [str(Path(sys.executable).with_name("accelerate")), "launch", "--num_processes", "1", "--num_machines",
+              "1", "--mixed_precision", "no", "--dynamo_backend", "no"]  # (else a warning about each default)
+    train = [str(REPO / "sft" / "train.py"), "--lora", "--lora_r", "0", "--output_dir", str(tmp_path / "out")]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    line = "error: --lora_r 0: the rank must be positive."
+    quiet = subprocess.run([*launch[:2], "-q", *launch[2:], *train], cwd=tmp_path, capture_output=True, text=True,
+                           timeout=600, env=env)
+    assert quiet.returncode == 1 and quiet.stderr.splitlines() == [line], quiet.stderr
+    loud = subprocess.run([*launch, *train], cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert loud.returncode == 1 and loud.stderr.startswith(line + "\n"), loud.stderr
+    assert f"RuntimeError: {line}" in loud.stderr and "Traceback (most recent call last)" in loud.stderr
 
 
 def test_deepseek_sft_train_launch_errors_are_one_line(capsys, tmp_path, monkeypatch):

@@ -58,7 +58,8 @@ def read_datasets(args: DataArguments, seed: int = 0) -> Conversations:
             spec = source.spec
             part, part_stats = read_conversations(spec, source.fmt, replace(options, columns=source.columns,
                                                                             tags=source.tags))
-            if args.max_samples is not None:
+            if args.max_samples is not None and len(part) > args.max_samples:
+                part_stats.capped, part_stats.kept = len(part) - args.max_samples, args.max_samples
                 part = part[: args.max_samples]
             if not part:
                 raise DataError(f"{spec}: no usable conversation in it ({dict(part_stats.skipped) or 'empty'}).")
@@ -203,7 +204,7 @@ def summarize(stats: ReadStats, counts: dict, lengths: np.ndarray, train, args: 
               template_name: str = "", evaluation: tuple[ReadStats, dict, np.ndarray] | None = None) -> str:
     """The training data's counts, then the eval data's apart (evaluation: its read stats, statuses, kept
     lengths), so that neither hides in the other's numbers."""
-    lines = [f"Data: {stats.read} records read, {stats.kept} conversations kept"
+    lines = [f"Data: {stats.read} records read, {stats.kept} conversations kept" + capped(stats, args)
              + (f" (template {template_name})" if template_name else "")]
     lines += _part_lines(stats, counts, lengths, args)
     if args.packing and len(train):
@@ -213,10 +214,16 @@ def summarize(stats: ReadStats, counts: dict, lengths: np.ndarray, train, args: 
     if evaluation is not None:
         eval_stats, eval_counts, eval_lengths = evaluation
         lines.append(f"Eval data: {eval_stats.read} records read, {eval_stats.kept} conversations kept"
-                     if args.eval_dataset else f"Eval data: {sum(eval_counts.values())} of those conversations held "
-                                               f"out (--eval_split {args.eval_split})")
+                     f"{capped(eval_stats, args)}" if args.eval_dataset else
+                     f"Eval data: {sum(eval_counts.values())} of those conversations held out (--eval_split "
+                     f"{args.eval_split})")
         lines += _part_lines(eval_stats, eval_counts, eval_lengths, args)
     return "\n".join(lines)
+
+
+def capped(stats: ReadStats, args: DataArguments) -> str:
+    """What --max_samples left out (the kept count is what trains)."""
+    return f" (--max_samples {args.max_samples}: {stats.capped} more left out)" if stats.capped else ""
 
 
 def _part_lines(stats: ReadStats, counts: dict, lengths: np.ndarray, args: DataArguments) -> list[str]:

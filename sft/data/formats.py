@@ -69,6 +69,7 @@ class ReadStats:
     sources: list = field(default_factory=list)  # (dataset, records read, conversations used), per dataset
 
     preferred: int = 0  # preference records (ranked replies, chosen/rejected) read as their preferred reply
+    capped: int = 0  # conversations kept but left out by --max_samples (not in `kept`)
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] += 1
@@ -79,6 +80,7 @@ class ReadStats:
         self.skipped.update(other.skipped)
         self.sources += other.sources
         self.preferred += other.preferred
+        self.capped += other.capped
 
 
 @dataclass

@@ -20,7 +20,7 @@ from typing import Literal
 from transformers import TrainingArguments
 
 from sft.configs import DEMO_DATA
-from sft.errors import ConfigError
+from sft.errors import ConfigError, NeedsHardware
 from sft.machine import Machine, launch
 from sft.options.argv import (COMMON_TRAINING, TRAIN_HELP, Parser, apply_aliases, help_requested, short_help,
                               split_names, unknown_options_message)
@@ -49,6 +49,7 @@ DEMO = {  # what `accelerate launch sft/train.py` with no arguments runs: about 
     "save_strategy": "no",
     "seed": 0,
 }
+DEMO_PROMPT = "What is the capital of France?"  # the chat question the demo's closing lines suggest: its data has it
 # A demo value steps back when the user gave any of these (an option typed or in a recipe always wins: the demo's
 # `save_strategy no` must not swallow a --save_steps 4).
 DEMO_YIELDS_TO = {"save_strategy": ("save_steps",), "eval_strategy": ("eval_steps",), "eval_split": ("eval_dataset",),
@@ -408,18 +409,32 @@ def read_options(argv: list[str] | None = None, data_only: bool = False, help_co
     argv, given, recipes = expand_argv(argv)
     if data_only:
         argv += ["--bf16", "false", "--fp16", "false"]  # the last value wins; TrainingArguments checks the hardware
+    problems: tuple[ConfigError, ...] = ()
+
+    def parse(argv: list[str]) -> list:
+        try:
+            return parser.parse_args_into_dataclasses(args=argv, look_for_args_file=False,
+                                                      return_remaining_strings=True)
+        except ConfigError as e:
+            raise recipe_error(parser, recipes) or e from None
+
     try:
-        *parsed, unknown = parser.parse_args_into_dataclasses(
-            args=argv, look_for_args_file=False, return_remaining_strings=True)
-    except ConfigError as e:
-        raise recipe_error(parser, recipes) or e from None
+        *parsed, unknown = parse(argv)
+    except ConfigError:
+        raise
     except ValueError as e:  # TrainingArguments.__post_init__ rejects some combinations itself
-        raise ConfigError(training_arguments_message(str(e))) from None
+        message = training_arguments_message(str(e))
+        if not bf16_missing(str(e)):
+            raise ConfigError(message) from None
+        # --bf16 where this machine has none: parsed again without it, so that the checks say what else this
+        # run needs (a GPU recipe on a laptop: every problem at once), this one first among them.
+        problems = (NeedsHardware(message, "--bf16"),)
+        *parsed, unknown = parse(argv + ["--bf16", "false"])
     if unknown:
         raise recipe_error(parser, recipes) or ConfigError(unknown_options_message(unknown, parser,
                                                                                    our_option_names()))
     model_args, data_args, lora_args, training_args = parsed
-    return Options.of(model_args, data_args, lora_args, training_args, frozenset(given))
+    return Options.of(model_args, data_args, lora_args, training_args, frozenset(given), problems)
 
 
 def parse_args(argv: list[str] | None = None, data_only: bool = False, help_command: str = TRAIN_HELP):
@@ -462,10 +477,16 @@ def validate(model_args: ModelArguments, data_args: DataArguments, lora_args: Lo
     return settle(options, machine)
 
 
+def bf16_missing(message: str) -> bool:
+    """TrainingArguments' refusal of --bf16 on hardware without it (transformers 5: "Your setup doesn't support
+    bf16/gpu")."""
+    return "support bf16" in message
+
+
 def training_arguments_message(message: str) -> str:
     if "at most one of fp16 and bf16" in message.lower():
         return "--bf16 and --fp16 together: give one of them (--bf16 on GPUs that have it, else --fp16)."
-    if "support bf16" in message:
+    if bf16_missing(message):
         return ("--bf16: this machine has no bf16 support (it needs an Ampere or newer GPU). Drop --bf16 to train "
                 "in fp32, or use --fp16 on an older GPU.")
     return f"invalid training options: {message}"

@@ -1,9 +1,10 @@
 """Combinations that cannot work: one named check per rule, run in one go, none of them writing an option.
 
 Each check takes the options (`Options`, resolved: sft/options/resolve.py) and the `Machine` (sft/machine.py) as
-plain data and raises ConfigError with what to do instead. `OPTION_CHECKS` need the options alone (a data-only run
-checks those); `MACHINE_CHECKS` also the hardware, the launcher's settings and the DeepSpeed JSON. `CHECKS` lists
-them all in the order they run.
+plain data and raises ConfigError with what to do instead (NeedsHardware where the machine lacks a GPU or bf16).
+`OPTION_CHECKS` need the options alone (a data-only run checks those); `MACHINE_CHECKS` also the hardware, the
+launcher's settings and the DeepSpeed JSON. `CHECKS` lists them all in the order they run. Every check runs, and
+the problems are said together (`check_options`): a GPU recipe tried on a laptop learns all it needs in one go.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from sft.errors import ConfigError
+from sft.errors import ConfigError, ConfigErrors, NeedsHardware, UserFacingError
 from sft.speed.lowbit import LOW_BIT_OPTIMIZERS, SR_ADAMW, rounds_stochastically
 from sft.machine import Machine
 
@@ -33,12 +34,16 @@ class Options:
     training: object   # SFTTrainingArguments
     deepspeed: dict = field(default_factory=dict)  # the DeepSpeed JSON in effect ({} without DeepSpeed)
     given: frozenset[str] = frozenset()  # the option names the user gave: --plan auto leaves them alone
+    # Problems found while parsing that do not stop the checks (--bf16 where this machine has none: parsed
+    # without it), said with theirs.
+    problems: tuple[ConfigError, ...] = ()
 
     @classmethod
-    def of(cls, model_args, data_args, lora_args, training_args, given: frozenset[str] = frozenset()) -> Options:
+    def of(cls, model_args, data_args, lora_args, training_args, given: frozenset[str] = frozenset(),
+           problems: tuple[ConfigError, ...] = ()) -> Options:
         hf_config = getattr(training_args, "hf_deepspeed_config", None)
         return cls(model_args, data_args, lora_args, training_args, hf_config.config if hf_config else {},
-                   frozenset(given))
+                   frozenset(given), tuple(problems))
 
     def groups(self) -> tuple:
         """(ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments), as parse_args returns them."""
@@ -183,9 +188,13 @@ def something_to_train(o: Options, m: Machine) -> None:
                           f"trains nothing: give --num_train_epochs (e.g. 3) or --max_steps (e.g. 1000).")
 
 
+def known_attention(attention: str) -> bool:
+    return attention in ATTENTIONS or "/" in attention or attention.startswith("paged|")  # hub kernels pass
+
+
 def attention_name(o: Options, m: Machine) -> None:
     attention = o.model.attn_implementation
-    if attention in ATTENTIONS or "/" in attention or attention.startswith("paged|"):  # hub kernels pass
+    if known_attention(attention):
         return
     close = difflib.get_close_matches(attention, ATTENTIONS, n=1)
     raise ConfigError(f"--attn_implementation {attention!r}" + (f": did you mean {close[0]}?" if close else ":")
@@ -193,7 +202,8 @@ def attention_name(o: Options, m: Machine) -> None:
 
 
 def packing_attention(o: Options, m: Machine) -> None:
-    if o.data.packing and o.model.attn_implementation not in PACKING_ATTENTIONS:
+    attention = o.model.attn_implementation
+    if o.data.packing and known_attention(attention) and attention not in PACKING_ATTENTIONS:  # (attention_name)
         raise ConfigError(f"--packing needs an attention that separates packed documents by position_ids "
                           f"(sdpa, eager, flex_attention, flash_attention_2/3), not "
                           f"{o.model.attn_implementation!r}.")
@@ -238,10 +248,11 @@ def partial_checkpointing(o: Options, m: Machine) -> None:
 def precision_the_hardware_has(o: Options, m: Machine) -> None:
     """(--bf16 without bf16 hardware is refused by TrainingArguments itself while parsing.)"""
     if o.training.fp16 and not m.cuda:
-        raise ConfigError("--fp16 needs a GPU (fp16 autocast with a loss scaler); on this machine drop --fp16 and "
-                          "train in fp32.")
+        raise NeedsHardware("--fp16 needs a GPU (fp16 autocast with a loss scaler); on this machine drop --fp16 "
+                            "and train in fp32.", "--fp16")
     if o.model.dtype == "bfloat16" and m.cuda and not m.bf16:
-        raise ConfigError("--dtype bfloat16: this GPU has no bf16; use --dtype float16 with --lora, or float32.")
+        raise NeedsHardware("--dtype bfloat16: this GPU has no bf16; use --dtype float16 with --lora, or float32.",
+                            "--dtype bfloat16")
 
 
 def full_fine_tune_keeps_small_updates(o: Options, m: Machine) -> None:
@@ -279,8 +290,8 @@ def qlora_needs(o: Options, m: Machine) -> None:
     if not qlora(o):
         return
     if not m.cuda:
-        raise ConfigError("--qlora needs a CUDA GPU (bitsandbytes' 4-bit kernels) and this machine has none. Use "
-                          "--lora here (the same adapter on the unquantized base).")
+        raise NeedsHardware("--qlora needs a CUDA GPU (bitsandbytes' 4-bit kernels) and this machine has none. Use "
+                            "--lora here (the same adapter on the unquantized base).", "--qlora")
     if not m.has("bitsandbytes"):
         raise ConfigError('--qlora needs the bitsandbytes package, which is not installed: pip install -e ".[qlora]"')
     if o.model.tp_size > 1:
@@ -313,23 +324,28 @@ def sharding_needs_gpus(o: Options, m: Machine) -> None:
     if m.cuda:
         return
     if o.fsdp(m):
-        raise ConfigError("FSDP needs GPUs: on a machine without them accelerate silently runs plain DDP instead. "
-                          "Drop --fsdp / the FSDP accelerate config, or run on GPUs.")
+        raise NeedsHardware("FSDP needs GPUs: on a machine without them accelerate silently runs plain DDP instead. "
+                            "Drop --fsdp / the FSDP accelerate config, or run on GPUs.", "FSDP")
     if o.offload(m):
-        raise ConfigError(f"DeepSpeed {' and '.join(o.offload(m))} offload moves GPU state to host memory, and this "
-                          f"machine has no GPU. Remove the offload section (ZeRO itself runs on CPU), or run on GPUs.")
+        raise NeedsHardware(f"DeepSpeed {' and '.join(o.offload(m))} offload moves GPU state to host memory, and "
+                            f"this machine has no GPU. Remove the offload section (ZeRO itself runs on CPU), or run "
+                            f"on GPUs.", "DeepSpeed offload")
 
 
 def attention_kernel_available(o: Options, m: Machine) -> None:
     attn = o.model.attn_implementation
-    if attn.startswith("flash_attention"):
+    if attn.startswith("flash_attention") and known_attention(attn):  # (a misspelt one: attention_name)
         package = "flash_attn_interface" if attn == "flash_attention_3" else "flash_attn"
-        if not m.cuda or not m.has(package):
-            raise ConfigError(f"--attn_implementation {attn} needs a GPU and the `{package}` package "
-                              f"({'no GPU here' if not m.cuda else 'not installed'}). Use sdpa (it also separates "
-                              f"packed documents).")
+        message = (f"--attn_implementation {attn} needs a GPU and the `{package}` package "
+                   f"({'no GPU here' if not m.cuda else 'not installed'}). Use sdpa (it also separates packed "
+                   f"documents).")
+        if not m.cuda:
+            raise NeedsHardware(message, f"--attn_implementation {attn}")
+        if not m.has(package):
+            raise ConfigError(message)
     if attn == "flex_attention" and not m.cuda:
-        raise ConfigError("--attn_implementation flex_attention cannot train on CPU (no backward there); use sdpa.")
+        raise NeedsHardware("--attn_implementation flex_attention cannot train on CPU (no backward there); use "
+                            "sdpa.", "--attn_implementation flex_attention")
 
 
 def liger_kernel_available(o: Options, m: Machine) -> None:
@@ -337,11 +353,12 @@ def liger_kernel_available(o: Options, m: Machine) -> None:
     traceback a minute in); its kernels are Triton, GPU only."""
     if not o.training.use_liger_kernel:
         return
+    if not m.cuda:  # first: on a machine without GPUs installing it would not help
+        raise NeedsHardware("--use_liger_kernel needs a GPU (its kernels are Triton); drop it on CPU.",
+                            "--use_liger_kernel")
     if not m.has("liger_kernel"):
         raise ConfigError("--use_liger_kernel needs the liger-kernel package, which is not installed: "
                           "pip install 'deepseek-sft[lowbit]' (or liger-kernel), or drop --use_liger_kernel.")
-    if not m.cuda:
-        raise ConfigError("--use_liger_kernel needs a GPU (its kernels are Triton); drop it on CPU.")
 
 
 def fp8_base_needs(o: Options, m: Machine) -> None:
@@ -394,8 +411,8 @@ def tensor_parallel_combinations(o: Options, m: Machine) -> None:
     if tp <= 1:
         return
     if not m.cuda:
-        raise ConfigError(f"--tp_size {tp} needs GPUs: accelerate refuses tensor parallelism on CPU. Drop "
-                          f"--tp_size (DDP over gloo trains on CPU), or run on GPUs.")
+        raise NeedsHardware(f"--tp_size {tp} needs GPUs: accelerate refuses tensor parallelism on CPU. Drop "
+                            f"--tp_size (DDP over gloo trains on CPU), or run on GPUs.", f"--tp_size {tp}")
     if o.lora.lora:  # peft's LoRA layers wrap the sharded linears and fail at the first step (seen on CPU)
         raise ConfigError(f"--lora with --tp_size {tp}: peft's LoRA layers do not handle transformers' "
                           f"tensor-parallel shards. LoRA of a 7B model fits one 24 GB card: use "
@@ -450,8 +467,30 @@ CHECKS: list[Check] = OPTION_CHECKS + MACHINE_CHECKS
 
 
 def check_options(o: Options, m: Machine, checks: list[Check] = CHECKS) -> Options:
-    """Every rule in `checks`, in order; -> the same options (from here on read, never written). A data-only run,
-    which loads no model, runs OPTION_CHECKS alone: a GPU recipe's data can be audited on a laptop."""
+    """Every rule in `checks`, in order, each one run; -> the same options (from here on read, never written), or
+    ConfigErrors with every problem found (`all_problems`). A data-only run, which loads no model, runs
+    OPTION_CHECKS alone: a GPU recipe's data can be audited on a laptop."""
+    problems: list[UserFacingError] = list(o.problems)
     for check in checks:
-        check(o, m)
+        try:
+            check(o, m)
+        except ConfigError as problem:
+            problems.append(problem)
+        except Exception:  # a check that trips over a value already refused: say those (else a bug: raised)
+            if not problems:
+                raise
+            break
+    if problems:
+        raise all_problems(problems, m)
     return o
+
+
+def all_problems(problems: list[UserFacingError], m: Machine) -> UserFacingError:
+    """One error for every problem: what needs hardware this machine lacks first, and on a machine without GPUs
+    that needs several, a first line that says so and names them all (the lines after it say what to drop)."""
+    needs = [p for p in problems if isinstance(p, NeedsHardware)]
+    lead = None
+    if len(needs) > 1 and not m.cuda:
+        lead = (f"this run needs GPUs and this machine has none ({', '.join(p.need for p in needs)}): run it on a "
+                f"GPU machine, or drop each as its line below says.")
+    return ConfigErrors.of([*needs, *(p for p in problems if not isinstance(p, NeedsHardware))], lead)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from sft.errors import ConfigError, DistributedCheckError
-from sft.machine import GIB, Launch, Machine, is_first_process, launch as this_launch
+from sft.machine import CPU_BACKEND_ADVICE, GIB, Launch, Machine, is_first_process, launch as this_launch
 
 NCCL_VARS = ("NCCL_P2P_DISABLE", "NCCL_IB_DISABLE")
 # GeForce and TITAN cards have no (working) peer-to-peer; workstation and data-centre cards (RTX A6000, RTX 6000
@@ -340,8 +340,7 @@ def check_data_parallel(training_args, launch: Launch | None = None) -> None:
     if launched < 2 or (training_args.world_size == launched and not unwrapped):
         return
     raise ConfigError(f"{launched} processes were started but no distributed backend was set up, "
-                      "so each would train alone on its share of the data. On a machine without GPUs add "
-                      "--use_cpu true (DDP) or --ddp_backend gloo (DeepSpeed configs).")
+                      f"so each would train alone on its share of the data. {CPU_BACKEND_ADVICE}")
 
 
 def one_gpu_per_process(training_args) -> None:

@@ -23,6 +23,7 @@ import argparse
 import logging
 import os
 import shlex
+import shutil
 import sys
 import warnings
 from collections.abc import Callable
@@ -184,17 +185,28 @@ def run_overview(*, model: str, architecture: str, total_params: int, trainable_
                      for line in lines if isinstance(line, str) or line[1])
 
 
-def closing_lines(output_dir: str, lora: bool, tensorboard: str | None) -> str:
-    """The last screen: where the result is and the commands that use it (paths quoted for the shell)."""
+FIRST_PROMPT = "Hello! Who are you?"  # what a chat model trained on the user's own data is first asked
+
+
+def tool_command(tool: str) -> str:
+    """The command a user types for one of our tools (chat, merge): `deepseek-sft <tool>` where the console script
+    (pyproject.toml's [project.scripts]) is on PATH, else `python -m sft.tools.<tool>` (a checkout used without
+    installing it)."""
+    return f"deepseek-sft {tool}" if shutil.which("deepseek-sft") else f"python -m sft.tools.{tool}"
+
+
+def closing_lines(output_dir: str, lora: bool, tensorboard: str | None, prompt: str = FIRST_PROMPT) -> str:
+    """The last screen: where the result is and the commands that use it (paths quoted for the shell). `prompt`:
+    the first chat question suggested (the demo's is one its data taught)."""
     out = Path(output_dir).resolve()
     here = shlex.quote(str(out))
     lines = [f"\nSaved {'LoRA adapter' if lora else 'model'} and tokenizer: {out}"]
     if tensorboard:
         lines.append(f"TensorBoard logs: {tensorboard}")
     lines.append("Next:")
-    lines.append(f'  python -m sft.tools.chat {here} --prompt "Hello! Who are you?"   # or without --prompt: a chat')
+    lines.append(f"  {tool_command('chat')} {here} --prompt {shlex.quote(prompt)}   # or without --prompt: a chat")
     if lora:
-        lines.append(f"  python -m sft.tools.merge {here} {shlex.quote(str(out) + '-merged')}   # a plain model, "
+        lines.append(f"  {tool_command('merge')} {here} {shlex.quote(str(out) + '-merged')}   # a plain model, "
                      f"adapter merged in")
     if tensorboard:
         lines.append(f"  tensorboard --logdir {shlex.quote(tensorboard)}")

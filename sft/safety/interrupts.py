@@ -23,15 +23,33 @@ from sft.machine import launch
 
 PR_SET_PDEATHSIG = 1
 SIGTERM_MARK = "SIGTERM"  # the KeyboardInterrupt argument that tells SIGTERM from Ctrl-C
+# A SIGTERM this soon after a Ctrl-C is the launcher passing that Ctrl-C on (accelerate's launcher sends it within
+# milliseconds), not a stop of its own.
+LAUNCHER_FOLLOWS_CTRL_C_S = 10.0
+_ctrl_c_at: float | None = None  # when this process last got Ctrl-C (SIGINT)
+
+
+def _ctrl_c(signum, frame):
+    global _ctrl_c_at
+    _ctrl_c_at = time.monotonic()
+    raise KeyboardInterrupt
 
 
 def _raise_interrupt(signum, frame):
+    """SIGTERM. A terminal's Ctrl-C reaches the whole foreground process group: `accelerate launch` (or
+    `deepseek-sft train`) and its worker both get SIGINT, and the launcher then stops the worker with SIGTERM while
+    the worker is already stopping: that stop is still the user's Ctrl-C."""
+    if _ctrl_c_at is not None and time.monotonic() - _ctrl_c_at < LAUNCHER_FOLLOWS_CTRL_C_S:
+        raise KeyboardInterrupt
     raise KeyboardInterrupt(SIGTERM_MARK)
 
 
 def stop_on_sigterm() -> None:
     """SIGTERM (a launcher stopping its workers, a scheduler, `kill`) stops like Ctrl-C: KeyboardInterrupt, which
-    no library's `except Exception` swallows."""
+    no library's `except Exception` swallows. Ctrl-C raises it as Python's own handler does, and is remembered so
+    that a launcher's SIGTERM right after it keeps its name."""
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (a process started with it ignored keeps that)
+        signal.signal(signal.SIGINT, _ctrl_c)
     signal.signal(signal.SIGTERM, _raise_interrupt)
 
 

@@ -4,7 +4,9 @@ Two runs writing checkpoints into one directory destroy each other's resume stat
 behind by a killed launcher keeps writing. The main process creates the lock with O_EXCL before it changes
 anything in the directory and removes it when it ends. A lock whose process is gone (same host, and no live
 process with that pid and start time) is stale: it is taken over, with a message. A lock held by a live process,
-or by another host (which cannot be checked from here), stops the new run with what to do.
+or by another host (which cannot be checked from here), stops the new run with what to do. A lock held by another
+rank of this same launch (both think they are rank 0: started without a distributed backend) says that, not
+"another run".
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 
 from sft.errors import ConfigError, RunLockedError
+from sft.machine import CPU_BACKEND_ADVICE, Launch, launch as this_launch
 from sft.safety.run_dir import LOCK_NAME
 
 
@@ -46,11 +49,15 @@ def _me() -> dict:
 
 
 class RunLock:
-    def __init__(self, output_dir: str | Path, command: str = ""):
+    def __init__(self, output_dir: str | Path, command: str = "", launch: Launch | None = None):
+        """`launch`: this process's (the environment's unless given): under a launcher the lock records the
+        launcher's pid, which the ranks of one launch share."""
         self.path = Path(output_dir) / LOCK_NAME
         self.command = command
         self.held = False
         self.created_dir = False
+        launch = launch or this_launch()
+        self.launch = {"launcher": os.getppid(), "rank": launch.rank} if launch.launched else {}
 
     def acquire(self) -> str | None:
         """Take the lock; -> a message when a stale lock was taken over. Raises RunLockedError if held, and
@@ -79,6 +86,8 @@ class RunLock:
                 continue
             same_host = holder.get("host") == socket.gethostname()
             if not same_host or _alive(int(holder.get("pid", -1)), holder.get("start")):
+                if same_host and self.launch and holder.get("launcher") == self.launch["launcher"]:
+                    raise RunLockedError(self._same_launch_message(holder))
                 raise RunLockedError(self._held_message(holder, same_host))
             try:  # one taker wins the rename; a second one finds the lock gone and retries its own create
                 os.rename(self.path, self.path.with_name(f"{LOCK_NAME}.stale-{os.getpid()}"))
@@ -96,7 +105,7 @@ class RunLock:
         except FileExistsError:
             return False
         with os.fdopen(fd, "w") as f:
-            json.dump({**_me(), "command": self.command}, f)
+            json.dump({**_me(), **self.launch, "command": self.command}, f)
             f.flush()
             os.fsync(f.fileno())
         return True
@@ -116,6 +125,11 @@ class RunLock:
             todo = (f"Wait for it, or give another --output_dir. If no run is active on {holder.get('host')}, "
                     f"delete {self.path}.")
         return f"--output_dir {self.path.parent} is in use by another run ({who}){command}. {todo}"
+
+    def _same_launch_message(self, holder: dict) -> str:
+        return (f"--output_dir {self.path.parent} is held by rank {holder.get('rank')} of this same launch (pid "
+                f"{holder.get('pid')}), not by another run: its processes do not agree which of them is rank 0, "
+                f"which happens when they start without a distributed backend. {CPU_BACKEND_ADVICE}")
 
     def release(self) -> None:
         """Remove the lock if it is still ours (idempotent; also at exit)."""

@@ -233,14 +233,14 @@ def fp8_strategy_conflict(o, m) -> str | None:
 def fp8_base_needs(o, m) -> None:
     """The check for sft/options/checks.py's CHECKS (options `o`, Machine `m`): --fp8 needs FP8 GPUs and a
     strategy that allows it (fp8_strategy_conflict)."""
-    from sft.errors import ConfigError
+    from sft.errors import ConfigError, NeedsHardware
 
     if not o.model.fp8_on:
         return
     same = "the same LoRA in bf16" if o.lora.lora else "the same fine-tune in bf16"
     if not m.cuda and not m.launch.fp8_on_cpu:
-        raise ConfigError(f"--fp8 needs a GPU with FP8 matmuls (compute capability 8.9+: RTX 4090, L40, H100, "
-                          f"H200) and this machine has none. Drop --fp8 ({same}).")
+        raise NeedsHardware(f"--fp8 needs a GPU with FP8 matmuls (compute capability 8.9+: RTX 4090, L40, H100, "
+                            f"H200) and this machine has none. Drop --fp8 ({same}).", "--fp8")
     why = m.fp8_problem()
     if why:
         raise ConfigError(f"--fp8: {why}. Drop --fp8 ({same}).")
