@@ -70,3 +70,21 @@ def test_an_unknown_value_is_one_error_line():
 
     with pytest.raises(ConfigError, match=r"--fp8: invalid choice: 'maybe'"):
         parse_args(["--fp8", "maybe"], data_only=True)
+
+
+def test_a_full_fine_tune_in_fp8_pads_each_batch_to_16_tokens():
+    """Its weight gradients' FP8 matmuls sum over the tokens, in multiples of 16 (an H200 run failed at a batch of
+    4 x 1,234 tokens before this)."""
+    from sft.errors import ConfigError
+
+    sr = ("--dtype", "bfloat16", "--optim", "adamw_bf16_sr")
+    assert settle(read_options(["--model", "m", "--dataset", DATA, "--output_dir", "/nonexistent/out", *sr]),
+                  gpu()).data.pad_to_multiple_of == 16
+    lora = settle(read_options(["--model", "m", "--dataset", DATA, "--output_dir", "/nonexistent/out", "--lora"]),
+                  gpu())
+    assert lora.data.pad_to_multiple_of is None  # LoRA's FP8 base has no weight gradient
+    flex = ("--attn_implementation", "flex_attention", "--packing", "true", "--max_length", "1000")
+    with pytest.raises(ConfigError, match="rows are padded to multiples of 1000 .--pad_to_multiple_of, or --max_length"):
+        settled(gpu(), *sr, *flex, "--fp8", "true")
+    m = settled(gpu(), *sr, *flex)  # auto: off, and why
+    assert not m.fp8_on and "multiples of 16" in m.speed_choices[1]

@@ -119,6 +119,21 @@ def fp8_combinations(o: Options, m: Machine) -> None:
     if not o.lora.lora and not m.has("torchao"):
         raise ConfigError("--fp8 without --lora trains through torchao's float8 training, which is not installed: "
                           "pip install 'deepseek-sft[lowbit]' (or torchao), or --fp8 false.")
+    pad = rows_padded_to(o)
+    if not o.lora.lora and pad is not None and pad % 16:
+        raise ConfigError(f"--fp8 without --lora: the weight gradients' FP8 matmuls sum over the batch's tokens, "
+                          f"which must come in multiples of 16, and rows are padded to multiples of {pad} "
+                          f"(--pad_to_multiple_of, or --max_length for packed rows under flex_attention): give a "
+                          f"multiple of 16.")
+
+
+def rows_padded_to(o: Options) -> int | None:
+    """The multiple every batch's rows are padded to: --pad_to_multiple_of, or, where it is not given, --max_length
+    for packed rows under flex_attention (sft/options/resolve.py flex_pads_packed_rows)."""
+    d = o.data
+    if d.pad_to_multiple_of is None and d.packing and o.model.attn_implementation == "flex_attention":
+        return d.max_length
+    return d.pad_to_multiple_of
 
 
 def long_row_levers(o: Options, m: Machine) -> None:

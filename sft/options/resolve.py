@@ -43,6 +43,14 @@ def flex_pads_packed_rows(o: Options, m: Machine) -> None:
         d.pad_to_multiple_of = d.max_length
 
 
+def fp8_training_pads_rows_to_16(o: Options, m: Machine) -> None:
+    """A full fine-tune in FP8: the weight gradient's matmul (grad_out^T @ x) sums over the batch's tokens, and
+    torch's FP8 matmul needs its inner dimension in multiples of 16, so every batch's rows are padded to one
+    (unless padded already; after flex_pads_packed_rows, whose --max_length the checks hold to a multiple of 16)."""
+    if o.model.fp8_on and not o.lora.lora and o.data.pad_to_multiple_of is None:
+        o.data.pad_to_multiple_of = 16
+
+
 def tensor_parallel_saves_model_only(o: Options, m: Machine) -> None:
     """transformers' Trainer (5.x) refuses checkpoints with optimizer state for a model sharded at load time:
     sft/parallel/tensor_parallel.py saves the rest."""
@@ -168,8 +176,8 @@ Derivation = Callable[[Options, Machine], None]
 # In order: --lora first (the others read it), the fast paths before Liger's kernel choice (which reads
 # --compile_layers), Liger's kernel choice before its loss reads that choice.
 DERIVED: list[Derivation] = [
-    qlora_trains_lora, fast_paths_where_supported, flex_pads_packed_rows, tensor_parallel_saves_model_only,
-    lora_skips_unused_parameter_search, compiled_layers_keep_liger_loss_only, liger_loss_on_labels,
+    qlora_trains_lora, fast_paths_where_supported, flex_pads_packed_rows, fp8_training_pads_rows_to_16,
+    tensor_parallel_saves_model_only, lora_skips_unused_parameter_search, compiled_layers_keep_liger_loss_only, liger_loss_on_labels,
     fsdp_checkpoints_activations, fsdp_reduce_scatters_each_micro_batch, our_rotation_keeps_checkpoints,
 ]
 
