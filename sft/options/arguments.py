@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 
 from transformers import TrainingArguments
 
@@ -23,7 +22,7 @@ from sft.errors import ConfigError
 from sft.machine import Machine, launch
 from sft.options.argv import (COMMON_TRAINING, TRAIN_HELP, Parser, apply_aliases, help_requested, short_help,
                               split_names, unknown_options_message)
-from sft.options.checks import CHECKS, MACHINE_CHECKS, OPTION_CHECKS, Check, Options, check_options
+from sft.options.checks import CHECKS, MACHINE_CHECKS, NEW_RUN_DIR, OPTION_CHECKS, Check, Options, check_options
 from sft.options.recipe import load_recipe, recipe_to_argv
 from sft.options.resolve import resolve_defaults
 from sft.speed.lowbit import SR_ADAMW
@@ -34,7 +33,6 @@ TINY_MODEL = "tiny-deepseek"  # the embedded default, built from its config by s
 DEMO = {  # what `accelerate launch sft/train.py` with no arguments runs: about a minute on 2 CPU cores
     "model": TINY_MODEL,
     "dataset": [str(DEMO_DATA / "alpaca_demo.json"), str(DEMO_DATA / "oasst_demo.jsonl")],  # shipped in the wheel
-    "output_dir": "output/demo",
     "max_length": 256,
     "packing": True,
     "eval_split": 0.05,
@@ -188,7 +186,13 @@ def names_mapping(value, option: str, keys: tuple[str, ...]) -> dict[str, str] |
 class SFTTrainingArguments(TrainingArguments):
     """transformers' TrainingArguments with defaults for SFT (every one of its flags works as usual)."""
 
-    output_dir: str | None = field(default="output/run", metadata={"help": "Where checkpoints, logs and the model go."})
+    output_dir: str | None = field(default=NEW_RUN_DIR, metadata={
+        "help": "Where checkpoints, logs and the model go. Default: a new directory for each run, "
+                "output/<model>/<method>/<start time> (output/<model>/<method>/latest: the newest finished one); "
+                "with --resume_from_checkpoint true, the newest run of this model and method."})
+    # Not an option: how sft/options/resolve.py output_dir_of_its_own chose --output_dir where none was given
+    # ("": given; sft/options/checks.py PICKED_*).
+    output_dir_picked: str = field(default="", init=False)
     report_to: None | str | list[str] = field(default="tensorboard", metadata={
         "help": "Loggers: tensorboard, wandb, none, or several"})
     logging_steps: float = field(default=10, metadata={"help": "Log every N steps."})
@@ -200,7 +204,9 @@ class SFTTrainingArguments(TrainingArguments):
         "help": "Count real (non-padding) tokens, for the tokens/s and MFU logs."})
     # Nothing lost (sft/safety/checkpoints.py, sft/safety/verify.py, sft/safety/guards.py).
     resume_from_checkpoint: str | None = field(default=None, metadata={
-        "help": "Resume: `true` (the newest complete checkpoint in --output_dir) or a checkpoint-N directory."})
+        "help": "Resume: `true` (the newest complete checkpoint in --output_dir; without --output_dir, of the "
+                "newest run of this --model and method) or a checkpoint-N directory. The learning rate follows this "
+                "run's schedule from that step (a higher --max_steps: the longer schedule)."})
     overwrite_output_dir: bool = field(default=False, metadata={
         "help": "Start over in an --output_dir that holds a run: the old run is moved aside to "
                 "<output_dir>.replaced-<time> (never mixed with the new one). Without it, such a run stops and "
@@ -336,13 +342,6 @@ def our_option_names() -> list[str]:
     return [f.name for cls in PARSER_TYPES[:3] for f in fields(cls)] + list(SFTTrainingArguments.__annotations__)
 
 
-def is_demo_output(model_args: ModelArguments, training_args) -> bool:
-    """The demo's own output directory (the tiny model into ./output/demo): the one directory a run may replace
-    without being asked, since the demo is disposable."""
-    return (model_args.model == TINY_MODEL and
-            Path(training_args.output_dir).resolve() == Path(DEMO["output_dir"]).resolve())
-
-
 def read_options(argv: list[str] | None = None, data_only: bool = False, help_command: str = TRAIN_HELP) -> Options:
     """The options as given: the recipes, the command line, the demo's defaults; parsed, not yet resolved or
     checked (and never planned: `--plan auto` is its own step, sft/train.py). `data_only`: for tools that prepare
@@ -395,11 +394,6 @@ def data_machine() -> Machine:
     """What a data-only run resolves against: the launch as the environment says, no GPUs read (CUDA is not
     initialised; no derived value that enters the data depends on them)."""
     return Machine(launch=launch())
-
-
-def resume_requested(value) -> str | None:
-    """--resume_from_checkpoint as given: None when it says no, else the checkpoint path or "true"."""
-    return None if value in (None, "", "false", "False", "no", "0") else str(value)
 
 
 def validate(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraArguments,

@@ -17,16 +17,8 @@ import time
 from pathlib import Path
 
 from sft.errors import ConfigError, RunLockedError
-from sft.safety.run_dir import LOCK_NAME
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (Linux), which tells a reused pid from the original."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+from sft.machine import process_start_ticks
+from sft.safety.run_dir import LOCK_NAME, TRAINED_ON
 
 
 def _alive(pid: int, start: str | None) -> bool:
@@ -36,12 +28,12 @@ def _alive(pid: int, start: str | None) -> bool:
         return False
     except PermissionError:
         pass  # someone else's live process
-    now = _start_time(pid)
+    now = process_start_ticks(pid)
     return start is None or now is None or now == start
 
 
 def _me() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid()),
+    return {"pid": os.getpid(), "host": socket.gethostname(), "start": process_start_ticks(os.getpid()),
             "since": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
@@ -126,7 +118,14 @@ class RunLock:
         if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
             self.path.unlink(missing_ok=True)
             if self.created_dir:
-                try:
-                    self.path.parent.rmdir()  # only if empty: a run stopped before writing anything
-                except OSError:
-                    pass
+                self._remove_unused_directory()
+
+    def _remove_unused_directory(self) -> None:
+        """The directory this run created, when it stopped before writing anything but its record."""
+        root = self.path.parent
+        try:
+            if [p.name for p in root.iterdir()] == [TRAINED_ON]:
+                (root / TRAINED_ON).unlink()
+            root.rmdir()  # only if empty
+        except OSError:
+            pass
