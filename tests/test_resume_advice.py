@@ -104,6 +104,10 @@ def test_resume_true_without_output_dir_resumes_the_newest_run_of_its_model_and_
                                           r"no run\. Give the --output_dir of the run to resume, or start a new one: "
                                           r"`python -m sft\.train --model other --dataset \S+`"):
         resolve_resume(options(other).training, other)
+    from sft.train import main
+
+    assert main(other) == 2 and "output/other/full holds no run" in capsys.readouterr().err
+    assert not (tmp_path / "output" / "other").exists()  # the folders its lock made are gone with it
 
 
 @pytest.mark.slow
@@ -125,6 +129,23 @@ def test_two_runs_without_output_dir_train_apart_and_resume_finds_the_newest(tmp
     assert f"Resuming from {runs[1] / 'checkpoint-2'} (the newest complete checkpoint of the newest run" in \
         capsys.readouterr().out
     assert (runs[1] / "checkpoint-4").is_dir() and not (runs[0] / "checkpoint-4").exists()
+
+
+@pytest.mark.slow
+def test_two_ranks_without_output_dir_train_into_one_directory(tmp_path, tiny_llama):
+    """Each rank resolves its options alone: the launcher's start time gives them one name (DDP on CPU, gloo)."""
+    from conftest import run_train
+
+    accelerate = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
+                  "--main_process_port", "29631"]
+    result = run_train([*small_run(tiny_llama, tmp_path / "cache", "--max_steps", "2", "--save_steps", "2"),
+                        "--use_cpu", "true"], launcher=accelerate, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "Training on 2 process(es)" in result.stdout
+    runs = runs_of(str(tiny_llama), "full", tmp_path / "output")
+    assert len(runs) == 1 and is_complete(runs[0], FINAL_MARKER) and is_complete(runs[0] / "checkpoint-2")
+    assert sorted(p.name for p in (runs[0] / "checkpoint-2").glob("rng_state_*.pth")) == \
+        ["rng_state_0.pth", "rng_state_1.pth"]  # both ranks wrote into the one directory
 
 
 # ---- a resume onto other data is refused -------------------------------------------------------------------------

@@ -213,7 +213,7 @@ def resolve_resume(training_args, argv: list[str] | None = None, method: str = "
     if value is not None and overwrite:
         raise ConfigError("--resume_from_checkpoint and --overwrite_output_dir contradict each other: give one.")
     if picked == PICKED_NOTHING:
-        raise ConfigError(nothing_to_resume_message(output_dir.parent, argv))
+        raise ConfigError(nothing_to_resume_message(output_dir, argv))
 
     def drop_incomplete():
         for path in checkpoint_dirs(output_dir):
@@ -293,9 +293,11 @@ def resolve_resume(training_args, argv: list[str] | None = None, method: str = "
     return str(checkpoint)
 
 
-def nothing_to_resume_message(folder: Path, argv: list[str] | None) -> str:
-    """--resume_from_checkpoint true without --output_dir, and no run of this model and method holds a checkpoint."""
-    runs = runs_of(folder.parent.name, folder.name, folder.parent.parent)
+def nothing_to_resume_message(new_run: Path, argv: list[str] | None) -> str:
+    """--resume_from_checkpoint true without --output_dir, and no run of this model and method holds a checkpoint
+    (`new_run`: the directory a new run would have had, which the lock may have made)."""
+    folder = new_run.parent
+    runs = [p for p in runs_of(folder.parent.name, folder.name, folder.parent.parent) if p.name != new_run.name]
     there = (f"; its run directories hold no checkpoint: {', '.join(p.name for p in runs)}" if runs else
              f"; {folder} holds no run")
     return (f"--resume_from_checkpoint true without --output_dir resumes the newest run of this model and method"

@@ -42,12 +42,12 @@ class RunLock:
         self.path = Path(output_dir) / LOCK_NAME
         self.command = command
         self.held = False
-        self.created_dir = False
+        self.created: list[Path] = []  # the directories acquire() made, deepest first (removed again if left empty)
 
     def acquire(self) -> str | None:
         """Take the lock; -> a message when a stale lock was taken over. Raises RunLockedError if held, and
         ConfigError where the directory cannot be created or written (read-only, a file, no permission, full)."""
-        self.created_dir = not self.path.parent.exists()  # then removed again if the run leaves nothing in it
+        self.created = [p for p in (self.path.parent, *self.path.parent.parents) if not p.exists()]
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             return self._take()
@@ -117,15 +117,17 @@ class RunLock:
         holder = self._read() or {}
         if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
             self.path.unlink(missing_ok=True)
-            if self.created_dir:
-                self._remove_unused_directory()
+            if self.created:
+                self._remove_unused_directories()
 
-    def _remove_unused_directory(self) -> None:
-        """The directory this run created, when it stopped before writing anything but its record."""
+    def _remove_unused_directories(self) -> None:
+        """The directories this run created (output/<model>/<method>/<time> and the folders above it), when it
+        stopped before writing anything but its record."""
         root = self.path.parent
         try:
             if [p.name for p in root.iterdir()] == [TRAINED_ON]:
                 (root / TRAINED_ON).unlink()
-            root.rmdir()  # only if empty
+            for made in self.created:
+                made.rmdir()  # only if empty: stops at the first that holds something
         except OSError:
             pass
