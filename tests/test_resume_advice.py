@@ -304,4 +304,9 @@ def test_outside_the_repository_the_advice_is_the_typed_command(tmp_path):
         program = [as_typed(typed[0]), *typed[1:]] if typed[0] == cli else typed  # a #! script: as the shell finds it
         assert longer == shlex.join([*program, "--model", "m", "--dataset", DATA, "--output_dir", str(finished),
                                      "--max_steps", "4", "--resume_from_checkpoint", "true", "--lora", "true"])
+        # an option error points at the help of what was typed
+        typo = subprocess.run([*typed, *args, "--learning_rat", "1"], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=600)
+        help_words = [*program[:2], "--help"] if typed[0] == cli else [*typed, "--help"]
+        assert f"`{shlex.join(help_words)}` lists the options" in typo.stderr, typo.stderr[-2000:]
     assert is_complete(finished / "checkpoint-2")

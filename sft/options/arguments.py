@@ -20,8 +20,9 @@ from transformers import TrainingArguments
 from sft.configs import DEMO_DATA
 from sft.errors import ConfigError
 from sft.machine import Machine, launch
-from sft.options.argv import (COMMON_TRAINING, TRAIN_HELP, Parser, apply_aliases, help_requested, short_help,
+from sft.options.argv import (COMMON_TRAINING, Parser, apply_aliases, help_requested, short_help,
                               split_names, unknown_options_message)
+from sft.options.command import help_command as training_help_command
 from sft.options.checks import CHECKS, MACHINE_CHECKS, NEW_RUN_DIR, OPTION_CHECKS, Check, Options, check_options
 from sft.options.recipe import load_recipe, recipe_to_argv
 from sft.options.resolve import resolve_defaults
@@ -342,14 +343,15 @@ def our_option_names() -> list[str]:
     return [f.name for cls in PARSER_TYPES[:3] for f in fields(cls)] + list(SFTTrainingArguments.__annotations__)
 
 
-def read_options(argv: list[str] | None = None, data_only: bool = False, help_command: str = TRAIN_HELP) -> Options:
+def read_options(argv: list[str] | None = None, data_only: bool = False, help_command: str | None = None) -> Options:
     """The options as given: the recipes, the command line, the demo's defaults; parsed, not yet resolved or
     checked (and never planned: `--plan auto` is its own step, sft/train.py). `data_only`: for tools that prepare
     data and load no model (sft.data.dataset): precision is not checked against the hardware, so a GPU recipe's
     data can be audited on a laptop (precision does not enter the data). `help_command`: the tool's own help, which
-    an option error points at."""
+    an option error points at (None: training's, as this run was started: sft/options/command.py)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = Parser(PARSER_TYPES, allow_abbrev=False, help_command=help_command)  # no typo passes as an abbreviation
+    parser = Parser(PARSER_TYPES, allow_abbrev=False,  # no typo passes as an abbreviation
+                    help_command=help_command or training_help_command())
     wanted = help_requested(argv)
     if wanted:
         print(parser.format_help() if wanted == "all" else short_help(HELP_GROUPS))
@@ -371,7 +373,7 @@ def read_options(argv: list[str] | None = None, data_only: bool = False, help_co
     return Options.of(model_args, data_args, lora_args, training_args, frozenset(given))
 
 
-def parse_args(argv: list[str] | None = None, data_only: bool = False, help_command: str = TRAIN_HELP):
+def parse_args(argv: list[str] | None = None, data_only: bool = False, help_command: str | None = None):
     """-> (ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments), resolved and checked against this
     machine (`data_only`: the options alone, see read_options). For the tools and tests; training also plans
     (sft/train.py)."""

@@ -6,7 +6,8 @@ variables they set), the launcher's command line, which is this process's parent
 options and the training options. In one process, this process's own command (`python sft/train.py ...`,
 `python -m sft.train ...`, with the interpreter as it was typed). Anything else (a test, a script that calls
 sft.train.main) gets `python -m sft.train` and the options it passed, which runs from any directory where the
-package is installed. The run lock records the same command (sft/safety/run_lock.py).
+package is installed. The run lock records the same command (sft/safety/run_lock.py), and an option error points
+at the help of the same program (`deepseek-sft train --help`, `python -m sft.train --help`, ...).
 """
 
 from __future__ import annotations
@@ -61,6 +62,24 @@ def own_program() -> list[str]:
     if program and (program[-1].endswith("train.py") or program[-2:] == ["-m", "sft.train"]):
         return program
     return list(MODULE_PROGRAM)
+
+
+def help_command() -> str:
+    """The command that lists the training options, started as this run was: `deepseek-sft train --help`,
+    `python -m sft.train --help`, `python sft/train.py --help` (under accelerate launch or torchrun: the script or
+    module it ran, in one process: the help needs no launcher)."""
+    from sft.machine import launch
+
+    words = launcher_command(os.getppid()) if launch().launched else None
+    if not words:
+        program = own_program()
+    elif Path(words[0]).name == "deepseek-sft":
+        program = [words[0], "train"]
+    elif "sft.train" in words:
+        program = list(MODULE_PROGRAM)
+    else:
+        program = ["python", next(w for w in words if w.endswith("train.py"))]
+    return shlex.join([*program, "--help"])
 
 
 def as_typed(program: str) -> str:
