@@ -124,7 +124,6 @@ def train(run: Run, seams: Seams) -> int:
     options, planned = final_options(run.argv)
     model_args, data_args, lora_args, training_args = options.groups()  # final: read from here on, never written
     run.output_dir = training_args.output_dir
-
     method = method_name(lora_args.lora, lora_args.qlora)
 
     def take_output_dir() -> str | None:  # main process: lock the directory, then decide resume / fresh start
@@ -146,7 +145,7 @@ def train(run: Run, seams: Seams) -> int:
     conversations = read_datasets(data_args, training_args.seed)  # bad data stops here, before any model
     tokenizer = load_tokenizer(model_args)
     data_hash = training_data_hash(data_args, tokenizer, conversations)
-    # A resume onto another model or other data stops here, before any tokenization or model; a new run records its own.
+    # A resume onto another model or other data stops here, before tokenizing or any model; a new run records its own
     on_main_process(lambda: keep_record(resume, training_args.output_dir,
                                         this_run(model_args, data_args, lora_args, data_hash), run.argv))
     if is_first_process():  # a template, EOS or RoPE scaling that this DeepSeek family does not use

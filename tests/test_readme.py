@@ -4,9 +4,9 @@ A block runs by RULES on its words (what kind of command it is), not from a list
 of a known kind (or a new page of docs/) runs without touching this file, and a block or command that no rule
 covers FAILS (test_every_block_has_a_rule lists them all), never skipped in silence. The pages run in one sequence
 in one working directory: README.md first, then docs/*.md by name, each page from the top. So a later block uses
-what an earlier one wrote (the demo's output/tiny-deepseek/full/latest, the README's LoRA adapter, a page's own earlier outputs), as a
-reader who ran the README and then a page would. A failed command shows its page and line, the command as run and
-its stderr.
+what an earlier one wrote (the demo's output/tiny-deepseek/full/latest, the README's LoRA adapter, a page's own
+earlier outputs), as a reader who ran the README and then a page would. A failed command shows its page and line,
+the command as run and its stderr.
 
 How each kind of block runs:
 - ```bash `python3 -m venv .venv && . .venv/bin/activate && pip install ... && X`: the set-up steps are NOT re-run

@@ -121,10 +121,11 @@ def output_dir_of_its_own(o: Options, m: Machine) -> None:
 
 
 Derivation = Callable[[Options, Machine], None]
-# In order: --lora first (the others read it, the run directory's name too), Liger's kernel choice before its loss reads that choice.
+# In order: --lora first (the others read it, the run directory's name too), Liger's kernel choice before its loss
+# reads that choice.
 DERIVED: list[Derivation] = [
-    qlora_trains_lora, output_dir_of_its_own, flex_pads_packed_rows, tensor_parallel_saves_model_only, lora_skips_unused_parameter_search,
-    compiled_layers_keep_liger_loss_only, liger_loss_on_labels,
+    qlora_trains_lora, output_dir_of_its_own, flex_pads_packed_rows, tensor_parallel_saves_model_only,
+    lora_skips_unused_parameter_search, compiled_layers_keep_liger_loss_only, liger_loss_on_labels,
 ]
 
 

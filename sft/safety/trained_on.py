@@ -117,8 +117,9 @@ def check_same_training(checkpoint: str, saved: dict, ours: dict, argv: list[str
         again = ("The data files' contents, the tokenizer or another data option (--overlong, --train_on_prompt, "
                  "--eval_split, --max_samples) changed since it started: resume with the data it trained on")
     fresh = command_with(argv, resume_from_checkpoint=None, output_dir=None)
-    raise ConfigError(f"--resume_from_checkpoint {checkpoint}: the run in {output_dir} trained with {'; '.join(words)}. "
-                      f"A checkpoint resumes only onto the model and data it was trained on, so nothing was trained. "
+    raise ConfigError(f"--resume_from_checkpoint {checkpoint}: the run in {output_dir} trained with "
+                      f"{'; '.join(words)}. A checkpoint resumes only onto the model and data it was trained on, so "
+                      f"nothing was trained. "
                       f"{again}, or train this data as a new run (its own directory): `{fresh}`.")
 
 
