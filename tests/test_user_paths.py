@@ -383,7 +383,7 @@ def test_deepseek_sft_train_exits_with_our_code_and_nothing_more(tmp_path):
     """`accelerate launch` adds its launcher's traceback after our error line; `deepseek-sft train` does not."""
     result = subprocess.run([str(Path(sys.executable).with_name("deepseek-sft")), "train", "--num_processes", "1",
                              "--model", str(tmp_path / "missing"), "--dataset", DATA], capture_output=True, text=True,
-                            timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                            timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=tmp_path)  # its output/ there
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines == [f"error: --model {tmp_path / 'missing'}: no such directory ({tmp_path / 'missing'}). Give a "
