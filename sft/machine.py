@@ -11,7 +11,8 @@ import functools
 import importlib.util
 import os
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 GIB = 2**30  # the one definition: every module that counts GiB imports it from here
 # Packages that options need and the install may lack: checks ask the Machine (tests describe them as data).
@@ -52,6 +53,10 @@ class Launch:
     # HTTPS_PROXY, https_proxy, ALL_PROXY or all_proxy is set (only whether: a proxy URL may hold a password)
     hub_proxied: bool = False
     xdg_cache_home: str | None = None             # XDG_CACHE_HOME (unset: ~/.cache): where the tiny model is built
+    # When the launcher (this process's parent: accelerate launch, deepseek-sft train, torchrun) started, in seconds
+    # since the epoch: the same for every process it started, so they name one new run directory. None: not
+    # launched, or not known here (no /proc).
+    launcher_started: float | None = None
 
     @property
     def first(self) -> bool:
@@ -132,10 +137,31 @@ def nvml_uuid(uuid: str) -> str:
     return uuid if uuid.startswith(("GPU-", "MIG-")) else f"GPU-{uuid}"
 
 
+def process_start_ticks(pid: int) -> str | None:
+    """A process's start time in clock ticks since boot (Linux), which tells a reused pid from the original."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def process_started(pid: int) -> float | None:
+    """When a process started, in seconds since the epoch (Linux: boot time + its start ticks); None elsewhere."""
+    ticks = process_start_ticks(pid)
+    try:
+        boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + int(ticks) / os.sysconf("SC_CLK_TCK") if ticks else None
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
 @functools.lru_cache(maxsize=1)
 def launch() -> Launch:
-    """This process's launch facts (environment only)."""
-    return read_launch()
+    """This process's launch facts (the environment, and when its launcher started)."""
+    facts = read_launch()
+    return replace(facts, launcher_started=process_started(os.getppid())) if facts.launched else facts
 
 
 def is_first_process() -> bool:

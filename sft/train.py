@@ -30,14 +30,17 @@ from transformers import set_seed
 
 from sft.report.callbacks import RunOverview, ThroughputCallback, flops_per_token, peak_flops
 from sft.report.progress import LastStepLogged
-from sft.safety.checkpoints import (CompleteRunCheck, ReachedEnd, check_resume_matches, checkpoint_callback, command_with,
+from sft.safety.checkpoints import (CompleteRunCheck, ReachedEnd, check_resume_matches, checkpoint_callback,
                              complete_run_message, newest_complete, out_of_space, resolve_resume, run_is_finished,
                              save_final)
+from sft.options.command import command_with
+from sft.safety.run_dir import method_name, point_latest
+from sft.safety.trained_on import keep_record, this_run
 from sft.speed.chunked_loss import chunked_causal_lm_loss, liger_causal_lm_loss
-from sft.options.arguments import DEMO_PROMPT, TINY_MODEL, is_demo_output, read_options, settle
+from sft.options.arguments import DEMO_PROMPT, TINY_MODEL, read_options, settle
 from sft.options.checks import Options, all_problems
 from sft.options.resolve import with_planned
-from sft.data.dataset import prepare, read_datasets
+from sft.data.dataset import prepare, read_datasets, training_data_hash
 from sft.parallel.distributed import configure_nccl_env, exit_process, on_main_process, preflight, report_error
 from sft.machine import is_first_process
 from sft.errors import ConfigError, ModelNotFoundError, NothingToDo, UserFacingError
@@ -52,6 +55,7 @@ from sft.model.loading import (PartialCheckpointing, check_lora_targets, load_co
 from sft.model.moe import MoeLoadLogger, install_moe
 from sft.data.packing import Collator
 from sft.machine import Machine, machine
+from sft.options.checks import PICKED_NEW
 from sft.plan.planner import NOT_PLANNED, Planned, nothing_planned_line, planned_options, prediction_line
 from sft.safety.run_lock import RunLock
 from sft.report.telemetry import EvalPerplexity, GpuTelemetry, RunRecord, run_summary
@@ -121,26 +125,35 @@ def train(run: Run, seams: Seams) -> int:
     options, planned = final_options(run.argv)
     model_args, data_args, lora_args, training_args = options.groups()  # final: read from here on, never written
     run.output_dir = training_args.output_dir
+    method = method_name(lora_args.lora, lora_args.qlora)
 
     def take_output_dir() -> str | None:  # main process: lock the directory, then decide resume / fresh start
-        run.lock = RunLock(training_args.output_dir, command_with(run.argv))
+        run.lock = RunLock(training_args.output_dir, command_with(run.argv))  # the command as typed
         taken_over = run.lock.acquire()
         if taken_over:
             print(taken_over, flush=True)
-        return resolve_resume(training_args, run.argv, disposable=is_demo_output(model_args, training_args))
+        if training_args.output_dir_picked == PICKED_NEW:
+            print(f"Output directory: {Path(training_args.output_dir).resolve()} (this run's own; --output_dir "
+                  f"chooses one)", flush=True)
+        return resolve_resume(training_args, run.argv, method, this_run(model_args, data_args, lora_args))
 
     resume = on_main_process(take_output_dir)  # a checkpoint, or None; never overwrites or mixes runs
     resolve_model_path(model_args.model)  # a missing directory or unreachable hub id: seconds, not a minute
     check_tensor_parallel(model_args, training_args.world_size, resume)  # the model's heads; the checkpoint's TP
     check_lora_targets(model_args, lora_args)  # user-named targets exist in the model (weightless copy)
-    check_resume_matches(resume, model_args, lora_args, run.argv)  # the checkpoint's LoRA or full model, its shape
+    # the checkpoint's LoRA or full model, its shape
+    check_resume_matches(resume, model_args, lora_args, run.argv, training_args.output_dir)
     conversations = read_datasets(data_args, training_args.seed)  # bad data stops here, before any model
     tokenizer = load_tokenizer(model_args)
+    data_hash = training_data_hash(data_args, tokenizer, conversations)
+    # A resume onto another model or other data stops here, before tokenizing or any model; a new run records its own
+    on_main_process(lambda: keep_record(resume, training_args.output_dir,
+                                        this_run(model_args, data_args, lora_args, data_hash), run.argv))
     if is_first_process():  # a template, EOS or RoPE scaling that this DeepSeek family does not use
         for warning in check_family(load_config(model_args), tokenizer, data_args.template,
                                     model_args.trust_remote_code):
             print(f"warning: {warning}", flush=True)
-    train_data, eval_data, summary = prepare(data_args, tokenizer, conversations, training_args)
+    train_data, eval_data, summary = prepare(data_args, tokenizer, conversations, training_args, data_hash)
     # Saves carry the template trained with (set after prepare(), whose cache key reads the tokenizer's own).
     tokenizer.chat_template = chat_template_for_saving(data_args.template, tokenizer) or tokenizer.chat_template
     preflight(model_args, lora_args, training_args)  # all-reduce check; host RAM of offload plans
@@ -169,7 +182,7 @@ def train(run: Run, seams: Seams) -> int:
     verifier = make_verifier(training_args.verify_saves, model, resolve_model_path(model_args.model), lora_args.lora,
                              model_args.attn_implementation, model_args.trust_remote_code,
                              model_args.fp8_recipe if model_args.fp8_on and not lora_args.lora else None)
-    resume_command = command_with(run.argv, resume_from_checkpoint="true")
+    resume_command = command_with(run.argv, resume_from_checkpoint="true", output_dir=training_args.output_dir)
     skip = training_args.activation_checkpointing_skip_layers  # spare memory: fewer layers recomputed
     # NaN/inf loss or gradient: stop (or skip the step) before the weights take it
     guard = NonFiniteGuard(training_args.nan_policy, lambda: newest_complete(training_args.output_dir), resume_command)
@@ -222,6 +235,8 @@ def train(run: Run, seams: Seams) -> int:
         if main_process:
             record_quantized_base(model, training_args.output_dir)  # --qlora: the 4-bit base, for sft.tools.merge
         save_final(trainer, training_args.output_dir, verifier)  # model or adapter + tokenizer, reloaded, checked
+        if main_process and training_args.output_dir_picked:  # output/<model>/<method>/latest: this finished run
+            point_latest(training_args.output_dir)
 
     if main_process:
         if planned.plan and torch.cuda.is_available():
@@ -287,11 +302,11 @@ def stopped_message(run: Run, what: str) -> str:
         return f"stopped ({what}) before training started.{where}"
     step = run.trainer.state.global_step
     newest = newest_complete(run.output_dir)
+    resume = command_with(run.argv, resume_from_checkpoint="true", output_dir=run.output_dir)
     if newest is None:
         return (f"stopped ({what}) at step {step}; no checkpoint was complete yet, so a new run starts from the "
-                f"beginning: {command_with(run.argv, resume_from_checkpoint='true')}")
-    return (f"stopped ({what}) at step {step}; newest complete checkpoint: {newest}; resume with: "
-            f"{command_with(run.argv, resume_from_checkpoint='true')}")
+                f"beginning: {resume}")
+    return f"stopped ({what}) at step {step}; newest complete checkpoint: {newest}; resume with: {resume}"
 
 
 def _debug_value_follows(argv: list[str]) -> bool:

@@ -14,6 +14,10 @@ order of what happens in a step is the Trainer's own, held by code:
   optimizer step, instead of reading every gradient again.
 - `get_optimizer_cls_and_kwargs`: builds `adamw_bf16_sr` and gives torchao's low-bit AdamW its `--optim_args` as
   numbers.
+- `create_scheduler`: the Trainer's schedule, as a scheduler whose resume keeps this run's schedule (the rule:
+  after resuming at step N, the learning rate is this run's schedule at N, N+1, ...), so that a finished run
+  resumed with a higher --max_steps goes on along the longer schedule instead of taking a step at the old
+  schedule's final rate (0 for linear and cosine).
 - TensorBoard's callback runs after ours, so that it logs what ours add to the logs; the console's progress
   callback is ours (sft/report/progress.py): one short line per log instead of the metric dicts.
 
@@ -28,6 +32,7 @@ import contextlib
 import inspect
 
 import torch
+from torch.optim.lr_scheduler import LambdaLR
 from transformers import PrinterCallback, ProgressCallback, Trainer
 from transformers.integrations import TensorBoardCallback
 
@@ -152,7 +157,14 @@ class SFTTrainer(Trainer):
             self.guard.saw_norm(grad_norm)
         return grad_norm
 
-    # ---- the optimizer -----------------------------------------------------------------------------------------
+    # ---- the optimizer and the learning-rate schedule -----------------------------------------------------------
+
+    def create_scheduler(self, num_training_steps: int, optimizer=None):
+        made = self.lr_scheduler is None
+        scheduler = super().create_scheduler(num_training_steps, optimizer)
+        if made and type(scheduler) is LambdaLR:  # every schedule of transformers' get_scheduler but the plateau one
+            self.lr_scheduler = scheduler = ScheduleOfThisRun(scheduler.optimizer, scheduler.lr_lambdas)
+        return scheduler
 
     @staticmethod
     def get_optimizer_cls_and_kwargs(args, model=None):
@@ -165,6 +177,24 @@ class SFTTrainer(Trainer):
                 isinstance(kwargs.get("block_size"), str):
             kwargs = {**kwargs, "block_size": int(kwargs["block_size"])}  # transformers passes --optim_args as text
         return cls, kwargs
+
+
+class ScheduleOfThisRun(LambdaLR):
+    """The Trainer's schedule (the same lambdas, so the same rates), which a resume continues instead of replacing.
+
+    On resume the Trainer builds the schedule for this run's options, then loads the checkpoint's scheduler state
+    over it, and with it the checkpoint's last learning rate: a run that finished at step 4 of a 4-step linear
+    schedule resumed to 8 steps trained step 5 at that rate, 0 (its weights unchanged), and then jumped back up the
+    8-step schedule. Here the state brings only the step count: after loading, the rate is this run's schedule (its
+    --learning_rate, --lr_scheduler_type, warmup and length) at the checkpoint's step. With the options unchanged
+    that is the rate the checkpoint had, so a resumed run stays bit-identical to an uninterrupted one."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        base_lrs = list(self.base_lrs)  # this run's --learning_rate, not the checkpoint's
+        super().load_state_dict({**state_dict, "lr_lambdas": [None] * len(self.lr_lambdas)})  # keep ours
+        self.base_lrs = base_lrs
+        self.last_epoch -= 1
+        self.step()  # the rate of this run's schedule at the checkpoint's step, set on the optimizer too
 
 
 def _causal_lm(model):

@@ -4,9 +4,9 @@ A block runs by RULES on its words (what kind of command it is), not from a list
 of a known kind (or a new page of docs/) runs without touching this file, and a block or command that no rule
 covers FAILS (test_every_block_has_a_rule lists them all), never skipped in silence. The pages run in one sequence
 in one working directory: README.md first, then docs/*.md by name, each page from the top. So a later block uses
-what an earlier one wrote (the demo's output/demo, the README's LoRA adapter, a page's own earlier outputs), as a
-reader who ran the README and then a page would. A failed command shows its page and line, the command as run and
-its stderr.
+what an earlier one wrote (the demo's output/tiny-deepseek/full/latest, the README's LoRA adapter, a page's own
+earlier outputs), as a reader who ran the README and then a page would. A failed command shows its page and line,
+the command as run and its stderr.
 
 How each kind of block runs:
 - ```bash `python3 -m venv .venv && . .venv/bin/activate && pip install ... && X`: the set-up steps are NOT re-run
@@ -39,7 +39,8 @@ Substitutions (every other word stays as written):
   path such as ../shared/... that exists from the repository root becomes absolute). Nothing may be written
   through those links into the repository.
 - no `--output_dir` in a training command with its own `--model`/`--dataset` -> `--output_dir output/readme-L<line>`
-  (output/docs-<page>-L<line>; the default would collide between commands).
+  (output/docs-<page>-L<line>, so that a later block knows where it saved); the demo (neither) saves in a new
+  directory of its own, which output/tiny-deepseek/full/latest then names.
 - every training command -> + `--max_steps 2 --max_length 512 --logging_steps 1 --save_strategy no --report_to none
   --dataset_cache_dir <tmp>` (`--report_to tensorboard` where a `tensorboard --logdir` block reads its output).
 
@@ -160,6 +161,7 @@ class Command:
         return f"output/{name}-L{self.line}"
 
 
+DEMO_OUTPUT = "output/tiny-deepseek/full/latest"  # the demo's run directory, once it finished (sft/safety/run_dir.py)
 SHELL_SYNTAX = {"|", "||", ";", "&", ">", ">>", "<", "2>", "2>&1", "&>"}
 
 
@@ -770,7 +772,7 @@ class ReadmeRun:
         if "output_dir" not in merged and ("model" in merged or "dataset" in merged):
             args += ["--output_dir", command.default_output]
             merged["output_dir"] = command.default_output
-        output = Path(merged.get("output_dir", "output/demo"))
+        output = Path(merged.get("output_dir", DEMO_OUTPUT))
         self.inside(output, "--output_dir")
         watched = any(output == w or w in output.parents or output in w.parents for w in self.watched)
         args += CAPS + ["--report_to", "tensorboard" if watched else "none",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from sft.options.arguments import DEMO, TINY_MODEL, ConfigError, parse_args
@@ -31,7 +33,7 @@ def test_no_arguments_is_the_demo():
     model_args, data_args, _, training_args = parse_args([])
     assert model_args.model == TINY_MODEL
     assert data_args.dataset == DEMO["dataset"]
-    assert training_args.output_dir == DEMO["output_dir"]
+    assert Path(training_args.output_dir).parent == Path("output", TINY_MODEL, "full")  # a new directory, as any run
     # demo defaults give way to what the user sets
     assert parse_args(["--num_train_epochs", "1"])[3].num_train_epochs == 1
 

@@ -107,7 +107,7 @@ def test_resume_from_what_is_no_checkpoint_says_what_it_is(tmp_path):
 def test_command_replaces_earlier_values():
     argv = ["--model", "m", "--resume_from_checkpoint", "out/checkpoint-2", "--lora"]
     assert command_with(argv, resume_from_checkpoint="true") == \
-        "python sft/train.py --model m --lora --resume_from_checkpoint true"
+        "python -m sft.train --model m --resume_from_checkpoint true --lora"  # in its place
 
 
 def test_explicit_half_written_checkpoint_is_refused(tmp_path):

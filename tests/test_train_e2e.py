@@ -26,8 +26,10 @@ def test_demo_with_no_arguments(tmp_path):
     result = run_train([], launcher=accelerate() + ["--num_processes", "1"], env=env, cwd=tmp_path)
     elapsed = time.monotonic() - started
     assert result.returncode == 0, result.stderr[-3000:]
-    output = tmp_path / "output" / "demo"
-    assert f"Saved model and tokenizer: {output}" in result.stdout
+    runs = list((tmp_path / "output" / "tiny-deepseek" / "full").iterdir())  # its own directory, and `latest`
+    output = next(p for p in runs if p.name != "latest")
+    assert sorted(p.name for p in runs) == [output.name, "latest"] and (output.parent / "latest").resolve() == output
+    assert f"Output directory: {output}" in result.stdout and f"Saved model and tokenizer: {output}" in result.stdout
     assert "TensorBoard logs:" in result.stdout
     losses = tensorboard_scalars(output / "runs", "train/loss")
     assert len(losses) >= 5, losses

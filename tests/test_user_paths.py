@@ -17,7 +17,8 @@ import pytest
 
 from conftest import REPO
 from sft.safety.checkpoints import checkpoint_dirs, is_complete, mark_complete, resolve_resume
-from sft.options.arguments import DEMO, is_demo_output, parse_args
+from sft.options.arguments import parse_args
+from sft.options.command import as_typed
 from sft.errors import ConfigError, ModelNotFoundError, NothingToDo, RunLockedError
 from sft.safety.run_dir import FINAL_MARKER, LOCK_NAME
 from sft.safety.run_lock import RunLock
@@ -57,23 +58,6 @@ def test_demo_defaults_never_override_the_user(tmp_path):
     assert stepped.max_steps == 3
 
 
-def test_demo_replaces_only_its_own_directory(tmp_path, monkeypatch):
-    monkeypatch.chdir(tmp_path)
-    model_args, _, _, training_args = parse_args([])
-    assert is_demo_output(model_args, training_args)
-    assert not is_demo_output(*parse_args(["--output_dir", "elsewhere"])[::3])
-    # a user's run given as --output_dir to the demo is refused, untouched
-    run = old_lora_run(tmp_path / "mine")
-    args = parse_args(["--output_dir", str(run), "--max_steps", "2"])
-    with pytest.raises(ConfigError, match="already holds a run"):
-        resolve_resume(args[3], [], disposable=is_demo_output(args[0], args[3]))
-    assert is_complete(run, FINAL_MARKER) and is_complete(run / "checkpoint-2")
-    # its own output/demo is replaced
-    demo = old_lora_run(tmp_path / DEMO["output_dir"])
-    assert resolve_resume(training_args, [], disposable=True) is None
-    assert [p.name for p in demo.iterdir()] == []
-
-
 # ---- 2. starting over never mixes two runs ----------------------------------------------------------------------
 
 def test_overwrite_moves_the_old_run_aside_whole(tmp_path, capsys):
@@ -97,9 +81,10 @@ def test_resuming_a_finished_run_changes_nothing_and_says_how_to_train_longer(tm
     with pytest.raises(NothingToDo) as done:
         resolve_resume(args, ["--output_dir", str(run), "--max_steps", "2", "--resume_from_checkpoint", "true"])
     assert "nothing was changed" in str(done.value) and "--max_steps 4" in str(done.value)
-    # the hint of a re-run into it says the same
+    # the hint of a re-run into it says the same, for the LoRA run it is (this command has no --lora)
     fresh = parse_args(["--model", "m", "--dataset", DATA, "--output_dir", str(run), "--max_steps", "2"])[3]
-    with pytest.raises(ConfigError, match=r"To train it longer: .*--resume_from_checkpoint true --max_steps 4"):
+    with pytest.raises(ConfigError, match=r"To train it longer: .*--max_steps 4 --resume_from_checkpoint true --lora "
+                                          r"true`"):
         resolve_resume(fresh, ["--output_dir", str(run), "--max_steps", "2"])
 
 
@@ -287,7 +272,11 @@ def test_killing_the_launcher_ends_the_worker_and_frees_the_directory(tmp_path, 
                                 stderr=open(tmp_path / "stderr", "w"), start_new_session=True)
     assert wait_for(lambda: (out / LOCK_NAME).exists() and any(checkpoint_dirs(out)), 600), \
         (tmp_path / "stderr").read_text()[-2000:]
-    worker = json.loads((out / LOCK_NAME).read_text())["pid"]
+    lock = json.loads((out / LOCK_NAME).read_text())
+    worker = lock["pid"]
+    # the command as typed: accelerate's launcher and its options, not `python sft/train.py` (was)
+    accelerate = as_typed(str(Path(sys.executable).with_name("accelerate")))  # its name where PATH finds it there
+    assert lock["command"].startswith(f"{accelerate} launch --num_processes 1 "), lock
     # a second run into the same directory is refused while the first one trains
     second = subprocess.run([sys.executable, str(REPO / "sft" / "train.py"), *args], env=env, capture_output=True,
                             text=True, timeout=600)
@@ -448,9 +437,8 @@ def test_deepseek_sft_train_exits_with_our_code_and_nothing_more(tmp_path):
     its own directory into its own --output_dir: in the repository with the default one, a user's run there
     answered first.)"""
     result = subprocess.run([str(Path(sys.executable).with_name("deepseek-sft")), "train", "--num_processes", "1",
-                             "--model", str(tmp_path / "missing"), "--dataset", DATA, "--output_dir",
-                             str(tmp_path / "out")], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})
+                             "--model", str(tmp_path / "missing"), "--dataset", DATA], capture_output=True, text=True,
+                            timeout=600, env={**os.environ, "HF_HUB_OFFLINE": "1"}, cwd=tmp_path)  # its output/ there
     assert result.returncode == 2
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert lines == [f"error: --model {tmp_path / 'missing'}: no such directory ({tmp_path / 'missing'}). Give a "

@@ -80,20 +80,27 @@ def read_datasets(args: DataArguments, seed: int = 0) -> Conversations:
     return Conversations(train, evaluation, stats, eval_stats)
 
 
-def cache_key(args: DataArguments, tokenizer, template_name: str, conversations: Conversations) -> str:
-    """What the prepared data depends on: the conversations themselves (so file contents, hub data, the eval split
-    and its seed, --max_samples and the reading options are all covered), the tokenization options, the
-    tokenizer and this code."""
+def training_data_hash(args: DataArguments, tokenizer, conversations: Conversations) -> str:
+    """What the training rows depend on, apart from this code: the training conversations themselves (so file
+    contents, hub data, the eval split and its seed, --max_samples and the reading options are all covered), the
+    tokenization options, the template and the tokenizer. A run keeps it (sft/safety/trained_on.py): a resume onto
+    other data is refused, and one after an upgrade of this code that prepares the same data resumes."""
     digest = hashlib.sha256()
-    for part in (conversations.train, conversations.eval):
-        digest.update(json.dumps(part, ensure_ascii=False, sort_keys=True).encode("utf-8", "surrogatepass"))
-        digest.update(b"|")
+    digest.update(json.dumps(conversations.train, ensure_ascii=False, sort_keys=True).encode("utf-8", "surrogatepass"))
     options = {k: getattr(args, k) for k in ("max_length", "overlong", "packing", "train_on_prompt")}
     digest.update(json.dumps(options, sort_keys=True).encode())
-    digest.update(template_name.encode())
+    digest.update(get_template(args.template, tokenizer).name.encode())
     digest.update(tokenizer.backend_tokenizer.to_str().encode() if hasattr(tokenizer, "backend_tokenizer") else
                   repr(tokenizer).encode())
     digest.update(str((tokenizer.bos_token, tokenizer.eos_token, getattr(tokenizer, "chat_template", None))).encode())
+    return digest.hexdigest()[:20]
+
+
+def cache_key(args: DataArguments, tokenizer, conversations: Conversations, data_hash: str | None = None) -> str:
+    """What the prepared data depends on: the training rows' hash (training_data_hash, given when already
+    computed), the eval conversations and this code."""
+    digest = hashlib.sha256((data_hash or training_data_hash(args, tokenizer, conversations)).encode())
+    digest.update(json.dumps(conversations.eval, ensure_ascii=False, sort_keys=True).encode("utf-8", "surrogatepass"))
     for code in sorted(Path(__file__).parent.glob("*.py")):  # every module of the data package: a change, a new cache
         digest.update(code.name.encode() + b"\0" + code.read_bytes())
     return digest.hexdigest()[:20]
@@ -147,13 +154,14 @@ def finish(rows, args: DataArguments):
     return datasets.Dataset(InMemoryTable(table), fingerprint=f"sft-{os.getpid()}-{id(table)}-rows"), counts, kept
 
 
-def prepare(args: DataArguments, tokenizer, conversations: Conversations, training_args=None):
+def prepare(args: DataArguments, tokenizer, conversations: Conversations, training_args=None,
+            data_hash: str | None = None):
     """-> (train dataset, eval dataset or None, summary text). Cached; under several ranks rank 0 builds first
-    and the others load its result."""
+    and the others load its result. `data_hash`: training_data_hash's, where the caller already has it."""
     import datasets
 
     template = get_template(args.template, tokenizer)
-    path = cache_dir(args) / cache_key(args, tokenizer, template.name, conversations)
+    path = cache_dir(args) / cache_key(args, tokenizer, conversations, data_hash)
     first = training_args.main_process_first(desc="dataset preparation") if training_args else _nothing()
     with first:
         if (path / "summary.txt").exists():

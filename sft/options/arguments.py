@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Literal
 
 from transformers import TrainingArguments
@@ -22,9 +21,10 @@ from transformers import TrainingArguments
 from sft.configs import DEMO_DATA
 from sft.errors import ConfigError, NeedsHardware
 from sft.machine import Machine, launch
-from sft.options.argv import (COMMON_TRAINING, TRAIN_HELP, Parser, apply_aliases, help_requested, short_help,
+from sft.options.argv import (COMMON_TRAINING, Parser, apply_aliases, help_requested, short_help,
                               split_names, unknown_options_message)
-from sft.options.checks import CHECKS, MACHINE_CHECKS, OPTION_CHECKS, Check, Options, check_options
+from sft.options.command import help_command as training_help_command
+from sft.options.checks import CHECKS, MACHINE_CHECKS, NEW_RUN_DIR, OPTION_CHECKS, Check, Options, check_options
 from sft.options.recipe import load_recipe, recipe_to_argv
 from sft.options.resolve import resolve_defaults
 from sft.speed.lowbit import SR_ADAMW
@@ -35,7 +35,6 @@ TINY_MODEL = "tiny-deepseek"  # the embedded default, built from its config by s
 DEMO = {  # what `accelerate launch sft/train.py` with no arguments runs: about a minute on 2 CPU cores
     "model": TINY_MODEL,
     "dataset": [str(DEMO_DATA / "alpaca_demo.json"), str(DEMO_DATA / "oasst_demo.jsonl")],  # shipped in the wheel
-    "output_dir": "output/demo",
     "max_length": 256,
     "packing": True,
     "eval_split": 0.05,
@@ -213,7 +212,13 @@ def names_mapping(value, option: str, keys: tuple[str, ...]) -> dict[str, str] |
 class SFTTrainingArguments(TrainingArguments):
     """transformers' TrainingArguments with defaults for SFT (every one of its flags works as usual)."""
 
-    output_dir: str | None = field(default="output/run", metadata={"help": "Where checkpoints, logs and the model go."})
+    output_dir: str | None = field(default=NEW_RUN_DIR, metadata={
+        "help": "Where checkpoints, logs and the model go. Default: a new directory for each run, "
+                "output/<model>/<method>/<start time> (output/<model>/<method>/latest: the newest finished one); "
+                "with --resume_from_checkpoint true, the newest run of this model and method."})
+    # Not an option: how sft/options/resolve.py output_dir_of_its_own chose --output_dir where none was given
+    # ("": given; sft/options/checks.py PICKED_*).
+    output_dir_picked: str = field(default="", init=False)
     report_to: None | str | list[str] = field(default="tensorboard", metadata={
         "help": "Loggers: tensorboard, wandb, none, or several"})
     logging_steps: float = field(default=10, metadata={"help": "Log every N steps."})
@@ -225,7 +230,9 @@ class SFTTrainingArguments(TrainingArguments):
         "help": "Count real (non-padding) tokens, for the tokens/s and MFU logs."})
     # Nothing lost (sft/safety/checkpoints.py, sft/safety/verify.py, sft/safety/guards.py).
     resume_from_checkpoint: str | None = field(default=None, metadata={
-        "help": "Resume: `true` (the newest complete checkpoint in --output_dir) or a checkpoint-N directory."})
+        "help": "Resume: `true` (the newest complete checkpoint in --output_dir; without --output_dir, of the "
+                "newest run of this --model and method) or a checkpoint-N directory. The learning rate follows this "
+                "run's schedule from that step (a higher --max_steps: the longer schedule)."})
     overwrite_output_dir: bool = field(default=False, metadata={
         "help": "Start over in an --output_dir that holds a run: the old run is moved aside to "
                 "<output_dir>.replaced-<time> (never mixed with the new one). Without it, such a run stops and "
@@ -387,21 +394,15 @@ def our_option_names() -> list[str]:
         f.name for f in fields(SFTTrainingArguments) if f.name in ours and f.init]
 
 
-def is_demo_output(model_args: ModelArguments, training_args) -> bool:
-    """The demo's own output directory (the tiny model into ./output/demo): the one directory a run may replace
-    without being asked, since the demo is disposable."""
-    return (model_args.model == TINY_MODEL and
-            Path(training_args.output_dir).resolve() == Path(DEMO["output_dir"]).resolve())
-
-
-def read_options(argv: list[str] | None = None, data_only: bool = False, help_command: str = TRAIN_HELP) -> Options:
+def read_options(argv: list[str] | None = None, data_only: bool = False, help_command: str | None = None) -> Options:
     """The options as given: the recipes, the command line, the demo's defaults; parsed, not yet resolved or
     checked (and never planned: `--plan auto` is its own step, sft/train.py). `data_only`: for tools that prepare
     data and load no model (sft.data.dataset): precision is not checked against the hardware, so a GPU recipe's
     data can be audited on a laptop (precision does not enter the data). `help_command`: the tool's own help, which
-    an option error points at."""
+    an option error points at (None: training's, as this run was started: sft/options/command.py)."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = Parser(PARSER_TYPES, allow_abbrev=False, help_command=help_command)  # no typo passes as an abbreviation
+    parser = Parser(PARSER_TYPES, allow_abbrev=False,  # no typo passes as an abbreviation
+                    help_command=help_command or training_help_command())
     wanted = help_requested(argv)
     if wanted:
         print(parser.format_help() if wanted == "all" else short_help(HELP_GROUPS))
@@ -437,7 +438,7 @@ def read_options(argv: list[str] | None = None, data_only: bool = False, help_co
     return Options.of(model_args, data_args, lora_args, training_args, frozenset(given), problems)
 
 
-def parse_args(argv: list[str] | None = None, data_only: bool = False, help_command: str = TRAIN_HELP):
+def parse_args(argv: list[str] | None = None, data_only: bool = False, help_command: str | None = None):
     """-> (ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments), resolved and checked against this
     machine (`data_only`: the options alone, see read_options). For the tools and tests; training also plans
     (sft/train.py)."""
@@ -460,11 +461,6 @@ def data_machine() -> Machine:
     """What a data-only run resolves against: the launch as the environment says, no GPUs read (CUDA is not
     initialised; no derived value that enters the data depends on them)."""
     return Machine(launch=launch())
-
-
-def resume_requested(value) -> str | None:
-    """--resume_from_checkpoint as given: None when it says no, else the checkpoint path or "true"."""
-    return None if value in (None, "", "false", "False", "no", "0") else str(value)
 
 
 def validate(model_args: ModelArguments, data_args: DataArguments, lora_args: LoraArguments,

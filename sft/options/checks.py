@@ -18,6 +18,11 @@ from sft.errors import ConfigError, ConfigErrors, NeedsHardware, UserFacingError
 from sft.speed.lowbit import LOW_BIT_OPTIMIZERS, SR_ADAMW, rounds_stochastically
 from sft.machine import Machine
 
+# The --output_dir default: sft/options/resolve.py output_dir_of_its_own names the run's own directory, and says
+# in SFTTrainingArguments.output_dir_picked how: a new one, the newest run to resume, or none found to resume.
+NEW_RUN_DIR = "output/<model>/<method>/<start time>"
+PICKED_NEW, PICKED_NEWEST, PICKED_NOTHING = "new", "newest", "nothing to resume"
+
 ATTENTIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 # The attentions that keep packed documents apart by position_ids (the rest would let them attend to each other).
 PACKING_ATTENTIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
@@ -466,6 +471,20 @@ def launcher_agrees(o: Options, m: Machine) -> None:
                           f"{t.deepspeed}. Keep one.")
 
 
+def processes_name_one_run_directory(o: Options, m: Machine) -> None:
+    """A new run directory is named after its launcher's start time (sft/options/resolve.py output_dir_of_its_own),
+    which the processes on other machines (their own launchers), or where it cannot be read, do not share."""
+    launch = m.launch
+    if o.training.output_dir_picked != PICKED_NEW or launch.world_size == 1:
+        return
+    machines = launch.local_world_size is not None and launch.local_world_size < launch.world_size
+    if machines or launch.launcher_started is None:
+        where = "on several machines" if machines else "whose launcher's start time cannot be read here"
+        raise ConfigError(f"--output_dir is missing: {launch.world_size} processes {where} cannot name one new run "
+                          f"directory alike. Give --output_dir (on several machines: a directory they all write, "
+                          f"on shared storage).")
+
+
 Check = Callable[[Options, Machine], None]
 OPTION_CHECKS: list[Check] = [
     plan_value, dataset_given, data_option_values, evaluation_has_data, max_length_long_enough, dtype_name,
@@ -476,7 +495,7 @@ MACHINE_CHECKS: list[Check] = [
     partial_checkpointing, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
     quantized_base_not_under_zero3, qlora_needs, sharding_needs_gpus, attention_kernel_available, processes_fit_gpus,
     tensor_parallel_combinations, compiled_layers_combinations, liger_kernel_available, fp8_base_needs,
-    chunked_loss_combinations, deepspeed_json_agrees, launcher_agrees,
+    chunked_loss_combinations, deepspeed_json_agrees, launcher_agrees, processes_name_one_run_directory,
 ]
 CHECKS: list[Check] = OPTION_CHECKS + MACHINE_CHECKS
 

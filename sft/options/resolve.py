@@ -13,11 +13,27 @@ start: a property of SFTTrainingArguments, sft/options/arguments.py.)
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from sft.errors import ConfigError
 from sft.machine import Machine
-from sft.options.checks import Options, compiled_layers_combinations, fp8_base_needs, fp8_combinations
+from sft.options.checks import (NEW_RUN_DIR, PICKED_NEW, PICKED_NEWEST, PICKED_NOTHING, Options,
+                               compiled_layers_combinations, fp8_base_needs, fp8_combinations)
+from sft.safety.run_dir import holds_a_run, method_name, new_run_dir, runs_of
+
+# --resume_from_checkpoint values that mean the newest complete checkpoint of the run
+RESUME_NEWEST = ("true", "1", "yes", "last", "latest")
+
+
+def resume_requested(value) -> str | None:
+    """--resume_from_checkpoint as given: None when it says no, else the checkpoint path or "true"."""
+    return None if value in (None, "", "false", "False", "no", "0") else str(value)
+
+
+def resumes_newest(value) -> bool:
+    requested = resume_requested(value)
+    return requested is not None and requested.lower() in RESUME_NEWEST
 
 
 def with_planned(o: Options, planned: dict) -> Options:
@@ -172,13 +188,35 @@ def our_rotation_keeps_checkpoints(o: Options, m: Machine) -> None:
         t.checkpoints_to_keep, t.save_total_limit = t.save_total_limit, None
 
 
+def output_dir_of_its_own(o: Options, m: Machine) -> None:
+    """No --output_dir: a new directory for each run, output/<model>/<method>/<start time>, as LLaMA-Factory's
+    saves/ (a second experiment never lands in the first one's directory). Every process of a launch names the
+    same one: the start time is the launcher's (sft/machine.py Launch.launcher_started). With
+    --resume_from_checkpoint true, the newest run of this model and method that holds one is resumed instead
+    (sft/safety/checkpoints.py resolve_resume says which, or refuses when there is none)."""
+    t = o.training
+    if t.output_dir != NEW_RUN_DIR:
+        return
+    method = method_name(o.lora.lora, o.lora.qlora)
+    t.output_dir_picked = PICKED_NEW
+    if resumes_newest(t.resume_from_checkpoint):
+        runs = [path for path in runs_of(o.model.model, method) if holds_a_run(path)]
+        if runs:
+            t.output_dir, t.output_dir_picked = str(runs[-1]), PICKED_NEWEST
+            return
+        t.output_dir_picked = PICKED_NOTHING
+    started = m.launch.launcher_started if m.launch.launched and m.launch.launcher_started else time.time()
+    t.output_dir = str(new_run_dir(o.model.model, method, started, unique=m.launch.world_size == 1))
+
+
 Derivation = Callable[[Options, Machine], None]
-# In order: --lora first (the others read it), the fast paths before Liger's kernel choice (which reads
-# --compile_layers), Liger's kernel choice before its loss reads that choice.
+# In order: --lora first (the others read it, the run directory's name too), the fast paths before Liger's kernel
+# choice (which reads --compile_layers), Liger's kernel choice before its loss reads that choice.
 DERIVED: list[Derivation] = [
-    qlora_trains_lora, fast_paths_where_supported, flex_pads_packed_rows, fp8_training_pads_rows_to_16,
-    tensor_parallel_saves_model_only, lora_skips_unused_parameter_search, compiled_layers_keep_liger_loss_only, liger_loss_on_labels,
-    fsdp_checkpoints_activations, fsdp_reduce_scatters_each_micro_batch, our_rotation_keeps_checkpoints,
+    qlora_trains_lora, output_dir_of_its_own, fast_paths_where_supported, flex_pads_packed_rows,
+    fp8_training_pads_rows_to_16, tensor_parallel_saves_model_only, lora_skips_unused_parameter_search,
+    compiled_layers_keep_liger_loss_only, liger_loss_on_labels, fsdp_checkpoints_activations,
+    fsdp_reduce_scatters_each_micro_batch, our_rotation_keeps_checkpoints,
 ]
 
 

@@ -14,7 +14,9 @@ whatever its state. So:
   rotated checkpoint loses its marker before its files.
 - `--resume_from_checkpoint true` resumes from the newest complete checkpoint in `--output_dir`; incomplete ones
   are deleted first, since the Trainer would write into them in place.
-- A run into an output directory that holds a run stops with the exact command to resume or to overwrite.
+- A run into an output directory that holds a run stops with the exact command to resume or to overwrite. Every
+  command a message suggests is the user's own, as typed (sft/options/command.py), with the run's own method and
+  data options (sft/safety/trained_on.py).
 
 Safe loading on resume (checked in transformers 5.24): the Trainer loads weights from safetensors and
 `optimizer.pt`, `scheduler.pt`, `scaler.pt` and `rng_state*.pth` with `torch.load(weights_only=True)`; it never
@@ -28,20 +30,19 @@ from __future__ import annotations
 import errno
 import json
 import os
-import shlex
 import shutil
-import sys
 import time
 from pathlib import Path
 
 from transformers import TrainerCallback
 
-from sft.options.arguments import resume_requested
 from sft.errors import ConfigError, NothingToDo, OutOfSpaceError
+from sft.options.checks import PICKED_NEWEST, PICKED_NOTHING
+from sft.options.command import command_with
+from sft.options.resolve import resume_requested, resumes_newest
 from sft.safety.run_dir import (ADAPTER_CONFIG, CHECKPOINT_MARKER, FINAL_MARKER, MODEL_FILES, TRAINER_STATE,
-                                WEIGHT_FILES, checkpoint_dir, checkpoint_step)
-
-TRUE = ("true", "1", "yes", "last", "latest")
+                                WEIGHT_FILES, checkpoint_dir, checkpoint_step, method_name, runs_of)
+from sft.safety.trained_on import as_option_values, recorded, run_method
 
 
 # ---- completeness -------------------------------------------------------------------------------------------
@@ -123,44 +124,6 @@ def rotate(output_dir: str | Path, limit: int | None, keep: str | None = None) -
 
 # ---- re-running into an output directory -------------------------------------------------------------------
 
-def launch_command(argv: list[str] | None) -> list[str]:
-    """The command line that started this run, as the user typed it (the launcher's, under accelerate/torchrun)."""
-    from sft.machine import launch
-
-    if launch().launched:
-        try:  # under a launcher our parent is `accelerate launch ...` or `torchrun ...`: repeat its command
-            raw = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
-            words = [w.decode() for w in raw if w]
-            if words and Path(words[0]).name.startswith("python") and len(words) > 1:
-                words = [Path(words[1]).name, *words[2:]]  # `.../bin/accelerate launch ...` -> `accelerate ...`
-            elif words:
-                words[0] = Path(words[0]).name
-            if any(w.endswith("train.py") for w in words):
-                return words
-        except OSError:
-            pass
-    script = "sft/train.py"
-    return ["python", script, *(sys.argv[1:] if argv is None else argv)]
-
-
-def command_with(argv: list[str] | None, **options: str) -> str:
-    """This run's command with `options` set (replacing any earlier value of them)."""
-    words, out, skip = launch_command(argv), [], False
-    for word in words:
-        name = word[2:].split("=", 1)[0] if word.startswith("--") else None
-        if skip:
-            skip = False
-            if not word.startswith("--"):
-                continue
-        if name in options:
-            skip = "=" not in word
-            continue
-        out.append(word)
-    for name, value in options.items():
-        out += [f"--{name}", value]
-    return shlex.join(out)
-
-
 def holds_run(output_dir: str | Path) -> str | None:
     """What a previous run left in `output_dir` that a new run would overwrite, in words; None if nothing."""
     root = Path(output_dir)
@@ -176,22 +139,16 @@ def holds_run(output_dir: str | Path) -> str | None:
     return " and ".join(parts)
 
 
-def replace_run(output_dir: str | Path, disposable: bool) -> str | None:
+def replace_run(output_dir: str | Path) -> str | None:
     """Make room for a new run, so that its files never mix with the old run's (an old adapter_config.json beside
-    a new full model loads as neither). The demo's own directory is disposable: emptied. Any other is moved aside
-    whole, next to it (a rename: no copy, nothing lost). -> what was done, in words, or None if it was empty."""
+    a new full model loads as neither): the old run is moved aside whole, next to it (a rename: no copy, nothing
+    lost). -> what was done, in words, or None if it was empty."""
     from sft.safety.run_lock import LOCK_NAME
 
     root = Path(output_dir).resolve()
     entries = [p for p in root.iterdir() if p.name != LOCK_NAME] if root.is_dir() else []
     if not entries:
         return None
-    if disposable:
-        for path in checkpoint_dirs(root):
-            remove_checkpoint(path)  # marker first, as everywhere
-        for path in (p for p in entries if p.exists()):
-            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
-        return f"Replaced the previous demo run in {root}."
     aside = root.with_name(f"{root.name}.replaced-{time.strftime('%Y%m%d-%H%M%S')}")
     try:
         aside.mkdir()
@@ -212,35 +169,51 @@ def trained_steps(checkpoint: Path) -> tuple[int, int] | None:
         return None
 
 
-def longer_run_command(argv: list[str] | None, training_args, step: int) -> str:
-    """The command that resumes a finished run and trains it longer (twice as long)."""
-    if training_args.max_steps and training_args.max_steps > 0:
-        return command_with(argv, resume_from_checkpoint="true", max_steps=str(2 * max(step, 1)))
-    return command_with(argv, resume_from_checkpoint="true",
-                        num_train_epochs=f"{2 * training_args.num_train_epochs:g}")
+def longer_run_command(argv: list[str] | None, training_args, step: int, **as_run) -> str:
+    """The command that resumes a finished run and trains it longer (twice as long). `as_run`: command_with's
+    options that make it the run's own (its method, its data)."""
+    longer = ({"max_steps": str(2 * max(step, 1))} if training_args.max_steps and training_args.max_steps > 0 else
+              {"num_train_epochs": f"{2 * training_args.num_train_epochs:g}"})
+    return command_with(argv, resume_from_checkpoint="true", output_dir=str(training_args.output_dir),
+                        **{**as_run, **longer})
 
 
-def complete_run_message(output_dir, step: int, argv: list[str] | None, training_args) -> str:
+def complete_run_message(output_dir, step: int, argv: list[str] | None, training_args, **as_run) -> str:
     length = (f"--max_steps {training_args.max_steps}" if training_args.max_steps and training_args.max_steps > 0
               else f"--num_train_epochs {training_args.num_train_epochs:g}")
     return (f"the run in {output_dir} is complete: it reached step {step} ({length}); nothing was changed. To train "
             f"longer, raise --max_steps or --num_train_epochs and resume, e.g. "
-            f"`{longer_run_command(argv, training_args, step)}`.")
+            f"`{longer_run_command(argv, training_args, step, **as_run)}` (its learning rate then follows the "
+            f"schedule of the new length from step {step} on).")
 
 
-def resolve_resume(training_args, argv: list[str] | None = None, disposable: bool = False) -> str | None:
+def as_the_run(output_dir: str | Path, checkpoint: Path | None, method: str, this_run: dict | None) -> dict:
+    """command_with's options that turn this command into one for the run in `output_dir`: its method (never this
+    command's --lora on a full fine-tune) and its model and data options where its record has them."""
+    theirs = run_method(output_dir, checkpoint) or method
+    saved = recorded(output_dir)
+    data = as_option_values(saved, this_run) if saved and this_run else {}
+    return {"method": theirs, "this_method": method, **data}
+
+
+def resolve_resume(training_args, argv: list[str] | None = None, method: str = "full",
+                   this_run: dict | None = None) -> str | None:
     """-> the checkpoint to resume from, or None to start fresh. Raises ConfigError when a run would be lost, and
     NothingToDo when the checkpoint already reached this run's --max_steps.
 
     Runs in the main process only (which holds the output directory's lock); train.py shares the answer.
-    `disposable`: the demo's own output directory, which a new demo run replaces without being asked.
+    `method`: what this run trains (sft/safety/run_dir.py method_name); `this_run`: its record without the data's
+    hash (sft/safety/trained_on.py this_run): the commands suggested for the run in the directory are that run's.
     """
     output_dir = Path(training_args.output_dir)
     value = resume_requested(training_args.resume_from_checkpoint)
     cleaning = training_args.should_save
     overwrite = getattr(training_args, "overwrite_output_dir", False)
+    picked = getattr(training_args, "output_dir_picked", "")
     if value is not None and overwrite:
         raise ConfigError("--resume_from_checkpoint and --overwrite_output_dir contradict each other: give one.")
+    if picked == PICKED_NOTHING:
+        raise ConfigError(nothing_to_resume_message(output_dir, argv))
 
     def drop_incomplete():
         for path in checkpoint_dirs(output_dir):
@@ -250,28 +223,29 @@ def resolve_resume(training_args, argv: list[str] | None = None, disposable: boo
 
     if value is None:
         found = holds_run(output_dir)
-        if found and not (overwrite or disposable):
+        if found and not overwrite:
             newest = newest_complete(output_dir)
             steps = trained_steps(newest) if newest else None
             finished = (output_dir / FINAL_MARKER).exists() and steps and steps[0] >= steps[1]
+            as_run = as_the_run(output_dir, newest, method, this_run)
             if finished:
-                hint = f"To train it longer: `{longer_run_command(argv, training_args, steps[0])}`. "
+                hint = f"To train it longer: `{longer_run_command(argv, training_args, steps[0], **as_run)}`. "
             elif newest:
-                hint = f"To continue it: `{command_with(argv, resume_from_checkpoint='true')}`. "
+                hint = f"To continue it: `{command_with(argv, resume_from_checkpoint='true', **as_run)}`. "
             else:
                 hint = ""
             fresh = command_with(argv, overwrite_output_dir="true")
             raise ConfigError(f"--output_dir {output_dir} already holds a run ({found}); nothing was changed. "
-                              f"{hint}To start over (the old run is moved aside): `{fresh}`. Or give another "
-                              f"--output_dir.")
-        if (overwrite or disposable) and cleaning:
-            done = replace_run(output_dir, disposable)
+                              f"{hint}To start over (the old run is moved aside): `{fresh}`. To train this as a new "
+                              f"run in a directory of its own: `{command_with(argv, output_dir=None)}`.")
+        if overwrite and cleaning:
+            done = replace_run(output_dir)
             if done:
                 print(done, flush=True)
         drop_incomplete()
         return None
 
-    if value.lower() in TRUE:
+    if resumes_newest(value):
         checkpoint = newest_complete(output_dir)
         if checkpoint is None:
             if any((output_dir / name).exists() for name in MODEL_FILES):
@@ -307,16 +281,32 @@ def resolve_resume(training_args, argv: list[str] | None = None, disposable: boo
     steps = trained_steps(checkpoint)
     finished = (output_dir / FINAL_MARKER).exists()
     if finished and steps and training_args.max_steps and 0 < training_args.max_steps <= steps[0]:
-        raise NothingToDo(complete_run_message(output_dir, steps[0], argv, training_args))
+        raise NothingToDo(complete_run_message(output_dir, steps[0], argv, training_args,
+                                               **as_the_run(checkpoint.parent, checkpoint, method, this_run)))
     if checkpoint.resolve().parent == output_dir.resolve():
         drop_incomplete()
     if cleaning:
-        print(f"Resuming from {checkpoint}" + (" (the newest complete checkpoint)." if value.lower() in TRUE
-                                               else "."), flush=True)
+        which = (f" (the newest complete checkpoint of the newest run of this model and method in "
+                 f"{output_dir.parent}; --output_dir picks another)" if picked == PICKED_NEWEST else
+                 " (the newest complete checkpoint)" if resumes_newest(value) else "")
+        print(f"Resuming from {checkpoint}{which}.", flush=True)
     return str(checkpoint)
 
 
-def check_resume_matches(checkpoint: str | None, model_args, lora_args, argv: list[str] | None) -> None:
+def nothing_to_resume_message(new_run: Path, argv: list[str] | None) -> str:
+    """--resume_from_checkpoint true without --output_dir, and no run of this model and method holds a checkpoint
+    (`new_run`: the directory a new run would have had, which the lock may have made)."""
+    folder = new_run.parent
+    runs = [p for p in runs_of(folder.parent.name, folder.name, folder.parent.parent) if p.name != new_run.name]
+    there = (f"; its run directories hold no checkpoint: {', '.join(p.name for p in runs)}" if runs else
+             f"; {folder} holds no run")
+    return (f"--resume_from_checkpoint true without --output_dir resumes the newest run of this model and method"
+            f"{there}. Give the --output_dir of the run to resume, or start a new one: "
+            f"`{command_with(argv, resume_from_checkpoint=None)}`.")
+
+
+def check_resume_matches(checkpoint: str | None, model_args, lora_args, argv: list[str] | None,
+                         output_dir: str | None = None) -> None:
     """A checkpoint resumes only into the training that wrote it: a LoRA adapter with --lora and the same rank,
     alpha and targets; a full fine-tune without --lora, from a model of the same shape. Checked before any model
     loads (the Trainer would fail after loading it, on sizes or optimizer groups, or, for another --lora_alpha,
@@ -328,17 +318,20 @@ def check_resume_matches(checkpoint: str | None, model_args, lora_args, argv: li
     if adapter is None and config is None:
         return  # a layout we do not read (e.g. DeepSpeed's or FSDP's shards alone): the Trainer checks it
     lora = lora_args.lora  # --qlora has set it (sft/options/resolve.py)
+    this_method = method_name(lora, lora_args.qlora)
     start_over = "or train these options from the start in another --output_dir"
+    same_run = {"output_dir": output_dir} if output_dir else {}
     if adapter is not None and not lora:
+        theirs = run_method(path.parent, path) or "lora"
         raise ConfigError(f"--resume_from_checkpoint {path} holds a LoRA adapter, and this run trains every weight "
-                          f"(no --lora). Resume it as it was trained: `{command_with(argv, lora='true')}`, "
-                          f"{start_over}.")
+                          f"(no --lora). Resume it as it was trained: "
+                          f"`{command_with(argv, method=theirs, this_method=this_method, **same_run)}`, {start_over}.")
     if adapter is None:
         if lora:
-            as_trained = {"lora": "false", **({"qlora": "false"} if lora_args.qlora else {})}
             raise ConfigError(f"--resume_from_checkpoint {path} holds a full fine-tune (every weight), and this run "
                               f"trains a LoRA adapter. Resume it as it was trained: "
-                              f"`{command_with(argv, **as_trained)}`, {start_over}.")
+                              f"`{command_with(argv, method='full', this_method=this_method, **same_run)}`, "
+                              f"{start_over}.")
         from sft.model.loading import load_config
 
         ours = load_config(model_args).to_dict()
@@ -367,7 +360,8 @@ def check_resume_matches(checkpoint: str | None, model_args, lora_args, argv: li
             words.append(f"{key} {', '.join(sorted(saved)) or 'none'} (this run: {', '.join(sorted(given)) or 'none'})")
     if not words:
         return
-    fix = (f"`{command_with(argv, **{option: str(saved) for option, (saved, _) in differ.items()})}`" if not targets
+    fix = (f"`{command_with(argv, **same_run, **{option: str(saved) for option, (saved, _) in differ.items()})}`"
+           if not targets
            else "the same options, with " + " ".join(
                [f"--{option} {saved}" for option, (saved, _) in differ.items()]
                + [f"--lora_target_modules {' '.join(sorted(targets[key]))}" if key == "target_modules" else
@@ -412,7 +406,7 @@ def out_of_space(error: BaseException, output_dir: str | Path, argv: list[str] |
                            f"writing there ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}). "
                            f"Nothing complete was lost: {kept}; a half-written checkpoint is ignored, and removed "
                            f"on resume. Free some space (or keep fewer checkpoints: --save_total_limit) and resume "
-                           f"with: {command_with(argv, resume_from_checkpoint='true')}")
+                           f"with: {command_with(argv, resume_from_checkpoint='true', output_dir=str(output_dir))}")
 
 
 class ReachedEnd(Exception):

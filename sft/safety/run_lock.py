@@ -19,17 +19,8 @@ import time
 from pathlib import Path
 
 from sft.errors import ConfigError, RunLockedError
-from sft.machine import CPU_BACKEND_ADVICE, Launch, launch as this_launch
-from sft.safety.run_dir import LOCK_NAME
-
-
-def _start_time(pid: int) -> str | None:
-    """The process's start time in clock ticks since boot (Linux), which tells a reused pid from the original."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
-        return None
+from sft.machine import CPU_BACKEND_ADVICE, Launch, launch as this_launch, process_start_ticks
+from sft.safety.run_dir import LOCK_NAME, TRAINED_ON
 
 
 def _alive(pid: int, start: str | None) -> bool:
@@ -39,12 +30,12 @@ def _alive(pid: int, start: str | None) -> bool:
         return False
     except PermissionError:
         pass  # someone else's live process
-    now = _start_time(pid)
+    now = process_start_ticks(pid)
     return start is None or now is None or now == start
 
 
 def _me() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid()),
+    return {"pid": os.getpid(), "host": socket.gethostname(), "start": process_start_ticks(os.getpid()),
             "since": time.strftime("%Y-%m-%d %H:%M:%S")}
 
 
@@ -55,14 +46,14 @@ class RunLock:
         self.path = Path(output_dir) / LOCK_NAME
         self.command = command
         self.held = False
-        self.created_dir = False
+        self.created: list[Path] = []  # the directories acquire() made, deepest first (removed again if left empty)
         launch = launch or this_launch()
         self.launch = {"launcher": os.getppid(), "rank": launch.rank} if launch.launched else {}
 
     def acquire(self) -> str | None:
         """Take the lock; -> a message when a stale lock was taken over. Raises RunLockedError if held, and
         ConfigError where the directory cannot be created or written (read-only, a file, no permission, full)."""
-        self.created_dir = not self.path.parent.exists()  # then removed again if the run leaves nothing in it
+        self.created = [p for p in (self.path.parent, *self.path.parent.parents) if not p.exists()]
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             return self._take()
@@ -139,8 +130,17 @@ class RunLock:
         holder = self._read() or {}
         if holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
             self.path.unlink(missing_ok=True)
-            if self.created_dir:
-                try:
-                    self.path.parent.rmdir()  # only if empty: a run stopped before writing anything
-                except OSError:
-                    pass
+            if self.created:
+                self._remove_unused_directories()
+
+    def _remove_unused_directories(self) -> None:
+        """The directories this run created (output/<model>/<method>/<time> and the folders above it), when it
+        stopped before writing anything but its record."""
+        root = self.path.parent
+        try:
+            if [p.name for p in root.iterdir()] == [TRAINED_ON]:
+                (root / TRAINED_ON).unlink()
+            for made in self.created:
+                made.rmdir()  # only if empty: stops at the first that holds something
+        except OSError:
+            pass

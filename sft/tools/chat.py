@@ -1,7 +1,7 @@
 """Chat with a fine-tuned model (or adapter) to check the result, using the same template as training.
 
-    python -m sft.tools.chat output/demo                           # interactive; an empty line or Ctrl-D quits
-    python -m sft.tools.chat output/demo --prompt "What is the capital of Japan?"
+    python -m sft.tools.chat output/tiny-deepseek/full/latest      # interactive; an empty line or Ctrl-D quits
+    python -m sft.tools.chat output/tiny-deepseek/full/latest --prompt "What is the capital of Japan?"
 
 The saved tokenizer carries the chat template training used (sft/data/templates.py chat_template_for_saving), so the
 default `--template auto` renders prompts as training did. An answer cut at --max_new_tokens (no end-of-sequence
