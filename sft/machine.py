@@ -23,6 +23,31 @@ PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")
 CPU_BACKEND_ADVICE = "On a machine without GPUs add --use_cpu true (DDP) or --ddp_backend gloo (DeepSpeed configs)."
 
 
+@dataclass(frozen=True)
+class GpuKind:
+    """A GPU model: what the planner needs of a box of them (sft/plan/planner.py --gpu), and what MFU is counted
+    against (sft/report/callbacks.py)."""
+
+    capability: tuple[int, int]  # CUDA compute capability: FP8 matmuls from 8.9 (Machine.fp8_problem)
+    memory_gb: float             # per card, as sold
+    peak_flops: float            # dense bf16 matmul peak, FLOP/s
+
+
+# Keyed by what the GPU's name contains ("NVIDIA GeForce RTX 4090" is an RTX 4090). Peaks: H200 measured on our lent
+# machines (the ceiling MFU is quoted against); the others vendor datasheet figures (RTX 4090: tensor cores with fp32
+# accumulation).
+GPU_KINDS: dict[str, GpuKind] = {
+    "H200": GpuKind((9, 0), 141, 790e12), "H100": GpuKind((9, 0), 80, 790e12), "A100": GpuKind((8, 0), 80, 312e12),
+    "RTX 4090": GpuKind((8, 9), 24, 165e12), "RTX 3090": GpuKind((8, 6), 24, 71e12),
+    "L40S": GpuKind((8, 9), 48, 362e12), "A6000": GpuKind((8, 6), 48, 155e12),
+}
+
+
+def gpu_kind(name: str) -> tuple[str, GpuKind] | None:
+    """The catalogue's entry for a GPU's name (any case; "NVIDIA GeForce RTX 4090" and "rtx 4090" alike), or None."""
+    return next(((k, v) for k, v in GPU_KINDS.items() if k.lower() in name.lower()), None)
+
+
 def _true(value: str | None) -> bool:
     return (value or "false").lower() in ("1", "true", "yes")
 

@@ -92,7 +92,7 @@ class SFTTrainer(Trainer):
         """--offload_activations: what the forward saves for the backward outside the checkpointed layers (their
         checkpoints: each layer's input) goes to pinned host RAM and comes back as the backward reaches it. At long
         rows a layer computes for far longer than its checkpoint takes over PCIe (0.25 GB a layer at 32k tokens)."""
-        if not (training and self.args.offload_activations):
+        if not (training and getattr(self.args, "offload_activations", False)):  # plain TrainingArguments too
             return contextlib.nullcontext()
         return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
 

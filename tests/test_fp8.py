@@ -156,7 +156,7 @@ def test_fp8_option_needs_a_gpu_with_fp8_and_no_4bit_base():
     from sft.options.checks import Options
     from sft.options.arguments import parse_args
     from sft.errors import ConfigError
-    from sft.speed.fp8 import fp8_base_needs
+    from sft.options.checks import fp8_base_needs
     from sft.machine import Launch, Machine
 
     with pytest.raises(ConfigError, match="--fp8 with --qlora"):

@@ -508,7 +508,7 @@ def test_each_recipe_is_the_planners_plan_for_its_micro_batch(recipe):
     skip = options.get("activation_checkpointing_skip_layers", 0)
     own = plan.predict(shape, plan.Workload(best.w.strategy, Setup(method, precision), 3, mb, best.w.seq_len,
                                             best.w.checkpointing, skip, bool(options.get("use_liger_kernel")),
-                                            grad_accum=accumulation))
+                                            grad_accum=accumulation, fp8=best.w.fp8, compiled=best.w.compiled))
     assert own.smi_gib <= box.card_gib - plan.MARGIN_GIB, recipe.name
     if method == "full":
         assert f"predicted at {own.smi_gib:.1f} GiB per GPU by nvidia-smi" in text
@@ -533,3 +533,146 @@ def test_the_header_names_each_strategys_kernels():
     assert plan.kernels_text(dense, ["ddp", "fsdp"]) == "flex_attention + Liger"
     assert plan.kernels_text(dense, ["ddp", "tp", "fsdp"]) == "flex_attention + Liger (tp: sdpa, no Liger)"
     assert plan.kernels_text(mla, ["zero3_offload", "zero3"]) == "sdpa, no Liger"
+
+
+# ---- issue 28: a plan runs with the fast paths its run gets (--fp8 / --compile_layers auto), and predicts them
+
+def test_a_lora_plan_on_the_default_box_runs_fp8_and_the_compiled_layers_and_counts_their_memory():
+    """3 x RTX 4090 (compute capability 8.9): the run's own rule turns both on under DDP, so the plan is predicted
+    with them: the compiled layers' memory on top (fitted on their bench rows), the MFU of the rows that ran with
+    both; the command needs no option for them, and the header and the recommendation say so."""
+    shape = plan.SHAPES["deepseek-llm-7b"]
+    plans = plan.enumerate_plans(shape, BOX, "lora", 2048)
+    best = plan.best_plan(plans)
+    assert (best.w.strategy, best.w.fast) == ("ddp", "fp8+compiled")
+    plain = plan.predict(shape, plan.Workload("ddp", Setup("lora"), 3, best.w.micro_batch, 2048, best.w.checkpointing))
+    assert best.prediction.parts["fast_paths"] > 0 and best.prediction.smi_gib > plain.smi_gib
+    assert "lora-1-fp8-compile" in best.tok_s_source and "no row of this kind with" not in best.tok_s_source
+    by_strategy = {p.w.strategy: p.w.fast for p in plans}
+    assert by_strategy["fsdp"] == "compiled" and by_strategy["zero2"] == by_strategy["zero3"] == ""  # as resolve.py
+    out = run_planner("--model", "deepseek-llm-7b", "--lora")
+    header, recommended = out.stdout.splitlines()[0], out.stdout.split("Recommended: ")[1].splitlines()
+    assert "ddp, single_gpu: FP8 + compiled layers (defaults on this GPU)" in header
+    assert "fsdp: compiled layers" in header and "zero2, zero3: neither" in header
+    assert recommended[1] == "  FP8 + compiled layers (defaults on this GPU)"
+    assert "--fp8" not in recommended[0] and "--compile_layers" not in recommended[0]
+    assert "fp8+compiled" in out.stdout.splitlines()[3]  # the table's column, first row
+
+
+def test_an_rtx_3090_box_gets_the_compiled_layers_and_no_fp8_and_says_why():
+    plans = plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], plan.Box(3, 24, gpu="RTX 3090"), "lora", 2048)
+    best = plan.best_plan(plans)
+    assert best.w.compiled and not best.w.fp8 and not any(p.w.fp8 for p in plans)
+    assert "lora-1-compile" in best.tok_s_source
+    out = run_planner("--model", "deepseek-llm-7b", "--lora", "--gpu", "RTX 3090")
+    assert out.returncode == 0 and "3 x RTX 3090 24 GB" in out.stdout.splitlines()[0]
+    assert ("compiled layers on (the default), FP8 off (GPU 0 (RTX 3090) has compute capability 8.6; FP8 matmuls "
+            "need 8.9 or newer") in out.stdout.split("Recommended: ")[1]
+    assert "scaled to 71 TFLOP/s per GPU" in out.stdout  # the GPU's own peak
+    out = run_planner("--model", "deepseek-llm-7b", "--gpu", "GTX 1080")
+    assert out.returncode == 2 and out.stderr.startswith("error: --gpu GTX 1080: not a GPU the planner knows")
+
+
+def test_the_fast_paths_memory_is_fitted_on_their_bench_rows_and_checked_there():
+    """Each fast path adds a share of the whole layers' activations, fitted on the rows that ran with it against
+    their twins without it; its rows are in the check table, within the memory model's worst error (HEADROOM)."""
+    results = {x["name"]: x for x in plan.check_rows()}
+    for name, fast in [("lora-best-compile", "compiled"), ("lora-best-fp8-compile", "fp8+compiled"),
+                       ("lora-1-compile", "compiled"), ("lora-1-fp8-compile", "fp8+compiled"),
+                       ("full-sr16-compile", "compiled"), ("full-fp8", "fp8+compiled")]:
+        assert results[name]["fast"] == fast, name
+        assert abs(results[name]["err_reserved"]) <= plan.HEADROOM, name
+    table = plan.fitted()["fast_path_memory"]
+    assert table["lora"]["compiled"][0] > table["lora"]["fp8"][0] > 0 > table["full"]["fp8"][0]  # FP8 activations
+    # a pair measured apart: the prediction moves with the measured difference (GiB)
+    for fast, plain, measured in [("lora-best-compile", "lora-best", 6.08), ("lora-1-compile", "lora-1", 0.56),
+                                  ("full-fp8", "full-sr16", 63.73 - 70.15)]:
+        moved = results[fast]["pred_reserved"] - results[plain]["pred_reserved"]
+        assert abs(moved - measured) < 0.5, (fast, moved, measured)
+
+
+def test_the_mfu_of_fast_plans_is_their_rows_or_says_it_is_not(tmp_path):
+    import json
+
+    base = {"run_id": "r", "peer": "ours", "gpu": "NVIDIA H200", "n_gpus": 1, "strategy": "single",
+            "model": "deepseek-llm-7b", "seq_len": 2048, "micro_batch": 4, "peak_mem_gib": 20.0, "method": "lora",
+            "train_args": "--activation_checkpointing true --attn_implementation flex_attention"}
+    fast = " --fp8 true --compile_layers true"
+    rows = [{**base, "name": "plain", "mfu": 0.4},
+            {**base, "name": "both", "mfu": 0.6, "train_args": base["train_args"] + fast},
+            {**base, "name": "broken", "mfu": 0.9, "train_args": base["train_args"] + fast, "notes": "INVALID: no"},
+            {**base, "name": "auto", "mfu": 0.7, "train_args": base["train_args"] + fast.replace("true", "auto")},
+            {**base, "name": "fsdp-plain", "mfu": 0.2, "strategy": "fsdp", "n_gpus": 2}]
+    results = tmp_path / "results.jsonl"
+    results.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    mfu, why = plan.mfu_reference("ddp", "lora", True, results, fast="fp8+compiled")
+    assert mfu == pytest.approx(0.65) and "(auto, both)" in why  # auto on an H200: both; INVALID rows left out
+    assert plan.mfu_reference("ddp", "lora", True, results) == (0.4, "median MFU 40.0% of 1 rows (plain)")
+    mfu, why = plan.mfu_reference("fsdp", "lora", True, results, fast="compiled")  # no FSDP row with them
+    assert mfu == pytest.approx(0.2) and why.endswith("no row of this kind with compiled layers: the rows without them")
+
+
+def test_the_plans_command_runs_with_the_fast_paths_it_was_planned_with():
+    """The plan's options parsed as sft/train.py parses them (ModelArguments) and resolved on the plan's box and
+    launch give the fast paths the plan was predicted with, for the defaults and for an explicit value."""
+    from sft.options.arguments import read_options
+    from sft.options.resolve import resolve_defaults
+    from sft.plan.fast_paths import Asked
+
+    data = str(plan.REPO / "data" / "alpaca_demo.json")
+    for gpu in ("RTX 4090", "RTX 3090"):
+        box = plan.Box(3, 24, host_ram_gib=512, gpu=gpu)
+        for method, asked in [("lora", Asked()), ("full", Asked()), ("qlora", Asked()), ("lora", Asked(fp8="false")),
+                              ("full", Asked(compile_layers="false"))]:
+            plans = plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], box, method, 2048, (1,), asked=asked)
+            for p in {q.w.strategy: q for q in plans if q.fits}.values():
+                words = shlex_words(plan.command(p, "deepseek-llm-7b", box))
+                given = [w for w in words if w.startswith("--fp8") or w.startswith("--compile_layers")]
+                flags = {"lora": ["--lora"], "qlora": ["--qlora"], "full": []}[method]
+                extra = words[words.index(given[0]):words.index(given[0]) + 2] if given else []
+                options = read_options(["--model", "m", "--dataset", data, "--output_dir", "/nonexistent/out",
+                                        *flags, *extra])
+                machine = plan.dataclasses.replace(box.described(), launch=STRATEGIES[p.w.strategy].launch(p.w.world))
+                if p.w.strategy == "tp":
+                    options.model.tp_size = p.w.world
+                model = resolve_defaults(options, machine).model
+                assert (model.fp8_on, model.compile_layers_on) == (p.w.fp8, p.w.compiled), (gpu, method, p.w)
+
+
+def shlex_words(command: str) -> list[str]:
+    import shlex
+
+    return shlex.split(command)
+
+
+def test_an_explicit_fast_path_is_passed_and_a_strategy_that_refuses_it_does_not_fit():
+    out = run_planner("--model", "deepseek-llm-7b", "--lora", "--fp8", "false")
+    recommended = out.stdout.split("Recommended: ")[1].splitlines()
+    assert recommended[0].endswith("--fp8 false") and recommended[1] == \
+        "  compiled layers on (the default), FP8 off (--fp8 false)"
+    from sft.plan.fast_paths import Asked
+
+    plans = plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], BOX, "lora", 2048, asked=Asked(fp8="true"))
+    zero3 = [p for p in plans if p.w.strategy == "zero3"]
+    assert zero3 and not any(p.fits for p in zero3) and all("--fp8 with DeepSpeed ZeRO-3" in p.why_not for p in zero3)
+    assert plan.best_plan(plans).w.fp8
+
+
+def test_plan_auto_predicts_the_fast_paths_of_this_machine():
+    from sft.machine import Launch, Machine
+
+    m = Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * 3, gpu_memory_gib=(23.99,) * 3, bf16=True,
+                gpu_capabilities=((8, 9),) * 3, host_ram_gib=128,
+                launch=Launch(world_size=3, local_world_size=3, launched=True),
+                packages=frozenset({"liger_kernel", "torchao"}))
+    model = SimpleNamespace(model="deepseek-llm-7b", fp8="auto", compile_layers="auto")
+    lora = SimpleNamespace(lora=True, qlora=False, lora_r=16)
+    training = SimpleNamespace(per_device_train_batch_size=1, torch_compile=False)
+    _, chosen = plan.planned_options(model, lora, SimpleNamespace(max_length=2048), training, m)
+    assert chosen.w.fast == "fp8+compiled" and "FP8 + compiled layers: predicted" in plan.prediction_line(chosen)
+    probe = plan.dataclasses.replace(m, fp8_probe_error="torch cannot run a rowwise-scaled FP8 matmul here")
+    _, chosen = plan.planned_options(model, lora, SimpleNamespace(max_length=2048), training, probe)
+    assert chosen.w.fast == "compiled"  # this machine's own FP8 probe, as the run reads it
+    model.compile_layers = "false"
+    _, chosen = plan.planned_options(model, lora, SimpleNamespace(max_length=2048), training, m)
+    assert chosen.w.fast == "fp8"

@@ -27,6 +27,7 @@ from sft.options.command import help_command as training_help_command
 from sft.options.checks import CHECKS, MACHINE_CHECKS, NEW_RUN_DIR, OPTION_CHECKS, Check, Options, check_options
 from sft.options.recipe import load_recipe, recipe_to_argv
 from sft.options.resolve import resolve_defaults
+from sft.options.switches import FastPathSwitches
 from sft.speed.lowbit import SR_ADAMW
 
 OUR_OPTIMIZERS = (SR_ADAMW,)  # --optim values beyond transformers' own
@@ -56,7 +57,7 @@ DEMO_YIELDS_TO = {"save_strategy": ("save_steps",), "eval_strategy": ("eval_step
 
 
 @dataclass
-class ModelArguments:
+class ModelArguments(FastPathSwitches):  # fp8_on, compile_layers_on
     model: str = field(default=TINY_MODEL, metadata={
         "help": f"Hub id or local directory of the model to fine-tune; `{TINY_MODEL}` builds the embedded tiny "
                 "DeepSeek-architecture model (no download)."})
@@ -93,14 +94,6 @@ class ModelArguments:
     # Not options: what sft/options/resolve.py's fast_paths_where_supported chose for --fp8/--compile_layers auto
     # on a GPU, and why, for the first screen.
     speed_choices: tuple[str, ...] = field(default=(), init=False)
-
-    @property
-    def fp8_on(self) -> bool:
-        return self.fp8 == "true"
-
-    @property
-    def compile_layers_on(self) -> bool:
-        return self.compile_layers == "true"
     attn_implementation: str = field(default="sdpa", metadata={
         "help": "Attention kernel: sdpa, eager, flex_attention, flash_attention_2 (needs flash-attn)."})
     trust_remote_code: bool = field(default=False, metadata={

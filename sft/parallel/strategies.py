@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sft.configs import CONFIGS
+from sft.machine import Launch
 from sft.options import checks
 
 REPO = Path(__file__).resolve().parents[2]  # a checkout's root (bench/, recipes/); a wheel has none
@@ -80,6 +81,7 @@ class Strategy:
     precisions: tuple[str, ...] = ("bf16_sr", "fp32_master", "lowbit8", "lowbit4")
     checks: tuple[Callable, ...] = ()    # the named checks of sft/options/checks.py that decide for this strategy
     sharded_kind: str = "none"           # "none", "fsdp", "zero3", "tp": which transient buffers it has
+    zero_stage: str | None = None        # DeepSpeed's ZeRO stage (its accelerate config's)
 
     @property
     def accelerate_path(self) -> Path:
@@ -88,6 +90,14 @@ class Strategy:
     @property
     def deepspeed_path(self) -> Path | None:
         return CONFIGS / self.deepspeed_config if self.deepspeed_config else None
+
+    def launch(self, world: int) -> Launch:
+        """What `accelerate launch --config_file <its config>` sets up for `world` processes, as sft.machine reads it
+        from the environment: the launch a run of this strategy checks its options against (the planner asks the
+        run's own rules of a plan through it: sft/plan/fast_paths.py)."""
+        offload = tuple(sorted({"weights": "param"}.get(part, part) for part in self.offload))
+        return Launch(world_size=world, local_world_size=world, launched=True, fsdp=self.sharded_kind == "fsdp",
+                      zero_stage=self.zero_stage, offload=offload)
 
     def gpus_for(self, gpus: int) -> int:
         """Processes this strategy starts on a machine of `gpus` GPUs (TP: the largest even split, here 2)."""
@@ -153,20 +163,21 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in [
     Strategy("zero2", "accelerate_configs/zero2.yaml", "ds_configs/zero2.json",
              frozenset({"gradients", "optimizer"}), frozenset(), "deepspeed", min_gpus=2, methods=("lora", "full"),
              precisions=("fp32_master",), note="optimizer state and gradients sharded (no QLoRA: sft/options/checks.py)",
-             checks=_c(*COMMON, "deepspeed_json_agrees")),
+             checks=_c(*COMMON, "deepspeed_json_agrees"), zero_stage="2"),
     Strategy("fsdp", "accelerate_configs/fsdp.yaml", None, frozenset({"weights", "gradients", "optimizer"}),
              frozenset(), "nccl", min_gpus=2, note="FSDP2, one shard unit per decoder layer",
              checks=_c(*COMMON, "sharding_needs_gpus"), sharded_kind="fsdp"),
     Strategy("zero3", "accelerate_configs/zero3.yaml", "ds_configs/zero3.json",
              frozenset({"weights", "gradients", "optimizer"}), frozenset(), "deepspeed", min_gpus=2,
              methods=("lora", "full"), precisions=("fp32_master",), note="created partitioned (zero.Init)",
-             checks=_c(*COMMON, "quantized_base_not_under_zero3", "deepspeed_json_agrees"), sharded_kind="zero3"),
+             checks=_c(*COMMON, "quantized_base_not_under_zero3", "deepspeed_json_agrees"), sharded_kind="zero3",
+             zero_stage="3"),
     Strategy("zero3_offload", "accelerate_configs/zero3_offload.yaml", "ds_configs/zero3_offload.json",
              frozenset({"weights", "gradients", "optimizer"}), frozenset({"optimizer", "weights"}), "deepspeed",
              min_gpus=1, methods=("lora", "full"), precisions=("fp32_master",),
              note="optimizer state and weights in host RAM (DeepSpeed CPU Adam): slow",
              checks=_c(*COMMON, "quantized_base_not_under_zero3", "sharding_needs_gpus", "deepspeed_json_agrees"),
-             sharded_kind="zero3"),
+             sharded_kind="zero3", zero_stage="3"),
     Strategy("tp", "accelerate_configs/tp.yaml", None, frozenset({"weights", "gradients", "optimizer"}),
              frozenset(), "nccl", min_gpus=2, max_gpus=2, recommended=False, methods=("full",),
              precisions=("fp32_master",),

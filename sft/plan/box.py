@@ -42,7 +42,8 @@ def strategy(model, lora: bool, host_ram_gib: float | None = None) -> BoxRecomme
     precision = "" if lora or w.setup.precision == "fp32_master" else f", {w.setup.precision} optimizer"
     return BoxRecommendation(STRATEGIES[w.strategy].accelerate_config,
                              f"{what}: {w.strategy}{precision}, micro-batch {w.micro_batch}, checkpointing "
-                             f"{'on' if w.checkpointing else 'off'}: {plan.shown_gib(best):.1f} GiB per card, "
+                             f"{'on' if w.checkpointing else 'off'}, {best.fast.name} (on RTX 4090s): "
+                             f"{plan.shown_gib(best):.1f} GiB per card, "
                              f"{best.prediction.host_gib:.0f} GiB host RAM (predicted by sft/plan/planner.py)")
 
 

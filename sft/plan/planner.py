@@ -2,9 +2,12 @@
 this box, with the predicted GPU memory per card (as nvidia-smi shows it), host RAM and tokens/s of each plan,
 the fastest plan that fits with MARGIN_GIB of the card to spare as an exact command (the model's hub id, the
 kernels its first line names), and why the others do not fit. Host RAM is this machine's unless --host_ram says
-another box's; where it cannot be read it is unknown, and each plan says what it needs.
+another box's; where it cannot be read it is unknown, and each plan says what it needs. Each plan runs with the
+fast paths (--fp8, --compile_layers) its run gets on the box's GPU (--gpu; sft/plan/fast_paths.py asks the run's
+own rule), and is predicted with them.
 
     python -m sft.plan.planner --model deepseek-llm-7b --gpus 3 --gpu_mem 24 --lora --max_length 2048
+    python -m sft.plan.planner --model deepseek-llm-7b --lora --gpu "RTX 3090"   # no FP8 (compute capability 8.6)
     python -m sft.plan.planner --model ./my-model-dir --gpus 2 --gpu_mem 24 --host_ram 128
     python -m sft.plan.planner --check     # predicted against every measured row of bench/results.jsonl
     python -m sft.plan.planner --write_snapshot  # after new bench rows: refit sft/plan/fitted.json, which plans read
@@ -13,14 +16,16 @@ The memory model (per card, in bytes): the training state from the strategy tabl
 weights, gradients, optimizer, masters, DDP buckets), plus activations (checkpointed layer inputs, the layers
 kept whole, the backward working set of one layer, the logits unless Liger's fused loss is used), plus the
 sharded strategies' transient buffers (all-gathered layers and their gradients); what PyTorch's allocator keeps
-cached on top (fitted), and the CUDA context and NCCL buffers that nvidia-smi adds (fitted). The fitted
-constants and the rows they come from are in CALIBRATION below; `--check` prints predicted against measured
-for every row with a measured peak.
+cached on top (fitted), and the CUDA context and NCCL buffers that nvidia-smi adds (fitted); the fast paths' own
+share of the activations (fitted on their rows: fast_path_memory). The fitted constants and the rows they come
+from are in CALIBRATION below and in the snapshot; `--check` prints predicted against measured for every row with
+a measured peak.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -34,8 +39,9 @@ from typing import NamedTuple
 from sft.report.console import ToolParser
 from sft.options.recipe import load_recipe
 from sft.configs import RECIPES
-from sft.machine import GIB, host_ram_gib as this_host_ram
+from sft.machine import GIB, GPU_KINDS, Machine, gpu_kind, host_ram_gib as this_host_ram
 from sft.parallel.strategies import PRECISION_OPTIONS, REPO, STRATEGIES, Setup, StateBytes
+from sft.plan.fast_paths import NAMES as FAST_PATH_NAMES, Asked, FastPaths, described_machine, fast_paths
 
 RESULTS = REPO / "bench" / "results.jsonl"  # the source of truth, in a checkout only
 # What the planner fits from RESULTS, snapshotted as package data: plans read this, so that a wheel plans as a checkout
@@ -370,6 +376,13 @@ class Workload:
     lora_r: int = 16
     grad_accum: int = 1
     peft_input_cast: bool = False  # peft's own fp32 casts of the LoRA inputs (sft before 51be3c5)
+    fp8: bool = False              # --fp8: LoRA's FP8 base (sft/speed/fp8.py), torchao's float8 training for full
+    compiled: bool = False         # --compile_layers (sft/speed/regional_compile.py)
+
+    @property
+    def fast(self) -> str:
+        """Its fast paths as the snapshot names them (FastPaths.label): fp8+compiled, compiled, fp8 or ""."""
+        return FastPaths(self.fp8, self.compiled).label
 
 
 @dataclass
@@ -390,6 +403,32 @@ class Prediction:
         return reserved, reserved + CALIBRATION["context_gib"][strategy.launcher]
 
 
+def mean_layer_activation_bytes(shape: Shape) -> float:
+    """What autograd keeps per token of one decoder layer, on average over the layers (fitted scale)."""
+    return CALIBRATION["activation_scale"] * sum(map(shape.layer_activation_bytes, range(shape.layers))) / shape.layers
+
+
+def whole_layer_activations(shape: Shape, w: Workload) -> float:
+    """Bytes of the activations of the layers autograd holds whole at the start of backward: every layer without
+    checkpointing; with it, the layers kept whole (--activation_checkpointing_skip_layers) and the one recomputed.
+    What the fast paths' memory is counted in (fast_path_bytes)."""
+    whole = shape.layers if not w.checkpointing else min(w.skip_layers + 1, shape.layers)
+    return w.micro_batch * w.seq_len * whole * mean_layer_activation_bytes(shape)
+
+
+def fast_path_bytes(shape: Shape, w: Workload) -> float:
+    """What the plan's fast paths add to its peak (negative: what they save), per the snapshot's fit
+    (fast_path_memory): a share of the whole layers' activations for each path on, by method. The compiled layers
+    keep inductor's own saved tensors and workspaces; LoRA's FP8 base adds its quantized activations and scales;
+    torchao's float8 training saves its matmul inputs in FP8, half of bf16's bytes, so a full fine-tune's share is
+    negative."""
+    if not (w.fp8 or w.compiled):
+        return 0.0
+    table = fitted()["fast_path_memory"]["full" if w.setup.method == "full" else "lora"]
+    share = (table["compiled"][0] if w.compiled else 0.0) + (table["fp8"][0] if w.fp8 else 0.0)
+    return share * whole_layer_activations(shape, w)
+
+
 def predict(shape: Shape, w: Workload) -> Prediction:
     strategy = STRATEGIES[w.strategy]
     params = shape.params()
@@ -400,8 +439,7 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     h = shape.hidden
     # activations per token
     k = CALIBRATION["activation_scale"]
-    layers = [shape.layer_activation_bytes(i) for i in range(shape.layers)]
-    a_mean = k * sum(layers) / len(layers)
+    a_mean = mean_layer_activation_bytes(shape)
     if lora and w.peft_input_cast:  # peft's fp32 round trip (sft before 51be3c5): bf16 re-casts of the inputs
         a_mean += shape.lora_cast_bytes()
     if w.checkpointing:
@@ -419,7 +457,8 @@ def predict(shape: Shape, w: Workload) -> Prediction:
         logits += 2.0 * shape.vocab if not w.fused_loss else 0.0  # the gathered (replicated) bf16 logits
     working = max(logits, recompute + k * shape.backward_working_bytes())
     extras = 8 * h  # final norm (fp32 input + output) and the loss's input
-    activations = tokens * (stored + working + extras) + kept_deltas
+    fast = fast_path_bytes(shape, w)
+    activations = tokens * (stored + working + extras) + kept_deltas + fast
     # transient buffers of the sharded strategies
     transient = 0.0
     grad_bytes = 2 if (lora or w.setup.precision != "fp32_master") else 4
@@ -459,7 +498,8 @@ def predict(shape: Shape, w: Workload) -> Prediction:
                                                  + pinned["weights"] * state.host_weights)
     parts = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer,
              "masters": state.masters, "buckets": state.buckets, "activations": activations,
-             "lora_weights": kept_deltas, "transient": transient, "cache": cache, "context": context}
+             "lora_weights": kept_deltas, "fast_paths": fast, "transient": transient, "cache": cache,
+             "context": context}
     return Prediction(w, allocated / GIB, reserved / GIB, (reserved + context) / GIB, need / GIB, host / GIB,
                       {k: v / GIB for k, v in parts.items()})
 
@@ -484,17 +524,23 @@ def _arg(args: list[str], name: str, default=None):
     return default
 
 
+# What a recipe held when a bench row ran it, where the shipped recipe has changed since ((run_id, row name) ->
+# options): r1-distill-qwen-7b-lora kept 3 layers whole until the compiled layers' memory was planned (issue 28).
+RECIPE_AS_RUN = {("20261201T0930Z-x2", "recipe-r1-lora"): ("--activation_checkpointing_skip_layers", "3")}
+
+
 def row_options(row: dict) -> list[str]:
     """The sft/train.py options of a bench row: its recipe's (`--config recipes/<x>.yaml`, the shipped recipe of that
-    name, wherever the row ran) before its own."""
-    return list(_options(row.get("train_args") or ""))
+    name, wherever the row ran, as it was then: RECIPE_AS_RUN) before its own."""
+    as_run = RECIPE_AS_RUN.get((row.get("run_id"), row.get("name")), ())
+    return list(_options(row.get("train_args") or "", as_run))
 
 
 @functools.lru_cache(maxsize=None)
-def _options(train_args: str) -> tuple[str, ...]:  # every plan's estimate reads every row: parse each text once
+def _options(train_args: str, as_run: tuple[str, ...] = ()) -> tuple[str, ...]:  # every plan reads every row: once
     args = shlex.split(train_args)
     recipe = _arg(args, "--config")
-    return tuple((load_recipe(str(RECIPES / Path(recipe).name)) if recipe else []) + args)
+    return tuple((load_recipe(str(RECIPES / Path(recipe).name)) if recipe else []) + list(as_run) + args)
 
 
 def workload_of_row(row: dict) -> Workload:
@@ -504,13 +550,26 @@ def workload_of_row(row: dict) -> Workload:
     precision = next((k for k, v in PRECISION_OPTIONS.items() if v and v["optim"] == optim), "fp32_master")
     cast = row["method"] == "lora" and _arg(args, "--dtype") != "float16" and (
         row.get("commit", "").split("-")[0] in PEFT_CAST_COMMITS or row.get("name", "").endswith("-peftcast"))
+    fast = fast_of_row(row)
     return Workload(strategy=strategy, setup=Setup(row["method"], precision), world=row["n_gpus"],
                     peft_input_cast=cast,
                     micro_batch=row["micro_batch"], seq_len=row["seq_len"],
                     checkpointing=_arg(args, "--activation_checkpointing", "false") == "true",
                     skip_layers=int(_arg(args, "--activation_checkpointing_skip_layers", 0)),
                     fused_loss=_arg(args, "--use_liger_kernel", "false") == "true",
-                    grad_accum=row.get("grad_accum", 1))
+                    grad_accum=row.get("grad_accum", 1), fp8=fast.fp8, compiled=fast.compiled)
+
+
+def fast_of_row(row: dict) -> FastPaths:
+    """The fast paths a bench row ran with: its --fp8 and --compile_layers (false where it names neither: the bench
+    passes false before a row's own options, and rows from before the `auto` default ran without them), as the
+    run's own rule settles them on the row's GPU and strategy (`auto` included)."""
+    args = row_options(row)
+    asked = Asked(_arg(args, "--fp8", "false"), _arg(args, "--compile_layers", "false"),
+                  _arg(args, "--torch_compile", "false") == "true")
+    strategy = STRATEGY_OF_ROW.get(row["strategy"], row["strategy"])
+    return fast_paths(described_machine(row.get("gpu") or "", row["n_gpus"], 0.0), strategy, row["n_gpus"],
+                      row["method"], asked)
 
 
 def bench_rows(path: Path = RESULTS) -> list[dict]:
@@ -519,10 +578,11 @@ def bench_rows(path: Path = RESULTS) -> list[dict]:
 
 def measured_rows(path: Path = RESULTS) -> list[dict]:
     """The GPU rows of our own training code (the peers' offload recipe runs it too; TRL's rows do not), less those
-    of --compile_layers and of a --liger_kernel_config of their own, which the planner does not plan (compiled
-    kernels keep other buffers: +6 GiB measured at micro-batch 8; eager layers without Liger's RMSNorm and SwiGLU
-    keep theirs: +21 GiB, lora-best-flce of run 20261202T0245Z-E)."""
-    unplanned = ("--compile_layers", "--liger_kernel_config")
+    of a --liger_kernel_config or an --fp8_recipe of their own, which the planner does not plan (eager layers
+    without Liger's RMSNorm and SwiGLU keep their buffers: +21 GiB, lora-best-flce of run 20261202T0245Z-E; the
+    planner's FP8 is the default recipe). Rows of the fast paths (--fp8, --compile_layers) are in: their own
+    memory term (fast_path_bytes) and MFU (mfu_reference) are fitted on them."""
+    unplanned = ("--liger_kernel_config", "--fp8_recipe")
     return [r for r in bench_rows(path) if r.get("gpu") and r.get("peak_mem_gib") and r.get("model") in BENCH_SHAPES
             and r.get("peer", "ours") != "trl" and not any(o in (r.get("train_args") or "") for o in unplanned)]
 
@@ -559,7 +619,7 @@ def check_rows(path: Path = RESULTS) -> list[dict]:
         out.append({"name": r["name"], "run_id": r["run_id"], "strategy": w.strategy, "method": r["method"],
                     "model": r["model"], "n_gpus": r["n_gpus"], "micro_batch": r["micro_batch"],
                     "checkpointing": w.checkpointing, "skip": w.skip_layers, "fused_loss": w.fused_loss,
-                    "precision": w.setup.precision,
+                    "precision": w.setup.precision, "fast": w.fast,
                     "pred_allocated": p.allocated_gib, "allocated": r.get("peak_allocated_gib"),
                     "pred_reserved": reserved, "reserved": r["peak_mem_gib"],
                     "pred_smi": smi, "smi": measured_smi, "smi_note": why,
@@ -573,7 +633,7 @@ def check_rows(path: Path = RESULTS) -> list[dict]:
 
 
 def check_table(results: list[dict]) -> str:
-    head = ["row (run)", "strategy", "method", "GPUs", "mb", "ckpt", "Liger", "alloc pred / meas",
+    head = ["row (run)", "strategy", "method", "GPUs", "mb", "ckpt", "Liger", "fast paths", "alloc pred / meas",
             "reserved pred / meas", "err", "nvidia-smi pred / meas", "err", "host RAM pred / meas"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for x in results:
@@ -582,7 +642,7 @@ def check_table(results: list[dict]) -> str:
         method = x["method"] + ("" if x["precision"] == "fp32_master" else f" {x['precision']}")
         lines.append("| " + " | ".join([
             f"{x['name']} ({x['run_id'][9:14]})", x["strategy"], method, str(x["n_gpus"]),
-            str(x["micro_batch"]), ck, "yes" if x["fused_loss"] else "no",
+            str(x["micro_batch"]), ck, "yes" if x["fused_loss"] else "no", x["fast"] or "-",
             f"{x['pred_allocated']:.2f} / {x['allocated']:.2f}",
             f"{x['pred_reserved']:.2f} / {x['reserved']:.2f}" + (" (cap)" if x["at_cap"] else ""),
             f"{x['err_reserved']:+.1%}", smi, f"{x['err_smi']:+.1%}" if x["err_smi"] is not None else "-",
@@ -595,39 +655,76 @@ def check_table(results: list[dict]) -> str:
 # ---------------------------------------------------------------------------------------------------------------
 # Throughput: from the measured MFU of rows of the same kind.
 
+FAMILY = {"single_gpu": "unsharded", "ddp": "unsharded", "zero2": "unsharded", "fsdp": "fsdp", "zero3": "fsdp",
+          "zero3_offload": "zero3_offload", "tp": "tp"}  # strategies whose rows speak for each other's MFU
+
+
 def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path | None = None,
-                  model: str | None = None) -> tuple[float, str]:
+                  model: str | None = None, fast: str = "") -> tuple[float, str]:
     """(MFU, which rows) for a kind of plan: the median MFU of our measured rows of the same strategy family,
-    method and checkpointing, with our fast kernels (flex_attention + Liger) where such rows exist. `path`: the
-    rows to fit from; None: the snapshot of bench/results.jsonl (FITTED)."""
+    method, checkpointing and fast paths (`fast`: a FastPaths.label), with our fast kernels (flex_attention +
+    Liger) where such rows exist. A plan with fast paths that no row of its strategy family and method ran with
+    takes the rows without them, and says so. `path`: the rows to fit from; None: the snapshot of
+    bench/results.jsonl (FITTED)."""
     if path is None:
         table = fitted()["mfu"]
-        mfu, why = table.get(model, table[ANY_MODEL])[mfu_key(strategy, method, checkpointing)]
-        return mfu, why
+        own = table.get(model, table[ANY_MODEL])
+        key = mfu_key(strategy, method, checkpointing, fast)
+        if key in own:  # the snapshot holds a fast kind only where rows of it exist
+            return tuple(own[key])
+        mfu, why = own[mfu_key(strategy, method, checkpointing)]
+        return mfu, why + unmeasured_fast_note(fast)
+    rows = mfu_rows(path, model)
+    if fast:
+        with_them = fast_mfu_rows(rows, strategy, method, fast)
+        if not with_them:
+            mfu, why = mfu_reference(strategy, method, checkpointing, path, model)
+            return mfu, why + unmeasured_fast_note(fast)
+        return _median_mfu(with_them, strategy, method, checkpointing, model)
+    return _median_mfu([r for r in rows if not fast_of_row(r).label], strategy, method, checkpointing, model)
+
+
+def unmeasured_fast_note(fast: str) -> str:
+    return f"; no row of this kind with {FAST_PATH_NAMES[fast]}: the rows without them" if fast else ""
+
+
+def mfu_rows(path: Path, model: str | None) -> list[dict]:
+    """The rows MFU is read from: ours with a measured MFU, not the Trainer's --torch_compile, not a row that
+    shared its GPU, not a row marked INVALID (a speed that was not a training speed: bench/RESULTS.md); an MoE
+    row speaks for its own model only (its MFU, on active parameters, is no dense plan's)."""
     rows = [r for r in measured_rows(path) if r.get("mfu") and r.get("peer") in ("ours", "zero3-offload-recipe")
             and "--torch_compile" not in (r.get("train_args") or "")
-            and "NOT a 1-GPU number" not in (r.get("notes") or "")]
-    family = {"single_gpu": "unsharded", "ddp": "unsharded", "zero2": "unsharded", "fsdp": "fsdp",
-              "zero3": "fsdp", "zero3_offload": "zero3_offload", "tp": "tp"}
+            and not any(mark in (r.get("notes") or "") for mark in ("NOT a 1-GPU number", "INVALID"))]
+    return [r for r in rows if r["model"] == model or not SHAPES[BENCH_SHAPES[r["model"]]].routed_experts]
+
+
+def fast_mfu_rows(rows: list[dict], strategy: str, method: str, fast: str) -> list[dict]:
+    """Of `rows`, those that ran with exactly these fast paths, where some are of the plan's strategy family and
+    method (else none: another family's speed-up is not this one's)."""
+    with_them = [r for r in rows if fast_of_row(r).label == fast]
     lora = method in ("lora", "qlora")
+    return with_them if any(_kind(r)[:2] == (FAMILY[strategy], lora) for r in with_them) else []
 
-    # an MoE row speaks for its own model only: its MFU (on active parameters) is no dense plan's
-    rows = [r for r in rows if r["model"] == model or not SHAPES[BENCH_SHAPES[r["model"]]].routed_experts]
+
+def _kind(r: dict) -> tuple[str, bool, bool]:
+    """A row's (strategy family, LoRA, checkpointing): a QLoRA row is a LoRA row (its adapter is all that trains),
+    never a full fine-tune's."""
+    s = STRATEGY_OF_ROW.get(r["strategy"], r["strategy"])
+    return FAMILY[s], r["method"] in ("lora", "qlora"), _arg(row_options(r), "--activation_checkpointing") == "true"
+
+
+def _median_mfu(rows: list[dict], strategy: str, method: str, checkpointing: bool,
+                model: str | None) -> tuple[float, str]:
+    lora = method in ("lora", "qlora")
     options = {id(r): row_options(r) for r in rows}
-
-    def kind(r):
-        s = STRATEGY_OF_ROW.get(r["strategy"], r["strategy"])
-        # a QLoRA row is a LoRA row (its adapter is all that trains), never a full fine-tune's
-        return family[s], r["method"] in ("lora", "qlora"), _arg(options[id(r)], "--activation_checkpointing") == "true"
-
-    want = (family[strategy], lora, checkpointing)
-    found = [r for r in rows if kind(r) == want]
-    fast = [r for r in found if "flex_attention" in options[id(r)] or "liger" in " ".join(options[id(r)])]
-    found = fast or found
+    want = (FAMILY[strategy], lora, checkpointing)
+    found = [r for r in rows if _kind(r) == want]
+    kernels_rows = [r for r in found if "flex_attention" in options[id(r)] or "liger" in " ".join(options[id(r)])]
+    found = kernels_rows or found
     found = [r for r in found if r["model"] == model] or found  # the same model's rows where there are some
     note, scale = "", 1.0
     if not found:  # the other checkpointing setting, its MFU scaled by the forward that checkpointing recomputes
-        found = [r for r in rows if kind(r)[:2] == want[:2]]
+        found = [r for r in rows if _kind(r)[:2] == want[:2]]
         # a step does 4N (LoRA) or 6N (full) FLOPs per token, plus 2N recomputed under checkpointing
         recompute = (4 + 2) / 4 if lora else (6 + 2) / 6
         scale = 1 / recompute if checkpointing else recompute
@@ -635,7 +732,7 @@ def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path | 
             scale = 1.0
         note = f" (no row with checkpointing {'on' if checkpointing else 'off'}: x{scale:.2f} for the recomputation)"
     if not found:  # nearest kind: FSDP's for the sharded strategies
-        found, scale = [r for r in rows if kind(r)[0] == want[0]], 1.0
+        found, scale = [r for r in rows if _kind(r)[0] == want[0]], 1.0
         note = " (no row of this kind: nearest kind)"
     if not found:
         return 0.05, "no measured row: assumed 5%"
@@ -645,8 +742,8 @@ def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path | 
     # A sharded or offloaded plan streams every parameter for each micro-batch: where this model has no row of the
     # plan's kind but a row of another such kind, that row bounds it (DeepSeek-V2-Lite under ZeRO-3 measured 1.1%,
     # where the dense offload rows would promise 4.3% for its offload plans: an MoE moves 6.5x its active weights).
-    own = [r for r in rows if model and r["model"] == model and kind(r)[0] in ("fsdp", "zero3_offload")
-           and kind(r)[1] == lora]
+    own = [r for r in rows if model and r["model"] == model and _kind(r)[0] in ("fsdp", "zero3_offload")
+           and _kind(r)[1] == lora]
     if want[0] in ("fsdp", "zero3_offload") and own and not any(r["model"] == model for r in found):
         bound = statistics.median(r["mfu"] for r in own)
         if bound < mfu:
@@ -689,21 +786,80 @@ def routed_expert_cost(shape: Shape, path: Path | None = None) -> tuple[float, s
 # ---------------------------------------------------------------------------------------------------------------
 # The snapshot: every number the plans take from bench/results.jsonl, fitted once (FITTED, shipped in the wheel).
 
-def mfu_key(strategy: str, method: str, checkpointing: bool) -> str:
-    """The snapshot's key of a kind of plan: what mfu_reference reads of its arguments (QLoRA's is LoRA's)."""
-    return f"{strategy} {'lora' if method in ('lora', 'qlora') else 'full'} {'ckpt' if checkpointing else 'no-ckpt'}"
+def mfu_key(strategy: str, method: str, checkpointing: bool, fast: str = "") -> str:
+    """The snapshot's key of a kind of plan: what mfu_reference reads of its arguments (QLoRA's is LoRA's), and
+    its fast paths (FastPaths.label) where it has any."""
+    return (f"{strategy} {'lora' if method in ('lora', 'qlora') else 'full'} {'ckpt' if checkpointing else 'no-ckpt'}"
+            + (f" {fast}" if fast else ""))
 
 
 def fitted_numbers(path: Path = RESULTS) -> dict:
     """What the plans derive from the bench rows, for every question they can ask: the MFU of each kind of plan,
-    for each model with bench rows (the rows that speak for that model only) and for any other model, and the
-    routed experts' cost of each measured MoE layer. JSON-shaped (lists, not tuples)."""
+    for each model with bench rows (the rows that speak for that model only) and for any other model (a kind with
+    fast paths only where rows ran with them: mfu_reference), what the fast paths do to memory, and the routed
+    experts' cost of each measured MoE layer. JSON-shaped (lists, not tuples)."""
     models = sorted({r["model"] for r in measured_rows(path)})
-    kinds = [(s, m, c) for s in STRATEGIES for m in ("lora", "full") for c in (True, False)]
-    mfu = {name: {mfu_key(s, m, c): list(mfu_reference(s, m, c, path, model=None if name == ANY_MODEL else name))
-                  for s, m, c in kinds} for name in [*models, ANY_MODEL]}
+    kinds = [(s, m, c, f) for s in STRATEGIES for m in ("lora", "full") for c in (True, False) for f in FAST_PATH_NAMES]
+    mfu = {}
+    for name in [*models, ANY_MODEL]:
+        model = None if name == ANY_MODEL else name
+        rows = mfu_rows(path, model)
+        mfu[name] = {mfu_key(s, m, c, f): list(mfu_reference(s, m, c, path, model, f)) for s, m, c, f in kinds
+                     if not f or fast_mfu_rows(rows, s, m, f)}
     return {"source": "bench/results.jsonl", "refresh": SNAPSHOT_COMMAND, "mfu": mfu,
-            "routed_expert_cost": expert_costs(path)}
+            "fast_path_memory": fast_path_memory(path), "routed_expert_cost": expert_costs(path)}
+
+
+def fast_path_memory(path: Path = RESULTS) -> dict:
+    """{lora|full: {compiled|fp8: [share, why]}}: what each fast path adds to the peak reserved memory (negative:
+    saves), as a share of the whole layers' activations (whole_layer_activations; fast_path_bytes adds it). Fitted on
+    the rows that ran with the path against their twins without it (the same model, workload, allocator cap and
+    other options; in any run: the median of the twins' peaks): the sum of the differences over the sum of those
+    rows' whole-layer activations. A pair where either peak is within 0.5 GiB of its cap is left out (the cap hides
+    the difference). A QLoRA plan takes LoRA's numbers."""
+    rows = measured_rows(path)
+    twins: dict[tuple, list[dict]] = {}
+    for r in rows:
+        twins.setdefault(_twin_key(r), []).append(r)
+    out: dict[str, dict] = {}
+    for method in ("lora", "full"):
+        out[method] = {}
+        for name in ("compiled", "fp8"):
+            pairs = []  # (row, its peak over its twins', its whole layers' activations), GiB
+            for r in rows:
+                fast = fast_of_row(r)
+                if ("full" if r["method"] == "full" else "lora") != method or not getattr(fast, name):
+                    continue
+                without = FastPaths(fast.fp8 and name != "fp8", fast.compiled and name != "compiled").label
+                peaks = [t["peak_mem_gib"] for t in twins[_twin_key(r)] if fast_of_row(t).label == without]
+                cap = r.get("mem_cap_gib") or math.inf
+                if peaks and max(r["peak_mem_gib"], *peaks) < cap - 0.5:
+                    w = workload_of_row(r)
+                    x = whole_layer_activations(SHAPES[BENCH_SHAPES[r["model"]]], w) / GIB
+                    pairs.append((r, r["peak_mem_gib"] - statistics.median(peaks), x))
+            if not pairs:
+                out[method][name] = [0.0, "no row ran with it beside a twin without it: counted as nothing"]
+                continue
+            share = sum(d for _, d, _ in pairs) / sum(x for *_, x in pairs)
+            by_name: dict[str, list[float]] = {}
+            for r, d, _ in pairs:
+                by_name.setdefault(r["name"], []).append(d)
+            named = ", ".join(f"{n} {min(d):+.2f}" + (f" to {max(d):+.2f}" if len(d) > 1 else "") + " GiB"
+                              for n, d in sorted(by_name.items()))
+            rows_said = f"{len(pairs)} rows against their" if len(pairs) > 1 else "1 row against its"
+            out[method][name] = [share, f"{share:+.3f} x the whole layers' activations, from {rows_said} twins "
+                                        f"without {FAST_PATH_NAMES[name]} ({named})"]
+    return out
+
+
+def _twin_key(row: dict) -> tuple:
+    """What a row and its twin without a fast path share: the model, the workload but its fast paths, the
+    allocator cap and every other option."""
+    w = workload_of_row(row)
+    args = row_options(row)
+    others = [a for i, a in enumerate(args) if a not in ("--fp8", "--compile_layers")
+              and (i == 0 or args[i - 1] not in ("--fp8", "--compile_layers"))]
+    return (row["model"], dataclasses.replace(w, fp8=False, compiled=False), row.get("mem_cap_gib"), tuple(others))
 
 
 @functools.lru_cache(maxsize=1)
@@ -719,7 +875,7 @@ def write_snapshot() -> str:
 def tokens_per_second(shape: Shape, w: Workload, peak_flops: float) -> tuple[float, str]:
     """Measured MFU x peak x GPUs / FLOPs per token, on ACTIVE parameters (an MoE token runs only its experts), the
     routed experts' FLOPs weighted by what they cost against dense FLOPs where bench/moe_layer.py measured it."""
-    mfu, why = mfu_reference(w.strategy, w.setup.method, w.checkpointing, model=shape.name)
+    mfu, why = mfu_reference(w.strategy, w.setup.method, w.checkpointing, model=shape.name, fast=w.fast)
     cost, cost_why = routed_expert_cost(shape)
     matmul = shape.matmul_params() + (cost - 1) * shape.routed_active_params()
     flops = (4 if w.setup.method in ("lora", "qlora") else 6) * matmul
@@ -737,12 +893,18 @@ class Box:
     gpus: int = 3
     gpu_mem_gib: float = 24.0          # the card's memory as sold (24 GB cards show 23.99 GiB in nvidia-smi)
     host_ram_gib: float | None = None  # None: unknown (plans then say what they need, never assume it is there)
-    peak_flops: float = 165e12         # RTX 4090 dense bf16 (sft/callbacks.PEAK_FLOPS)
+    peak_flops: float = 165e12         # RTX 4090 dense bf16 (sft/machine.py GPU_KINDS)
+    gpu: str = "RTX 4090"              # a GPU_KINDS name: its compute capability decides FP8 (fast_paths)
+    machine: Machine | None = None     # `--plan auto`: this machine itself (its GPUs, FP8 probe and packages)
 
     @property
     def card_gib(self) -> float:
         """What nvidia-smi counts as the card's total: a '24 GB' GeForce holds 24,564 MiB."""
         return self.gpu_mem_gib * 1023.5 / 1024 if self.gpu_mem_gib == 24 else self.gpu_mem_gib
+
+    def described(self) -> Machine:
+        """The box as the run's rules read a machine (sft/plan/fast_paths.py)."""
+        return self.machine or described_machine(self.gpu, self.gpus, self.gpu_mem_gib)
 
 
 @dataclass
@@ -755,6 +917,8 @@ class Plan:
     shape: Shape
     machine_card: float = 24.0
     host_ram_gib: float | None = None  # the box's; None: unknown
+    fast: FastPaths = FastPaths()      # what it runs with, and the run's words for why (w.fp8, w.compiled)
+    asked: Asked = Asked()             # --fp8/--compile_layers as given: its command passes those not auto
 
     @property
     def w(self) -> Workload:
@@ -822,8 +986,10 @@ def ranked(plans: list[Plan]) -> list[Plan]:
 
 
 def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: int = 2048,
-                    micro_batches: tuple[int, ...] = (1, 2, 4, 8), lora_r: int = 16, grad_accum: int = 1) -> list[Plan]:
-    """Every strategy x precision x checkpointing x micro-batch for `shape` on `box`, best first (ranked)."""
+                    micro_batches: tuple[int, ...] = (1, 2, 4, 8), lora_r: int = 16, grad_accum: int = 1,
+                    asked: Asked = Asked()) -> list[Plan]:
+    """Every strategy x precision x checkpointing x micro-batch for `shape` on `box`, best first (ranked), each with
+    the fast paths its run gets there for the --fp8/--compile_layers `asked` (fast_paths: the run's own rule)."""
     plans = []
     for strategy in STRATEGIES.values():
         if method not in strategy.methods or box.gpus < strategy.min_gpus:
@@ -831,6 +997,7 @@ def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: in
         world = strategy.gpus_for(box.gpus)
         if strategy.name == "tp" and shape.heads % world:
             continue
+        fast = fast_paths(box.described(), strategy.name, world, method, asked)
         precisions = ("fp32_master",) if method != "full" else strategy.precisions
         for precision in precisions:
             if precision != "fp32_master" and strategy.name not in ("single_gpu", "ddp", "fsdp"):
@@ -839,7 +1006,7 @@ def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: in
                 for mb in micro_batches:
                     w = Workload(strategy.name, Setup(method, precision), world, mb, max_length, ckpt,
                                  fused_loss=kernels(strategy.name, shape)["use_liger_kernel"], lora_r=lora_r,
-                                 grad_accum=grad_accum)
+                                 grad_accum=grad_accum, fp8=fast.fp8, compiled=fast.compiled)
                     p = predict(shape, w)
                     tok_s, source = tokens_per_second(shape, w, box.peak_flops)
                     why = []
@@ -849,8 +1016,10 @@ def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: in
                         why.append(f"needs {p.host_gib:.0f} GiB host RAM > {box.host_ram_gib:g}")
                     if strategy.name == "tp" and method != "full":
                         why.append("TP takes no LoRA")
+                    if fast.refused:  # a --fp8/--compile_layers true this strategy refuses: the run stops there
+                        why.append(fast.refused.split(". ")[0])
                     plans.append(Plan(p, tok_s, source, not why, "; ".join(why), shape, box.card_gib,
-                                      box.host_ram_gib))
+                                      box.host_ram_gib, fast, asked))
     return ranked(plans)
 
 
@@ -879,6 +1048,7 @@ def command(plan: Plan, model: str, box: Box) -> str:
         opts += [f"--tp_size {w.world}"]
     if w.checkpointing:
         opts.append("--activation_checkpointing")
+    opts += plan.asked.flags()  # auto, the default, settles as planned on the box: no option needed for it
     return f"{launch} " + " ".join(opts)
 
 
@@ -895,15 +1065,48 @@ def options_of(plan: Plan) -> dict:
 
 
 def plan_table(plans: list[Plan], limit: int | None = None) -> str:
-    head = f"{'strategy':<14} {'precision':<11} {'ckpt':<4} {'mb':>2} {'GPU GiB/card':>12} {'host GiB':>8} " \
-           f"{'est. tok/s':>10}  fits?"
+    head = f"{'strategy':<14} {'precision':<11} {'ckpt':<4} {'mb':>2} {'fast paths':<12} {'GPU GiB/card':>12} " \
+           f"{'host GiB':>8} {'est. tok/s':>10}  fits?"
     lines = [head, "-" * len(head)]
     for p in plans[:limit]:
         w = p.w
         prec = "-" if w.setup.method != "full" else w.setup.precision
         lines.append(f"{w.strategy:<14} {prec:<11} {'yes' if w.checkpointing else 'no':<4} {w.micro_batch:>2} "
-                     f"{shown_gib(p):>12.1f} {p.prediction.host_gib:>8.0f} {p.tok_s:>10,.0f}  {p.mark()}")
+                     f"{w.fast or '-':<12} {shown_gib(p):>12.1f} {p.prediction.host_gib:>8.0f} {p.tok_s:>10,.0f}  "
+                     f"{p.mark()}")
     return "\n".join(lines)
+
+
+def fast_paths_said(plan: Plan) -> str:
+    """A plan's fast paths and why: "FP8 + compiled layers (defaults on this GPU)" where `auto` turned both on,
+    else each on or off, with the run's own reason for one that `auto` left off (sft/options/resolve.py)."""
+    f, asked = plan.fast, plan.asked
+    if f.fp8 and f.compiled and asked == dataclasses.replace(asked, fp8="auto", compile_layers="auto"):
+        return "FP8 + compiled layers (defaults on this GPU)"
+    said = []
+    for name, option, on, given in (("compiled layers", "compile_layers", f.compiled, asked.compile_layers),
+                                    ("FP8", "fp8", f.fp8, asked.fp8)):
+        if on:
+            said.append(f"{name} on ({'the default' if given == 'auto' else f'--{option} {given}'})")
+        else:  # auto left it off for the run's own reason, or the user said false
+            reason = next((n.removeprefix(f"{name} off (")[:-1] for n in f.notes if n.startswith(f"{name} off (")),
+                          f"--{option} {given}")
+            said.append(f"{name} off ({reason})")
+    return ", ".join(said)
+
+
+def fast_paths_text(plans: list[Plan]) -> str:
+    """What the plans' commands run with, by strategy, as kernels_text says their kernels: the first plan's
+    strategies with why any path is off (fast_paths_said), then the others' where they differ."""
+    groups: dict[str, list[Plan]] = {}
+    for p in plans:
+        same = groups.setdefault(p.fast.label, [])
+        if p.w.strategy not in [q.w.strategy for q in same]:
+            same.append(p)
+    said = [f"{', '.join(q.w.strategy for q in same)}: "
+            + (fast_paths_said(same[0]) if i == 0 else same[0].fast.name)
+            + (" (refused: the run stops)" if same[0].fast.refused else "") for i, same in enumerate(groups.values())]
+    return "; ".join(said)
 
 
 def best_plan(plans: list[Plan]) -> Plan | None:
@@ -957,17 +1160,18 @@ def planned_options(model_args, lora_args, data_args, training_args, machine=Non
     m = machine or this_machine()
     if not m.cuda:
         return NOT_PLANNED  # nothing to plan without GPUs: the options stay as given
-    from sft.report.callbacks import PEAK_FLOPS  # (imports torch: only once there is a run to plan)
-
     gpus, mem = cards(m)
-    peak = next((v for k, v in PEAK_FLOPS.items() if m.gpu_names and k in m.gpu_names[0]), 165e12)
+    kind = gpu_kind(m.gpu_names[0])
     shape = resolve_shape(model_args.model)
-    # Options as given (not yet resolved): --qlora alone has not set --lora yet, and plans its own 4-bit memory.
+    # Options as given (not yet resolved): --qlora alone has not set --lora yet, and plans its own 4-bit memory;
+    # --fp8/--compile_layers auto settle after the plan as they settle in it (fast_paths: this machine, the launch).
     method = "qlora" if lora_args.qlora else "lora" if lora_args.lora else "full"
     mbs = (training_args.per_device_train_batch_size,) if "per_device_train_batch_size" in given else (1, 2, 4, 8)
     accumulation = getattr(training_args, "gradient_accumulation_steps", 1) or 1  # its gradients live in between
-    plans = enumerate_plans(shape, Box(gpus, mem, m.host_ram_gib or None, peak), method,
-                            data_args.max_length, mbs, lora_args.lora_r, accumulation)
+    asked = Asked(getattr(model_args, "fp8", "auto"), getattr(model_args, "compile_layers", "auto"),
+                  bool(getattr(training_args, "torch_compile", False)))
+    box = Box(gpus, mem, m.host_ram_gib or None, kind[1].peak_flops if kind else 165e12, m.gpu_names[0], m)
+    plans = enumerate_plans(shape, box, method, data_args.max_length, mbs, lora_args.lora_r, accumulation, asked)
     strategy = _launched_strategy(m)
     plans = [p for p in plans if strategy is None or p.w.strategy == strategy]  # the launch decides the strategy
     chosen = best_plan(plans)
@@ -1000,8 +1204,8 @@ def prediction_line(plan: Plan) -> str:
     """One line for the run's first screen."""
     p = plan.prediction
     return (f"  {'plan':<12} {plan.w.strategy}, checkpointing {'on' if plan.w.checkpointing else 'off'}, "
-            f"micro-batch {plan.w.micro_batch}: predicted {shown_gib(plan):.1f} GiB per GPU (nvidia-smi; "
-            f"{p.reserved_gib:.1f} GiB reserved by PyTorch), ~{plan.tok_s:,.0f} tok/s")
+            f"micro-batch {plan.w.micro_batch}, {plan.fast.name}: predicted {shown_gib(plan):.1f} GiB per GPU "
+            f"(nvidia-smi; {p.reserved_gib:.1f} GiB reserved by PyTorch), ~{plan.tok_s:,.0f} tok/s")
 
 
 def nothing_planned_line(model: str, lora: bool, machine=None) -> str:
@@ -1028,22 +1232,28 @@ def parser() -> argparse.ArgumentParser:
                 "plan that fits.", epilog="Offline for the built-in DeepSeek shapes: " + ", ".join(SHAPES) + ".")
     p.add_argument("--model", help="hub id, local directory (config.json) or family name")
     p.add_argument("--gpus", type=int, default=3, help="GPUs in the box (default 3)")
-    p.add_argument("--gpu_mem", type=float, default=24, help="GB per GPU (default 24)")
+    others = ", ".join(name for name in GPU_KINDS if name != "RTX 4090")
+    p.add_argument("--gpu", default="RTX 4090", metavar="NAME", help=f"the GPU (default RTX 4090; {others}): its "
+                   "compute capability decides FP8")
+    p.add_argument("--gpu_mem", type=float, metavar="GB", help="GB per GPU (default: the GPU's)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--lora", action="store_true", help="LoRA on a bf16 base (default: full fine-tune)")
     g.add_argument("--qlora", action="store_true", help="LoRA on a 4-bit NF4 base (bitsandbytes)")
-    p.add_argument("--max_length", type=int, default=2048, help="tokens per packed row (default 2048)")
-    p.add_argument("--micro_batch", type=int, help="only this micro-batch (default: 1, 2, 4, 8)")
+    p.add_argument("--max_length", type=int, default=2048, metavar="N", help="tokens per packed row (default 2048)")
+    p.add_argument("--micro_batch", type=int, metavar="N", help="only this micro-batch (default: 1, 2, 4, 8)")
     p.add_argument("--host_ram", type=float, metavar="GIB", help="host RAM in GiB (default: this machine's)")
     p.add_argument("--gradient_accumulation_steps", type=int, default=1, metavar="N",
                    help="micro-batches per step (default 1)")
-    p.add_argument("--lora_r", type=int, default=16, help="LoRA rank (default 16)")
-    p.add_argument("--peak_tflops", type=float, default=165, help="bf16 peak per GPU (default RTX 4090: 165)")
+    p.add_argument("--lora_r", type=int, default=16, metavar="R", help="LoRA rank (default 16)")
+    p.add_argument("--peak_tflops", type=float, metavar="T", help="bf16 peak per GPU (default: the GPU's)")
+    for name in ("fp8", "compile_layers"):
+        p.add_argument(f"--{name}", choices=("auto", "true", "false"), default="auto", metavar="WHEN",
+                       help="auto (default: where the run allows), true, false")
     p.add_argument("--all", action="store_true", help="list every plan, not the first 20")
     p.add_argument("--check", action="store_true", help="predicted vs measured for bench/results.jsonl rows")
     p.add_argument("--markdown", action="store_true", help="with --check: the markdown table of RESULTS.md")
-    p.add_argument("--write_snapshot", action="store_true", help="refit the plans' numbers from bench/results.jsonl "
-                   "into sft/plan/fitted.json (after adding bench rows; a checkout only)")
+    p.add_argument("--write_snapshot", action="store_true", help="after new bench rows: refit the plans' numbers "
+                   "(sft/plan/fitted.json; a checkout only)")
     return p
 
 
@@ -1076,20 +1286,28 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    found = gpu_kind(args.gpu)
+    if found is None:
+        print(f"error: --gpu {args.gpu}: not a GPU the planner knows; give one of {', '.join(GPU_KINDS)} (the one "
+              f"of the same compute capability, with --gpu_mem and --peak_tflops).", file=sys.stderr)
+        return 2
+    gpu, kind = found
     method = "qlora" if args.qlora else "lora" if args.lora else "full"
     ram = args.host_ram if args.host_ram is not None else this_host_ram()
-    box = Box(args.gpus, args.gpu_mem, ram, args.peak_tflops * 1e12)
+    mem = args.gpu_mem or kind.memory_gb
+    box = Box(args.gpus, mem, ram, args.peak_tflops * 1e12 if args.peak_tflops else kind.peak_flops, gpu)
     mbs = (args.micro_batch,) if args.micro_batch else (1, 2, 4, 8)
     accumulation = args.gradient_accumulation_steps
-    plans = enumerate_plans(shape, box, method, args.max_length, mbs, args.lora_r, accumulation)
+    plans = enumerate_plans(shape, box, method, args.max_length, mbs, args.lora_r, accumulation,
+                            Asked(args.fp8, args.compile_layers))
     shown = plans if args.all else plans[:20]
     host = "host RAM: unknown (give --host_ram)" if ram is None else \
         f"host RAM {ram:.0f} GiB ({'--host_ram' if args.host_ram is not None else 'this machine'})"
     print(f"{shape.name} ({shape.model_type}, {shape.params() / 1e9:.2f}B parameters; shape: {shape.checked}), "
-          f"{method}, {args.gpus} x {args.gpu_mem:g} GB ({box.card_gib:.2f} GiB by nvidia-smi; a plan keeps "
+          f"{method}, {args.gpus} x {gpu} {mem:g} GB ({box.card_gib:.2f} GiB by nvidia-smi; a plan keeps "
           f"{MARGIN_GIB:g} GiB of it free), {host}, rows of {args.max_length} tokens"
           f"{f' x {accumulation} micro-batches per step' if accumulation > 1 else ''}, "
-          f"{kernels_text(shape, [p.w.strategy for p in shown])}")
+          f"{kernels_text(shape, [p.w.strategy for p in shown])}; {fast_paths_text(shown)}")
     print(plan_table(shown))
     best = best_plan(plans)
     if best is None:
@@ -1104,6 +1322,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{more_ram.why_not}")
         return 1
     print(f"\nRecommended: {command(best, args.model, box)}")
+    print(f"  {fast_paths_said(best)}")
     needs = f"host RAM: unknown, needs {best.prediction.host_gib:.0f} GiB" if ram is None else \
         f"{best.prediction.host_gib:.0f} of {ram:.0f} GiB host RAM"
     print(f"  predicted {shown_gib(best):.1f} GiB per GPU (nvidia-smi), {needs}; ~{best.tok_s:,.0f} tok/s, an "

@@ -10,12 +10,11 @@ import torch
 from transformers import TrainerCallback
 
 from sft.report.console import run_overview, tensorboard_dir
-from sft.machine import GIB, Machine, is_first_process, machine
+from sft.machine import GIB, GPU_KINDS, Machine, is_first_process, machine
 
-# Dense bf16 matmul peak per GPU, FLOP/s. H200: measured on our lent machines (the ceiling MFU is quoted
-# against); the others are vendor datasheet figures (RTX 4090: tensor cores with fp32 accumulation).
-PEAK_FLOPS = {"H200": 790e12, "H100": 790e12, "A100": 312e12, "RTX 4090": 165e12, "RTX 3090": 71e12,
-              "L40S": 362e12, "A6000": 155e12}
+# Dense bf16 matmul peak per GPU, FLOP/s, by what the GPU's name contains (sft/machine.py GPU_KINDS says where each
+# figure comes from).
+PEAK_FLOPS = {name: kind.peak_flops for name, kind in GPU_KINDS.items()}
 
 
 def peak_flops(override_tflops: float | None = None, m: Machine | None = None) -> float | None:

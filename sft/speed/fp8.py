@@ -217,47 +217,13 @@ def use_fp8_base(model, device: torch.device | None = None) -> tuple[int, int]:
     return converted, skipped
 
 
-def fp8_strategy_conflict(o, m) -> str | None:
-    """Why the run's strategy excludes --fp8 (None when it does not). LoRA: the FP8 base is quantized once and
-    must stay whole on each GPU (one process per GPU or DDP). Full fine-tune: torchao's Float8Linear under one
-    GPU, DDP or FSDP2; DeepSpeed's flattened parameters and TP's DTensors are not tested with it."""
-    if o.zero_stage(m) is not None:
-        return f"DeepSpeed ZeRO-{o.zero_stage(m)} (its flattened parameters are not tested with FP8)"
-    if o.model.tp_size > 1:
-        return "--tp_size (the layers' weights are DTensors)"
-    if o.lora.lora and o.fsdp(m):
-        return "FSDP under LoRA (the FP8 base is quantized once and must stay whole on each GPU)"
-    return None
-
-
-def fp8_base_needs(o, m) -> None:
-    """The check for sft/options/checks.py's CHECKS (options `o`, Machine `m`): --fp8 needs FP8 GPUs and a
-    strategy that allows it (fp8_strategy_conflict)."""
-    from sft.errors import ConfigError, NeedsHardware
-
-    if not o.model.fp8_on:
-        return
-    same = "the same LoRA in bf16" if o.lora.lora else "the same fine-tune in bf16"
-    if not m.cuda and not m.launch.fp8_on_cpu:
-        raise NeedsHardware(f"--fp8 needs a GPU with FP8 matmuls (compute capability 8.9+: RTX 4090, L40, H100, "
-                            f"H200) and this machine has none. Drop --fp8 ({same}).", "--fp8")
-    why = m.fp8_problem()
-    if why:
-        raise ConfigError(f"--fp8: {why}. Drop --fp8 ({same}).")
-    conflict = fp8_strategy_conflict(o, m)
-    if conflict:
-        hint = ("A 7B LoRA fits one 24 GB card: use accelerate_configs/ddp.yaml." if o.lora.lora else
-                "Use accelerate_configs/fsdp.yaml (the box's full fine-tune) or ddp.yaml.")
-        raise ConfigError(f"--fp8 with {conflict}. {hint}")
-
-
 def apply_fp8_base(model) -> None:
     """The hook sft/model/loading.py calls after attaching LoRA under --fp8: convert, and say what was converted."""
     from sft.errors import ConfigError
     from sft.machine import machine
 
     why = machine().fp8_problem()
-    if why:  # normally refused before loading (fp8_base_needs); this guards callers that skip the checks
+    if why:  # refused before loading (sft/options/checks.py fp8_base_needs); this guards callers that skip checks
         raise ConfigError(f"--fp8: {why}. Drop --fp8 (the same LoRA in bf16).")
     converted, skipped = use_fp8_base(model)
     if is_first_process():
