@@ -452,6 +452,7 @@ def test_the_recommended_command_runs_as_printed(model, method, gpus):
     lora_args.qlora = "--qlora" in given
     assert model_args.model.startswith("deepseek-ai/")
     launch = Launch(world_size=gpus, local_world_size=gpus, launched=True, fsdp=config == "fsdp.yaml",
+                    launcher_started=1.8e9,  # names the run's new directory alike on every rank
                     zero_stage={"zero3.yaml": "3", "zero3_offload.yaml": "3", "zero2.yaml": "2"}.get(config),
                     offload=("optimizer", "param") if config == "zero3_offload.yaml" else ())
     box = Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * gpus, gpu_memory_gib=(23.99,) * gpus, bf16=True,

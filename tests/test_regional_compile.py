@@ -50,7 +50,7 @@ def test_compiled_layers_train_as_the_eager_model(four_layers):
 
     def lora_model(compile_layers: bool):
         torch.manual_seed(0)  # the same LoRA init
-        model = load_model(ModelArguments(model=str(four_layers), compile_layers=compile_layers),
+        model = load_model(ModelArguments(model=str(four_layers), compile_layers=str(compile_layers).lower()),
                            LoraArguments(lora=True, lora_dropout=0.0))
         return model.train()
 

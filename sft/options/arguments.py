@@ -335,7 +335,8 @@ def liger_config_from_json(text: str) -> dict[str, bool]:
 
 PARSER_TYPES = (ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments)
 HELP_GROUPS = [  # the one-screen --help: our options, then the TrainingArguments people use most
-    ("Model", ModelArguments, tuple(f.name for f in fields(ModelArguments))),
+    ("Model", ModelArguments, tuple(f.name for f in fields(ModelArguments)  # these: in --help all
+                                    if f.init and f.name not in ("fp8_recipe", "mlp_tile_tokens"))),
     ("LoRA", LoraArguments, tuple(f.name for f in fields(LoraArguments))),
     ("Data", DataArguments, tuple(f.name for f in fields(DataArguments)  # these: in --help all
                                   if f.name not in ("dataset_columns", "dataset_tags", "pad_to_multiple_of"))),

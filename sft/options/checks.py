@@ -136,6 +136,8 @@ def rows_padded_to(o: Options) -> int | None:
     """The multiple every batch's rows are padded to: --pad_to_multiple_of, or, where it is not given, --max_length
     for packed rows under flex_attention (sft/options/resolve.py flex_pads_packed_rows)."""
     d = o.data
+    if d is None:  # the planner's described runs (sft/plan/fast_paths.py): its rows are multiples of 16 tokens
+        return None
     if d.pad_to_multiple_of is None and d.packing and o.model.attn_implementation == "flex_attention":
         return d.max_length
     return d.pad_to_multiple_of
