@@ -103,6 +103,9 @@ MATRIX = [
         scaling_of="lora-1-ckpt", timeout=240),
     Row("full-fsdp-4bit", args=("--dtype", "bfloat16", *CKPT, *LIGER), optim=SR4, **FULL),
     Row("full-fsdp-8bit", args=("--dtype", "bfloat16", *CKPT, *LIGER), optim=SR8, **FULL),
+    # the box's full plan as it runs by default on FP8 GPUs (issue 28 item 4): FP8 and compiled layers under FSDP2
+    Row("full-fsdp-4bit-fp8", args=("--dtype", "bfloat16", *CKPT, *LIGER, "--fp8", "true", "--compile_layers", "true"),
+        optim=SR4, timeout=420, **FULL),
     Row("full-fsdp-4bit-cap22", mem_cap_gib=22, args=("--dtype", "bfloat16", *CKPT, *LIGER), optim=SR4, **FULL),
     Row("peer-mb1", micro_batch=1, **PEER),
     Row("peer-mb2", micro_batch=2, **PEER),
@@ -259,7 +262,7 @@ GROUPS = {
     "x2": ["moe-lora-z3-2", "lora-1", "lora-ddp", "recipe-coder-lora", "recipe-r1-lora"],
     # issue 15 on two or three GPUs held to 24 GiB: the LoRA plan's DDP scaling, the full plan on a fresh machine
     # against the peers' offload recipe (run with --fresh_cache)
-    "box": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit", "peer-mb1"],
+    "box": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit-fp8", "full-fsdp-4bit", "peer-mb1"],
     "recipes": ["recipe-coder-lora", "recipe-r1-lora", "recipe-v2-lite-lora"],
     # not measured yet (2026-12-02, 08:00): the compiled layers rounding as eager does (their speed), beside the
     # plain compiled row and TRL (TRL first: its first step compiles for ~240 s on a fresh machine); then V2-Lite

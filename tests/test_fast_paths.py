@@ -88,3 +88,15 @@ def test_a_full_fine_tune_in_fp8_pads_each_batch_to_16_tokens():
         settled(gpu(), *sr, *flex, "--fp8", "true")
     m = settled(gpu(), *sr, *flex)  # auto: off, and why
     assert not m.fp8_on and "multiples of 16" in m.speed_choices[1]
+
+
+def test_the_first_screen_says_what_was_chosen():
+    from sft.report.console import run_overview
+
+    text = run_overview(model="m", architecture="LlamaForCausalLM", total_params=10, trainable_params=1,
+                        dtype="bfloat16", adapter_dtype=None, mixed_precision="bf16", lora_rank=8, processes=1,
+                        strategy="no parallelism", devices="1 GPU", per_device_batch=1, grad_accum=1, data_parallel=1,
+                        mean_row_tokens=None, max_steps=1, epochs=None, resume_step=0, output_dir="out", saves="none",
+                        tensorboard=None, speed=settled(gpu(), "--lora").speed_choices)
+    assert ("  speed        compiled layers on (--compile_layers false turns them off); FP8 on (compute capability "
+            "8.9; --fp8 false turns it off)") in text.splitlines()
