@@ -259,7 +259,12 @@ GROUPS = {
     "smoke": ["tiny-lora", "trl-tiny-lora", "tiny-full", "trl-tiny-full"],
     "moe": ["moe-lora", "trl-moe-lora"],
     # two GPUs held to 24 GiB: V2-Lite sharded, DDP scaling of the LoRA plan, the recipes
-    "x2": ["moe-lora-z3-2", "lora-1", "lora-ddp", "recipe-coder-lora", "recipe-r1-lora"],
+    "x2": ["moe-lora-z3-2", "lora-1", "lora-ddp", "recipe-coder-lora", "recipe-r1-lora"],  # run 20261201T0930Z-x2
+    # issue 30's rows that exist (2026-12-03), on nvidia-h200-x2, each rank held to 24 GiB, with --fresh_cache:
+    # the LoRA plan with FP8 and compiled layers under DDP beside its one-GPU row; the full plan (FSDP2, FP8) beside
+    # the same plan in bf16 and the peers' ZeRO-3 offload recipe; V2-Lite's plan of today (ZeRO-3 over 2 cards)
+    "issue30": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit-fp8", "full-fsdp-4bit", "peer-mb1",
+                "moe-lora-z3-2"],
     # issue 15 on two or three GPUs held to 24 GiB: the LoRA plan's DDP scaling, the full plan on a fresh machine
     # against the peers' offload recipe (run with --fresh_cache)
     "box": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit-fp8", "full-fsdp-4bit", "peer-mb1"],

@@ -1,7 +1,7 @@
 """Fine-tune a DeepSeek-family model on instruction data with the Hugging Face Trainer.
 
     accelerate launch sft/train.py                       # the embedded demo: tiny model, bundled data, ~1 min
-    accelerate launch --config_file accelerate_configs/ddp.yaml sft/train.py \
+    accelerate launch -q --config_file accelerate_configs/ddp.yaml sft/train.py \
         --model deepseek-ai/deepseek-llm-7b-base --dataset data.jsonl --lora
     python sft/train.py --config recipe.yaml             # one process; a recipe holds the same options
 

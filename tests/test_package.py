@@ -182,7 +182,7 @@ def test_the_wheel_carries_its_files_and_plans_and_trains_from_any_directory(tmp
                                    text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert from_wheel.returncode == from_checkout.returncode == 0, from_wheel.stderr + from_checkout.stderr
     # the same plan; the command is the one that runs where each is: the checkout's README form, or the shipped name
-    checkout_form = re.sub(r"accelerate launch --config_file accelerate_configs/(\S+)(.*?) sft/train\.py",
+    checkout_form = re.sub(r"accelerate launch -q --config_file accelerate_configs/(\S+)(.*?) sft/train\.py",
                            r"deepseek-sft train --config_file \1\2", from_checkout.stdout)
     assert from_wheel.stdout == checkout_form
     assert "Recommended: deepseek-sft train --config_file ddp.yaml --model deepseek-ai/deepseek-llm-7b-base" \

@@ -41,7 +41,7 @@ def test_7b_lora_on_three_24gb_cards_ddp_with_checkpointing():
     best = plan.best_plan(plans)
     assert best.w.strategy == "ddp" and best.w.checkpointing and best.w.micro_batch in (2, 4)
     cmd = plan.command(best, "deepseek-ai/deepseek-llm-7b-base", BOX)
-    assert cmd.startswith("accelerate launch --config_file accelerate_configs/ddp.yaml sft/train.py")
+    assert cmd.startswith("accelerate launch -q --config_file accelerate_configs/ddp.yaml sft/train.py")
     assert "--lora" in cmd and "--activation_checkpointing" in cmd
 
 

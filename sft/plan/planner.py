@@ -1027,7 +1027,7 @@ def command(plan: Plan, model: str, box: Box) -> str:
     w, s = plan.w, STRATEGIES[plan.w.strategy]
     processes = "" if s.name == "single_gpu" or w.world == 3 else f" --num_processes {w.world}"
     if (REPO / s.accelerate_config).is_file():  # a checkout: the README's command, from its root
-        launch = f"accelerate launch --config_file {s.accelerate_config}{processes} sft/train.py"
+        launch = f"accelerate launch -q --config_file {s.accelerate_config}{processes} sft/train.py"
     else:  # an install without the repository: the shipped config by name, from any directory
         launch = f"deepseek-sft train --config_file {Path(s.accelerate_config).name}{processes}"
     opts = [f"--model {hub_id(model)}", "--dataset data.jsonl", "--packing", f"--max_length {w.seq_len}",
