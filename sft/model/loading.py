@@ -125,6 +125,10 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
         **tensor_parallel(model_args),
         **quantization(model_args, lora_args),
     )
+    if model_args.quantize_experts == "fp8":  # before LoRA: the routed experts are the frozen base's
+        from sft.model.quantized_experts import apply_quantized_experts
+
+        apply_quantized_experts(model)
     report_zero3_partitioning(model)
     mark_moe_leaves(model)  # ZeRO-3: each MoE block one leaf (before the Trainer builds the engine)
     if qlora:

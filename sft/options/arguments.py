@@ -80,6 +80,10 @@ class ModelArguments(FastPathSwitches):  # fp8_on, compile_layers_on
         "help": "The training loss from the last hidden states, 1024 labelled tokens at a time, each chunk's logits "
                 "recomputed in the backward: no [tokens x vocabulary] logits tensor (sft/speed/chunked_loss.py). For "
                 "models without Liger's fused loss (DeepSeek-V2/V3); not with --use_liger_kernel or --tp_size."})
+    quantize_experts: Literal["none", "fp8"] = field(default="none", metadata={
+        "help": "With --lora on DeepSeek-V2/V3 (MoE): hold the frozen routed experts in e4m3 (one scale per row) "
+                "on the GPU, dequantized layer by layer: V2-Lite's base resident on one 24 GB card instead of "
+                "offloaded. Needs --activation_checkpointing; one GPU or DDP (sft/model/quantized_experts.py)."})
     mlp_tile_tokens: int = field(default=0, metadata={
         "help": "Run each decoder layer's dense MLP this many tokens at a time, each tile checkpointed (ALST's "
                 "tiled MLP; sft/speed/tiled_mlp.py): the MLP's [tokens x intermediate] tensors of a long row exist "
@@ -336,7 +340,8 @@ def liger_config_from_json(text: str) -> dict[str, bool]:
 PARSER_TYPES = (ModelArguments, DataArguments, LoraArguments, SFTTrainingArguments)
 HELP_GROUPS = [  # the one-screen --help: our options, then the TrainingArguments people use most
     ("Model", ModelArguments, tuple(f.name for f in fields(ModelArguments)  # these: in --help all
-                                    if f.init and f.name not in ("fp8_recipe", "mlp_tile_tokens"))),
+                                    if f.init and f.name not in ("fp8_recipe", "mlp_tile_tokens",
+                                                                 "quantize_experts"))),
     ("LoRA", LoraArguments, tuple(f.name for f in fields(LoraArguments))),
     ("Data", DataArguments, tuple(f.name for f in fields(DataArguments)  # these: in --help all
                                   if f.name not in ("dataset_columns", "dataset_tags", "pad_to_multiple_of"))),

@@ -154,6 +154,24 @@ def long_row_levers(o: Options, m: Machine) -> None:
                           "--activation_checkpointing true.")
 
 
+def quantized_experts_combinations(o: Options, m: Machine) -> None:
+    """--quantize_experts fp8 holds FROZEN experts (a LoRA run's base) whole on each GPU, and frees each layer's
+    bf16 copy after its forward only when the backward recomputes the layer (activation checkpointing)."""
+    if o.model.quantize_experts == "none":
+        return
+    q = "--quantize_experts fp8"
+    if not o.lora.lora or o.lora.qlora:
+        raise ConfigError(f"{q} quantizes the frozen experts of a LoRA run's base: add --lora (not with --qlora, "
+                          f"whose base is already 4-bit).")
+    t = o.training
+    if not (t.activation_checkpointing or getattr(t, "fsdp_activation_checkpointing", False)):
+        raise ConfigError(f"{q} needs --activation_checkpointing true: without it every layer's dequantized "
+                          f"experts stay on the GPU for the backward, as much memory as the bf16 base.")
+    if o.fsdp(m) or o.zero_stage(m) is not None or o.model.tp_size > 1:
+        raise ConfigError(f"{q}: the quantized experts stay whole on each GPU; use one GPU or "
+                          f"accelerate_configs/ddp.yaml (not FSDP, DeepSpeed or --tp_size).")
+
+
 def optimizer_arguments(o: Options, m: Machine) -> None:
     """--optim_args now, not once the model has loaded."""
     t = o.training
@@ -514,7 +532,7 @@ def processes_name_one_run_directory(o: Options, m: Machine) -> None:
 Check = Callable[[Options, Machine], None]
 OPTION_CHECKS: list[Check] = [
     plan_value, dataset_given, data_option_values, evaluation_has_data, max_length_long_enough, dtype_name,
-    fp8_combinations, long_row_levers, optimizer_arguments, lora_rank_positive, sizes_in_range, something_to_train, attention_name,
+    fp8_combinations, long_row_levers, quantized_experts_combinations, optimizer_arguments, lora_rank_positive, sizes_in_range, something_to_train, attention_name,
     packing_attention, padding_positive, our_option_values,
 ]
 MACHINE_CHECKS: list[Check] = [

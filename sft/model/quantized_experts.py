@@ -1,0 +1,132 @@
+"""`--quantize_experts fp8` (LoRA on DeepSeek-V2/V3): the routed experts, frozen under LoRA and 14.4B of
+DeepSeek-V2-Lite's 15.7B parameters, held on the GPU in e4m3 with one scale per output row instead of bf16:
+~15 GB for V2-Lite's experts instead of 29 GB, so the whole base stays resident on one 24 GB card instead of
+streaming from host RAM (ZeRO-3 offload, 3-5.6x slower: bench/RESULTS.md).
+
+Each layer's experts are dequantized to bf16 as its forward reads them (`gate_up_proj`, `down_proj` become
+properties of the module), so transformers' own experts code (grouped_mm or its eager loop) runs unchanged; the
+bf16 copy lives for that layer's forward only, and with activation checkpointing (required) for its recomputation
+in the backward: one layer's ~1 GB at a time. The experts' class becomes a subclass of its own (the way torch's
+FSDP2 gives a module its FSDP class), so names, hooks and the MoE balance loss (sft/model/moe.py) are unchanged.
+
+Quantizing the frozen base changes the model (the rounding of e4m3: about 2**-4 of each weight at most): the LoRA
+adapter is trained against the quantized experts and saved alone, and loads on the bf16 base with plain peft. How
+far the logits move is measured against bf16's on held-out data (bench/RESULTS.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sft.machine import is_first_process
+
+E4M3 = torch.float8_e4m3fn
+E4M3_MAX = torch.finfo(E4M3).max
+WEIGHTS = ("gate_up_proj", "down_proj")  # transformers 5's fused experts: [experts, out, in] each
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [..., rows, k] -> (e4m3 of the same shape, fp32 scales [..., rows, 1]), each row's largest magnitude at
+    e4m3's largest value; one row at a time in fp32 would double the peak, so it goes expert by expert."""
+    q = torch.empty_like(w, dtype=E4M3)
+    scale = torch.empty(*w.shape[:-1], 1, dtype=torch.float32, device=w.device)
+    for e in range(w.shape[0]):
+        s = w[e].abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX
+        q[e] = (w[e].float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+        scale[e] = s
+    return q, scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (q.to(dtype) * scale.to(dtype)).detach()
+
+
+class QuantizedExperts:
+    """Mixed in before a fused experts class: its weights live as `<name>_e4m3` (a frozen e4m3 parameter, so
+    parameter counts and device moves see it) and `<name>_scale`; `<name>` reads them back in `compute_dtype`."""
+
+    compute_dtype: torch.dtype
+
+    def _weight(self, name: str) -> torch.Tensor:
+        cache = self.__dict__.get("_dequantized")
+        if cache is not None and name in cache:
+            return cache[name]
+        w = dequantize(getattr(self, f"{name}_e4m3"), getattr(self, f"{name}_scale"), self.compute_dtype)
+        if cache is not None:
+            cache[name] = w
+        return w
+
+    @property
+    def gate_up_proj(self) -> torch.Tensor:
+        return self._weight("gate_up_proj")
+
+    @property
+    def down_proj(self) -> torch.Tensor:
+        return self._weight("down_proj")
+
+    def forward(self, *args, **kwargs):
+        """The experts' own forward, each weight dequantized once per call (the eager loop reads it per expert)."""
+        self.__dict__["_dequantized"] = None if torch.compiler.is_compiling() else {}
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.__dict__["_dequantized"] = None
+
+    def _apply(self, fn, recurse=True):
+        """.to()/.cuda() move the scales with the weights; a cast of the whole model keeps e4m3 e4m3 (e4m3 ->
+        bf16 -> e4m3 is exact) and the scales fp32."""
+        super()._apply(fn, recurse)
+        for name in WEIGHTS:
+            weight = getattr(self, f"{name}_e4m3")
+            if weight.dtype != E4M3:
+                weight.data = weight.data.to(E4M3)
+            setattr(self, f"{name}_scale", getattr(self, f"{name}_scale").to(weight.device, torch.float32))
+        return self
+
+
+def _quantized_class(cls: type) -> type:
+    return type(f"Fp8{cls.__name__}", (QuantizedExperts, cls), {"__module__": cls.__module__})
+
+
+def fused_experts(model: nn.Module) -> list[nn.Module]:
+    """The routed experts modules (transformers 5 fuses each MoE layer's experts into one, with 3D weights)."""
+    return [m for m in model.modules()
+            if all(isinstance(getattr(m, w, None), nn.Parameter) and getattr(m, w).dim() == 3 for w in WEIGHTS)]
+
+
+def quantize_experts(model: nn.Module, device: torch.device | None = None) -> int:
+    """Hold every routed experts module of `model` in e4m3, quantized on `device` (default: where it is); -> how
+    many modules. The experts must be frozen (a LoRA run's base)."""
+    experts = fused_experts(model)
+    for module in experts:
+        weights = {name: module._parameters.pop(name) for name in WEIGHTS}
+        module.compute_dtype = weights["gate_up_proj"].dtype
+        module.__class__ = _quantized_class(type(module))
+        for name, weight in weights.items():
+            q, scale = quantize_rows(weight.detach().to(device or weight.device))
+            module.register_parameter(f"{name}_e4m3", nn.Parameter(q, requires_grad=False))
+            setattr(module, f"{name}_scale", scale)  # an attribute, not a buffer: DDP would broadcast buffers
+            del weight
+    return len(experts)
+
+
+def apply_quantized_experts(model: nn.Module) -> None:
+    """The hook sft/model/loading.py calls under --quantize_experts fp8, before LoRA attaches: quantize on this
+    process's GPU where there is one (seconds there, minutes on the CPU), and say what was done."""
+    from sft.errors import ConfigError
+    from sft.machine import launch
+
+    device = torch.device("cuda", launch().local_rank) if torch.cuda.is_available() else None
+    count = quantize_experts(model, device)
+    if not count:
+        raise ConfigError("--quantize_experts fp8: this model has no routed experts (DeepSeek-V2/V3 MoE layers); "
+                          "drop the option.")
+    if is_first_process():
+        held = sum(p.numel() for m in fused_experts_quantized(model) for p in m.parameters(recurse=False))
+        print(f"Experts: {count} MoE layers' routed experts held in e4m3 ({held / 1e9:.2f}B weights, "
+              f"{held / 2**30:.1f} GiB instead of {2 * held / 2**30:.1f}), dequantized layer by layer", flush=True)
+
+
+def fused_experts_quantized(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, QuantizedExperts)]
