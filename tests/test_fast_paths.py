@@ -100,3 +100,8 @@ def test_the_first_screen_says_what_was_chosen():
                         tensorboard=None, speed=settled(gpu(), "--lora").speed_choices)
     assert ("  speed        compiled layers on (--compile_layers false turns them off); FP8 on (compute capability "
             "8.9; --fp8 false turns it off)") in text.splitlines()
+
+
+def test_quantized_experts_get_no_compiled_layers_by_default():
+    m = settled(gpu(), "--lora", "--quantize_experts", "fp8", "--activation_checkpointing", "true")
+    assert not m.compile_layers_on and "not yet run with --quantize_experts" in m.speed_choices[0]

@@ -90,7 +90,9 @@ def fast_paths_where_supported(o: Options, m: Machine) -> None:
     (bench/RESULTS.md): LoRA with both at 1.78x TRL's best, against 1.22x without. The user's true/false wins."""
     md, notes = o.model, []
     if md.compile_layers == "auto":
-        why = "no GPU" if not m.cuda else _refusal(compiled_layers_combinations, o, m, "compile_layers")
+        why = "no GPU" if not m.cuda else _refusal(compiled_layers_combinations, o, m, "compile_layers") or (
+            "not yet run with --quantize_experts; --compile_layers true to try" if getattr(
+                md, "quantize_experts", "none") != "none" else None)
         md.compile_layers = "false" if why else "true"
         if m.cuda:
             notes.append(f"compiled layers off ({why})" if why else
