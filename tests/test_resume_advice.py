@@ -272,8 +272,13 @@ def test_the_launcher_is_repeated_as_typed(tmp_path, monkeypatch):
     script.write_text(f"#!{sys.executable}\nimport time\ntime.sleep(120)\n")
     script.chmod(0o755)
     words = ["train", "--config_file", "ddp.yaml", "--dataset", "my data.jsonl"]
-    launcher = subprocess.Popen([str(script), *words])  # returns once the script is exec'd: its command line is set
+    launcher = subprocess.Popen([str(script), *words])
     try:
+        # the kernel sets the command line at the exec, which a loaded machine was seen to finish after Popen
+        # returned (CI: None at the first read): wait for it (a guard, not a timing)
+        deadline = time.monotonic() + 60
+        while launcher_command(launcher.pid) is None and time.monotonic() < deadline:
+            time.sleep(0.05)
         assert launcher_command(launcher.pid) == [str(script), *words]  # not on PATH: its path
         monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
         assert launcher_command(launcher.pid) == ["deepseek-sft", *words]
