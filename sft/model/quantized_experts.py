@@ -1,6 +1,6 @@
 """`--quantize_experts fp8` (LoRA on DeepSeek-V2/V3): the routed experts, frozen under LoRA and 14.4B of
 DeepSeek-V2-Lite's 15.7B parameters, held on the GPU in e4m3 with one scale per output row instead of bf16:
-~15 GB for V2-Lite's experts instead of 29 GB, so the whole base stays resident on one 24 GB card instead of
+14.4B weights take 13.4 GiB in e4m3 instead of 26.8 in bf16, so the whole base stays resident on one 24 GB card instead of
 streaming from host RAM (ZeRO-3 offload, 3-5.6x slower: bench/RESULTS.md).
 
 Each layer's experts are dequantized to bf16 as its forward reads them (`gate_up_proj`, `down_proj` become
@@ -21,20 +21,18 @@ from torch import nn
 
 from sft.machine import is_first_process
 
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = torch.finfo(E4M3).max
+from sft.speed.fp8 import E4M3, quantize_rows as quantize_matrix_rows
+
 WEIGHTS = ("gate_up_proj", "down_proj")  # transformers 5's fused experts: [experts, out, in] each
 
 
 def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """w [..., rows, k] -> (e4m3 of the same shape, fp32 scales [..., rows, 1]), each row's largest magnitude at
-    e4m3's largest value; one row at a time in fp32 would double the peak, so it goes expert by expert."""
+    """w [experts, rows, k] -> (e4m3 of the same shape, fp32 scales [experts, rows, 1]): sft/speed/fp8.py's row
+    quantization, expert by expert (the whole tensor in fp32 at once would double the peak)."""
     q = torch.empty_like(w, dtype=E4M3)
     scale = torch.empty(*w.shape[:-1], 1, dtype=torch.float32, device=w.device)
     for e in range(w.shape[0]):
-        s = w[e].abs().amax(dim=-1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX
-        q[e] = (w[e].float() / s).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-        scale[e] = s
+        q[e], scale[e] = quantize_matrix_rows(w[e])
     return q, scale
 
 
@@ -123,10 +121,7 @@ def apply_quantized_experts(model: nn.Module) -> None:
         raise ConfigError("--quantize_experts fp8: this model has no routed experts (DeepSeek-V2/V3 MoE layers); "
                           "drop the option.")
     if is_first_process():
-        held = sum(p.numel() for m in fused_experts_quantized(model) for p in m.parameters(recurse=False))
+        held = sum(p.numel() for m in model.modules() if isinstance(m, QuantizedExperts)
+                   for p in m.parameters(recurse=False))
         print(f"Experts: {count} MoE layers' routed experts held in e4m3 ({held / 1e9:.2f}B weights, "
               f"{held / 2**30:.1f} GiB instead of {2 * held / 2**30:.1f}), dequantized layer by layer", flush=True)
-
-
-def fused_experts_quantized(model: nn.Module) -> list[nn.Module]:
-    return [m for m in model.modules() if isinstance(m, QuantizedExperts)]

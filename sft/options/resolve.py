@@ -87,7 +87,8 @@ def fast_paths_where_supported(o: Options, m: Machine) -> None:
     """--compile_layers auto and --fp8 auto (the defaults): on a GPU, each is on wherever the run's own checks for
     it pass (the checks a user who typed `true` would meet), else off, with the check's reason on the first
     screen; on CPU both are off (no FP8 matmuls; a compile there costs more than it saves). Measured on one H200
-    (bench/RESULTS.md): LoRA with both at 1.78x TRL's best, against 1.22x without. The user's true/false wins."""
+    (bench/RESULTS.md): LoRA with both at 1.76x TRL's best, against 1.13x without (runs 20261202T0655Z-G,
+    20261201T2145Z-compile); the full fine-tune in FP8 at 1.40x (run 20261203T1450Z-fp8full). The user's true/false wins."""
     md, notes = o.model, []
     if md.compile_layers == "auto":
         why = "no GPU" if not m.cuda else _refusal(compiled_layers_combinations, o, m, "compile_layers") or (
