@@ -7,13 +7,15 @@ line at the end, exit status 1 on a FAIL.
     python bench/fp8_check.py --part loss --seeds 3 --steps 50
     python bench/fp8_check.py --part loss --candidate compile   # --compile_layers (bf16) against plain bf16
     python bench/fp8_check.py --part loss --candidate fp8,fp8-compile   # several, sharing the bf16 runs
+    python bench/fp8_check.py --part loss --shape deepseek-v2-lite --candidate quantize-experts  # issue 26 item 1
     python bench/fp8_check.py --cpu_smoke           # this script's plumbing on a CPU: tiny shapes, no verdict
 
 Layers: each projection shape of deepseek-llm-7b (q/k/v/o 4096x4096, gate/up 4096->11008, down 11008->4096), with
 --tokens rows (micro-batch 4 x 2048), frozen weight, forward + input gradient (what LoRA's base does per step, 4MKN
 FLOPs): bf16 nn.Linear against Fp8Linear with the quantize step compiled (the default on CUDA) and eager
 (SFT_FP8_COMPILE=0); also the compiled quantize's first call (its compile time) and the output's error.
-Loss: a random-init model of deepseek-llm-7b's layer shape (--layers decoder layers, its vocabulary), LoRA through
+Loss: a random-init model of deepseek-llm-7b's layer shape (or --shape deepseek-v2-lite's: its first layer dense,
+the rest MoE; --layers decoder layers, its vocabulary), LoRA through
 sft/train.py, --seeds seeds each with and without --fp8 (the same seed: the same data order and adapter init).
 The bf16 spread is the range of the bf16 runs' mean loss over the last 10 steps; PASS when every seed's FP8 run is
 within that range of its bf16 twin and the FP8 mean within it of the bf16 mean. Random weights cannot show that
@@ -136,20 +138,32 @@ def build_model(args, path: Path) -> Path:
     if (path / "config.json").exists():
         return path
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from fp8_check import _build; "
-            "_build(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5] == '1')")
-    subprocess.run([sys.executable, "-c", code, str(REPO / "bench"), str(args.tokenizer), str(path), str(args.layers),
-                    "1" if args.cpu_smoke else "0"], check=True)
+            "_build(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))")
+    shape = "tiny" if args.cpu_smoke else args.shape
+    subprocess.run([sys.executable, "-c", code, str(REPO / "bench"), shape, str(args.tokenizer), str(path),
+                    str(args.layers)], check=True)
     return path
 
 
-def _build(tokenizer_dir: str, path: str, num_layers: int, tiny: bool) -> None:
-    """Random init in a child process (this one holds no CUDA memory while the runs train): qlora_check's builder,
-    given the bench's shape with fewer layers (bench/ is on sys.path in this child)."""
-    from qlora_check import _build as build
-    from train_throughput import MODELS
+def _build(shape: str, tokenizer_dir: str, path: str, num_layers: int) -> None:
+    """Random init in a child process (this one holds no CUDA memory while the runs train): the bench's shape
+    (bench/train_throughput.py MODELS, any family) with fewer layers (bench/ is on sys.path in this child)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    MODELS["fp8_check"] = {**MODELS["tiny" if tiny else "deepseek-llm-7b"], "num_hidden_layers": num_layers}
-    build("fp8_check", tokenizer_dir, path)
+    from train_throughput import model_config
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = model_config(shape, num_hidden_layers=num_layers, bos_token_id=tokenizer.bos_token_id,
+                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    cuda = torch.cuda.is_available()
+    torch.manual_seed(0)
+    with torch.device("cuda" if cuda else "cpu"):
+        built = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32)
+    built.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    print(f"model {shape} with {num_layers} layers: {sum(p.numel() for p in built.parameters()) / 1e9:.2f}B "
+          f"parameters -> {path}", flush=True)
 
 
 # The loss check's candidates, each against plain bf16 LoRA: FP8's base; --compile_layers in bf16; both (refused by
@@ -158,7 +172,12 @@ def _build(tokenizer_dir: str, path: str, num_layers: int, tiny: bool) -> None:
 # follows (the compiled layers' lower loss of the bench's LoRA rows at a learning rate of 1e-5).
 CANDIDATES = {"fp8": ["--fp8", "true"], "compile": ["--compile_layers", "true"],
               "fp8-compile": ["--fp8", "true", "--compile_layers", "true"],
-              "fp32": ["--bf16", "false", "--dtype", "float32"]}
+              "fp32": ["--bf16", "false", "--dtype", "float32"],
+              # V2-Lite's frozen routed experts held in e4m3 (issue 26 item 1; --shape deepseek-v2-lite)
+              "quantize-experts": ["--quantize_experts", "fp8"]}
+# options every run of the check takes (the bf16 twins too) when a candidate needs them: the quantized experts are
+# dequantized layer by layer under activation checkpointing, which changes no loss
+SHARED_OPTIONS = {"quantize-experts": ["--activation_checkpointing", "true"]}
 
 
 # --method: LoRA (the base in FP8, sft/speed/fp8.py), or a full fine-tune (every decoder linear layer in FP8
@@ -179,7 +198,8 @@ def train(args, model: Path, seed: int, label: str) -> dict:
                "--fp8", "false", "--compile_layers", "false",
                "--verify_saves", "final", "--seed", str(seed), "--output_dir", str(out),
                "--dataset_cache_dir", str(args.workdir / "dataset-cache"),
-               *([] if args.cpu_smoke else ["--bf16", "true"]), *CANDIDATES.get(label, [])]
+               *([] if args.cpu_smoke else ["--bf16", "true"]),
+               *[w for c in args.candidates for w in SHARED_OPTIONS.get(c, [])], *CANDIDATES.get(label, [])]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
     started = time.time()
     proc = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
@@ -236,6 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--layers", type=int, default=4, help="decoder layers of the loss check's model")
+    p.add_argument("--shape", default="deepseek-llm-7b", choices=["deepseek-llm-7b", "deepseek-v2-lite"],
+                   help="the loss check's model shape (bench/train_throughput.py MODELS), --layers of them")
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--seq_len", type=int, default=2048)
