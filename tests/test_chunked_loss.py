@@ -96,6 +96,29 @@ def test_under_mixed_precision_the_loss_runs_in_the_models_autocast(tmp_path):
     assert got.item() == pytest.approx(expected.item(), rel=2e-2)
 
 
+def test_the_loss_asks_the_forward_for_no_hidden_states_and_gets_no_fp32_copies(tmp_path):
+    """The last hidden state comes from a hook on the decoder: `output_hidden_states=True` would return every
+    layer's, and under bf16 the mixed-precision forward wrapper converts each to fp32 (at 16k tokens of a 7B model,
+    7 GiB: the out-of-memory of the first 24 GiB long-row run). Same loss as the model's own under autocast."""
+    from sft.options.arguments import SFTTrainingArguments
+    from sft.trainer import SFTTrainer
+
+    model = tiny("llama")
+    batch = packed_batch(model.config.vocab_size)
+    args = SFTTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", bf16=True)
+    trainer = SFTTrainer(model=model, args=args, labelled_token_loss=chunked_causal_lm_loss)
+    wrapped = trainer.accelerator.prepare_model(trainer.model)
+    returned = []
+    wrapped.register_forward_hook(lambda m, a, kw, out: returned.append((kw, out)), with_kwargs=True)
+    got = trainer.compute_loss(wrapped, {**batch, "use_cache": False})
+    (kwargs, outputs), = returned
+    assert not kwargs.get("output_hidden_states") and outputs.hidden_states is None
+    assert outputs.logits.shape[1] == 1  # one position's logits: the loss projected the labelled tokens itself
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = model(**batch, use_cache=False).loss
+    assert got.item() == pytest.approx(expected.item(), rel=2e-2)
+
+
 def test_chunks_are_at_most_chunk_tokens_and_only_labelled_tokens():
     seen = []
     head = torch.nn.Linear(8, 11, bias=False)

@@ -50,6 +50,33 @@ def test_a_tiled_mlp_gives_the_whole_mlps_loss_and_gradients_and_keeps_its_names
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_a_forward_bound_to_the_mlp_after_tiling_runs_per_tile():
+    """Liger binds its SwiGLU forward into each MLP's __dict__ after the model loads (the Trainer applies it, after
+    we tile): the tiled MLP runs that forward, a tile at a time, instead of being shadowed by it."""
+    import types
+
+    from sft.speed.tiled_mlp import tile_mlps
+
+    ids = torch.randint(0, 256, (1, 100), generator=torch.Generator().manual_seed(2))
+    plain, tiled = tiny_lora_llama(False), tiny_lora_llama(False)
+    tile_mlps(tiled, 16)
+    seen: list[int] = []
+    for layer in tiled.base_model.model.model.layers:
+        whole = type(layer.mlp).__mro__[1].forward  # LlamaMLP's
+
+        def bound(self, x, whole=whole):
+            seen.append(x.shape[-2])
+            return whole(self, x)
+        layer.mlp.__dict__["forward"] = types.MethodType(bound, layer.mlp)  # liger's _bind_method_to_module
+    want_loss, want = loss_and_grads(plain, ids)
+    got_loss, got = loss_and_grads(tiled, ids)
+    # every layer's 100 tokens, 16 at a time, in the forward and again in the backward (each tile is checkpointed)
+    assert seen and max(seen) == 16 and sum(seen) == 2 * 3 * 100
+    assert got_loss == pytest.approx(want_loss, rel=1e-6)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_moe_blocks_stay_whole():
     from sft.speed.tiled_mlp import is_dense_mlp
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2MLP, DeepseekV2Moe

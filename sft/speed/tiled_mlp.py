@@ -16,6 +16,7 @@ adds a balance loss over the sequence, which tiles would split.
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 from torch import nn
@@ -26,8 +27,9 @@ from sft.machine import is_first_process
 
 def tile_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """The MLP's own forward, `mlp_tile_tokens` tokens of the sequence (dimension -2) at a time; each tile
-    checkpointed where gradients are taken."""
-    forward = super(type(self), self).forward
+    checkpointed where gradients are taken. Its own forward is the instance's where one was bound to it (Liger's
+    SwiGLU kernel, which the Trainer binds after loading), else its class's."""
+    forward = self.__dict__.get("forward") or super(type(self), self).forward
     tokens = hidden_states.shape[-2]
     if hidden_states.dim() < 2 or tokens <= self.mlp_tile_tokens:
         return forward(hidden_states, *args, **kwargs)
@@ -37,10 +39,22 @@ def tile_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Te
     return torch.cat([checkpoint(forward, tile, *args, use_reentrant=False, **kwargs) for tile in tiles], dim=-2)
 
 
+class TilingForward:
+    """The tiled class's `forward`: a data descriptor, so it wins over a forward bound into the instance's
+    __dict__ afterwards (Liger's `_bind_method_to_module` binds its SwiGLU that way, after we tile: a plain method
+    would then be shadowed and the MLP run whole), and tile_forward runs that bound forward per tile."""
+
+    def __get__(self, module, owner=None):
+        return self if module is None else types.MethodType(tile_forward, module)
+
+    def __set__(self, module, forward) -> None:  # `module.forward = f`: kept for tile_forward to run per tile
+        module.__dict__["forward"] = forward
+
+
 @functools.lru_cache(maxsize=None)
 def tiled_class(cls: type) -> type:
     """`cls` with a tiling forward (one subclass per MLP class)."""
-    return type(f"Tiled{cls.__name__}", (cls,), {"forward": tile_forward, "__module__": cls.__module__})
+    return type(f"Tiled{cls.__name__}", (cls,), {"forward": TilingForward(), "__module__": cls.__module__})
 
 
 def is_dense_mlp(module: nn.Module) -> bool:
