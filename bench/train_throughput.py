@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import functools
 import json
 import os
 import shlex
@@ -487,14 +488,17 @@ def worker(spec: dict, train_argv: list[str]) -> int:
         import sft.train
 
         factory = None if needs_weights(argparse.Namespace(**spec)) else random_init
+        if factory and "--quantize_experts" in train_argv:  # the bf16 base is larger than the card: built on the
+            factory = functools.partial(random_init, on_host=True)  # host, as from_pretrained loads it there
         code = sft.train.main(train_argv, callbacks=[clock], model_factory=factory, save=False)
     sft.parallel.distributed.end_process_group()
     return code
 
 
-def random_init(path, dtype=None, attn_implementation=None, **ignored):
+def random_init(path, dtype=None, attn_implementation=None, on_host: bool = False, **ignored):
     """The model of the directory's config.json with random weights, called as AutoModelForCausalLM.from_pretrained
-    (sft's load_model passes its arguments; those about reading weights do not apply)."""
+    (sft's load_model passes its arguments; those about reading weights do not apply). `on_host`: built in host
+    RAM, as from_pretrained loads (the Trainer moves it to the GPU), instead of directly on the rank's GPU."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
@@ -504,7 +508,7 @@ def random_init(path, dtype=None, attn_implementation=None, **ignored):
     build = dict(dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32,
                  attn_implementation=attn_implementation)
     torch.manual_seed(0)
-    if is_deepspeed_zero3_enabled() or not torch.cuda.is_available():
+    if is_deepspeed_zero3_enabled() or not torch.cuda.is_available() or on_host:
         # zero.Init partitions at creation (on GPU, or on CPU under offload_param): no full copy per rank
         return AutoModelForCausalLM.from_config(config, **build)
     with torch.device("cuda", torch.cuda.current_device()):
