@@ -582,9 +582,14 @@ def _tools(tools: Any, where: str) -> list[dict]:
 
 
 def _finish_thread(messages: list[dict], where: str) -> dict | str:
-    """Drop trailing user turns (nothing to learn from them); a thread needs an assistant reply."""
+    """Drop trailing user turns and tool results (nothing to learn from them); a thread needs an assistant reply.
+    System texts after the last reply are kept: DeepSeek-V3's and R1's templates put every system text first."""
+    trailing = []
     while messages and messages[-1]["role"] != "assistant":
-        messages.pop()
+        message = messages.pop()
+        if message["role"] == "system":
+            trailing.insert(0, message)
+    messages += trailing
     if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in messages):
         return "no assistant reply"
     return {"messages": messages, "source": where}

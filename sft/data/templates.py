@@ -95,6 +95,11 @@ class Template:
         shows a turn in later turns' context otherwise than the model wrote it (R1's reasoning)."""
         return [self.render(messages)]
 
+    def note(self, messages: Messages) -> str | None:
+        """What the data summary should count about this conversation (as the status of its examples), if anything:
+        where training differs from what the template's generation prompt would make of it."""
+        return None
+
 
 class DeepSeekV1(Template):
     """deepseek-llm chat (also V2 chat): `User: {u}\\n\\nAssistant: {a}<eos>`, system text first + `\\n\\n`."""
@@ -230,6 +235,17 @@ class R1(DeepSeekV3):
         prompt, rest = split_opening(self.generation_prompt, content)  # `<think>\n` is prompt where it opens it
         return [(prompt, False), (rest + V3_EOS, not message.get(TRAINED_BEFORE))]
 
+    def note(self, messages):
+        """A reply (after a question) that does not open with `<think>\n` is trained after `<｜Assistant｜>` alone,
+        while the saved template's generation prompt ends `<think>\n`: the summary counts those conversations."""
+        opens = self.generation_prompt.removeprefix(ASSISTANT)
+        if opens and any(m["role"] == "assistant" and not m.get("tool_calls") and not after and m["content"].strip()
+                         and not m["content"].startswith(opens)
+                         for m, after in zip(messages, after_outputs(messages))):
+            return (f"replies not opening with {opens!r}, trained after {ASSISTANT} alone (prompts from the saved "
+                    f"template end {opens!r})")
+        return None
+
     def hides(self, message: dict, after_results: bool) -> bool:
         """Whether later turns show this assistant turn otherwise than the model wrote it (its reasoning deleted)."""
         return not message.get("tool_calls") and not after_results and THINK_END in message["content"]
@@ -273,6 +289,12 @@ def strip_reasoning(content: str) -> str:
     return content.split("</think>")[-1].lstrip() if "</think>" in content else content
 
 
+def all_reasoning(message: dict) -> bool:
+    """An assistant reply whose answer is empty once its reasoning is removed (no calls)."""
+    return (message["role"] == "assistant" and not message.get("tool_calls") and THINK_END in message["content"]
+            and not strip_reasoning(message["content"]))
+
+
 class R1DistillWithoutReasoning(R1Distill):
     """R1-Distill for data trained without reasoning: every assistant turn's target is its answer alone
     (strip_reasoning), and the generation prompt is `<｜Assistant｜>` without `<think>\\n`, so the saved chat
@@ -285,9 +307,16 @@ class R1DistillWithoutReasoning(R1Distill):
     outputs_reply_jinja = reply_jinja  # render strips every answer's reasoning, after tool results too
 
     def render(self, messages, add_generation_prompt=False):
-        stripped = [{**m, "content": strip_reasoning(m["content"])} if m["role"] == "assistant" else m
+        # A reply that is all reasoning has no answer to train: it stays as context (as the template shows it), untrained.
+        stripped = [{**m, "content": strip_reasoning(m["content"]),
+                     **({TRAINED_BEFORE: True} if all_reasoning(m) else {})} if m["role"] == "assistant" else m
                     for m in messages]
         return super().render(stripped, add_generation_prompt)
+
+    def note(self, messages):
+        if any(all_reasoning(m) for m in messages):
+            return "replies that are all reasoning, not trained (r1_distill_no_reasoning)"
+        return None
 
     examples = Template.examples  # no turn shows reasoning, in training or at inference: one sequence
 
@@ -317,8 +346,13 @@ class Alpaca(Template):
                 out.append((head + body + "### Response:", False))
             elif m["role"] == "assistant":
                 out.append((m["content"] + self.eos, True))
-            # Alpaca has no system turn: its fixed header plays that part.
+            # Alpaca has no system turn: its fixed header plays that part (note() counts what is left out).
         return out
+
+    def note(self, messages):
+        if any(m["role"] == "system" and m["content"].strip() for m in messages):
+            return "system texts not written (the alpaca template has none: its fixed header takes their place)"
+        return None
 
 
 class ModelChatTemplate(Template):

@@ -17,7 +17,7 @@ releases' own tool layouts are not written yet.
 from __future__ import annotations
 
 from sft.data.templates import (CONTENT_JINJA, PRELUDE_JINJA, SYSTEMS_JINJA, THINK_END, USER_JINJA, V3_EOS, Messages,
-                                R1, Segment, shown_answer, user_text)
+                                R1, Segment, Template, shown_answer, user_text)
 from sft.data.tool_calls import ASSISTANT, TRAINED_BEFORE, has_tools
 from sft.errors import DataError
 
@@ -55,6 +55,7 @@ class R1_0528(R1):
         "{% if add_generation_prompt and not ns.last_user %}{{ '" + ASSISTANT + "' }}{% endif %}")
 
     user_end = ASSISTANT  # written after each question
+    note = Template.note  # no generation prompt to differ from (R1's note is about its `<think>\n`)
 
     def render(self, messages, add_generation_prompt=False):
         out, last_user = self.turns(messages)
