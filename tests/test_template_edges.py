@@ -79,3 +79,22 @@ def test_families_documents_only_options_that_exist():
     from sft.options.arguments import DataArguments
 
     assert "--reasoning" not in families.__doc__ and not hasattr(DataArguments, "reasoning")
+
+
+def test_where_the_saved_v3_prompts_differ_from_training_as_docs_data_md_says():
+    """Against the official V3 template: a call right after tool results is trained after `<｜tool▁output▁end｜>`,
+    while the generation prompt there ends `<｜tool▁outputs▁end｜>`; a later call follows "\\n", never the
+    `<｜Assistant｜>` a prompt after a question ends with."""
+    from test_tool_calls import ROUNDS, SPECIAL, official_ids
+
+    tokenizer = tokenizer_with(DEEPSEEK_V3)
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL})
+    row = rows_of("deepseek_v3", tokenizer, ROUNDS)[0]
+    k = max(i for i, m in enumerate(ROUNDS) if m.get("tool_calls"))  # the call straight after results
+    assert ROUNDS[k - 1]["role"] == "tool"
+    contexts = [tokenizer.decode(row["input_ids"][:s]) for s, _ in runs(row)]
+    context = next(c for c in contexts if c.endswith(ROUNDS[k - 1]["content"] + "<｜tool▁output▁end｜>"))
+    prompt = official_ids(tokenizer, ROUNDS[:k], add_generation_prompt=True, text=True)
+    assert prompt == context + "<｜tool▁outputs▁end｜>"
+    later = [tokenizer.decode(row["input_ids"][s:e]) for s, e in runs(row)][2]
+    assert later.startswith("\n<｜tool▁call▁begin｜>") and not contexts[2].endswith("<｜Assistant｜>")
