@@ -49,7 +49,7 @@ from sft.safety.guards import LossSpikeLogger, NonFiniteGuard
 from sft.safety.interrupts import (SIGTERM_MARK, end_with_launcher, exit_code, ignore_further_interrupts,
                                    launcher_gone, leave_now, signal_name, stop_on_sigterm, tell_user)
 from sft.speed.lowbit import prepare_optimizer
-from sft.model.families import check_family
+from sft.model.families import check_family, refuse_unsupported
 from sft.model.loading import (PartialCheckpointing, check_lora_targets, load_config, load_model, load_tokenizer,
                        record_quantized_base, resolve_model_path)
 from sft.model.moe import MoeLoadLogger, install_moe
@@ -149,6 +149,7 @@ def train(run: Run, seams: Seams) -> int:
     # A resume onto another model or other data stops here, before tokenizing or any model; a new run records its own
     on_main_process(lambda: keep_record(resume, training_args.output_dir,
                                         this_run(model_args, data_args, lora_args, data_hash), run.argv))
+    refuse_unsupported(load_config(model_args))  # DeepSeek-V3.2: one error, on every rank, before any data work
     if is_first_process():  # a template, EOS or RoPE scaling that this DeepSeek family does not use
         for warning in check_family(load_config(model_args), tokenizer, data_args.template,
                                     model_args.trust_remote_code):

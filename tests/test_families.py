@@ -31,7 +31,7 @@ def test_lora_targets_survive_save_and_reload(tmp_path, model_type):
     model = load_model(ModelArguments(model=str(base_dir)), LoraArguments(lora=True, lora_r=4))
     targets = adapted(model)
     layers = model.config.num_hidden_layers
-    if model_type in ("llama", "qwen2"):
+    if model_type in ("llama", "qwen2", "qwen3"):
         expected = {f"layers.{i}.{kind}.{p}" for i in range(layers)
                     for kind, p in [("self_attn", "q_proj"), ("self_attn", "k_proj"), ("self_attn", "v_proj"),
                                     ("self_attn", "o_proj"), ("mlp", "gate_proj"), ("mlp", "up_proj"),
@@ -240,3 +240,18 @@ def test_remote_code_only_with_the_flag(tmp_path):
 
 
 REPO = __import__("pathlib").Path(__file__).resolve().parent.parent
+
+
+def test_r1_0528_qwen3_preset_and_v32_refused():
+    """R1-0528-Qwen3-8B (model_type qwen3): its family, LoRA targets (test_lora_targets_survive_save_and_reload runs
+    qwen3 too) and template; DeepSeek-V3.2 loads in transformers but is refused with one error."""
+    from sft.errors import ConfigError
+    from sft.model.families import refuse_unsupported
+
+    config = tiny_config("qwen3", vocab_size=151936)
+    assert identify(config).name == "R1-0528-Qwen3" and family_template(config) == "r1_0528"
+    assert FAMILIES["qwen3"].lora_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                              "down_proj"]
+    refuse_unsupported(config)  # nothing to refuse
+    with pytest.raises(ConfigError, match="^DeepSeek-V3.2 \\(model_type deepseek_v32\\) is not supported"):
+        refuse_unsupported(tiny_config("deepseek_v32"))

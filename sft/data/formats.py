@@ -480,6 +480,7 @@ def messages_conversation(record: Any, where: str, columns: dict | None = None, 
         raise DataError(f"{where}: field '{key}' must be a list of turns, got {type(turns).__name__}. "
                         f"Fix the record, or pass --skip_bad_records to skip it.")
     messages = []
+    thinking = _thinking(record.get("thinking"), where)
     system = _expect_str(record, columns.get("system", "system"), where, required=False)
     if system.strip():
         messages.append({"role": "system", "content": system})
@@ -506,6 +507,9 @@ def messages_conversation(record: Any, where: str, columns: dict | None = None, 
         message = {"role": roles[role.lower()], "content": content}
         if role_key == "role" and message["role"] == "assistant" and turn.get("tool_calls"):
             message["tool_calls"] = _openai_calls(turn["tool_calls"], content, turn_where)
+        turn_thinking = _thinking(turn.get("thinking"), turn_where) if role_key == "role" else None
+        if message["role"] == "assistant" and (turn_thinking, thinking) != (None, None):
+            message["thinking"] = thinking if turn_thinking is None else turn_thinking  # V3.1 (thinking_templates.py)
         messages.append(message)
     tools = _tools(record.get(columns.get("tools", "tools")), where)
     if tools:
@@ -514,6 +518,14 @@ def messages_conversation(record: Any, where: str, columns: dict | None = None, 
     if preferred and isinstance(conversation, dict):
         conversation["preferred"] = True
     return conversation
+
+
+def _thinking(value: Any, where: str) -> bool | None:
+    """A record's (or an assistant turn's) `thinking`: whether DeepSeek-V3.1 writes its replies thinking."""
+    if value is None or isinstance(value, bool):
+        return value
+    raise DataError(f"{where}: field 'thinking' must be true or false, got {_short(value)}. Fix the record, or pass "
+                    f"--skip_bad_records to skip it.")
 
 
 def _openai_calls(calls: Any, content: str, where: str) -> list[dict]:
@@ -570,9 +582,14 @@ def _tools(tools: Any, where: str) -> list[dict]:
 
 
 def _finish_thread(messages: list[dict], where: str) -> dict | str:
-    """Drop trailing user turns (nothing to learn from them); a thread needs an assistant reply."""
+    """Drop trailing user turns and tool results (nothing to learn from them); a thread needs an assistant reply.
+    System texts after the last reply are kept: DeepSeek-V3's and R1's templates put every system text first."""
+    trailing = []
     while messages and messages[-1]["role"] != "assistant":
-        messages.pop()
+        message = messages.pop()
+        if message["role"] == "system":
+            trailing.insert(0, message)
+    messages += trailing
     if not any(m["role"] == "assistant" and (m["content"].strip() or m.get("tool_calls")) for m in messages):
         return "no assistant reply"
     return {"messages": messages, "source": where}

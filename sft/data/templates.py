@@ -40,7 +40,7 @@ ALPACA_HEAD = ("Below is an instruction that describes a task{}. Write a respons
 CODER_EOT = "<|EOT|>"
 V3_EOS = "<｜end▁of▁sentence｜>"  # written literally by the V3 and R1 templates, whatever the tokenizer's eos_token
 TEMPLATE_NAMES = ("auto", "model", "deepseek", "deepseek_coder", "deepseek_v3", "r1", "r1_distill",
-                  "r1_distill_no_reasoning", "alpaca")
+                  "r1_distill_no_reasoning", "alpaca", "r1_0528", "deepseek_v31")
 THINK_END = "</think>"
 
 
@@ -94,6 +94,11 @@ class Template:
         """The token sequences a conversation trains as, each as segments: one, `render`, unless the template
         shows a turn in later turns' context otherwise than the model wrote it (R1's reasoning)."""
         return [self.render(messages)]
+
+    def note(self, messages: Messages) -> str | None:
+        """What the data summary should count about this conversation (as the status of its examples), if anything:
+        where training differs from what the template's generation prompt would make of it."""
+        return None
 
 
 class DeepSeekV1(Template):
@@ -230,6 +235,21 @@ class R1(DeepSeekV3):
         prompt, rest = split_opening(self.generation_prompt, content)  # `<think>\n` is prompt where it opens it
         return [(prompt, False), (rest + V3_EOS, not message.get(TRAINED_BEFORE))]
 
+    def note(self, messages):
+        """A reply (after a question) that does not open with `<think>\n` is trained after `<｜Assistant｜>` alone,
+        while the saved template's generation prompt ends `<think>\n`: the summary counts those conversations."""
+        opens = self.generation_prompt.removeprefix(ASSISTANT)
+        if opens and any(m["role"] == "assistant" and not m.get("tool_calls") and not after and m["content"].strip()
+                         and not m["content"].startswith(opens)
+                         for m, after in zip(messages, after_outputs(messages))):
+            return (f"replies not opening with {opens!r}, trained after {ASSISTANT} alone (prompts from the saved "
+                    f"template end {opens!r})")
+        return None
+
+    def hides(self, message: dict, after_results: bool) -> bool:
+        """Whether later turns show this assistant turn otherwise than the model wrote it (its reasoning deleted)."""
+        return not message.get("tool_calls") and not after_results and THINK_END in message["content"]
+
     def examples(self, messages):
         """One example per answer whose reasoning later turns do not see (with reasoning, not right after tool
         results), ending with it (earlier turns as the official template shows them), and one more for the turns
@@ -238,7 +258,7 @@ class R1(DeepSeekV3):
         a reply counts once in the loss. Without such an answer before the last assistant turn: one example,
         `render`."""
         ends = [i for i, (m, after) in enumerate(zip(messages, after_outputs(messages)))
-                if m["role"] == "assistant" and not m.get("tool_calls") and not after and THINK_END in m["content"]]
+                if m["role"] == "assistant" and self.hides(m, after)]
         last_reply = max((i for i, m in enumerate(messages) if m["role"] == "assistant"), default=-1)
         if not ends or ends[-1] < last_reply:
             ends.append(len(messages) - 1)
@@ -269,6 +289,12 @@ def strip_reasoning(content: str) -> str:
     return content.split("</think>")[-1].lstrip() if "</think>" in content else content
 
 
+def all_reasoning(message: dict) -> bool:
+    """An assistant reply whose answer is empty once its reasoning is removed (no calls)."""
+    return (message["role"] == "assistant" and not message.get("tool_calls") and THINK_END in message["content"]
+            and not strip_reasoning(message["content"]))
+
+
 class R1DistillWithoutReasoning(R1Distill):
     """R1-Distill for data trained without reasoning: every assistant turn's target is its answer alone
     (strip_reasoning), and the generation prompt is `<｜Assistant｜>` without `<think>\\n`, so the saved chat
@@ -281,9 +307,16 @@ class R1DistillWithoutReasoning(R1Distill):
     outputs_reply_jinja = reply_jinja  # render strips every answer's reasoning, after tool results too
 
     def render(self, messages, add_generation_prompt=False):
-        stripped = [{**m, "content": strip_reasoning(m["content"])} if m["role"] == "assistant" else m
+        # A reply that is all reasoning has no answer to train: it stays as context (as the template shows it), untrained.
+        stripped = [{**m, "content": strip_reasoning(m["content"]),
+                     **({TRAINED_BEFORE: True} if all_reasoning(m) else {})} if m["role"] == "assistant" else m
                     for m in messages]
         return super().render(stripped, add_generation_prompt)
+
+    def note(self, messages):
+        if any(all_reasoning(m) for m in messages):
+            return "replies that are all reasoning, not trained (r1_distill_no_reasoning)"
+        return None
 
     examples = Template.examples  # no turn shows reasoning, in training or at inference: one sequence
 
@@ -313,8 +346,13 @@ class Alpaca(Template):
                 out.append((head + body + "### Response:", False))
             elif m["role"] == "assistant":
                 out.append((m["content"] + self.eos, True))
-            # Alpaca has no system turn: its fixed header plays that part.
+            # Alpaca has no system turn: its fixed header plays that part (note() counts what is left out).
         return out
+
+    def note(self, messages):
+        if any(m["role"] == "system" and m["content"].strip() for m in messages):
+            return "system texts not written (the alpaca template has none: its fixed header takes their place)"
+        return None
 
 
 class ModelChatTemplate(Template):
@@ -416,8 +454,11 @@ class ModelChatTemplate(Template):
         return out
 
 
+from sft.data.thinking_templates import R1_0528, DeepSeekV31  # noqa: E402  (they build on the classes above)
+
 BUILTIN: dict[str, Callable[[str, str], Template]] = {
-    t.name: t for t in (DeepSeekV1, DeepSeekCoder, DeepSeekV3, R1, R1Distill, R1DistillWithoutReasoning, Alpaca)
+    t.name: t for t in (DeepSeekV1, DeepSeekCoder, DeepSeekV3, R1, R1Distill, R1DistillWithoutReasoning, Alpaca,
+                        R1_0528, DeepSeekV31)
 }
 
 
@@ -433,6 +474,10 @@ PROBES = (
     [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Answer in English."},
      {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n4"},
      {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6"}],
+    # Two questions in a row: R1-0528 and V3.1 write `<｜Assistant｜>` with each question, R1 and V3 only before a
+    # reply (on the conversations above the revisions of R1 without `<think>\n` in the prompt and R1-0528 agree).
+    [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Are you there?"},
+     {"role": "assistant", "content": "Yes."}],
 )
 
 
@@ -440,7 +485,8 @@ def matching_builtin(tokenizer) -> str | None:
     """The built-in template whose Jinja the tokenizer carries (a model we saved), else the one that renders the
     probes exactly as the tokenizer's chat_template does, if any; the R1 family's generation prompt may also be that
     of its earlier revisions (`<｜Assistant｜>`, before `<think>\n` was added to it), whose models are the same."""
-    names = ("deepseek", "deepseek_coder", "deepseek_v3", "r1", "r1_distill", "r1_distill_no_reasoning", "alpaca")
+    names = ("deepseek", "deepseek_coder", "deepseek_v3", "r1", "r1_distill", "r1_distill_no_reasoning", "alpaca",
+             "r1_0528", "deepseek_v31")
     saved = next((n for n in names if BUILTIN[n](tokenizer.bos_token, tokenizer.eos_token).chat_template
                   == tokenizer.chat_template), None)
     if saved:
@@ -461,7 +507,7 @@ def matching_builtin(tokenizer) -> str | None:
 def _prompts(template: Template, messages: Messages) -> set[str]:
     """The template's generation prompt after `messages`, and those of its earlier revisions."""
     prompt = template.text(messages, True)
-    if not isinstance(template, R1):
+    if not (isinstance(template, R1) and template.generation_prompt.endswith("<think>\n")):
         return {prompt}
     return {prompt, prompt.removesuffix(template.generation_prompt) + ASSISTANT}
 

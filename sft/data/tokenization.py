@@ -154,7 +154,7 @@ def _tokenize_batch(batch, tokenizer, template, max_length, train_on_prompt, ove
     # Every segment of the batch in order: its length (bytes with a byte table, else characters) and whether it
     # is trained; seg_start[i] is record i's first segment.
     texts, record_runs, seg_lengths, seg_flags, seg_start = [], [], [], [], [0]
-    records = _examples(batch, template)  # from here on a record is one example
+    records, notes = _examples(batch, template)  # from here on a record is one example
     for segments in records:
         text = "".join(t for t, _ in segments)
         texts.append(text)
@@ -196,6 +196,8 @@ def _tokenize_batch(batch, tokenizer, template, max_length, train_on_prompt, ove
         done = i + 1
     pieces_ids.append(ids[token_offsets[done]:])
     pieces_labels.append(labels[token_offsets[done]:])
+    # A template's note on an example (a reply it leaves untrained, say) is its status where nothing else is.
+    statuses = [note if note and status == "ok" else status for status, note in zip(statuses, notes)]
     offsets = np.zeros(len(texts) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
     flat_ids = np.concatenate(pieces_ids).astype(np.int32)
@@ -369,16 +371,20 @@ def _mask_batch(runs, run_index, record_runs, seg_lengths, seg_flags, seg_start,
     return flat[kept_tokens], labels[kept_tokens], lengths.tolist(), statuses
 
 
-def _examples(batch: dict[str, list], template: Template) -> list[list[Segment]]:
-    """Every example of the batch's conversations, in order; a template's DataError names the record."""
-    out = []
+def _examples(batch: dict[str, list], template: Template) -> tuple[list[list[Segment]], list[str | None]]:
+    """Every example of the batch's conversations, in order, and the template's note on each (Template.note, said
+    in the summary as a status); a template's DataError names the record."""
+    out, notes = [], []
     for k, messages in enumerate(batch["messages"]):
         try:
-            out += template.examples(messages)
+            examples = template.examples(messages)
+            note = template.note(messages)
         except DataError as e:
             where = batch["source"][k] if "source" in batch else f"conversation {k + 1} of a batch"
             raise DataError(f"{where}: {e}") from None
-    return out
+        out += examples
+        notes += [note] * len(examples)
+    return out, notes
 
 
 def _encode_one(i: int, texts, record_runs, runs, run_index, bounds, table, tokenizer, records):

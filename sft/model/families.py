@@ -6,6 +6,7 @@ What a LoRA adapter adapts by default (`--lora` without `--lora_target_modules`)
 |--------------------------------------|--------------------------------------------|-------------------------------------|
 | llama (llm, coder, R1-Distill-Llama) | q_proj k_proj v_proj o_proj                | gate_proj up_proj down_proj         |
 | qwen2 (R1-Distill-Qwen)              | q_proj k_proj v_proj o_proj                | gate_proj up_proj down_proj         |
+| qwen3 (R1-0528-Qwen3-8B)             | q_proj k_proj v_proj o_proj                | gate_proj up_proj down_proj         |
 | deepseek_v2 (V2, V2-Lite), deepseek_v3 | MLA: q_proj (V2-Lite) or q_a_proj q_b_proj (V2, V3), kv_a_proj_with_mqa, kv_b_proj, o_proj | gate_proj up_proj down_proj of the first `first_k_dense_replace` (dense) layers and of every MoE layer's shared experts; the routed experts only with `--lora_experts`; the router (`mlp.gate`) never |
 
 Why the MoE MLP is named by weight: transformers 5 fuses the routed experts into 3-D parameters, and peft 0.21
@@ -32,11 +33,13 @@ not needed). (The strategy for a box of 3 x 24 GB GPUs is the planner's: sft/pla
   `<|EOT|>` and FIM tokens, linear RoPE scaling x4): deepseek_coder, EOS `<|EOT|>`; R1-Distill-Llama-8B/70B
   (vocabulary 128256 with DeepSeek's BOS): r1_distill.
 - qwen2: R1-Distill-Qwen-1.5B/7B/14B/32B (vocabulary 151936/152064): r1_distill.
-- deepseek_v2: V2, V2-Lite: deepseek (V2.5 and V2-0628 chat: deepseek_v3). deepseek_v3: V3: deepseek_v3.
+- qwen3: R1-0528-Qwen3-8B (vocabulary 151936, DeepSeek's BOS): r1_0528.
+- deepseek_v2: V2, V2-Lite: deepseek (V2.5 and V2-0628 chat: deepseek_v3). deepseek_v3: V3: deepseek_v3; R1: r1;
+  R1-0528: r1_0528; V3.1: deepseek_v31. deepseek_v32 (V3.2) is refused (refuse_unsupported).
 - BOS `<｜begin▁of▁sentence｜>` everywhere; EOS `<｜end▁of▁sentence｜>` but coder-instruct's `<|EOT|>`.
 
-R1-Distill keeps `<think>...</think>` in the targets (the reasoning is what is distilled); `--reasoning drop`
-trains on the answers alone with `--template r1_distill_no_reasoning` (sft/data/templates.py).
+R1-Distill keeps `<think>...</think>` in the targets (the reasoning is what is distilled); `--template
+r1_distill_no_reasoning` trains on the answers alone (sft/data/templates.py).
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ FAMILIES = {
     # deepseek-llm-7b/67b and deepseek-coder-6.7b/33b are Llama-architecture models; R1-Distill-Llama too.
     "llama": Family("deepseek-llm / deepseek-coder / R1-Distill-Llama", "deepseek", DENSE_TARGETS),
     "qwen2": Family("R1-Distill-Qwen", "r1_distill", DENSE_TARGETS),
+    "qwen3": Family("R1-0528-Qwen3", "r1_0528", DENSE_TARGETS),
     "deepseek_v2": Family("DeepSeek-V2 / V2-Lite (MoE, MLA)", "deepseek", MLA_TARGETS, MOE_MLP_WEIGHTS,
                           ROUTED_EXPERTS, moe=True),
     "deepseek_v3": Family("DeepSeek-V3 (MoE, MLA)", "deepseek_v3", MLA_TARGETS, MOE_MLP_WEIGHTS, ROUTED_EXPERTS,
@@ -131,9 +135,12 @@ VARIANTS = (
                                            "deepseek-ai/DeepSeek-V2": 236.0, "deepseek-ai/DeepSeek-V2-Chat": 236.0},
             "deepseek", other_templates=("deepseek_v3",), vocab_sizes=(102400,),
             active={"deepseek-ai/DeepSeek-V2-Lite": 2.4, "deepseek-ai/DeepSeek-V2": 21.0}),
+    Variant("R1-0528-Qwen3", "qwen3", {"deepseek-ai/DeepSeek-R1-0528-Qwen3-8B": 8.2}, "r1_0528",
+            vocab_sizes=(151936,)),
     Variant("DeepSeek-V3", "deepseek_v3", {"deepseek-ai/DeepSeek-V3": 671.0, "deepseek-ai/DeepSeek-V3-Base": 671.0,
-                                           "deepseek-ai/DeepSeek-R1": 671.0},
-            "deepseek_v3", other_templates=("r1", "r1_distill"), vocab_sizes=(129280,),
+                                           "deepseek-ai/DeepSeek-R1": 671.0, "deepseek-ai/DeepSeek-R1-0528": 671.0,
+                                           "deepseek-ai/DeepSeek-V3.1": 671.0},
+            "deepseek_v3", other_templates=("r1", "r1_distill", "r1_0528", "deepseek_v31"), vocab_sizes=(129280,),
             active={"deepseek-ai/DeepSeek-V3": 37.0}),
 )
 TEMPLATE_LOOKS = {  # for the warnings: what each built-in template writes
@@ -143,6 +150,8 @@ TEMPLATE_LOOKS = {  # for the warnings: what each built-in template writes
     "r1": "the V3 layout (every system text) with a `<think>` generation prompt",
     "r1_distill": "the V3 layout with a `<think>` generation prompt",
     "alpaca": "Stanford Alpaca's `### Instruction:` / `### Response:`",
+    "r1_0528": "the V3 layout with `<｜Assistant｜>` written with each question and no forced `<think>`",
+    "deepseek_v31": "the V3 layout with `<｜Assistant｜></think>` (or `<think>` when thinking) before a reply",
 }
 
 
@@ -178,7 +187,7 @@ def identify(config, tokenizer=None) -> Variant | None:
         return candidates[0]  # a resized or tiny V2/V3: the architecture says it all
     if model_type == "llama" and bos == BOS:
         return candidates[0]  # deepseek-llm's tokens with another vocabulary size (the embedded tiny model)
-    if model_type == "qwen2" and bos == BOS:
+    if model_type in ("qwen2", "qwen3") and bos == BOS:
         return candidates[0]
     return None
 
@@ -247,7 +256,8 @@ def check_family(config, tokenizer, template_name: str, trust_remote_code: bool 
                             + (f" (some: {', '.join(variant.other_templates)})" if variant.other_templates else "")
                             + f"; {template} writes {TEMPLATE_LOOKS.get(template, 'another layout')}.")
     if tokenizer is not None:
-        end = {"deepseek_coder": CODER_EOT, "deepseek_v3": EOS, "r1": EOS, "r1_distill": EOS}.get(
+        end = {"deepseek_coder": CODER_EOT, "deepseek_v3": EOS, "r1": EOS, "r1_distill": EOS, "r1_0528": EOS,
+               "deepseek_v31": EOS}.get(
             template, tokenizer.eos_token)
         if end is None:
             warnings.append(f"the tokenizer has no eos_token: --template {template} ends each reply with it.")
@@ -275,6 +285,17 @@ def check_family(config, tokenizer, template_name: str, trust_remote_code: bool 
                             ": every position would be encoded differently. Restore "
                             "rope_scaling {\"type\": \"linear\", \"factor\": 4.0} in config.json.")
     return warnings
+
+
+def refuse_unsupported(config) -> None:
+    """One clear error for a DeepSeek model that loads in transformers but that we cannot train as it is used."""
+    if getattr(config, "model_type", None) == "deepseek_v32":
+        from sft.errors import ConfigError
+
+        raise ConfigError("DeepSeek-V3.2 (model_type deepseek_v32) is not supported: it ships no Jinja chat template "
+                          "(its format is DeepSeek's Python encoding, encoding_dsv32.py, with DSML tool calls), and "
+                          "neither its template nor LoRA targets for its sparse-attention indexer are built here; "
+                          "train DeepSeek-V3.1 (--template deepseek_v31) or V3 instead.")
 
 
 def family_template(config, tokenizer=None) -> str:

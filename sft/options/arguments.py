@@ -154,7 +154,8 @@ class DataArguments:
         "help": "Chat template: auto (the model's own if it has one, else deepseek), model, deepseek, "
                 "deepseek_coder, deepseek_v3, r1 (DeepSeek-R1: all system texts, <think> text trained), r1_distill "
                 "(the distills: the last system text), r1_distill_no_reasoning (answers "
-                "only: for data without reasoning), alpaca."})
+                "only: for data without reasoning), alpaca, r1_0528 (DeepSeek-R1-0528, R1-0528-Qwen3-8B: no forced "
+                "<think>), deepseek_v31 (DeepSeek-V3.1: a record's \"thinking\" says whether its replies think)."})
     eval_dataset: list[str] | None = field(default=None, metadata={"help": "Evaluation data (files or hub names)."})
     eval_split: float = field(default=0.0, metadata={
         "help": "Fraction of the training conversations held out for evaluation when --eval_dataset is not given."})

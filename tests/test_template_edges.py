@@ -1,0 +1,100 @@
+"""Template edges (issue 27 item 5), each checked against the official template: a system text after the last turn,
+R1 replies that do not open with `<think>\\n`, replies that are all reasoning under r1_distill_no_reasoning, system
+texts under alpaca. What training cannot make equal to the saved template's prompts is counted in the data summary
+(the status of the examples concerned)."""
+
+from __future__ import annotations
+
+import pytest
+
+from conftest import needs_shared
+from test_reasoning import R1, runs, tokenizer_with
+from test_templates import DEEPSEEK_V3, R1_DISTILL
+
+pytestmark = needs_shared
+
+EOS = "<｜end▁of▁sentence｜>"
+
+
+def rows_of(name: str, tokenizer, messages: list[dict]) -> list[dict]:
+    from sft.data.templates import get_template
+    from sft.data.tokenization import tokenize_examples
+
+    return tokenize_examples(messages, tokenizer=tokenizer, template=get_template(name, tokenizer), max_length=4096)
+
+
+@pytest.mark.parametrize("name, jinja", [("deepseek_v3", DEEPSEEK_V3), ("r1", R1)])
+def test_a_system_text_after_the_last_turn_goes_first_as_the_official_template_puts_it(name, jinja):
+    from sft.data.formats import messages_conversation
+
+    record = {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
+                           {"role": "assistant", "content": "4"}, {"role": "system", "content": "Answer in English."}]}
+    messages = messages_conversation(record, "test")["messages"]
+    assert messages[-1] == record["messages"][-1]  # kept by the reader
+    tokenizer = tokenizer_with(jinja)
+    row = rows_of(name, tokenizer, messages)[-1]
+    official = tokenizer.apply_chat_template(record["messages"], tokenize=False)
+    assert "Be brief.\n\nAnswer in English.<｜User｜>" in official
+    assert row["input_ids"] == tokenizer(official, add_special_tokens=False)["input_ids"]
+
+
+def test_r1_replies_without_think_are_trained_after_assistant_and_counted():
+    """Such a reply follows `<｜Assistant｜>` alone, while the official (and saved) prompt ends `<think>\\n`: the
+    examples say so in their status, which the data summary counts."""
+    tokenizer = tokenizer_with(R1)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
+    row = rows_of("r1", tokenizer, messages)[0]
+    start = runs(row)[0][0]
+    prompt = tokenizer.apply_chat_template(messages[:1], tokenize=False, add_generation_prompt=True)
+    assert prompt.endswith("<｜Assistant｜><think>\n")
+    assert tokenizer.decode(row["input_ids"][:start]) == prompt.removesuffix("<think>\n")
+    assert row["status"].startswith("replies not opening with '<think>\\n', trained after <｜Assistant｜> alone")
+    thinking = [messages[0], {"role": "assistant", "content": "<think>\nA greeting.\n</think>\n\nHello!"}]
+    assert rows_of("r1", tokenizer, thinking)[0]["status"] == "ok"
+
+
+def test_a_reply_that_is_all_reasoning_is_not_trained_without_reasoning_and_counted():
+    tokenizer = tokenizer_with(R1_DISTILL)
+    messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>\nOnly musing.\n</think>"},
+                {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nAdd.\n</think>\n\n4"}]
+    row = rows_of("r1_distill_no_reasoning", tokenizer, messages)[0]
+    assert [tokenizer.decode(row["input_ids"][s:e]) for s, e in runs(row)] == ["4" + EOS]
+    assert row["status"] == "replies that are all reasoning, not trained (r1_distill_no_reasoning)"
+    # the context is the official template's: the empty answer as it shows it
+    official = tokenizer.apply_chat_template(messages[:3], tokenize=False, add_generation_prompt=True)
+    assert tokenizer.decode(row["input_ids"]).startswith(official.removesuffix("<think>\n"))
+
+
+def test_alpaca_counts_the_system_texts_it_cannot_write():
+    from test_templates import CONVERSATIONS
+
+    tokenizer = tokenizer_with(None)
+    with_system = [{"role": "system", "content": "Be brief."}] + CONVERSATIONS[0]
+    assert rows_of("alpaca", tokenizer, with_system)[0]["status"].startswith("system texts not written")
+    assert rows_of("alpaca", tokenizer, CONVERSATIONS[0])[0]["status"] == "ok"
+
+
+def test_families_documents_only_options_that_exist():
+    import sft.model.families as families
+    from sft.options.arguments import DataArguments
+
+    assert "--reasoning" not in families.__doc__ and not hasattr(DataArguments, "reasoning")
+
+
+def test_where_the_saved_v3_prompts_differ_from_training_as_docs_data_md_says():
+    """Against the official V3 template: a call right after tool results is trained after `<｜tool▁output▁end｜>`,
+    while the generation prompt there ends `<｜tool▁outputs▁end｜>`; a later call follows "\\n", never the
+    `<｜Assistant｜>` a prompt after a question ends with."""
+    from test_tool_calls import ROUNDS, SPECIAL, official_ids
+
+    tokenizer = tokenizer_with(DEEPSEEK_V3)
+    tokenizer.add_special_tokens({"additional_special_tokens": SPECIAL})
+    row = rows_of("deepseek_v3", tokenizer, ROUNDS)[0]
+    k = max(i for i, m in enumerate(ROUNDS) if m.get("tool_calls"))  # the call straight after results
+    assert ROUNDS[k - 1]["role"] == "tool"
+    contexts = [tokenizer.decode(row["input_ids"][:s]) for s, _ in runs(row)]
+    context = next(c for c in contexts if c.endswith(ROUNDS[k - 1]["content"] + "<｜tool▁output▁end｜>"))
+    prompt = official_ids(tokenizer, ROUNDS[:k], add_generation_prompt=True, text=True)
+    assert prompt == context + "<｜tool▁outputs▁end｜>"
+    later = [tokenizer.decode(row["input_ids"][s:e]) for s, e in runs(row)][2]
+    assert later.startswith("\n<｜tool▁call▁begin｜>") and not contexts[2].endswith("<｜Assistant｜>")
