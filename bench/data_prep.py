@@ -76,7 +76,7 @@ def ours_prepare(records: list, tokenizer, max_length: int, num_proc: int):
     from sft.options.arguments import DataArguments
     from sft.data.dataset import finish, tokenize
     from sft.data.formats import ReadOptions, ReadStats, convert_records
-    from sft.data.templates import get_template
+    from sft.data.chat_templates import get_template
 
     args = DataArguments(dataset=["bench"], template="deepseek_coder", max_length=max_length, packing=True,
                          num_proc=num_proc)

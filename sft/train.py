@@ -59,7 +59,7 @@ from sft.options.checks import PICKED_NEW
 from sft.plan.planner import NOT_PLANNED, Planned, nothing_planned_line, planned_options, prediction_line
 from sft.safety.run_lock import RunLock
 from sft.report.telemetry import EvalPerplexity, GpuTelemetry, RunRecord, run_summary
-from sft.data.templates import chat_template_for_saving
+from sft.data.chat_templates import chat_template_for_saving
 from sft.parallel.tensor_parallel import TensorParallelTrainer, check_tensor_parallel
 from sft.trainer import SFTTrainer
 from sft.safety.verify import make_verifier

@@ -59,7 +59,7 @@ def test_a_description_cut_short_says_how_to_see_it_whole(capsys):
 def test_an_example_with_nothing_kept_says_it_was_dropped_as_too_long():
     from transformers import AutoTokenizer
 
-    from sft.data.templates import get_template
+    from sft.data.chat_templates import get_template
     from sft.model.tiny import ensure_tiny_model
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_tiny_model())

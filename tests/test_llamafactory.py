@@ -118,7 +118,7 @@ def test_llamafactory_yaml_keys_map_or_are_noted(tmp_path, capsys):
 
 
 def test_overlong_cut_keeps_the_start_where_no_reply_fits():
-    from sft.data.templates import get_template
+    from sft.data.chat_templates import get_template
     from sft.data.tokenization import IGNORE, tokenize_examples
     from sft.model.tiny import ensure_tiny_model
     from transformers import AutoTokenizer

@@ -93,7 +93,7 @@ def official():
 
 
 def test_auto_tells_r1_from_both_distill_revisions(official):
-    from sft.data.templates import matching_builtin
+    from sft.data.chat_templates import matching_builtin
 
     assert {name: matching_builtin(tok) for name, tok in official.items()} == {
         "r1": "r1", "r1_distill": "r1_distill", "r1_distill_old": "r1_distill", "deepseek_v3": "deepseek_v3"}
@@ -116,7 +116,7 @@ def runs(row: dict) -> list[tuple[int, int]]:
 def test_each_reply_is_trained_once_after_the_context_the_official_template_gives_it(official, name, index):
     """Every assistant turn is trained exactly once, its `<think>\\n` not, and the tokens before it are exactly
     the official template's prompt for that turn (earlier reasoning deleted, every system text as it writes them)."""
-    from sft.data.templates import get_template
+    from sft.data.chat_templates import get_template
     from sft.data.tokenization import tokenize_examples
 
     tokenizer, messages = official[name], HELD_OUT[index]
@@ -144,7 +144,7 @@ def test_each_reply_is_trained_once_after_the_context_the_official_template_give
 @pytest.mark.parametrize("name", ["r1", "r1_distill"])
 def test_model_template_trains_as_the_builtin_on_the_official_templates(official, name):
     """`--template model` with the official Jinja makes the same examples, ids and labels as the built-in."""
-    from sft.data.templates import get_template
+    from sft.data.chat_templates import get_template
     from sft.data.tokenization import tokenize_batch
 
     tokenizer = official[name]
@@ -159,7 +159,7 @@ def test_model_template_trains_as_the_builtin_on_the_official_templates(official
 def test_older_distill_revision_trains_think_where_its_prompt_lacks_it(official):
     """The Distill revision whose generation prompt has no `<think>\\n`: through its own Jinja, the model writes
     `<think>` itself, so it is trained."""
-    from sft.data.templates import get_template
+    from sft.data.chat_templates import get_template
     from sft.data.tokenization import tokenize_examples
 
     tokenizer = official["r1_distill_old"]
@@ -171,7 +171,7 @@ def test_older_distill_revision_trains_think_where_its_prompt_lacks_it(official)
 
 def test_saved_r1_template_prompts_as_the_official_one(official):
     """Our Jinja (stored on the trained model's tokenizer) writes every prompt as the official template does."""
-    from sft.data.templates import get_template
+    from sft.data.chat_templates import get_template
 
     for name in ("r1", "r1_distill"):
         template = get_template(name, official[name])
@@ -189,7 +189,7 @@ def test_examples_pack_as_documents_and_keep_every_reply_once(official):
     """Packing the examples of reasoning conversations: each example is a document, no trained token lost or
     repeated (the loss weighs every reply token once, as it would one sequence)."""
     from sft.data.packing import pack_rows
-    from sft.data.templates import get_template
+    from sft.data.chat_templates import get_template
     from sft.data.tokenization import tokenize_batch
 
     tokenizer = official["r1"]
@@ -210,7 +210,7 @@ CONVERSATION_OPENING_WITH_REPLY = [{"role": "assistant", "content": "Welcome!"},
 
 @pytest.mark.parametrize("name", ["r1_distill", "deepseek_v3"])
 def test_model_template_trains_a_conversation_that_opens_with_a_reply(official, name):
-    from sft.data.templates import get_template
+    from sft.data.chat_templates import get_template
     from sft.data.tokenization import tokenize_one
 
     tokenizer = official[name]
@@ -236,7 +236,7 @@ def test_model_template_trains_a_conversation_that_opens_with_a_reply(official, 
 ])
 def test_model_template_failures_are_one_line_naming_the_record(jinja, bad, message):
     from sft.errors import DataError
-    from sft.data.templates import get_template
+    from sft.data.chat_templates import get_template
     from sft.data.tokenization import tokenize_batch
 
     tokenizer = tokenizer_with(jinja)
@@ -252,7 +252,7 @@ def test_data_preparation_names_the_record_and_shows_every_example(official):
     from sft.options.arguments import DataArguments
     from sft.data.dataset import show_masks, tokenize
     from sft.errors import DataError
-    from sft.data.templates import get_template
+    from sft.data.chat_templates import get_template
 
     args = DataArguments(max_length=4096, show_masks=1)
     tokenizer = official["r1"]

@@ -113,7 +113,7 @@ def test_chat_answer_that_ended_keeps_its_text(tiny_llama, name, generated, answ
     from transformers import AutoTokenizer
 
     from sft.tools.chat import reply
-    from sft.data.templates import get_template
+    from sft.data.chat_templates import get_template
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     if name == "deepseek_coder":

@@ -11,7 +11,7 @@ import pytest
 from conftest import DEEPSEEK_TOKENIZER, SHARED
 from sft.errors import DataError
 from sft.data.formats import messages_conversation
-from sft.data.templates import BUILTIN, chat_template_for_saving, get_template
+from sft.data.chat_templates import BUILTIN, chat_template_for_saving, get_template
 from sft.data.tokenization import tokenize_one
 
 CONVERSATIONS = [

@@ -17,7 +17,7 @@ EOS = "<｜end▁of▁sentence｜>"
 
 
 def rows_of(name: str, tokenizer, messages: list[dict]) -> list[dict]:
-    from sft.data.templates import get_template
+    from sft.data.chat_templates import get_template
     from sft.data.tokenization import tokenize_examples
 
     return tokenize_examples(messages, tokenizer=tokenizer, template=get_template(name, tokenizer), max_length=4096)

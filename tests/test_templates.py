@@ -7,7 +7,7 @@ import pytest
 
 from conftest import DEEPSEEK_TOKENIZER, needs_shared
 from sft.data.formats import DataError
-from sft.data.templates import get_template, matching_builtin
+from sft.data.chat_templates import get_template, matching_builtin
 from sft.data.tokenization import IGNORE, tokenize_one
 
 pytestmark = needs_shared

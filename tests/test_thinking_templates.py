@@ -136,7 +136,7 @@ def official():
 
 
 def test_auto_tells_the_newer_releases_from_r1_the_distills_and_v3(official):
-    from sft.data.templates import matching_builtin
+    from sft.data.chat_templates import matching_builtin
 
     assert {name: matching_builtin(tok) for name, tok in official.items()} == {
         "r1": "r1", "r1_distill": "r1_distill", "r1_distill_old": "r1_distill", "deepseek_v3": "deepseek_v3",
@@ -145,7 +145,7 @@ def test_auto_tells_the_newer_releases_from_r1_the_distills_and_v3(official):
 
 def trained(tokenizer, name: str, messages: list[dict]) -> list[tuple[list[int], str]]:
     """(context ids, trained text) of every run of trained tokens, over the conversation's examples."""
-    from sft.data.templates import get_template
+    from sft.data.chat_templates import get_template
     from sft.data.tokenization import tokenize_examples
 
     rows = tokenize_examples(messages, tokenizer=tokenizer, template=get_template(name, tokenizer), max_length=4096)
@@ -165,7 +165,7 @@ def test_r1_0528_trains_each_reply_whole_after_the_official_prompt(official, ind
                  m["content"] + EOS) for k, m in enumerate(messages) if m["role"] == "assistant"]
     assert trained(tokenizer, "r1_0528", messages) == expected
     if "</think>" not in messages[-1]["content"]:  # the official text of the whole conversation is our last example
-        from sft.data.templates import get_template
+        from sft.data.chat_templates import get_template
 
         assert get_template("r1_0528", tokenizer).text(messages) == tokenizer.apply_chat_template(messages, tokenize=False)
 
@@ -210,7 +210,7 @@ def test_v31_trains_what_the_model_writes_in_each_mode(official, key):
 
 
 def test_v31_saved_template_switches_thinking_as_the_official_one(official):
-    from sft.data.templates import get_template
+    from sft.data.chat_templates import get_template
 
     template = get_template("deepseek_v31", official["deepseek_v31"])
     saved = tokenizer_with(template.chat_template)
@@ -226,7 +226,7 @@ def test_v31_saved_template_switches_thinking_as_the_official_one(official):
 
 def test_thinking_flag_errors_are_one_line(official):
     from sft.data.formats import messages_conversation
-    from sft.data.templates import get_template
+    from sft.data.chat_templates import get_template
     from sft.data.tokenization import tokenize_batch
     from sft.errors import DataError
 
@@ -241,7 +241,7 @@ def test_thinking_flag_errors_are_one_line(official):
 
 @pytest.mark.parametrize("name", ["r1_0528", "deepseek_v31"])
 def test_tool_conversations_are_refused_with_one_line(official, name):
-    from sft.data.templates import get_template
+    from sft.data.chat_templates import get_template
     from sft.errors import DataError
 
     calls = [{"role": "user", "content": "Rome?"}, {"role": "assistant", "content": "", "tool_calls": [

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from conftest import ALPACA_SAMPLE, DEEPSEEK_TOKENIZER, OASST_SAMPLE, needs_shared
 from sft.data import tokenization
 from sft.data.formats import ReadOptions, read_conversations
-from sft.data.templates import get_template
+from sft.data.chat_templates import get_template
 from sft.data.tokenization import IGNORE, render_mask, tokenize_batch, tokenize_one
 
 pytestmark = needs_shared

@@ -18,7 +18,7 @@ import pytest
 
 from conftest import DEEPSEEK_TOKENIZER, needs_shared
 from sft.data.formats import DataError, messages_conversation
-from sft.data.templates import chat_template_for_saving, get_template
+from sft.data.chat_templates import chat_template_for_saving, get_template
 from sft.data.tokenization import IGNORE, tokenize_examples, tokenize_one
 from sft.data.tool_calls import TOOLS_ROLE, tool_definitions, tools_section
 from test_formats import OPENAI_TOOLS, WEATHER

@@ -25,7 +25,7 @@ from sft.options.arguments import DataArguments
 from sft.data.dataset_info import sources
 from sft.data.formats import PREFERENCE, DataError, ReadOptions, ReadStats, read_conversations
 from sft.data.packing import pack_rows
-from sft.data.templates import get_template
+from sft.data.chat_templates import get_template
 from sft.data.tokenization import IGNORE, render_mask, tokenize_batch, tokenize_examples, tokenizer_facts
 
 PARALLEL_FROM = 4000  # conversations; below this, starting worker processes costs more than it saves

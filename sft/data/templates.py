@@ -20,7 +20,6 @@ given as a list of text parts is their texts joined.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from sft.errors import DataError
@@ -41,6 +40,7 @@ CODER_EOT = "<|EOT|>"
 V3_EOS = "<｜end▁of▁sentence｜>"  # written literally by the V3 and R1 templates, whatever the tokenizer's eos_token
 TEMPLATE_NAMES = ("auto", "model", "deepseek", "deepseek_coder", "deepseek_v3", "r1", "r1_distill",
                   "r1_distill_no_reasoning", "alpaca", "r1_0528", "deepseek_v31")
+BUILTIN_NAMES = TEMPLATE_NAMES[2:]  # the built-in templates (sft/data/chat_templates.py), not auto or model
 THINK_END = "</think>"
 
 
@@ -387,7 +387,7 @@ class ModelChatTemplate(Template):
         except Exception as e:  # jinja2's TemplateError (raise_exception), or a variable the template lacks
             raise DataError(f"the model's chat_template fails on this conversation ({type(e).__name__}: "
                             f"{' '.join(str(e).split())}); fix the record or use --template with one of "
-                            f"{', '.join(BUILTIN)}") from None
+                            f"{', '.join(BUILTIN_NAMES)}") from None
 
     def text(self, messages, add_generation_prompt=False):
         return self._apply(messages, add_generation_prompt)
@@ -412,14 +412,14 @@ class ModelChatTemplate(Template):
             framed = self._apply(messages[:i] + [{**messages[i], "content": self.REPLY}], False)
             if framed.count(self.REPLY) != 1:
                 raise DataError("the model's chat_template does not write an assistant turn's text as given, so its "
-                                "tokens cannot be located; use --template with one of " + ", ".join(BUILTIN))
+                                "tokens cannot be located; use --template with one of " + ", ".join(BUILTIN_NAMES))
             before, after = framed.split(self.REPLY)
             turn = before + messages[i]["content"] + after
             if not turn.startswith(prompt):
                 if not prompt.startswith(before):
                     raise DataError("the model's chat_template writes an assistant turn's opening otherwise than its "
                                     "generation prompt, so the turn's context is unclear; use --template with one "
-                                    "of " + ", ".join(BUILTIN))
+                                    "of " + ", ".join(BUILTIN_NAMES))
                 prompt = before
         target = turn[len(prompt):]
         cut = target.rfind(self.eos) + len(self.eos) if self.eos and self.eos in target else len(target)
@@ -452,91 +452,3 @@ class ModelChatTemplate(Template):
             segments.append((text[done:], False))
             out.append([s for s in segments if s[0]])
         return out
-
-
-from sft.data.thinking_templates import R1_0528, DeepSeekV31  # noqa: E402  (they build on the classes above)
-
-BUILTIN: dict[str, Callable[[str, str], Template]] = {
-    t.name: t for t in (DeepSeekV1, DeepSeekCoder, DeepSeekV3, R1, R1Distill, R1DistillWithoutReasoning, Alpaca,
-                        R1_0528, DeepSeekV31)
-}
-
-
-# Conversations on which a built-in template must render exactly as a model's own chat_template for `auto` to
-# use it (it is much faster than rendering Jinja several times per conversation, and we know where its turns are).
-PROBES = (
-    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}],
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-     {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"},
-     {"role": "assistant", "content": "6"}],
-    # Two system texts (R1 joins them, the distills keep the last) and an earlier turn's reasoning (the R1 family
-    # deletes it, V3 keeps it).
-    [{"role": "system", "content": "Be brief."}, {"role": "system", "content": "Answer in English."},
-     {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nAdd them.\n</think>\n\n4"},
-     {"role": "user", "content": "And 3+3?"}, {"role": "assistant", "content": "6"}],
-    # Two questions in a row: R1-0528 and V3.1 write `<｜Assistant｜>` with each question, R1 and V3 only before a
-    # reply (on the conversations above the revisions of R1 without `<think>\n` in the prompt and R1-0528 agree).
-    [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Are you there?"},
-     {"role": "assistant", "content": "Yes."}],
-)
-
-
-def matching_builtin(tokenizer) -> str | None:
-    """The built-in template whose Jinja the tokenizer carries (a model we saved), else the one that renders the
-    probes exactly as the tokenizer's chat_template does, if any; the R1 family's generation prompt may also be that
-    of its earlier revisions (`<｜Assistant｜>`, before `<think>\n` was added to it), whose models are the same."""
-    names = ("deepseek", "deepseek_coder", "deepseek_v3", "r1", "r1_distill", "r1_distill_no_reasoning", "alpaca",
-             "r1_0528", "deepseek_v31")
-    saved = next((n for n in names if BUILTIN[n](tokenizer.bos_token, tokenizer.eos_token).chat_template
-                  == tokenizer.chat_template), None)
-    if saved:
-        return saved
-    for name in names:
-        template = BUILTIN[name](tokenizer.bos_token, tokenizer.eos_token)
-        try:
-            same = all(template.text(p) == tokenizer.apply_chat_template(p, tokenize=False) and
-                       tokenizer.apply_chat_template(p[:-1], tokenize=False, add_generation_prompt=True)
-                       in _prompts(template, p[:-1]) for p in PROBES)
-        except Exception:  # a template that cannot render our probes is simply not this one
-            same = False
-        if same:
-            return name
-    return None
-
-
-def _prompts(template: Template, messages: Messages) -> set[str]:
-    """The template's generation prompt after `messages`, and those of its earlier revisions."""
-    prompt = template.text(messages, True)
-    if not (isinstance(template, R1) and template.generation_prompt.endswith("<think>\n")):
-        return {prompt}
-    return {prompt, prompt.removesuffix(template.generation_prompt) + ASSISTANT}
-
-
-def get_template(name: str, tokenizer) -> Template:
-    """`auto`: the model's own chat_template (through the built-in that renders it identically, when one does),
-    else DeepSeek v1."""
-    if name == "auto":
-        if getattr(tokenizer, "chat_template", None):
-            name = matching_builtin(tokenizer) or "model"
-        else:
-            name = "deepseek"
-    if name == "model":
-        if not getattr(tokenizer, "chat_template", None):
-            raise DataError("--template model: this tokenizer has no chat_template; choose --template "
-                            f"from {', '.join(BUILTIN)}")
-        return ModelChatTemplate(tokenizer)
-    if name not in BUILTIN:
-        raise DataError(f"--template {name!r} is unknown; choose one of {', '.join(TEMPLATE_NAMES)}")
-    return BUILTIN[name](tokenizer.bos_token, tokenizer.eos_token)
-
-
-def chat_template_for_saving(name: str, tokenizer) -> str | None:
-    """The Jinja to store on the tokenizer that training saves, so that the saved model renders prompts as it was
-    trained: the built-in's chat_template, or None when training used the model's own (`model`, or `auto` resolved
-    to it), which the tokenizer already carries. A built-in replaces the model's template even where `auto` chose
-    it because the two render alike: only ours is sure to match training everywhere (the official R1 template, say,
-    deletes the reasoning of a conversation's last turn too, and an earlier R1 revision prompts without
-    `<think>\n`, which training put in the prompt).
-
-    Call it after the data is prepared: the data cache key includes the tokenizer's chat_template."""
-    return get_template(name, tokenizer).chat_template

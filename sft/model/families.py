@@ -46,8 +46,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sft.data.templates import (BUILTIN, CODER_EOT, V3_EOS, R1Distill, R1DistillWithoutReasoning,  # noqa: F401
-                           matching_builtin, strip_reasoning)
+from sft.data.chat_templates import BUILTIN, matching_builtin  # noqa: F401
+from sft.data.templates import CODER_EOT, V3_EOS, R1Distill, R1DistillWithoutReasoning, strip_reasoning  # noqa: F401
 
 DENSE_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 # Only self_attn has these names in DeepSeek V2/V3, so bare names are exact; q_proj exists when q_lora_rank is None.
@@ -193,7 +193,7 @@ def identify(config, tokenizer=None) -> Variant | None:
 
 
 def resolved_template(template_name: str, tokenizer) -> str:
-    """What `--template` becomes, as sft/templates.get_template resolves it (`auto`: the built-in that renders as
+    """What `--template` becomes, as sft/data/chat_templates.py get_template resolves it (`auto`: the built-in that renders as
     the tokenizer's chat_template, else `model`; no chat_template: deepseek)."""
     if template_name != "auto":
         return template_name

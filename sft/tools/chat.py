@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sft.tools.chat") 
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
 
-    from sft.data.templates import get_template
+    from sft.data.chat_templates import get_template
 
     model, tokenizer = load(path)
     template = get_template(args.template, tokenizer)
