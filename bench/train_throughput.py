@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import functools
 import json
 import os
 import shlex
@@ -252,7 +251,7 @@ def run_row(args, train_args: list[str], env_extra: dict[str, str] | None = None
     spec = {k: getattr(args, k) for k in ("name", "peer", "model", "method", "strategy", "seq_len", "micro_batch",
                                            "grad_accum", "warmup", "steps", "profile_steps", "mem_cap_gib",
                                            "repeat_data")}
-    spec.update(out=str(out), model_dir=str(model), data=str(Path(args.data).resolve()))
+    spec.update(out=str(out), model_dir=str(model), data=str(Path(args.data).resolve()), weights=needs_weights(args))
     training = (trl_train_args(args, cpu) if args.peer == "trl" else worker_train_args(args, model, cpu)) + train_args
     command = [sys.executable, "-m", "accelerate.commands.launch",  # this interpreter's accelerate
                *launch_flags(args.strategy, args.n_gpus, args.ds_config, free_port(), cpu),
@@ -403,9 +402,12 @@ def expert_load(log: Path) -> dict | None:
 
 
 def needs_weights(args) -> bool:
-    """Tensor parallel and QLoRA rows load real (random) weights from disk: transformers shards a TP model, and
-    bitsandbytes quantizes a QLoRA base, while reading its files."""
-    return args.strategy == "tp" or args.method == "qlora"
+    """Tensor parallel, QLoRA and quantized-experts rows load real (random) weights from disk: transformers shards
+    a TP model and bitsandbytes quantizes a QLoRA base while reading its files, and V2-Lite's bf16 base (31 GB) is
+    larger than the card whose experts --quantize_experts holds in e4m3: it loads in host RAM, as from_pretrained
+    loads it for a user (building it there at random took over 200 s on 16 cores)."""
+    return args.strategy == "tp" or args.method == "qlora" or \
+        "--quantize_experts" in shlex.split(getattr(args, "train_args_text", "") or "")
 
 
 def model_dir(args) -> Path:
@@ -424,8 +426,11 @@ def model_dir(args) -> Path:
             import torch
             from transformers import AutoModelForCausalLM
 
-            torch.manual_seed(0)
-            AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
+            torch.manual_seed(0)  # built on the GPU where there is one (this process holds no cap): seconds
+            with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+                built = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+            built.save_pretrained(path)
+            del built
         else:
             config.save_pretrained(path)
         tokenizer.save_pretrained(path)
@@ -487,18 +492,15 @@ def worker(spec: dict, train_argv: list[str]) -> int:
     else:
         import sft.train
 
-        factory = None if needs_weights(argparse.Namespace(**spec)) else random_init
-        if factory and "--quantize_experts" in train_argv:  # the bf16 base is larger than the card: built on the
-            factory = functools.partial(random_init, on_host=True)  # host, as from_pretrained loads it there
+        factory = None if spec["weights"] else random_init
         code = sft.train.main(train_argv, callbacks=[clock], model_factory=factory, save=False)
     sft.parallel.distributed.end_process_group()
     return code
 
 
-def random_init(path, dtype=None, attn_implementation=None, on_host: bool = False, **ignored):
+def random_init(path, dtype=None, attn_implementation=None, **ignored):
     """The model of the directory's config.json with random weights, called as AutoModelForCausalLM.from_pretrained
-    (sft's load_model passes its arguments; those about reading weights do not apply). `on_host`: built in host
-    RAM, as from_pretrained loads (the Trainer moves it to the GPU), instead of directly on the rank's GPU."""
+    (sft's load_model passes its arguments; those about reading weights do not apply)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
@@ -508,7 +510,7 @@ def random_init(path, dtype=None, attn_implementation=None, on_host: bool = Fals
     build = dict(dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32,
                  attn_implementation=attn_implementation)
     torch.manual_seed(0)
-    if is_deepspeed_zero3_enabled() or not torch.cuda.is_available() or on_host:
+    if is_deepspeed_zero3_enabled() or not torch.cuda.is_available():
         # zero.Init partitions at creation (on GPU, or on CPU under offload_param): no full copy per rank
         return AutoModelForCausalLM.from_config(config, **build)
     with torch.device("cuda", torch.cuda.current_device()):
