@@ -57,6 +57,7 @@ from sft.data.packing import Collator
 from sft.machine import Machine, machine
 from sft.options.checks import PICKED_NEW
 from sft.plan.planner import NOT_PLANNED, Planned, nothing_planned_line, planned_options, prediction_line
+from sft.plan.this_run import predict_this_run, predicted_text
 from sft.safety.run_lock import RunLock
 from sft.report.telemetry import EvalPerplexity, GpuTelemetry, RunRecord, run_summary
 from sft.data.chat_templates import chat_template_for_saving
@@ -187,8 +188,13 @@ def train(run: Run, seams: Seams) -> int:
     skip = training_args.activation_checkpointing_skip_layers  # spare memory: fewer layers recomputed
     # NaN/inf loss or gradient: stop (or skip the step) before the weights take it
     guard = NonFiniteGuard(training_args.nan_policy, lambda: newest_complete(training_args.output_dir), resume_command)
+    # the planner's peak for this run, which an MoE or quantized-base run's first screen and last lines say
+    memory_plan = planned.plan or (predict_this_run(model_args, lora_args, data_args, training_args, machine())
+                                   if main_process else None)
+    overview = RunOverview(model, train_data, model_args.model, model_args.speed_choices,
+                           predicted_text(memory_plan, model_args, machine()))
     callbacks = [
-        RunOverview(model, train_data, model_args.model, model_args.speed_choices),  # the first screen (rank 0)
+        overview,  # the first screen (rank 0)
         ThroughputCallback(flops_per_token(model, lora_args.lora), peak_flops()),  # real tok/s, MFU, memory
         LastStepLogged(),  # a run shorter than --logging_steps still logs its loss
         *seams.callbacks,
@@ -240,9 +246,11 @@ def train(run: Run, seams: Seams) -> int:
             point_latest(training_args.output_dir)
 
     if main_process:
-        if planned.plan and torch.cuda.is_available():
-            print(f"Memory: predicted {planned.plan.prediction.reserved_gib:.1f} GiB reserved per GPU, measured "
-                  f"{torch.cuda.max_memory_reserved() / 2**30:.1f} GiB", flush=True)
+        if (planned.plan or overview.held) and torch.cuda.is_available():
+            predicted = (f"predicted {memory_plan.prediction.reserved_gib:.1f} GiB reserved per GPU, "
+                         if memory_plan else "")
+            print(f"Memory: {predicted}measured {torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved per GPU "
+                  f"(the peak of this process's PyTorch allocator)", flush=True)
         summary = run_summary(training_args.output_dir)  # from all_results.json, after the final evaluation
         if summary:
             print(summary, flush=True)

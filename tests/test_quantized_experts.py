@@ -6,6 +6,7 @@ bench/RESULTS.md."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -54,6 +55,10 @@ def test_a_lora_run_on_quantized_experts_verifies_and_its_adapter_loads_on_the_b
                         "--dataset_cache_dir", str(tmp_path / "cache")])
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "routed experts held in e4m3" in result.stdout
+    # the first screen says what is held where (issue 26 item 5), and why it predicts no peak here
+    held = next(line for line in result.stdout.splitlines() if line.strip().startswith("held "))
+    assert "routed experts" in held and "e4m3" in held and "LoRA adapter" in held and "the rest" in held, held
+    assert re.search(r"memory +no prediction: no GPU here", result.stdout), result.stdout[-2000:]
     losses = [json.loads(line)["loss"] for line in (output / "trainer_log.jsonl").read_text().splitlines()
               if '"loss"' in line and '"step"' in line]
     assert len(losses) == 3 and all(loss == loss for loss in losses)

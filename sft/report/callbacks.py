@@ -10,6 +10,7 @@ import torch
 from transformers import TrainerCallback
 
 from sft.report.console import run_overview, tensorboard_dir
+from sft.report.placement import held_text, holdings, worth_saying
 from sft.machine import GIB, GPU_KINDS, Machine, is_first_process, machine
 
 # Dense bf16 matmul peak per GPU, FLOP/s, by what the GPU's name contains (sft/machine.py GPU_KINDS says where each
@@ -189,7 +190,7 @@ class RunOverview(TrainerCallback):
     Parameters are counted here, before the Trainer wraps the model: FSDP1 would leave this rank's flat shard only.
     ZeRO-3 (partitioned at creation) and DTensor parameters (FSDP2, TP) report their full size through full_numel."""
 
-    def __init__(self, model, train_dataset, model_name: str, speed: tuple[str, ...] = ()):
+    def __init__(self, model, train_dataset, model_name: str, speed: tuple[str, ...] = (), memory: str | None = None):
         params = list(model.parameters())
         self.total = sum(full_numel(p) for p in params)
         self.trainable = sum(full_numel(p) for p in params if p.requires_grad)
@@ -204,12 +205,17 @@ class RunOverview(TrainerCallback):
         self.mean_row_tokens = mean_tokens_per_row(train_dataset)
         self.model_name = model_name
         self.speed = speed  # the fast paths chosen by default (ModelArguments.speed_choices)
+        self.memory = memory  # the planner's peak for this run, or why there is none (sft/plan/this_run.py)
+        self.held: str | None = None  # what is held where, said for MoE and quantized-base runs (placement.py)
         self.text: str | None = None  # what was printed (tests read it)
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not is_first_process():
             return
         strategy, devices = describe_strategy(args, self.tp_size)
+        model = kwargs.get("model")  # as the Trainer placed it: on its GPU, sharded or offloaded
+        held = holdings(model) if model is not None else {}
+        self.held = held_text(held) if held and worth_saying(held) else None
         save = str(getattr(args.save_strategy, "value", args.save_strategy))
         saves = {"no": "none (--save_strategy no)", "epoch": "every epoch", "best": "the best one"}.get(
             save, f"every {state.save_steps or args.save_steps:,} steps")
@@ -225,5 +231,6 @@ class RunOverview(TrainerCallback):
             data_parallel=max(1, args.world_size // self.tp_size), mean_row_tokens=self.mean_row_tokens,
             max_steps=state.max_steps, epochs=None if args.max_steps > 0 else args.num_train_epochs,
             resume_step=state.global_step, output_dir=args.output_dir, saves=saves,
-            tensorboard=tensorboard_dir(args.output_dir, args.report_to), speed=self.speed)
+            tensorboard=tensorboard_dir(args.output_dir, args.report_to), speed=self.speed, held=self.held,
+            memory=self.memory if self.held else None)
         print(self.text, flush=True)

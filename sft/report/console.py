@@ -144,12 +144,14 @@ def run_overview(*, model: str, architecture: str, total_params: int, trainable_
                  strategy: str, devices: str,
                  per_device_batch: int, grad_accum: int, data_parallel: int, mean_row_tokens: float | None,
                  max_steps: int, epochs: float | None, resume_step: int, output_dir: str, saves: str,
-                 tensorboard: str | None, speed: tuple[str, ...] = ()) -> str:
+                 tensorboard: str | None, speed: tuple[str, ...] = (), held: str | None = None,
+                 memory: str | None = None) -> str:
     """The first screen of a run, from plain values (sft.report.callbacks.RunOverview gathers them at train begin).
     dtype: of the weights; adapter_dtype: of the LoRA weights when it differs; mixed_precision: "bf16", "fp16" or
     None; epochs: None when --max_steps set the length; speed: the fast paths chosen by default, and why
-    (sft/options/resolve.py fast_paths_where_supported). The first line keeps the words 'Training on N process(es)'
-    that the launch tests look for."""
+    (sft/options/resolve.py fast_paths_where_supported); held: what is held where (sft/report/placement.py) and
+    memory: the planner's peak for the run, both for MoE and quantized-base runs. The first line keeps the words
+    'Training on N process(es)' that the launch tests look for."""
     rows = per_device_batch * grad_accum * data_parallel
     if lora_rank:
         trained = (f"LoRA r={lora_rank}: {count(trainable_params)} trainable parameters "
@@ -173,6 +175,8 @@ def run_overview(*, model: str, architecture: str, total_params: int, trainable_
         ("trained", trained),
         ("precision", precision),
         ("speed", "; ".join(speed)),
+        ("held", held),
+        ("memory", memory),
         ("batch", batch),
         ("tokens", mean_row_tokens and f"~{round(rows * mean_row_tokens):,} real tokens per optimizer step "
                                        f"({mean_row_tokens:,.0f} per row on average)"),

@@ -1,0 +1,51 @@
+"""The planner's prediction for the run as configured, not a plan it chose: the first screen of an MoE or
+quantized-base run says its predicted peak, and the end of the run the measured one beside it (issue 26 item 5).
+
+It is the plan of `enumerate_plans` that matches the run: its launch's strategy, method, micro-batch and
+activation checkpointing, on this machine's GPUs. None where the planner does not model the run (no GPU,
+--quantize_experts, a model whose shape it cannot read): the first screen then says why instead of a number.
+"""
+
+from __future__ import annotations
+
+from sft.plan.fast_paths import Asked
+from sft.plan.planner import Box, Plan, _launched_strategy, cards, enumerate_plans, gpu_kind, resolve_shape
+
+def why_no_prediction(model_args, machine) -> str | None:
+    """Why the planner predicts nothing for this run, or None."""
+    if not machine.cuda:
+        return "no GPU here (the planner predicts GPU memory)"
+    if getattr(model_args, "quantize_experts", "none") != "none":
+        return "the planner does not model --quantize_experts yet"
+    return None
+
+
+def predict_this_run(model_args, lora_args, data_args, training_args, machine) -> Plan | None:
+    """The planner's plan equal to this run's configuration on `machine` (sft.machine.Machine), or None."""
+    if why_no_prediction(model_args, machine):
+        return None
+    try:
+        shape = resolve_shape(model_args.model)
+    except Exception:  # noqa: BLE001 - a model the planner cannot read: no prediction, the run goes on
+        return None
+    gpus, mem = cards(machine)
+    kind = gpu_kind(machine.gpu_names[0])
+    box = Box(gpus, mem, machine.host_ram_gib or None, kind[1].peak_flops if kind else 165e12,
+              machine.gpu_names[0], machine)
+    method = "qlora" if lora_args.qlora else "lora" if lora_args.lora else "full"
+    asked = Asked(getattr(model_args, "fp8", "auto"), getattr(model_args, "compile_layers", "auto"),
+                  bool(getattr(training_args, "torch_compile", False)))
+    plans = enumerate_plans(shape, box, method, data_args.max_length, (training_args.per_device_train_batch_size,),
+                            lora_args.lora_r, training_args.gradient_accumulation_steps or 1, asked)
+    strategy = _launched_strategy(machine) or "single_gpu"
+    checkpointing = bool(training_args.activation_checkpointing)
+    return next((p for p in plans if p.w.strategy == strategy and p.w.checkpointing == checkpointing), None)
+
+
+def predicted_text(plan: Plan | None, model_args, machine) -> str:
+    """The first screen's `memory` line."""
+    if plan is None:
+        return f"no prediction: {why_no_prediction(model_args, machine) or 'the planner has no plan like this run'}"
+    p = plan.prediction
+    return (f"predicted peak {p.smi_gib:.1f} GiB per GPU by nvidia-smi's count ({p.reserved_gib:.1f} GiB reserved "
+            f"by PyTorch); the measured peak is said at the end")

@@ -1,0 +1,73 @@
+"""What is held where (sft/report/placement.py): the first screen's `held` line of MoE and quantized-base runs
+counts each weight where its storage lives, by part and dtype (issue 26 item 5). The line through a real run:
+tests/test_quantized_experts.py."""
+
+from __future__ import annotations
+
+import torch
+
+from conftest import tiny_config
+
+MIB = 2**20
+
+
+def tiny(model_type: str):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config(model_type)).to(torch.bfloat16)
+
+
+def experts_numel(model) -> int:
+    return sum(p.numel() for n, p in model.named_parameters() if n.endswith(("gate_up_proj", "down_proj"))
+               and p.dim() == 3)
+
+
+def test_the_routed_experts_the_rest_and_the_adapter_are_counted_apart_in_their_dtypes():
+    from peft import LoraConfig, get_peft_model
+
+    from sft.model.quantized_experts import quantize_experts
+    from sft.report.placement import held_text, holdings, worth_saying
+
+    model = tiny("deepseek_v2")
+    total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))  # RoPE's too
+    routed = experts_numel(model)
+    held = holdings(model)
+    assert held[("host", "routed experts", "bfloat16")] == 2 * routed
+    assert held[("host", "the rest", "bfloat16")] == total - 2 * routed
+    assert worth_saying(held)  # an MoE model
+
+    quantize_experts(model)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))
+    adapter = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    held = holdings(model)
+    assert held[("host", "routed experts", "e4m3")] == routed  # one byte a weight
+    assert held[("host", "routed experts", "scales")] > 0
+    assert held[("host", "LoRA adapter", "float32")] == adapter
+    assert held[("host", "the rest", "bfloat16")] == total - 2 * routed
+    text = held_text(held)
+    assert text.startswith("host RAM (no GPU): routed experts") and "e4m3 (+" in text and "LoRA adapter" in text
+
+
+def test_a_dense_model_on_a_machine_without_gpus_is_not_worth_a_line():
+    from sft.report.placement import holdings, worth_saying
+
+    assert not worth_saying(holdings(tiny("llama")))
+    assert worth_saying({("GPU", "the rest", "bfloat16"): 1, ("host", "the rest", "bfloat16"): 1})  # offloaded
+    assert worth_saying({("GPU", "the rest", "4-bit"): 1})  # a quantized base
+
+
+def test_the_first_screen_shows_held_and_memory_only_when_given():
+    from sft.report.console import run_overview
+
+    common = dict(model="m", architecture="DeepseekV2ForCausalLM", total_params=10, trainable_params=1,
+                  dtype="bfloat16", adapter_dtype=None, mixed_precision="bf16", lora_rank=4, processes=1,
+                  strategy="no parallelism", devices="1 GPU", per_device_batch=1, grad_accum=1, data_parallel=1,
+                  mean_row_tokens=None, max_steps=1, epochs=None, resume_step=0, output_dir="out", saves="none",
+                  tensorboard=None)
+    plain = run_overview(**common)
+    assert "held" not in plain and "memory" not in plain
+    said = run_overview(**common, held="per GPU: routed experts 13.4 GiB e4m3; host: none",
+                        memory="predicted peak 20.0 GiB per GPU")
+    assert "  held         per GPU: routed experts 13.4 GiB e4m3; host: none" in said
+    assert "  memory       predicted peak 20.0 GiB per GPU" in said
