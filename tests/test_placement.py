@@ -71,3 +71,30 @@ def test_the_first_screen_shows_held_and_memory_only_when_given():
                         memory="predicted peak 20.0 GiB per GPU")
     assert "  held         per GPU: routed experts 13.4 GiB e4m3; host: none" in said
     assert "  memory       predicted peak 20.0 GiB per GPU" in said
+
+
+def test_the_memory_line_is_the_planners_plan_of_the_run_as_configured():
+    """The planner's plan for the run's own launch, method, micro-batch and checkpointing on this machine; no
+    number where it does not model the run, and why."""
+    from types import SimpleNamespace as NS
+
+    from sft.machine import Launch, Machine
+    from sft.plan.this_run import predict_this_run, predicted_text
+
+    box = Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * 3, gpu_memory_gib=(23.99,) * 3, bf16=True,
+                  host_ram_gib=128, launch=Launch(world_size=3, local_world_size=3, launched=True))
+    model = NS(model="deepseek-v2-lite", quantize_experts="none", fp8="auto", compile_layers="auto")
+    lora, data = NS(qlora=False, lora=True, lora_r=16), NS(max_length=2048)
+    training = NS(per_device_train_batch_size=1, gradient_accumulation_steps=4, activation_checkpointing=True,
+                  torch_compile=False)
+    plan = predict_this_run(model, lora, data, training, box)
+    assert (plan.w.strategy, plan.w.micro_batch, plan.w.checkpointing) == ("ddp", 1, True)
+    assert predicted_text(plan, model, box).startswith(f"predicted peak {plan.prediction.smi_gib:.1f} GiB per GPU")
+    assert plan.prediction.smi_gib > 24  # V2-Lite's bf16 base whole on each card: the user sees it cannot fit
+
+    quantized = NS(**{**vars(model), "quantize_experts": "fp8"})
+    assert predict_this_run(quantized, lora, data, training, box) is None
+    assert predicted_text(None, quantized, box) == \
+        "no prediction: the planner does not model --quantize_experts yet"
+    unreadable = NS(**{**vars(model), "model": "no/such-model-anywhere"})
+    assert predict_this_run(unreadable, lora, data, training, box) is None

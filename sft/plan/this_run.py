@@ -24,10 +24,14 @@ def predict_this_run(model_args, lora_args, data_args, training_args, machine) -
     """The planner's plan equal to this run's configuration on `machine` (sft.machine.Machine), or None."""
     if why_no_prediction(model_args, machine):
         return None
-    try:
-        shape = resolve_shape(model_args.model)
-    except Exception:  # noqa: BLE001 - a model the planner cannot read: no prediction, the run goes on
+    try:  # a prediction never stops a run: a model the planner cannot read, or a plan it cannot make, gives none
+        return _matching_plan(resolve_shape(model_args.model), model_args, lora_args, data_args, training_args,
+                              machine)
+    except Exception:  # noqa: BLE001
         return None
+
+
+def _matching_plan(shape, model_args, lora_args, data_args, training_args, machine) -> Plan | None:
     gpus, mem = cards(machine)
     kind = gpu_kind(machine.gpu_names[0])
     box = Box(gpus, mem, machine.host_ram_gib or None, kind[1].peak_flops if kind else 165e12,
