@@ -67,6 +67,34 @@ def test_a_lora_run_on_quantized_experts_verifies_and_its_adapter_loads_on_the_b
     assert not any(type(m).__name__.startswith("Fp8") for m in adapted.modules())
 
 
+@pytest.mark.slow
+def test_the_resident_plan_trains_under_ddp_on_two_ranks(tmp_path):
+    """Issue 26 item 2: one replica per card. DDP leaves the e4m3 experts out of its first broadcast (frozen, equal
+    on every rank; gloo cannot send float8: 'Invalid scalar type' before), and only LoRA gradients cross."""
+    import sys
+    from pathlib import Path
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model_dir = save_tiny_model(tmp_path / "v2", "deepseek_v2")
+    output = tmp_path / "out"
+    accelerate = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
+                  "--main_process_port", "29657"]
+    result = run_train(["--model", str(model_dir), "--dataset", str(REPO / "data" / "alpaca_demo.json"),
+                        "--max_samples", "64", "--max_length", "128", "--lora", "--quantize_experts", "fp8",
+                        "--activation_checkpointing", "true", "--max_steps", "3", "--logging_steps", "1",
+                        "--report_to", "none", "--eval_strategy", "no", "--output_dir", str(output), "--use_cpu",
+                        "--ddp_find_unused_parameters", "false", "--dataset_cache_dir", str(tmp_path / "cache")],
+                       launcher=accelerate, env={"OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "Training on 2 process(es) (DDP" in result.stdout, result.stdout[-2000:]
+    losses = [json.loads(line)["loss"] for line in (output / "trainer_log.jsonl").read_text().splitlines()
+              if '"loss"' in line and '"step"' in line]
+    assert len(losses) == 3 and all(loss == loss for loss in losses)
+    PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), output)
+
+
 def test_the_option_needs_lora_checkpointing_and_whole_experts():
     from sft.errors import ConfigError
     from sft.options.arguments import parse_args

@@ -136,6 +136,10 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
     # config.use_cache stays the base's (a saved model must cache in generate): every batch turns it off (Collator)
     if lora_args.lora:  # --qlora has set it (sft/options/resolve.py)
         model = attach_lora(model, lora_args, gradient_checkpointing)
+        if model_args.quantize_experts == "fp8":  # named as DDP will see them: inside the peft model
+            from sft.model.quantized_experts import keep_out_of_ddp
+
+            keep_out_of_ddp(model)
         if model_args.fp8_on:  # the frozen base's linear layers in FP8 (sft/speed/fp8.py)
             from sft.speed.fp8 import apply_fp8_base
 

@@ -125,3 +125,14 @@ def apply_quantized_experts(model: nn.Module) -> None:
                    for p in m.parameters(recurse=False))
         print(f"Experts: {count} MoE layers' routed experts held in e4m3 ({held / 1e9:.2f}B weights, "
               f"{held / 2**30:.1f} GiB instead of {2 * held / 2**30:.1f}), dequantized layer by layer", flush=True)
+
+
+def keep_out_of_ddp(model: nn.Module) -> int:
+    """Leave the e4m3 experts out of DDP's start-of-training broadcast: they are frozen, and every rank quantized
+    the same weights the same way, so there is nothing to send (and gloo cannot send float8: 'Invalid scalar
+    type'). Names are relative to `model`, the module DDP will wrap (after LoRA). -> how many tensors."""
+    from sft.safety.private_names import DDP_IGNORE, expect
+
+    names = [name for name, p in model.named_parameters() if name.endswith(tuple(f"{w}_e4m3" for w in WEIGHTS))]
+    expect(DDP_IGNORE)(model, names)
+    return len(names)

@@ -85,12 +85,17 @@ HF_DEEPSPEED_CONFIG = PrivateName("transformers", "transformers.integrations.dee
                                   None, TESTED_TRANSFORMERS, "loading a whole model for verification under ZeRO-3")
 FSDP_STATE = PrivateName("torch", "torch.distributed.fsdp", "FSDPModule._get_fsdp_state", ("self",), TESTED_TORCH,
                          "--qlora under FSDP: which parameter groups hold 4-bit weights")
+# Called, not patched: DDP's own (underscored) way to leave tensors out of its broadcast and all-reduce.
+DDP_IGNORE = PrivateName("torch", "torch.nn.parallel", "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model",
+                         ("module", "params_and_buffers_to_ignore"), TESTED_TORCH,
+                         "--quantize_experts under DDP: the frozen e4m3 experts, equal on every rank, kept out of "
+                         "DDP's first broadcast (gloo cannot send float8)")
 
 PRIVATE_NAMES = (CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPOINT, LOAD_FROM_CHECKPOINT, LOAD_OPTIMIZER, GET_OUTPUT_DIR,
                  SAVE_RNG_STATE,
                  PEFT_INPUT_CAST, ACCELERATE_ORIGINAL_FORWARD, TORCHAO_ADAM_LOAD,
                  TORCHAO_SUBCLASS_ZEROS, TORCHAO_SINGLE_PARAM_ADAM, DTENSOR_CACHE_KEY, DUCK_SHAPE, HF_DEEPSPEED_CONFIG,
-                 FSDP_STATE)
+                 FSDP_STATE, DDP_IGNORE)
 
 
 @functools.cache  # read once per process: a library's version does not change under a running process
