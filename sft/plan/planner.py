@@ -39,9 +39,11 @@ from typing import NamedTuple
 from sft.report.console import ToolParser
 from sft.options.recipe import load_recipe
 from sft.configs import RECIPES
+from sft.names import known_as
 from sft.machine import GIB, GPU_KINDS, Machine, gpu_kind, host_ram_gib as this_host_ram
 from sft.parallel.strategies import PRECISION_OPTIONS, REPO, STRATEGIES, Setup, StateBytes
 from sft.plan.fast_paths import NAMES as FAST_PATH_NAMES, Asked, FastPaths, described_machine, fast_paths
+from sft.plan.long_rows import Levers, is_long, ladder, is_long_document_row, long_row_flops_per_token, tile_tokens
 
 RESULTS = REPO / "bench" / "results.jsonl"  # the source of truth, in a checkout only
 # What the planner fits from RESULTS, snapshotted as package data: plans read this, so that a wheel plans as a checkout
@@ -181,12 +183,14 @@ class Shape:
         else:
             q, kv = self.heads * self.hd, self.kv_heads * self.hd
             attn = 2 * q + 4 * kv + 2 * q
+        return 12 * h + attn + self.mlp_activation_bytes(index)
+
+    def mlp_activation_bytes(self, index: int) -> float:
+        """The MLP's share of layer_activation_bytes: what --mlp_tile_tokens keeps for one tile at a time."""
         if self.moe and index >= self.first_dense:
-            mlp = (self.experts_per_token * (2 * h + 8 * self.moe_intermediate)
-                   + 8 * self.shared_experts * self.moe_intermediate + 4 * self.routed_experts)
-        else:
-            mlp = 8 * self.intermediate
-        return 12 * h + attn + mlp
+            return (self.experts_per_token * (2 * self.hidden + 8 * self.moe_intermediate)
+                    + 8 * self.shared_experts * self.moe_intermediate + 4 * self.routed_experts)
+        return 8 * self.intermediate
 
     def lora_cast_bytes(self) -> float:
         """peft's fp32 round trip of the adapted layers' inputs (what sft skipped from 51be3c5 on): a bf16 re-cast
@@ -207,9 +211,13 @@ class Shape:
     def backward_working_bytes(self) -> float:
         """Gradient temporaries of one layer's backward beyond its activations: an intermediate-sized gradient
         pair and a few hidden-sized ones."""
+        return self.mlp_working_bytes() + 4 * self.hidden
+
+    def mlp_working_bytes(self) -> float:
+        """The intermediate-sized gradient pair of backward_working_bytes (one tile's under --mlp_tile_tokens)."""
         inter = (self.experts_per_token * self.moe_intermediate + self.shared_experts * self.moe_intermediate
                  if self.moe else self.intermediate)
-        return 2 * inter + 4 * self.hidden
+        return 2 * inter
 
 
 def _dense(name, model_type, h, i, layers, heads, kv, vocab, **kw) -> Shape:
@@ -253,12 +261,19 @@ RELEASES: dict[str, tuple[str, ...]] = {
 ALIASES = {hub.rsplit("/", 1)[1].lower(): name for name, hubs in RELEASES.items() for hub in hubs}  # -> the shape
 
 
+def shape_name(model: str) -> str | None:
+    """The built-in shape a family name, released name or bench row's model means, in either spelling
+    (sft/names.py: `r1-distill-qwen-7b` is `deepseek-r1-distill-qwen-7b`), else None."""
+    key = model.rsplit("/", 1)[-1].lower()
+    return known_as(key, SHAPES) or ALIASES.get(key)
+
+
 def hub_id(model: str) -> str:
     """What a plan's command passes to --model: a local directory or a hub id (`owner/name`) as given; a released
     name without its owner, in any case, as its hub id; a family name as its base model's hub id (RELEASES)."""
     if "/" in model or Path(model).expanduser().is_dir():
         return model
-    key = model.lower()
+    key = known_as(model, RELEASES) or model.lower()
     if key in RELEASES:
         return RELEASES[key][0]
     return next((hub for hubs in RELEASES.values() for hub in hubs if hub.rsplit("/", 1)[1].lower() == key), model)
@@ -293,9 +308,8 @@ def resolve_shape(model: str) -> Shape:
 
         return shape_from_config(AutoConfig.from_pretrained(str(path)), path.name)
     key = model.rsplit("/", 1)[-1].lower()
-    key = ALIASES.get(key, key)
-    if key in SHAPES:
-        return SHAPES[key]
+    if shape_name(model):
+        return SHAPES[shape_name(model)]
     if model.count("/") == 1:  # a hub id we have no built-in shape for: its config.json (cache or hub)
         try:
             from transformers import AutoConfig
@@ -331,7 +345,9 @@ CALIBRATION = {
     # host RAM per byte offloaded: CPU Adam's fp32 state (masters, moments, gradients) and the offloaded 16-bit
     # weights, fitted together on the 4 dense full-fine-tune offload rows (16P/world and 2P/world bytes per card:
     # 215.7-215.9 GiB) and moe-lora-offload-1 (weights only: 48.2 GiB), with 8 GiB + 4 GiB per process on top.
-    "host_per_offloaded": {"optimizer": 1.79, "weights": 1.24},
+    # activations (--offload_activations, pinned): long-r1-32k and long-llm-32k (20.5 and 20.0 GiB; 6.6 and 8.0 GiB
+    # offloaded), their host RAM over those 12 GiB, summed, over the bytes offloaded, summed.
+    "host_per_offloaded": {"optimizer": 1.79, "weights": 1.24, "activations": 1.13},
     "cache_logits_share": 0.5,
     # the activations autograd keeps per layer (and the backward working set), against the count in
     # Shape.layer_activation_bytes: fitted on the LoRA rows of the current code (no peft input casts).
@@ -378,6 +394,13 @@ class Workload:
     peft_input_cast: bool = False  # peft's own fp32 casts of the LoRA inputs (sft before 51be3c5)
     fp8: bool = False              # --fp8: LoRA's FP8 base (sft/speed/fp8.py), torchao's float8 training for full
     compiled: bool = False         # --compile_layers (sft/speed/regional_compile.py)
+    mlp_tile_tokens: int = 0       # --mlp_tile_tokens (sft/speed/tiled_mlp.py); 0: the MLP runs whole
+    offload_activations: bool = False  # --offload_activations: checkpoints wait in host RAM (sft/trainer.py)
+
+    @property
+    def levers(self) -> Levers:
+        """Its long-row options (sft/plan/long_rows.py)."""
+        return Levers(self.mlp_tile_tokens, self.offload_activations)
 
     @property
     def fast(self) -> str:
@@ -436,18 +459,27 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     trainable = shape.lora_params(w.lora_r) if lora else params
     state: StateBytes = strategy.state_bytes(params, trainable, w.setup, w.world, shape.linear_params())
     tokens = w.micro_batch * w.seq_len
-    h = shape.hidden
-    # activations per token
+    h, layers = shape.hidden, shape.layers
+    # activations (bytes)
     k = CALIBRATION["activation_scale"]
     a_mean = mean_layer_activation_bytes(shape)
     if lora and w.peft_input_cast:  # peft's fp32 round trip (sft before 51be3c5): bf16 re-casts of the inputs
         a_mean += shape.lora_cast_bytes()
+    # --mlp_tile_tokens: a layer keeps its MLP's input only (counted in its bytes); the MLP's intermediates exist
+    # for the one tile the backward recomputes
+    tile = tile_tokens(w)
+    mlp = k * sum(map(shape.mlp_activation_bytes, range(layers))) / layers if tile < tokens else 0.0
+    per_layer, one_tile = tokens * (a_mean - mlp), tile * mlp
     if w.checkpointing:
-        kept = min(w.skip_layers, shape.layers)
-        stored = (shape.layers - kept) * 2 * h + kept * a_mean
-        recompute = a_mean if kept == 0 else 0.0
+        kept = min(w.skip_layers, layers)
+        checkpoints, whole_layers = (layers - kept) * 2 * h * tokens, kept * per_layer
+        recompute = per_layer if kept == 0 else 0.0
     else:
-        stored, recompute = shape.layers * a_mean, 0.0
+        checkpoints, whole_layers, recompute = 0.0, layers * per_layer, 0.0
+    offloaded = 0.0
+    if w.offload_activations:  # all of it waits in host RAM; the backward brings back one layer's at a time
+        offloaded = checkpoints + whole_layers
+        checkpoints, whole_layers = (2 * h * tokens if checkpoints else 0.0), (per_layer if whole_layers else 0.0)
     # MoE LoRA: the W + BA weights of the layers whose forward is kept (the recomputed one's under checkpointing)
     deltas = [shape.parameter_lora_bytes(i) for i in range(shape.layers)] if lora else [0.0]
     whole = min(w.skip_layers, len(deltas))  # --activation_checkpointing_skip_layers keeps the LAST layers whole
@@ -455,10 +487,14 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     logits = 0.0 if w.fused_loss else 12.0 * shape.vocab  # log_softmax output + two fp32 gradients
     if strategy.sharded_kind == "tp":
         logits += 2.0 * shape.vocab if not w.fused_loss else 0.0  # the gathered (replicated) bf16 logits
-    working = max(logits, recompute + k * shape.backward_working_bytes())
+    backward = k * (tokens * shape.backward_working_bytes() - (tokens - tile) * shape.mlp_working_bytes())
+    working = max(tokens * logits, recompute + one_tile + backward)
     extras = 8 * h  # final norm (fp32 input + output) and the loss's input
+    if w.offload_activations:  # what the norm and the fused loss save waits in host RAM too: the GPU holds the
+        extras = 4 * h         # gradient into the last layer and the saved tensor brought back for it (2h each)
+        offloaded += tokens * 4 * h
     fast = fast_path_bytes(shape, w)
-    activations = tokens * (stored + working + extras) + kept_deltas + fast
+    activations = checkpoints + whole_layers + working + tokens * extras + kept_deltas + fast
     # transient buffers of the sharded strategies
     transient = 0.0
     grad_bytes = 2 if (lora or w.setup.precision != "fp32_master") else 4
@@ -495,11 +531,12 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     need = allocated + min(cache, CALIBRATION["cache_gib"]["none"] * GIB) + context
     pinned = CALIBRATION["host_per_offloaded"]  # processes + offloaded state with DeepSpeed's pinned buffers
     host = (8 + 4 * w.world) * GIB + w.world * (pinned["optimizer"] * (state.host - state.host_weights)
-                                                 + pinned["weights"] * state.host_weights)
+                                                 + pinned["weights"] * state.host_weights
+                                                 + pinned["activations"] * offloaded)
     parts = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer,
              "masters": state.masters, "buckets": state.buckets, "activations": activations,
              "lora_weights": kept_deltas, "fast_paths": fast, "transient": transient, "cache": cache,
-             "context": context}
+             "context": context, "offloaded_activations": offloaded}
     return Prediction(w, allocated / GIB, reserved / GIB, (reserved + context) / GIB, need / GIB, host / GIB,
                       {k: v / GIB for k, v in parts.items()})
 
@@ -507,9 +544,11 @@ def predict(shape: Shape, w: Workload) -> Prediction:
 # ---------------------------------------------------------------------------------------------------------------
 # The measured rows: workload of each bench row, predicted against measured.
 
-BENCH_SHAPES = {"deepseek-llm-7b": "deepseek-llm-7b", "deepseek-coder-1.3b": "deepseek-coder-1.3b",
-                "deepseek-coder-6.7b": "deepseek-coder-6.7b", "r1-distill-qwen-7b": "deepseek-r1-distill-qwen-7b",
-                "deepseek-v2-lite": "deepseek-v2-lite"}
+
+def row_shape(row: dict) -> Shape:
+    """The built-in shape of a bench row's model (bench/train_throughput.py MODELS, either spelling)."""
+    return SHAPES[shape_name(row["model"])]
+
 STRATEGY_OF_ROW = {"single": "single_gpu"}
 # Commits of bench rows that ran before 51be3c5 (peft's fp32 input casts under autocast); fp16 ZeRO-2 rows never
 # had them (DeepSpeed's fp16 engine holds the adapter in fp16). From `git log`.
@@ -557,7 +596,9 @@ def workload_of_row(row: dict) -> Workload:
                     checkpointing=_arg(args, "--activation_checkpointing", "false") == "true",
                     skip_layers=int(_arg(args, "--activation_checkpointing_skip_layers", 0)),
                     fused_loss=_arg(args, "--use_liger_kernel", "false") == "true",
-                    grad_accum=row.get("grad_accum", 1), fp8=fast.fp8, compiled=fast.compiled)
+                    grad_accum=row.get("grad_accum", 1), fp8=fast.fp8, compiled=fast.compiled,
+                    mlp_tile_tokens=int(_arg(args, "--mlp_tile_tokens", 0)),
+                    offload_activations=_arg(args, "--offload_activations", "false") == "true")
 
 
 def fast_of_row(row: dict) -> FastPaths:
@@ -583,7 +624,7 @@ def measured_rows(path: Path = RESULTS) -> list[dict]:
     planner's FP8 is the default recipe). Rows of the fast paths (--fp8, --compile_layers) are in: their own
     memory term (fast_path_bytes) and MFU (mfu_reference) are fitted on them."""
     unplanned = ("--liger_kernel_config", "--fp8_recipe")
-    return [r for r in bench_rows(path) if r.get("gpu") and r.get("peak_mem_gib") and r.get("model") in BENCH_SHAPES
+    return [r for r in bench_rows(path) if r.get("gpu") and r.get("peak_mem_gib") and shape_name(r.get("model") or "")
             and r.get("peer", "ours") != "trl" and not any(o in (r.get("train_args") or "") for o in unplanned)]
 
 
@@ -612,13 +653,14 @@ def check_rows(path: Path = RESULTS) -> list[dict]:
     out = []
     for r in rows:
         w = workload_of_row(r)
-        p = predict(SHAPES[BENCH_SHAPES[r["model"]]], w)
+        p = predict(row_shape(r), w)
         cap = r.get("mem_cap_gib") or 1e9
         reserved, smi = p.capped(cap)
         measured_smi, why = smi_of_row(r, rows)
         out.append({"name": r["name"], "run_id": r["run_id"], "strategy": w.strategy, "method": r["method"],
                     "model": r["model"], "n_gpus": r["n_gpus"], "micro_batch": r["micro_batch"],
                     "checkpointing": w.checkpointing, "skip": w.skip_layers, "fused_loss": w.fused_loss,
+                    "levers": w.levers.label,
                     "precision": w.setup.precision, "fast": w.fast,
                     "pred_allocated": p.allocated_gib, "allocated": r.get("peak_allocated_gib"),
                     "pred_reserved": reserved, "reserved": r["peak_mem_gib"],
@@ -627,7 +669,7 @@ def check_rows(path: Path = RESULTS) -> list[dict]:
                     "err_reserved": reserved / r["peak_mem_gib"] - 1,
                     "err_smi": (smi / measured_smi - 1) if measured_smi else None,
                     "pred_host": p.host_gib, "host": r.get("host_ram_gib"),
-                    "offload": bool(STRATEGIES[w.strategy].offload),
+                    "offload": bool(STRATEGIES[w.strategy].offload) or w.offload_activations,
                     "err_host": p.host_gib / r["host_ram_gib"] - 1 if r.get("host_ram_gib") else None})
     return out
 
@@ -638,6 +680,7 @@ def check_table(results: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for x in results:
         ck = ("yes" + (f" (skip {x['skip']})" if x["skip"] else "")) if x["checkpointing"] else "no"
+        ck += f", {x['levers']}" if x["levers"] else ""  # the long-row levers (tile, offload)
         smi = f"{x['pred_smi']:.2f} / {x['smi']:.2f}" if x["smi"] else f"{x['pred_smi']:.2f} / - ({x['smi_note']})"
         method = x["method"] + ("" if x["precision"] == "fp32_master" else f" {x['precision']}")
         lines.append("| " + " | ".join([
@@ -660,20 +703,25 @@ FAMILY = {"single_gpu": "unsharded", "ddp": "unsharded", "zero2": "unsharded", "
 
 
 def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path | None = None,
-                  model: str | None = None, fast: str = "") -> tuple[float, str]:
+                  model: str | None = None, fast: str = "", long: bool = False) -> tuple[float, str]:
     """(MFU, which rows) for a kind of plan: the median MFU of our measured rows of the same strategy family,
     method, checkpointing and fast paths (`fast`: a FastPaths.label), with our fast kernels (flex_attention +
     Liger) where such rows exist. A plan with fast paths that no row of its strategy family and method ran with
-    takes the rows without them, and says so. `path`: the rows to fit from; None: the snapshot of
-    bench/results.jsonl (FITTED)."""
+    takes the rows without them, and says so. `long`: a plan of long rows (sft/plan/long_rows.py) reads the rows
+    of one long conversation each, their MFU counted with their attention (long_mfu_rows); the short rows' where
+    there is none of its family and method, and says so. `path`: the rows to fit from; None: the snapshot of
+    bench/results.jsonl (FITTED). `model`: a built-in shape's name in either spelling (sft/names.py)."""
+    model = (shape_name(model) or model) if model else None
     if path is None:
         table = fitted()["mfu"]
         own = table.get(model, table[ANY_MODEL])
-        key = mfu_key(strategy, method, checkpointing, fast)
+        key = mfu_key(strategy, method, checkpointing, fast, long)
         if key in own:  # the snapshot holds a fast kind only where rows of it exist
             return tuple(own[key])
-        mfu, why = own[mfu_key(strategy, method, checkpointing)]
+        mfu, why = own[mfu_key(strategy, method, checkpointing, long=long)]
         return mfu, why + unmeasured_fast_note(fast)
+    if long:
+        return _long_mfu(strategy, method, checkpointing, path, model, fast)
     rows = mfu_rows(path, model)
     if fast:
         with_them = fast_mfu_rows(rows, strategy, method, fast)
@@ -684,18 +732,54 @@ def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path | 
     return _median_mfu([r for r in rows if not fast_of_row(r).label], strategy, method, checkpointing, model)
 
 
+def _long_mfu(strategy: str, method: str, checkpointing: bool, path: Path, model: str | None,
+              fast: str) -> tuple[float, str]:
+    """mfu_reference of a long plan: the long-document rows of its strategy family and method, else the short
+    rows' MFU (which the plan's FLOPs then divide with the long row's attention counted: a slower estimate)."""
+    rows = long_mfu_rows(path, model)
+    lora = method in ("lora", "qlora")
+    if not any(_kind(r)[:2] == (FAMILY[strategy], lora) for r in rows):
+        mfu, why = mfu_reference(strategy, method, checkpointing, path, model, fast)
+        return mfu, why + "; no row of long documents of this kind: the short rows' MFU, over FLOPs that count " \
+                          "the long row's attention"
+    if fast and fast_mfu_rows(rows, strategy, method, fast):
+        rows, note = [r for r in rows if fast_of_row(r).label == fast], ""
+    else:
+        rows, note = [r for r in rows if not fast_of_row(r).label], unmeasured_fast_note(fast)
+    mfu, why = _median_mfu(rows, strategy, method, checkpointing, model)
+    return mfu, why + ", rows of one long conversation each, their attention FLOPs counted" + note
+
+
+def long_mfu_rows(path: Path, model: str | None) -> list[dict]:
+    """The rows made of one long conversation each (bench/throughput.py's long-* rows), of the rows MFU is read
+    from, with their MFU counted as a long plan's: the bench's 6N/4N plus their attention and the tiled MLP's
+    recomputation (long_rows.long_row_flops_per_token), so that 4k and 32k rows of one run read alike."""
+    out = []
+    for r in _mfu_candidates(path, model):
+        if is_long_document_row(r):
+            shape, w = row_shape(r), workload_of_row(r)
+            matmul = (4 if r["method"] in ("lora", "qlora") else 6) * shape.matmul_params()
+            out.append({**r, "mfu": r["mfu"] * (matmul + long_row_flops_per_token(shape, w)) / matmul})
+    return out
+
+
 def unmeasured_fast_note(fast: str) -> str:
     return f"; no row of this kind with {FAST_PATH_NAMES[fast]}: the rows without them" if fast else ""
 
 
 def mfu_rows(path: Path, model: str | None) -> list[dict]:
-    """The rows MFU is read from: ours with a measured MFU, not the Trainer's --torch_compile, not a row that
-    shared its GPU, not a row marked INVALID (a speed that was not a training speed: bench/RESULTS.md); an MoE
+    """The rows MFU is read from for short rows: ours with a measured MFU, not the Trainer's --torch_compile, not a
+    row that shared its GPU, not a row marked INVALID (a speed that was not a training speed: bench/RESULTS.md),
+    not a row of long documents (its attention costs what a packed short row's does not: long_mfu_rows); an MoE
     row speaks for its own model only (its MFU, on active parameters, is no dense plan's)."""
+    return [r for r in _mfu_candidates(path, model) if not is_long_document_row(r)]
+
+
+def _mfu_candidates(path: Path, model: str | None) -> list[dict]:
     rows = [r for r in measured_rows(path) if r.get("mfu") and r.get("peer") in ("ours", "zero3-offload-recipe")
             and "--torch_compile" not in (r.get("train_args") or "")
             and not any(mark in (r.get("notes") or "") for mark in ("NOT a 1-GPU number", "INVALID"))]
-    return [r for r in rows if r["model"] == model or not SHAPES[BENCH_SHAPES[r["model"]]].routed_experts]
+    return [r for r in rows if row_shape(r).name == model or not row_shape(r).routed_experts]
 
 
 def fast_mfu_rows(rows: list[dict], strategy: str, method: str, fast: str) -> list[dict]:
@@ -721,7 +805,7 @@ def _median_mfu(rows: list[dict], strategy: str, method: str, checkpointing: boo
     found = [r for r in rows if _kind(r) == want]
     kernels_rows = [r for r in found if "flex_attention" in options[id(r)] or "liger" in " ".join(options[id(r)])]
     found = kernels_rows or found
-    found = [r for r in found if r["model"] == model] or found  # the same model's rows where there are some
+    found = [r for r in found if row_shape(r).name == model] or found  # the same model's rows where there are some
     note, scale = "", 1.0
     if not found:  # the other checkpointing setting, its MFU scaled by the forward that checkpointing recomputes
         found = [r for r in rows if _kind(r)[:2] == want[:2]]
@@ -742,9 +826,9 @@ def _median_mfu(rows: list[dict], strategy: str, method: str, checkpointing: boo
     # A sharded or offloaded plan streams every parameter for each micro-batch: where this model has no row of the
     # plan's kind but a row of another such kind, that row bounds it (DeepSeek-V2-Lite under ZeRO-3 measured 1.1%,
     # where the dense offload rows would promise 4.3% for its offload plans: an MoE moves 6.5x its active weights).
-    own = [r for r in rows if model and r["model"] == model and _kind(r)[0] in ("fsdp", "zero3_offload")
+    own = [r for r in rows if model and row_shape(r).name == model and _kind(r)[0] in ("fsdp", "zero3_offload")
            and _kind(r)[1] == lora]
-    if want[0] in ("fsdp", "zero3_offload") and own and not any(r["model"] == model for r in found):
+    if want[0] in ("fsdp", "zero3_offload") and own and not any(row_shape(r).name == model for r in found):
         bound = statistics.median(r["mfu"] for r in own)
         if bound < mfu:
             mfu = bound
@@ -786,11 +870,11 @@ def routed_expert_cost(shape: Shape, path: Path | None = None) -> tuple[float, s
 # ---------------------------------------------------------------------------------------------------------------
 # The snapshot: every number the plans take from bench/results.jsonl, fitted once (FITTED, shipped in the wheel).
 
-def mfu_key(strategy: str, method: str, checkpointing: bool, fast: str = "") -> str:
-    """The snapshot's key of a kind of plan: what mfu_reference reads of its arguments (QLoRA's is LoRA's), and
-    its fast paths (FastPaths.label) where it has any."""
+def mfu_key(strategy: str, method: str, checkpointing: bool, fast: str = "", long: bool = False) -> str:
+    """The snapshot's key of a kind of plan: what mfu_reference reads of its arguments (QLoRA's is LoRA's), its
+    fast paths (FastPaths.label) where it has any, and `long` for plans of long rows."""
     return (f"{strategy} {'lora' if method in ('lora', 'qlora') else 'full'} {'ckpt' if checkpointing else 'no-ckpt'}"
-            + (f" {fast}" if fast else ""))
+            + (f" {fast}" if fast else "") + (" long" if long else ""))
 
 
 def fitted_numbers(path: Path = RESULTS) -> dict:
@@ -798,14 +882,17 @@ def fitted_numbers(path: Path = RESULTS) -> dict:
     for each model with bench rows (the rows that speak for that model only) and for any other model (a kind with
     fast paths only where rows ran with them: mfu_reference), what the fast paths do to memory, and the routed
     experts' cost of each measured MoE layer. JSON-shaped (lists, not tuples)."""
-    models = sorted({r["model"] for r in measured_rows(path)})
+    models = sorted({row_shape(r).name for r in measured_rows(path)})  # the shapes' names (sft/names.py)
     kinds = [(s, m, c, f) for s in STRATEGIES for m in ("lora", "full") for c in (True, False) for f in FAST_PATH_NAMES]
     mfu = {}
     for name in [*models, ANY_MODEL]:
         model = None if name == ANY_MODEL else name
         rows = mfu_rows(path, model)
+        long = long_mfu_rows(path, model)
         mfu[name] = {mfu_key(s, m, c, f): list(mfu_reference(s, m, c, path, model, f)) for s, m, c, f in kinds
                      if not f or fast_mfu_rows(rows, s, m, f)}
+        mfu[name].update({mfu_key(s, m, c, f, True): list(mfu_reference(s, m, c, path, model, f, True))
+                          for s, m, c, f in kinds if not f or fast_mfu_rows(long, s, m, f)})
     return {"source": "bench/results.jsonl", "refresh": SNAPSHOT_COMMAND, "mfu": mfu,
             "fast_path_memory": fast_path_memory(path), "routed_expert_cost": expert_costs(path)}
 
@@ -835,7 +922,7 @@ def fast_path_memory(path: Path = RESULTS) -> dict:
                 cap = r.get("mem_cap_gib") or math.inf
                 if peaks and max(r["peak_mem_gib"], *peaks) < cap - 0.5:
                     w = workload_of_row(r)
-                    x = whole_layer_activations(SHAPES[BENCH_SHAPES[r["model"]]], w) / GIB
+                    x = whole_layer_activations(row_shape(r), w) / GIB
                     pairs.append((r, r["peak_mem_gib"] - statistics.median(peaks), x))
             if not pairs:
                 out[method][name] = [0.0, "no row ran with it beside a twin without it: counted as nothing"]
@@ -875,10 +962,12 @@ def write_snapshot() -> str:
 def tokens_per_second(shape: Shape, w: Workload, peak_flops: float) -> tuple[float, str]:
     """Measured MFU x peak x GPUs / FLOPs per token, on ACTIVE parameters (an MoE token runs only its experts), the
     routed experts' FLOPs weighted by what they cost against dense FLOPs where bench/moe_layer.py measured it."""
-    mfu, why = mfu_reference(w.strategy, w.setup.method, w.checkpointing, model=shape.name, fast=w.fast)
+    long = is_long(w.seq_len)
+    mfu, why = mfu_reference(w.strategy, w.setup.method, w.checkpointing, model=shape.name, fast=w.fast, long=long)
     cost, cost_why = routed_expert_cost(shape)
     matmul = shape.matmul_params() + (cost - 1) * shape.routed_active_params()
     flops = (4 if w.setup.method in ("lora", "qlora") else 6) * matmul
+    flops += long_row_flops_per_token(shape, w) if long else 0.0  # one conversation per row: its attention
     return mfu * peak_flops * w.world / flops, why + cost_why
 
 
@@ -970,7 +1059,8 @@ def safe(plan: Plan) -> bool:
 def ranked(plans: list[Plan]) -> list[Plan]:
     """Best first: the plans that fit with their margin (recommended strategies first), then the tight ones, then
     those that do not fit. Within each, the fastest; among plans of one speed (SPEED_TIE) those with headroom
-    enough for the memory model's worst error first (safe), then the larger micro-batch (measured: micro-batch 4
+    enough for the memory model's worst error first (safe), then those with fewer long-row levers (a lever is taken
+    where it is needed: its own cost is not measured apart), then the larger micro-batch (measured: micro-batch 4
     ran faster than 1 and 2 at the same MFU class), then the order of the strategy table (sft/parallel/strategies.py:
     simpler strategies, and bf16_sr, measured faster than torchao's 8-bit AdamW, first)."""
     def group(p: Plan) -> int:
@@ -981,15 +1071,18 @@ def ranked(plans: list[Plan]) -> list[Plan]:
     for g in range(4):
         for tier in _speed_tiers([p for p in plans if group(p) == g]):
             tier.sort(key=lambda p: order[id(p)])
-            out += sorted(tier, key=lambda p: (not safe(p), -p.w.micro_batch))  # stable: the table's order
+            out += sorted(tier, key=lambda p: (not safe(p), len(p.w.levers.label.split("+")) if p.w.levers.label
+                                               else 0, -p.w.micro_batch))  # stable: the table's order
     return out
 
 
 def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: int = 2048,
                     micro_batches: tuple[int, ...] = (1, 2, 4, 8), lora_r: int = 16, grad_accum: int = 1,
-                    asked: Asked = Asked()) -> list[Plan]:
+                    asked: Asked = Asked(), levers: Levers | None = None) -> list[Plan]:
     """Every strategy x precision x checkpointing x micro-batch for `shape` on `box`, best first (ranked), each with
-    the fast paths its run gets there for the --fp8/--compile_layers `asked` (fast_paths: the run's own rule)."""
+    the fast paths its run gets there for the --fp8/--compile_layers `asked` (fast_paths: the run's own rule), and
+    for long rows the cheapest long-row levers that leave the card its margin (long_rows.ladder; all of them where
+    none does), or `levers` where given."""
     plans = []
     for strategy in STRATEGIES.values():
         if method not in strategy.methods or box.gpus < strategy.min_gpus:
@@ -1007,20 +1100,28 @@ def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: in
                     w = Workload(strategy.name, Setup(method, precision), world, mb, max_length, ckpt,
                                  fused_loss=kernels(strategy.name, shape)["use_liger_kernel"], lora_r=lora_r,
                                  grad_accum=grad_accum, fp8=fast.fp8, compiled=fast.compiled)
-                    p = predict(shape, w)
-                    tok_s, source = tokens_per_second(shape, w, box.peak_flops)
-                    why = []
-                    if p.need_gib > box.card_gib:
-                        why.append(f"needs {p.need_gib:.1f} GiB per card > {box.card_gib:.1f}")
-                    if box.host_ram_gib is not None and p.host_gib > box.host_ram_gib:
-                        why.append(f"needs {p.host_gib:.0f} GiB host RAM > {box.host_ram_gib:g}")
-                    if strategy.name == "tp" and method != "full":
-                        why.append("TP takes no LoRA")
-                    if fast.refused:  # a --fp8/--compile_layers true this strategy refuses: the run stops there
-                        why.append(fast.refused.split(". ")[0])
-                    plans.append(Plan(p, tok_s, source, not why, "; ".join(why), shape, box.card_gib,
-                                      box.host_ram_gib, fast, asked))
+                    tried = [_plan(shape, box, dataclasses.replace(w, mlp_tile_tokens=lv.mlp_tile_tokens,
+                                                                   offload_activations=lv.offload_activations),
+                                   fast, asked)
+                             for lv in ([levers] if levers else ladder(shape, max_length, ckpt))]
+                    plans.append(next((p for p in tried if p.roomy), tried[-1]))
     return ranked(plans)
+
+
+def _plan(shape: Shape, box: Box, w: Workload, fast: FastPaths, asked: Asked) -> Plan:
+    """`w` predicted on `box`, and whether it fits there (why not)."""
+    p = predict(shape, w)
+    tok_s, source = tokens_per_second(shape, w, box.peak_flops)
+    why = []
+    if p.need_gib > box.card_gib:
+        why.append(f"needs {p.need_gib:.1f} GiB per card > {box.card_gib:.1f}")
+    if box.host_ram_gib is not None and p.host_gib > box.host_ram_gib:
+        why.append(f"needs {p.host_gib:.0f} GiB host RAM > {box.host_ram_gib:g}")
+    if w.strategy == "tp" and w.setup.method != "full":
+        why.append("TP takes no LoRA")
+    if fast.refused:  # a --fp8/--compile_layers true this strategy refuses: the run stops there
+        why.append(fast.refused.split(". ")[0])
+    return Plan(p, tok_s, source, not why, "; ".join(why), shape, box.card_gib, box.host_ram_gib, fast, asked)
 
 
 def command(plan: Plan, model: str, box: Box) -> str:
@@ -1048,6 +1149,7 @@ def command(plan: Plan, model: str, box: Box) -> str:
         opts += [f"--tp_size {w.world}"]
     if w.checkpointing:
         opts.append("--activation_checkpointing")
+    opts += w.levers.flags()  # long rows: what they need to leave the card its margin
     opts += plan.asked.flags()  # auto, the default, settles as planned on the box: no option needed for it
     return f"{launch} " + " ".join(opts)
 
@@ -1057,6 +1159,8 @@ def options_of(plan: Plan) -> dict:
     w = plan.w
     opts = {"per_device_train_batch_size": w.micro_batch, "activation_checkpointing": w.checkpointing,
             **kernels(plan.w.strategy, plan.shape)}
+    if is_long(w.seq_len):  # set either way: a long plan without a lever says so
+        opts.update(mlp_tile_tokens=w.mlp_tile_tokens, offload_activations=w.offload_activations)
     if w.setup.method in ("lora", "qlora"):
         opts["lora_dropout"] = 0.0
     else:
@@ -1065,15 +1169,19 @@ def options_of(plan: Plan) -> dict:
 
 
 def plan_table(plans: list[Plan], limit: int | None = None) -> str:
-    head = f"{'strategy':<14} {'precision':<11} {'ckpt':<4} {'mb':>2} {'fast paths':<12} {'GPU GiB/card':>12} " \
-           f"{'host GiB':>8} {'est. tok/s':>10}  fits?"
+    """One line a plan; a `long rows` column (its levers: tile, offload) where the rows are long."""
+    long = any(is_long(p.w.seq_len) for p in plans)
+    levers = f" {'long rows':<12}" if long else ""
+    head = f"{'strategy':<14} {'precision':<11} {'ckpt':<4} {'mb':>2} {'fast paths':<12}{levers} " \
+           f"{'GPU GiB/card':>12} {'host GiB':>8} {'est. tok/s':>10}  fits?"
     lines = [head, "-" * len(head)]
     for p in plans[:limit]:
         w = p.w
         prec = "-" if w.setup.method != "full" else w.setup.precision
+        said = f" {w.levers.label or '-':<12}" if long else ""
         lines.append(f"{w.strategy:<14} {prec:<11} {'yes' if w.checkpointing else 'no':<4} {w.micro_batch:>2} "
-                     f"{w.fast or '-':<12} {shown_gib(p):>12.1f} {p.prediction.host_gib:>8.0f} {p.tok_s:>10,.0f}  "
-                     f"{p.mark()}")
+                     f"{w.fast or '-':<12}{said} {shown_gib(p):>12.1f} {p.prediction.host_gib:>8.0f} "
+                     f"{p.tok_s:>10,.0f}  {p.mark()}")
     return "\n".join(lines)
 
 
