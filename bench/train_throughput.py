@@ -696,11 +696,20 @@ def union(intervals: list[tuple[float, float]]) -> float:
 
 # ---------------------------------------------------------------------------------------------------------------
 
+def bench_model(name: str) -> str:
+    """--model in either spelling (sft/names.py: `deepseek-r1-distill-qwen-7b` is `r1-distill-qwen-7b`), as MODELS
+    names it, so that a row's model has one name."""
+    from sft.names import known_as
+
+    return known_as(name, MODELS) or name  # argparse's choices refuse it, naming the shapes
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run_id", required=True, help="One id per bench invocation, shared by the rows compared.")
     p.add_argument("--name", required=True, help="Row name, unique within the run (used by --scaling_of).")
-    p.add_argument("--model", default="deepseek-llm-7b", choices=sorted(MODELS))
+    p.add_argument("--model", default="deepseek-llm-7b", choices=sorted(MODELS), type=bench_model,
+                   help="a shape of MODELS; the `deepseek-` prefix is optional (rows keep MODELS' spelling)")
     p.add_argument("--method", default="lora", choices=["lora", "full", "qlora"])
     p.add_argument("--strategy", default="single", choices=sorted(CONFIGS))
     p.add_argument("--peer", default="ours", help="ours, trl (TRL's SFTTrainer), or the name of a recipe run "

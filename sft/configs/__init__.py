@@ -18,6 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from sft.names import spellings
+
 CONFIGS = Path(__file__).resolve().parent
 ACCELERATE_CONFIGS = CONFIGS / "accelerate_configs"
 RECIPES = CONFIGS / "recipes"
@@ -36,8 +38,11 @@ def shipped_config(name: str) -> Path | None:
 
 def shipped_recipe(name: str) -> Path | None:
     """The shipped recipe a user means by `deepseek-llm-7b-lora.yaml`, `deepseek-llm-7b-lora` or
-    `recipes/deepseek-llm-7b-lora.yaml` (the checkout's path, typed elsewhere), else None."""
-    return _shipped(name, RECIPES)
+    `recipes/deepseek-llm-7b-lora.yaml` (the checkout's path, typed elsewhere), else None. The model's `deepseek-`
+    prefix is optional (sft/names.py): `deepseek-r1-distill-qwen-7b-lora` is `r1-distill-qwen-7b-lora.yaml`."""
+    path = Path(name)
+    return next((found for spelling in spellings(path.name)
+                 if (found := _shipped(str(path.with_name(spelling)), RECIPES))), None)
 
 
 def shipped_recipe_names() -> list[str]:
