@@ -30,7 +30,7 @@ def box(config: str) -> Machine:
 def test_there_are_recipes_for_the_box():
     names = {p.stem for p in RECIPES}
     assert {"deepseek-llm-7b-lora", "deepseek-llm-7b-full", "deepseek-coder-6.7b-lora",
-            "r1-distill-qwen-7b-lora", "deepseek-v2-lite-lora"} <= names
+            "r1-distill-qwen-7b-lora", "r1-distill-qwen-7b-long", "deepseek-v2-lite-lora"} <= names
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.stem)

@@ -1103,8 +1103,10 @@ def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: in
                     tried = [_plan(shape, box, dataclasses.replace(w, mlp_tile_tokens=lv.mlp_tile_tokens,
                                                                    offload_activations=lv.offload_activations),
                                    fast, asked)
-                             for lv in ([levers] if levers else ladder(shape, max_length, ckpt))]
-                    plans.append(next((p for p in tried if p.roomy), tried[-1]))
+                             for lv in ([levers] if levers else ladder(shape, max_length, ckpt))
+                             if ckpt or not lv.offload_activations]  # offloading moves the checkpoints
+                    if tried:
+                        plans.append(next((p for p in tried if p.roomy), tried[-1]))
     return ranked(plans)
 
 
@@ -1279,7 +1281,12 @@ def planned_options(model_args, lora_args, data_args, training_args, machine=Non
     asked = Asked(getattr(model_args, "fp8", "auto"), getattr(model_args, "compile_layers", "auto"),
                   bool(getattr(training_args, "torch_compile", False)))
     box = Box(gpus, mem, m.host_ram_gib or None, kind[1].peak_flops if kind else 165e12, m.gpu_names[0], m)
-    plans = enumerate_plans(shape, box, method, data_args.max_length, mbs, lora_args.lora_r, accumulation, asked)
+    levers = None  # the user's long-row options win, and are what the plan predicts
+    if given & {"mlp_tile_tokens", "offload_activations"}:
+        levers = Levers(getattr(model_args, "mlp_tile_tokens", 0) or 0,
+                        bool(getattr(training_args, "offload_activations", False)))
+    plans = enumerate_plans(shape, box, method, data_args.max_length, mbs, lora_args.lora_r, accumulation, asked,
+                            levers)
     strategy = _launched_strategy(m)
     plans = [p for p in plans if strategy is None or p.w.strategy == strategy]  # the launch decides the strategy
     chosen = best_plan(plans)
