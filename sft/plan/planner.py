@@ -17,7 +17,9 @@ weights, gradients, optimizer, masters, DDP buckets), plus activations (checkpoi
 kept whole, the backward working set of one layer, the logits unless Liger's fused loss is used), plus the
 sharded strategies' transient buffers (all-gathered layers and their gradients); what PyTorch's allocator keeps
 cached on top (fitted), and the CUDA context and NCCL buffers that nvidia-smi adds (fitted); the fast paths' own
-share of the activations (fitted on their rows: fast_path_memory). The fitted constants and the rows they come
+share of the activations (fitted on their rows: fast_path_memory). Rows over 4,096 tokens are long rows
+(sft/plan/long_rows.py): one conversation each, with the MLP tile and offloaded checkpoints where a plan needs them
+to fit, and their speed from the long-document bench rows. The fitted constants and the rows they come
 from are in CALIBRATION below and in the snapshot; `--check` prints predicted against measured for every row with
 a measured peak.
 """
@@ -961,7 +963,9 @@ def write_snapshot() -> str:
 
 def tokens_per_second(shape: Shape, w: Workload, peak_flops: float) -> tuple[float, str]:
     """Measured MFU x peak x GPUs / FLOPs per token, on ACTIVE parameters (an MoE token runs only its experts), the
-    routed experts' FLOPs weighted by what they cost against dense FLOPs where bench/moe_layer.py measured it."""
+    routed experts' FLOPs weighted by what they cost against dense FLOPs where bench/moe_layer.py measured it. A long
+    row (long_rows.is_long) also pays its attention and the tiled MLP's recomputation, and its MFU, counted the same
+    way, comes from the long-document rows."""
     long = is_long(w.seq_len)
     mfu, why = mfu_reference(w.strategy, w.setup.method, w.checkpointing, model=shape.name, fast=w.fast, long=long)
     cost, cost_why = routed_expert_cost(shape)
@@ -1354,7 +1358,8 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--lora", action="store_true", help="LoRA on a bf16 base (default: full fine-tune)")
     g.add_argument("--qlora", action="store_true", help="LoRA on a 4-bit NF4 base (bitsandbytes)")
-    p.add_argument("--max_length", type=int, default=2048, metavar="N", help="tokens per packed row (default 2048)")
+    p.add_argument("--max_length", type=int, default=2048, metavar="N", help="tokens per packed row (default 2048; "
+                   "over 4096: long rows, with --mlp_tile_tokens/--offload_activations where needed)")
     p.add_argument("--micro_batch", type=int, metavar="N", help="only this micro-batch (default: 1, 2, 4, 8)")
     p.add_argument("--host_ram", type=float, metavar="GIB", help="host RAM in GiB (default: this machine's)")
     p.add_argument("--gradient_accumulation_steps", type=int, default=1, metavar="N",
