@@ -1358,8 +1358,7 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_mutually_exclusive_group()
     g.add_argument("--lora", action="store_true", help="LoRA on a bf16 base (default: full fine-tune)")
     g.add_argument("--qlora", action="store_true", help="LoRA on a 4-bit NF4 base (bitsandbytes)")
-    p.add_argument("--max_length", type=int, default=2048, metavar="N", help="tokens per packed row (default 2048; "
-                   "over 4096: long rows, with --mlp_tile_tokens/--offload_activations where needed)")
+    p.add_argument("--max_length", type=int, default=2048, metavar="N", help="tokens per row (default 2048; over 4096: long rows)")
     p.add_argument("--micro_batch", type=int, metavar="N", help="only this micro-batch (default: 1, 2, 4, 8)")
     p.add_argument("--host_ram", type=float, metavar="GIB", help="host RAM in GiB (default: this machine's)")
     p.add_argument("--gradient_accumulation_steps", type=int, default=1, metavar="N",
