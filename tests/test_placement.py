@@ -98,3 +98,26 @@ def test_the_memory_line_is_the_planners_plan_of_the_run_as_configured():
         "no prediction: the planner does not model --quantize_experts yet"
     unreadable = NS(**{**vars(model), "model": "no/such-model-anywhere"})
     assert predict_this_run(unreadable, lora, data, training, box) is None
+
+
+def test_the_memory_line_of_a_long_row_run_counts_its_own_levers():
+    """A 32k-token run is predicted with the --mlp_tile_tokens and --offload_activations it was given, not with the
+    levers the planner would pick: without them the same run is predicted over a 24 GB card."""
+    from types import SimpleNamespace as NS
+
+    from sft.machine import Launch, Machine
+    from sft.plan.this_run import predict_this_run
+
+    box = Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * 3, gpu_memory_gib=(23.99,) * 3, bf16=True,
+                  host_ram_gib=128, launch=Launch(world_size=3, local_world_size=3, launched=True))
+    lora, data = NS(qlora=False, lora=True, lora_r=16), NS(max_length=32768)
+    training = NS(per_device_train_batch_size=1, gradient_accumulation_steps=2, activation_checkpointing=True,
+                  torch_compile=False, offload_activations=True)
+    model = NS(model="r1-distill-qwen-7b", quantize_experts="none", fp8="auto", compile_layers="auto",
+               mlp_tile_tokens=4096)
+    levered = predict_this_run(model, lora, data, training, box)
+    assert (levered.w.mlp_tile_tokens, levered.w.offload_activations) == (4096, True)
+    bare = predict_this_run(NS(**{**vars(model), "mlp_tile_tokens": 0}), lora, data,
+                            NS(**{**vars(training), "offload_activations": False}), box)
+    assert (bare.w.mlp_tile_tokens, bare.w.offload_activations) == (0, False)
+    assert levered.prediction.smi_gib < 23 < bare.prediction.smi_gib

@@ -1,14 +1,15 @@
 """The planner's prediction for the run as configured, not a plan it chose: the first screen of an MoE or
 quantized-base run says its predicted peak, and the end of the run the measured one beside it (issue 26 item 5).
 
-It is the plan of `enumerate_plans` that matches the run: its launch's strategy, method, micro-batch and
-activation checkpointing, on this machine's GPUs. None where the planner does not model the run (no GPU,
+It is the plan of `enumerate_plans` that matches the run: its launch's strategy, method, micro-batch,
+activation checkpointing and long-row options (--mlp_tile_tokens, --offload_activations), on this machine's GPUs. None where the planner does not model the run (no GPU,
 --quantize_experts, a model whose shape it cannot read): the first screen then says why instead of a number.
 """
 
 from __future__ import annotations
 
 from sft.plan.fast_paths import Asked
+from sft.plan.long_rows import Levers
 from sft.plan.planner import Box, Plan, _launched_strategy, cards, enumerate_plans, gpu_kind, resolve_shape
 
 def why_no_prediction(model_args, machine) -> str | None:
@@ -39,8 +40,10 @@ def _matching_plan(shape, model_args, lora_args, data_args, training_args, machi
     method = "qlora" if lora_args.qlora else "lora" if lora_args.lora else "full"
     asked = Asked(getattr(model_args, "fp8", "auto"), getattr(model_args, "compile_layers", "auto"),
                   bool(getattr(training_args, "torch_compile", False)))
+    levers = Levers(getattr(model_args, "mlp_tile_tokens", 0) or 0,  # the run's own, never the planner's choice
+                    bool(getattr(training_args, "offload_activations", False)))
     plans = enumerate_plans(shape, box, method, data_args.max_length, (training_args.per_device_train_batch_size,),
-                            lora_args.lora_r, training_args.gradient_accumulation_steps or 1, asked)
+                            lora_args.lora_r, training_args.gradient_accumulation_steps or 1, asked, levers)
     strategy = _launched_strategy(machine) or "single_gpu"
     checkpointing = bool(training_args.activation_checkpointing)
     return next((p for p in plans if p.w.strategy == strategy and p.w.checkpointing == checkpointing), None)
