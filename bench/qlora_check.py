@@ -9,8 +9,10 @@ Steps: build a random-init model of the shape (Llama architecture, bf16) and sav
 the real DeepSeek-Coder tokenizer; train it twice with the same data and options (packing, --max_length, micro
 batch, --max_steps, activation checkpointing, --bf16), `--lora` then `--qlora`, each process's allocator capped
 at --mem_cap_gib (24 GB cards); with 2 GPUs visible also `--qlora` under accelerate_configs/ddp.yaml on both;
-`--fsdp two` (2 GPUs) or `--fsdp one` (one process) also under accelerate_configs/fsdp.yaml (the 4-bit weights
-gathered as bytes: sft/parallel/fsdp.py qlora_policy; bench/fsdp_qlora_bytes.py shows why on a GPU).
+`--fsdp two` (2 GPUs) also under accelerate_configs/fsdp.yaml: the base as torchao's NF4 bytes (sft/model/nf4_base.py),
+past the refusal that this check lifts (SFT_FSDP_QLORA_CHECK=1), its start-of-training byte round trip said in the
+log (bench/fsdp_qlora_bytes.py shows the failure it replaces, and the NF4 bytes, on one GPU). The FSDP check, one
+command on 2 GPUs after `--prepare`: python bench/qlora_check.py --run_id R --fsdp two --skip_single
 Numbers per run, as bench/train_throughput.py measures them (its callback, monitor and row): real tok/s over
 the steps after --warmup, loss first/last (must fall), peak reserved/allocated memory, nvidia-smi's peak. Then
 the QLoRA adapter: saved and verified by the run (training_complete.json), reloaded with plain peft onto the
@@ -51,10 +53,10 @@ SHARED = REPO.parent / "shared"
 BENCHDATA = REPO / ".benchdata"
 WHEELS = REPO / ".whl-qlora"
 # The wheels of ../shared/tools/device-wheels.sh --with-bnb that this check imports. Not trl, liger, deepspeed,
-# torchao, pydantic (unused here), nor tokenizers and safetensors (the GPU image's 0.23.2 and 0.8.0 satisfy
+# pydantic (unused here), nor tokenizers and safetensors (the GPU image's 0.23.2 and 0.8.0 satisfy
 # transformers): .whl whole is 70.6 MiB, and the tree, .benchdata and the wheels must stay under 64 MiB a call.
 WHEEL_NAMES = ("bitsandbytes", "transformers", "accelerate", "peft", "datasets", "dill", "multiprocess",
-               "huggingface_hub", "httpx2", "httpcore2", "truststore")
+               "huggingface_hub", "httpx2", "httpcore2", "truststore", "torchao")  # torchao: FSDP's NF4 base
 STARTED = time.monotonic()
 
 
@@ -176,6 +178,7 @@ def run(args, name: str, model: Path, qlora: bool, strategy: str = "single", gpu
                str(Path(__file__).resolve()), "--worker", json.dumps(spec), "--", *training]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1",
            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+           **({"SFT_FSDP_QLORA_CHECK": "1"} if strategy == "fsdp" else {}),  # past the refusal this check lifts
            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS") or str(max(1, (os.cpu_count() or 2) // gpus))}
     private = {"--model", "--dataset", "--output_dir", "--dataset_cache_dir"}  # paths of this machine
     shown = shlex.join(a for i, a in enumerate(training) if a not in private and training[i - 1] not in private)
@@ -205,9 +208,11 @@ def run(args, name: str, model: Path, qlora: bool, strategy: str = "single", gpu
     report(f"{name}/loss_falls", last < first - 0.05,
            f"mean of the first {k} steps {first:.3f} -> of the last {k} {last:.3f} ({len(losses)} steps)")
     quantized = next((line for line in text.splitlines() if line.startswith("QLoRA: ")), None)
-    if qlora:
-        storage = "bfloat16" if strategy == "fsdp" else "uint8"
-        report(f"{name}/quantized", bool(quantized) and f"stored as {storage}" in quantized, quantized or "no line")
+    if qlora:  # bitsandbytes' uint8 packing, or under FSDP torchao's NF4 bytes (sft/model/nf4_base.py)
+        report(f"{name}/quantized", bool(quantized) and "stored as uint8" in quantized, quantized or "no line")
+    if qlora and strategy == "fsdp":
+        said = next((line for line in text.splitlines() if line.startswith("FSDP + QLoRA: ")), None)
+        report(f"{name}/bytes_round_trip", bool(said) and "bit for bit" in said, said or "no line")
     adapter = out / "output"
     report(f"{name}/adapter_saved_and_verified",
            (adapter / "adapter_model.safetensors").is_file() and (adapter / "training_complete.json").is_file(),
@@ -362,9 +367,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--micro_batch", type=int, default=2)
     p.add_argument("--learning_rate", type=float, default=1e-3)
     p.add_argument("--mem_cap_gib", type=float, default=24.0, help="per-process allocator cap; 0: none")
-    p.add_argument("--fsdp", choices=["no", "one", "two"], default="no",
-                   help="also launch --qlora under accelerate_configs/fsdp.yaml, in one process or on 2 GPUs "
-                        "(see the docstring)")
+    p.add_argument("--fsdp", choices=["no", "two"], default="no",
+                   help="also launch --qlora under accelerate_configs/fsdp.yaml on 2 GPUs (see the docstring)")
     p.add_argument("--data", type=Path, default=first_existing(BENCHDATA / "alpaca_sample.json",
                                                                SHARED / "datasets" / "alpaca_sample.json"))
     p.add_argument("--tokenizer", type=Path, default=first_existing(
@@ -414,7 +418,6 @@ def main(argv: list[str] | None = None) -> int:
     sharded = []
     if not args.cpu_smoke:
         sharded += [("qlora-ddp-2", "ddp", 2)] if gpus >= 2 else []
-        sharded += [("qlora-fsdp-1", "fsdp", 1)] if args.fsdp == "one" else []
         sharded += [("qlora-fsdp-2", "fsdp", 2)] if args.fsdp == "two" and gpus >= 2 else []
     for name, strategy, processes in sharded:
         row = run(args, f"{args.shape}-{name}", model, True, strategy=strategy, gpus=processes)

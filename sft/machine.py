@@ -64,6 +64,7 @@ class Launch:
     local_rank: int = 0
     launched: bool = False                        # by accelerate launch / torchrun, not the user's shell
     fsdp: bool = False                            # ACCELERATE_USE_FSDP
+    fsdp_qlora_check: bool = False                # SFT_FSDP_QLORA_CHECK=1: bench/qlora_check.py's FSDP+QLoRA runs
     zero_stage: str | None = None                 # ACCELERATE_DEEPSPEED_ZERO_STAGE
     offload: tuple[str, ...] = ()                 # "optimizer"/"param" offloaded to cpu/nvme by the accelerate config
     deepspeed_config_file: str | None = None      # ACCELERATE_DEEPSPEED_CONFIG_FILE
@@ -153,6 +154,7 @@ def read_launch(env: os._Environ | dict = os.environ) -> Launch:
                   fp8_compile=env.get("SFT_FP8_COMPILE", "1") != "0",
                   peft_input_cast=env.get("SFT_PEFT_INPUT_CAST") == "1",
                   fp8_on_cpu=env.get("SFT_FP8_ON_CPU") == "1",
+                  fsdp_qlora_check=env.get("SFT_FSDP_QLORA_CHECK") == "1",
                   hub_proxied=any(env.get(v) for v in PROXY_VARS),
                   xdg_cache_home=env.get("XDG_CACHE_HOME") or None)
 

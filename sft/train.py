@@ -171,7 +171,8 @@ def train(run: Run, seams: Seams) -> int:
 
     trainer_class = TensorParallelTrainer if model_args.tp_size > 1 else SFTTrainer  # TP: checkpoints that resume
     trainer_class.check_overrides()  # the library methods it overrides are what it was built on
-    hand_over_to_fsdp(training_args)  # FSDP's own activation checkpointing, for its plugin
+    hand_over_to_fsdp(training_args, qlora=lora_args.qlora)  # FSDP's own activation checkpointing; --qlora: no
+    # RAM-efficient loading (every rank quantizes its base)
     prepare_optimizer(training_args.optim)  # torchao's low-bit AdamW patched (checked first); ours is SFTTrainer's
     set_seed(training_args.seed)  # the LoRA init happens before the Trainer seeds: make it follow --seed too
     model = load_model(model_args, lora_args, training_args.activation_checkpointing, seams.model_factory)

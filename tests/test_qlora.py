@@ -61,10 +61,26 @@ def test_ddp_and_one_gpu_pass():
     validate_setup(*parsed(), machine=box(3, world_size=3, local_world_size=3, launched=True))
 
 
-def test_fsdp_passes():
-    """FSDP+QLoRA once failed its verified save on two H200s: FSDP2 all-gathered the bf16-stored 4-bit bytes as
-    floats and CUDA rewrote their NaN patterns. sft/parallel/fsdp.py now gathers them as bytes (tests/test_qlora_fsdp.py)."""
-    validate_setup(*parsed(), machine=box(2, world_size=2, local_world_size=2, launched=True, fsdp=True))
+def fsdp_box(gpus: int = 2, packages=("torchao",), **launch) -> Machine:
+    return box(gpus, packages=packages, world_size=gpus, local_world_size=gpus, launched=True, fsdp=True, **launch)
+
+
+def test_fsdp_refused_until_its_gpu_check_passes():
+    """FSDP+QLoRA failed its verified save on two H200s (bitsandbytes' bytes held in bf16, rewritten by CUDA's float
+    copies). The NF4 byte path replaces it (tests/test_qlora_fsdp.py); it stays refused on GPUs, DDP named instead,
+    until bench/qlora_check.py --fsdp two passes on two GPUs."""
+    message = refused_on(fsdp_box(3))
+    assert message.startswith("--qlora under FSDP: not enabled until its check passes on two GPUs"), message
+    assert "bench/qlora_check.py" in message and "accelerate_configs/ddp.yaml" in message
+
+
+def test_fsdp_reachable_for_its_check_command():
+    validate_setup(*parsed(), machine=fsdp_box(2, fsdp_qlora_check=True))  # no bitsandbytes needed: torchao's NF4
+
+
+def test_fsdp_needs_torchao_and_two_processes():
+    assert "needs the torchao package" in refused_on(fsdp_box(2, packages=("bitsandbytes",), fsdp_qlora_check=True))
+    assert "with one process: nothing to shard" in refused_on(fsdp_box(1, fsdp_qlora_check=True))
 
 
 def test_needs_a_cuda_gpu():

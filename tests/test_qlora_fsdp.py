@@ -121,6 +121,20 @@ def test_sharded_qlora_check_names_the_adapter_file(tmp_path):
     assert "the reloaded 4-bit base is the trained one" in message, message
 
 
+CANONICALIZING = """
+import torch
+copy = torch._foreach_copy_
+
+def canonicalizing(dsts, srcs, *args, **kwargs):  # what CUDA's float copy does (pytorch issue 159333)
+    copy(dsts, srcs, *args, **kwargs)
+    for d in dsts:
+        if d.is_floating_point():
+            d.masked_fill_(torch.isnan(d), float("nan"))
+
+torch._foreach_copy_ = canonicalizing
+"""
+
+
 # ---- the 4-bit bytes under FSDP2's all-gather (sft/parallel/fsdp.py qlora_policy) ----------------------------------------
 
 BYTES_WORKER = textwrap.dedent("""
@@ -130,15 +144,7 @@ BYTES_WORKER = textwrap.dedent("""
 
     # two ranks: FSDP2 skips the all-gather for one (torch 2.13)
     dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=int(sys.argv[2]), world_size=2)
-    copy = torch._foreach_copy_
-
-    def canonicalizing(dsts, srcs, *args, **kwargs):  # what CUDA's float copy does (pytorch issue 159333)
-        copy(dsts, srcs, *args, **kwargs)
-        for d in dsts:
-            if d.is_floating_point():
-                d.masked_fill_(torch.isnan(d), float("nan"))
-
-    torch._foreach_copy_ = canonicalizing
+    CANONICALIZING_COPY
     PATTERNS = torch.arange(-2**15, 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(-1, 1)
 
     class Linear4bit(torch.nn.Module):  # bitsandbytes' packed 4-bit weight: bytes in a bf16 tensor
@@ -161,7 +167,7 @@ BYTES_WORKER = textwrap.dedent("""
     print(json.dumps({"rank": dist.get_rank(), "accelerate": gathered_bits_changed(accelerate, True),
                       "ours": gathered_bits_changed(qlora_policy(), True),
                       "ours_without_adapter": gathered_bits_changed(qlora_policy(), False)}))
-""")
+""").replace("CANONICALIZING_COPY\n", CANONICALIZING)
 
 
 def test_4bit_bytes_survive_the_all_gather(tmp_path):
@@ -180,3 +186,180 @@ def test_4bit_bytes_survive_the_all_gather(tmp_path):
     assert result["ours"] == {"unsafe_units": 0, "changed": 0}, result
     assert result["ours_without_adapter"]["unsafe_units"] == 1, result
     assert result["ours_without_adapter"]["changed"] > 0, result  # the guard's reason: uniform dtype, float copy
+
+
+# ---- --qlora under FSDP: the base as torchao's NF4 bytes (sft/model/nf4_base.py) ------------------------------------
+
+def tiny_nf4_model(shards: int, seed: int = 0):
+    """A tiny bf16 llama with an NF4 base for `shards` ranks and a LoRA adapter whose B != 0."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sft.model.loading import attach_lora
+    from sft.model.nf4_base import quantize_base_nf4
+    from sft.options.arguments import LoraArguments
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    assert quantize_base_nf4(model, shards) == 14  # 7 linear layers per decoder layer
+    torch.manual_seed(seed)
+    model = attach_lora(model, LoraArguments(lora=True, lora_r=4, lora_dropout=0.0), False)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (8, 4096), (64 * 3, 16384 // 3 + 1)])
+@pytest.mark.parametrize("shards", [1, 2, 3])
+def test_nf4_layout_splits_into_equal_shards(shape, shards):
+    """FSDP2 chunks dim 0 equally; NF4Tensor splits only at whole 16384-value rows. Any weight, any shard count
+    (three 24 GB cards: 8192 rows do not split in three): each shard's bytes are a contiguous part of the whole,
+    and the layer computes with the weight's own NF4 values (the padding dropped)."""
+    from torchao.quantization import to_nf4
+
+    from sft.model.nf4_base import ROW, NF4Linear, to_nf4_rows
+
+    linear = torch.nn.Linear(shape[1], shape[0], bias=False).to(torch.bfloat16)
+    layer = NF4Linear(linear, shards)
+    weight = layer.weight
+    assert type(weight).__name__ == "NF4Tensor" and not weight.requires_grad
+    assert weight.quantized_data.dtype == torch.uint8 and weight.quantized_scalers.dtype == torch.int8
+    assert weight.shape[1] == ROW and weight.shape[0] % shards == 0
+    chunks = torch.chunk(weight, shards)  # as FSDP2 shards it
+    assert len(chunks) == shards and all(c.shape == chunks[0].shape for c in chunks)
+    assert torch.equal(torch.cat([c.quantized_data for c in chunks]), weight.quantized_data)
+    # the values are the weight's own NF4 values; the padding (its own values again) does not reach the output
+    numel = shape[0] * shape[1]
+    whole = to_nf4_rows(linear.weight, 1).get_original_weight().reshape(-1)[:numel]
+    if numel % ROW == 0:  # no padding: exactly torchao's to_nf4 of the weight
+        assert torch.equal(layer.dequantized_weight(torch.bfloat16).reshape(-1),
+                           to_nf4(linear.weight.detach().reshape(-1, ROW), 64, 256).get_original_weight().reshape(-1))
+    error = (layer.dequantized_weight() - linear.weight.float()).norm() / linear.weight.float().norm()
+    assert error < 0.15, error  # NF4's quantization error, not a wrong layout (a wrong one is ~1.4)
+    x = torch.randn(3, shape[1], dtype=torch.bfloat16)
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.dequantized_weight(torch.bfloat16)))
+    if shards == 1:
+        assert torch.equal(layer.dequantized_weight(torch.bfloat16).reshape(-1), whole)
+
+
+def test_lora_over_nf4_trains_the_adapter_and_saves_a_plain_adapter(tmp_path):
+    """peft's LoRA wraps NF4Linear as any nn.Linear: the backward reaches the input and the adapter, never the 4-bit
+    base; the loss falls; the saved adapter has exactly the keys of a LoRA trained on the bf16 base and loads there
+    with plain peft (its logits differ from the NF4 model's by the quantization error alone)."""
+    from peft import PeftModel
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = tiny_nf4_model(shards=2)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)  # the adapter stays fp32
+    assert not any(type(p).__name__ == "NF4Tensor" for p in trainable)
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    losses = []
+    for _ in range(8):
+        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in trainable)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.1, losses
+    model.save_pretrained(tmp_path / "nf4")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    base = LlamaForCausalLM(config).to(torch.bfloat16)  # the same weights, unquantized
+    from safetensors.torch import load_file
+
+    from sft.model.loading import attach_lora
+    from sft.options.arguments import LoraArguments
+
+    attach_lora(LlamaForCausalLM(config), LoraArguments(lora=True, lora_r=4, lora_dropout=0.0),
+                False).save_pretrained(tmp_path / "plain")
+    assert set(load_file(tmp_path / "nf4" / "adapter_model.safetensors")) == \
+        set(load_file(tmp_path / "plain" / "adapter_model.safetensors"))
+    on_bf16 = PeftModel.from_pretrained(base, tmp_path / "nf4").eval()
+    model.eval()
+    with torch.no_grad():
+        nf4_logits = model(input_ids=ids, use_cache=False).logits.float()
+        bf16_logits = on_bf16(input_ids=ids, use_cache=False).logits.float()
+        with on_bf16.disable_adapter():
+            plain = on_bf16(input_ids=ids, use_cache=False).logits.float()
+    quantization = ((bf16_logits - nf4_logits).norm() / nf4_logits.norm()).item()
+    adapter = ((bf16_logits - plain).norm() / plain.norm()).item()
+    assert quantization < 0.5 * adapter, (quantization, adapter)  # the adapter loaded, and it is the trained one
+
+
+NF4_WORKER = textwrap.dedent("""
+    import json, sys, torch, torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    sys.path.insert(0, sys.argv[3])
+    from test_qlora_fsdp import tiny_nf4_model
+    from sft.parallel.fsdp import fsdp_qlora_problem, gathered_bytes_problem, qlora_policy, sharding_mesh
+
+    rank = int(sys.argv[2])
+    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=rank, world_size=2)
+    CANONICALIZING_COPY
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def step(model):
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)
+                 for n, p in model.named_parameters() if p.requires_grad}
+        return out.loss.detach(), out.logits.detach(), grads
+
+    reference = tiny_nf4_model(shards=2)
+    packed = {n: p.quantized_data.clone() for n, p in reference.named_parameters() if type(p).__name__ == "NF4Tensor"}
+    loss, logits, grads = step(reference)
+    model = tiny_nf4_model(shards=2)
+    layers = model.base_model.model.model.layers
+    for layer in layers:
+        fully_shard(layer, mp_policy=qlora_policy())
+    fully_shard(model, mp_policy=qlora_policy())
+    found = {"problem": fsdp_qlora_problem(model)}
+    sharded = {n: p for n, p in model.named_parameters() if n in packed}
+    found["shard_fraction"] = sum(p.to_local().quantized_data.numel() for p in sharded.values()) / \\
+        sum(t.numel() for t in packed.values())
+    loss2, logits2, grads2 = step(model)
+    found["loss_equal"] = bool(torch.equal(loss, loss2))
+    found["logits_max_diff"] = (logits - logits2).abs().max().item()
+    found["grads_differ"] = [n for n in grads if not torch.equal(grads[n], grads2[n])]
+    for layer in layers:
+        layer.unshard()
+    found["bytes_differ"] = [n for n, p in model.named_parameters()
+                             if n in packed and not torch.equal(p.quantized_data, packed[n])]
+
+    def corrupting(dsts, srcs, *args, **kwargs):  # a copy that loses one byte: the start-of-training check must say so
+        copy(dsts, srcs, *args, **kwargs)
+        for d in dsts:
+            if d.dtype == torch.uint8 and d.numel():
+                d.view(-1)[0] ^= 1
+
+    torch._foreach_copy_ = corrupting
+    found["corrupted"] = gathered_bytes_problem(sharding_mesh(model), torch.device("cpu"))
+    print(json.dumps({"rank": rank, **found}), flush=True)
+""").replace("CANONICALIZING_COPY\n", CANONICALIZING)
+
+
+@pytest.mark.slow
+def test_nf4_base_under_fsdp2_moves_bytes_only(tmp_path):
+    """The NF4 base sharded by raw FSDP2 (`fully_shard`, each decoder layer and the root) on two gloo ranks, with
+    CUDA's NaN-canonicalizing float copy emulated: every gathered byte is the loaded one, and the loss, the logits
+    and every LoRA gradient are bit-identical to the same model unsharded. The start-of-training check passes,
+    and reports a copy that loses a byte."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    tests = str(REPO / "tests")
+    workers = [subprocess.Popen([sys.executable, "-c", NF4_WORKER, str(tmp_path / "rendezvous"), str(r), tests],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in (0, 1)]
+    outputs = [w.communicate(timeout=600) for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], [err[-3000:] for _, err in outputs]
+    for out, _ in outputs:
+        found = json.loads(out.strip().splitlines()[-1])
+        assert found["problem"] is None, found
+        assert found["shard_fraction"] == 0.5, found  # each rank holds half of the packed bytes
+        assert found["loss_equal"] and found["logits_max_diff"] == 0.0, found
+        assert found["grads_differ"] == [] and found["bytes_differ"] == [], found
+        assert found["corrupted"] and found["corrupted"].startswith("packed 4-bit bytes changed"), found

@@ -131,7 +131,9 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
         apply_quantized_experts(model)
     report_zero3_partitioning(model)
     mark_moe_leaves(model)  # ZeRO-3: each MoE block one leaf (before the Trainer builds the engine)
-    if qlora:
+    if qlora and machine().launch.fsdp:  # bytes only through FSDP2's all-gather (sft/model/nf4_base.py)
+        quantize_base_for_fsdp(model)
+    elif qlora:
         report_quantization(model)
     # config.use_cache stays the base's (a saved model must cache in generate): every batch turns it off (Collator)
     if lora_args.lora:  # --qlora has set it (sft/options/resolve.py)
@@ -203,14 +205,41 @@ def quantization(model_args: ModelArguments, lora_args: LoraArguments) -> dict:
     bf16, --dtype auto loads those weights in fp32 anyway (weights_dtype), as that cast would."""
     if not qlora_requested(lora_args):
         return {}
+    m = machine()
+    if m.launch.fsdp:  # loaded as is, then quantized to torchao's NF4 (quantize_base_for_fsdp)
+        return {}
     from transformers import BitsAndBytesConfig
 
-    m = machine()
     weights = weights_dtype(model_args, True, m)
     compute = qlora_compute_dtype(m.cuda, m.bf16, weights)
     config = BitsAndBytesConfig(**qlora_quantization_kwargs(weights, compute, m.launch.fsdp))
     device = m.launch.local_rank if m.cuda else "cpu"
     return {"quantization_config": config, "device_map": {"": device}}
+
+
+def quantize_base_for_fsdp(model) -> None:
+    """--qlora under FSDP: the decoder layers' linear weights to NF4 held as bytes (torchao's NF4Tensor) instead of
+    bitsandbytes' bf16-held bytes, whose NaN-looking patterns CUDA's float copies in FSDP2's all-gather rewrite.
+    Quantized on this process's GPU, layer by layer, and left in host RAM for FSDP2 to move each unit to the GPU
+    as it shards it (a 70B's 4-bit base, ~35 GiB, fits no 24 GB card whole)."""
+    from sft.model.nf4_base import nf4_settings, quantize_base_nf4
+
+    m = machine()
+    device = torch.device("cuda", m.launch.local_rank) if m.cuda else None
+    count = quantize_base_nf4(model, m.launch.world_size, device)
+    if not is_first_process():
+        return
+    settings = nf4_settings(model) or {}
+    packed = sum(p.numel() // 2 for n, p in model.named_parameters() if n.endswith("weight")
+                 and type(p).__name__ == "NF4Tensor")
+    print(f"QLoRA: {count} linear layers of the base quantized to 4-bit NF4 with double quantization (torchao "
+          f"NF4Tensor, blocks of {settings.get('block_size')}), computed in {str(weights_dtype_of(model))[6:]}, "
+          f"stored as uint8, laid out in {settings.get('shards')} equal shards; {packed / GIB:.2f} GiB of packed "
+          f"weights", flush=True)
+
+
+def weights_dtype_of(model) -> torch.dtype:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def report_quantization(model) -> None:
@@ -231,11 +260,14 @@ def report_quantization(model) -> None:
 def record_quantized_base(model, output_dir: str) -> bool:
     """A --qlora adapter trained on a 4-bit base: write that base's quantization beside the adapter (peft's
     adapter_config.json records nothing of it), so that sft.tools.merge can say what the merged model is. -> written."""
+    from sft.model.nf4_base import nf4_settings
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(getattr(base, "hf_quantizer", None), "quantization_config", None)
-    if config is None:
+    settings = nf4_settings(base) if config is None else \
+        config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+    if settings is None:
         return False
-    settings = config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
     (Path(output_dir) / QUANTIZED_BASE).write_text(json.dumps(settings, indent=1, default=str) + "\n")
     return True
 

@@ -332,7 +332,15 @@ def qlora_needs(o: Options, m: Machine) -> None:
     if not m.cuda:
         raise NeedsHardware("--qlora needs a CUDA GPU (bitsandbytes' 4-bit kernels) and this machine has none. Use "
                             "--lora here (the same adapter on the unquantized base).", "--qlora")
-    if not m.has("bitsandbytes"):
+    if o.fsdp(m):  # the base as torchao's NF4 bytes (sft/model/nf4_base.py), not bitsandbytes'
+        if not m.has("torchao"):
+            raise ConfigError('--qlora under FSDP needs the torchao package (its NF4Tensor holds the 4-bit base as '
+                              'bytes), which is not installed: pip install -e ".[qlora]", or use '
+                              'accelerate_configs/ddp.yaml.')
+        if m.launch.world_size < 2:
+            raise ConfigError("--qlora under FSDP with one process: nothing to shard. Drop the FSDP accelerate "
+                              "config (QLoRA runs on one GPU as is).")
+    elif not m.has("bitsandbytes"):
         raise ConfigError('--qlora needs the bitsandbytes package, which is not installed: pip install -e ".[qlora]"')
     if o.model.tp_size > 1:
         raise ConfigError(f"--qlora with --tp_size {o.model.tp_size}: 4-bit weights cannot be split by tensor "
@@ -344,6 +352,18 @@ def qlora_needs(o: Options, m: Machine) -> None:
                           f"for 4-bit weights), and it would save nothing over DDP: ZeRO-{stage} shards the "
                           f"optimizer state, which under LoRA is the adapter's few MB. Use "
                           f"accelerate_configs/ddp.yaml.")
+
+
+def qlora_under_fsdp_awaits_its_gpu_run(o: Options, m: Machine) -> None:
+    """--qlora under FSDP holds the base as NF4 bytes that FSDP2 gathers as bytes (sft/model/nf4_base.py), checked
+    bit for bit on CPU ranks and at the start of every run; its first GPU run has not passed yet (the bitsandbytes
+    layout it replaces trained, then failed its verified save on 2 GPUs). Refused on GPUs until
+    `python bench/qlora_check.py --fsdp two` passes there; that command reaches it with SFT_FSDP_QLORA_CHECK=1."""
+    if not (qlora(o) and o.fsdp(m) and m.cuda) or m.launch.fsdp_qlora_check:
+        return
+    raise ConfigError("--qlora under FSDP: not enabled until its check passes on two GPUs (bench/qlora_check.py "
+                      "--fsdp two; docs/strategies.md, QLoRA). Use accelerate_configs/ddp.yaml: each GPU holds the "
+                      "4-bit base (a 7B fits a 24 GB card).")
 
 
 def quantized_base_not_under_zero3(o: Options, m: Machine) -> None:
@@ -537,7 +557,7 @@ OPTION_CHECKS: list[Check] = [
 ]
 MACHINE_CHECKS: list[Check] = [
     partial_checkpointing, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
-    quantized_base_not_under_zero3, qlora_needs, sharding_needs_gpus, attention_kernel_available, processes_fit_gpus,
+    quantized_base_not_under_zero3, qlora_needs, qlora_under_fsdp_awaits_its_gpu_run, sharding_needs_gpus, attention_kernel_available, processes_fit_gpus,
     tensor_parallel_combinations, compiled_layers_combinations, liger_kernel_available, fp8_base_needs,
     chunked_loss_combinations, deepspeed_json_agrees, launcher_agrees, processes_name_one_run_directory,
 ]

@@ -13,14 +13,18 @@ def fsdp_launched(launch: Launch | None = None) -> bool:
     return (launch or this_launch()).fsdp
 
 
-def hand_over_to_fsdp(training_args, launch: Launch | None = None) -> None:
-    """Before the Trainer (and its FSDP plugin) exists: give accelerate's plugin FSDP's own activation
-    checkpointing, which it reads from the environment only, and say what FSDP changes. The options themselves
-    were settled in sft/options/resolve.py (fsdp_checkpoints_activations, fsdp_reduce_scatters_each_micro_batch);
-    nothing here writes one."""
+def hand_over_to_fsdp(training_args, launch: Launch | None = None, qlora: bool = False) -> None:
+    """Before the model loads and the Trainer (and its FSDP plugin) exists: give accelerate's plugin FSDP's own
+    activation checkpointing, which it reads from the environment only, and say what FSDP changes. The options
+    themselves were settled in sft/options/resolve.py (fsdp_checkpoints_activations,
+    fsdp_reduce_scatters_each_micro_batch); nothing here writes one. Under --qlora every rank loads the base
+    itself (no RAM-efficient loading: it would load the weights on rank 0 only and broadcast whole bf16 tensors into
+    the sharded model, where the base is NF4 bytes by then)."""
     if not fsdp_launched(launch):
         return
     notes = []
+    if qlora:  # read by transformers' from_pretrained and accelerate's plugin, from the environment only
+        os.environ["FSDP_CPU_RAM_EFFICIENT_LOADING"] = "false"
     if training_args.fsdp_activation_checkpointing:
         os.environ["FSDP_ACTIVATION_CHECKPOINTING"] = "true"  # written for accelerate's FSDP plugin, which reads it
         notes.append("--activation_checkpointing applied as FSDP's activation checkpointing")
@@ -37,7 +41,7 @@ def hand_over_to_fsdp(training_args, launch: Launch | None = None) -> None:
 
 def fsdp_callbacks(launch: Launch | None = None, qlora: bool = False) -> list:
     """Trainer callbacks of FSDP runs (none otherwise): the embedding's backward without an all-gather; under
-    --qlora, the 4-bit weights all-gathered byte for byte."""
+    --qlora, the 4-bit base checked to move as bytes before the first step."""
     if not fsdp_launched(launch):
         return []
     from transformers import TrainerCallback
@@ -46,18 +50,17 @@ def fsdp_callbacks(launch: Launch | None = None, qlora: bool = False) -> list:
         def on_init_end(self, args, state, control, **kwargs):  # the Accelerator exists, the model is not wrapped
             from accelerate.state import AcceleratorState
 
-            AcceleratorState().fsdp_plugin.mixed_precision_policy = qlora_policy()
+            plugin = AcceleratorState().fsdp_plugin
+            plugin.mixed_precision_policy = qlora_policy()
+            plugin.cpu_ram_efficient_loading = False  # its broadcast of whole tensors cannot fill NF4 shards
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):  # wrapped, nothing gathered yet
-            unsafe = float_gathered_4bit_units(model)
-            if unsafe:
-                raise RuntimeError(f"FSDP + QLoRA: {len(unsafe)} FSDP units would all-gather 4-bit weights as "
-                                   f"floats, which rewrites some of their bits on GPUs ({', '.join(unsafe[:3])})")
-            if is_first_process():  # the fix is in; its run on two GPUs is not (bench/RESULTS.md)
-                print("warning: FSDP + QLoRA gathers the 4-bit weights as bytes, a fix not yet checked on GPUs (its "
-                      "last GPU run failed the verified save). Every checkpoint is verified, so a wrong adapter "
-                      "stops the run at its first checkpoint; accelerate_configs/ddp.yaml is the checked path.",
-                      flush=True)
+            problem = fsdp_qlora_problem(model)
+            if problem:
+                raise RuntimeError(f"FSDP + QLoRA: {problem}")
+            if is_first_process():
+                print(f"FSDP + QLoRA: a packed 4-bit weight round-tripped FSDP2's copy and all-gather bit for bit "
+                      f"on the run's {sharding_mesh(model).size()} ranks", flush=True)
 
     class EmbeddingBackwardWithoutAllGather(TrainerCallback):
         def on_train_begin(self, args, state, control, model=None, **kwargs):
@@ -69,20 +72,79 @@ def fsdp_callbacks(launch: Launch | None = None, qlora: bool = False) -> list:
 
 def qlora_policy():
     """FSDP2's mixed precision under --qlora: no cast in the all-gather (param_dtype None), gradients reduced in
-    fp32, the compute in bf16 all the same (bitsandbytes' compute dtype, and accelerate's autocast).
-
-    bitsandbytes stores the packed 4-bit values in bf16 tensors for FSDP, and those bytes are not numbers: some
-    pairs form NaN bit patterns. FSDP2 gathers a unit's parameters through one buffer; when they all share one
-    dtype (accelerate's policy casts all to bf16) it copies them as floats with torch._foreach_copy_, which on
-    CUDA writes every NaN as the one canonical NaN (pytorch issue 159333; CPU copies keep the bits). So the
-    4-bit base that FSDP+QLoRA computed with was not the one loaded, and the trained adapter failed its
-    verified save (bench/RESULTS.md, runs 0940Z-x2 and 1015Z-x2). When a unit's dtypes differ, FSDP2 copies raw
-    bytes (uint8): without the cast, each decoder layer's unit holds the fp32 adapter beside the bf16-stored
-    4-bit weights. bench/fsdp_qlora_bytes.py shows both on a GPU; float_gathered_4bit_units checks it."""
+    fp32, the compute in bf16 all the same (accelerate's autocast). The NF4 base's all-gather moves its own inner
+    tensors whatever the policy says (FSDP2's extension hooks); no cast keeps the fp32 adapter exact."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+
+
+def sharding_mesh(model):
+    """The device mesh the model's parameters are sharded on (DTensor's public device_mesh)."""
+    from torch.distributed.tensor import DTensor
+
+    return next(p.device_mesh for p in model.parameters() if isinstance(p, DTensor))
+
+
+def fsdp_qlora_problem(model) -> str | None:
+    """What stops FSDP + QLoRA, checked once the model is sharded and before the first step: a bitsandbytes 4-bit
+    layer (its bytes held in floats), a base linear layer left unquantized, or packed bytes that do not survive
+    FSDP2's copy and all-gather on this run's ranks and devices (gathered_bytes_problem)."""
+    import torch
+
+    from sft.model.nf4_base import NF4Linear
+
+    floats = float_gathered_4bit_units(model)
+    if floats or any(type(m).__name__ == "Linear4bit" for m in model.modules()):
+        return (f"bitsandbytes 4-bit layers under FSDP (their packed bytes are held in floats, which CUDA's copies "
+                f"rewrite); the base must be torchao's NF4 (sft/model/nf4_base.py){': ' + ', '.join(floats[:3]) if floats else ''}")
+    if not any(isinstance(m, NF4Linear) for m in model.modules()):
+        return "no NF4 base layer found: the base was not quantized for FSDP"
+    mesh = sharding_mesh(model)
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) if mesh.device_type == "cuda" else \
+        torch.device(mesh.device_type)
+    return gathered_bytes_problem(mesh, device)
+
+
+def gathered_bytes_problem(mesh, device) -> str | None:
+    """Round-trip a packed weight through FSDP2 on `mesh`: every byte value in the packed data and the scales,
+    every bf16 bit pattern (NaNs included) in the factors, sharded, then all-gathered (FSDP2's copy-in, the
+    collective, its copy-out); -> what changed, or None when every bit came back. One collective: every rank calls
+    it. A probe module of its own, so the model's weights are never touched."""
+    import torch
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from sft.model.nf4_base import ROW, NF4Linear
+
+    shards = mesh.size()
+    if shards < 2:
+        return (f"{shards} process: FSDP2 runs no all-gather on one rank (a path of its own, not checked with NF4 "
+                f"weights); FSDP + QLoRA needs two or more (one GPU: run --qlora without FSDP)")
+    generator = torch.Generator().manual_seed(0)  # the same probe on every rank
+    linear = nn.Linear(ROW // 64, 64 * 2 * shards, bias=False, device="meta")  # two stored rows per shard
+    linear.weight = nn.Parameter(torch.randn(linear.weight.shape, generator=generator, dtype=torch.bfloat16)
+                                 .to(device), requires_grad=False)
+    layer = NF4Linear(linear, shards)
+    weight = layer.weight
+    weight.quantized_data.copy_(torch.arange(weight.quantized_data.numel()) % 256)
+    weight.quantized_scalers.copy_((torch.arange(weight.quantized_scalers.numel()) % 256 - 128).to(torch.int8))
+    factors = weight.quantization_factor.view(torch.int16)
+    factors.copy_(torch.arange(-2**15, -2**15 + factors.numel(), dtype=torch.int32).to(torch.int16) * 7)
+    expected = {name: getattr(weight, name).clone().view(torch.uint8)
+                for name in ("quantized_data", "quantized_scalers", "quantization_factor")}
+    probe = nn.Sequential(layer)
+    fully_shard(probe, mesh=mesh, mp_policy=qlora_policy())
+    probe.unshard()
+    gathered = probe[0].weight
+    changed = {name: int((getattr(gathered, name).view(torch.uint8) != want).sum())
+               for name, want in expected.items()}
+    probe.reshard()
+    if not any(changed.values()):
+        return None
+    return ("packed 4-bit bytes changed in FSDP2's all-gather (" + ", ".join(f"{n}: {c} of "
+            f"{expected[n].numel()} bytes" for n, c in changed.items()) + "): the base would not be the one loaded")
 
 
 def float_gathered_4bit_units(model) -> list[str]:

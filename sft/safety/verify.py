@@ -26,6 +26,7 @@ import torch
 
 from sft.errors import SaveMismatchError
 from sft.machine import GIB, is_first_process
+from sft.model.nf4_base import QUANT_METHOD
 from sft.safety.run_dir import ADAPTER_WEIGHTS
 from sft.safety.private_names import ACCELERATE_ORIGINAL_FORWARD, expect
 
@@ -136,14 +137,20 @@ class SaveVerifier:
         from sft.model.zero3 import zero3_init_disabled
 
         quantized = {}
-        if self.lora and self.quantization:
+        nf4 = self.lora and self.quantization and self.quantization.get("quant_method") == QUANT_METHOD
+        if self.lora and self.quantization and not nf4:
             from transformers import BitsAndBytesConfig
 
             quantized = {"quantization_config": BitsAndBytesConfig.from_dict(dict(self.quantization))}
         with zero3_init_disabled():  # one process loads a whole copy: no zero.Init (the other ranks would not join)
-            return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=self.attn_implementation,
-                                                        trust_remote_code=self.trust_remote_code, use_safetensors=True,
-                                                        device_map={"": device}, **quantized)
+            model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=self.attn_implementation,
+                                                         trust_remote_code=self.trust_remote_code, use_safetensors=True,
+                                                         device_map={"": device}, **quantized)
+        if nf4:  # --qlora under FSDP: the same NF4 bytes again (deterministic, in the trained layout)
+            from sft.model.nf4_base import quantize_base_nf4
+
+            quantize_base_nf4(model, int(self.quantization["shards"]))
+        return model
 
     def adapter_in_place(self, model, path: Path, input_ids: torch.Tensor) -> str | None:
         """Load the saved adapter beside the trained one on the same base; compare; remove it again."""
@@ -349,9 +356,12 @@ def make_verifier(mode: str, model, model_path: str, lora: bool, attn_implementa
 
 
 def quantization_of(model) -> dict | None:
-    """The BitsAndBytesConfig (as a dict) of a base loaded in 4 bits (--qlora), else None."""
+    """The BitsAndBytesConfig (as a dict) of a base loaded in 4 bits (--qlora), or the NF4 settings of one
+    quantized for FSDP (sft/model/nf4_base.py), else None."""
+    from sft.model.nf4_base import nf4_settings
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(getattr(base, "hf_quantizer", None), "quantization_config", None)
     if config is None or not getattr(base, "is_loaded_in_4bit", False):
-        return None
+        return nf4_settings(base)
     return config.to_dict()

@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m sft.tools.merge")
 
     if (adapter / QUANTIZED_BASE).is_file():  # a --qlora adapter (sft/model/loading.py: record_quantized_base)
         quant = json.loads((adapter / QUANTIZED_BASE).read_text())
-        print(f"note: this adapter was trained on a 4-bit ({quant.get('bnb_4bit_quant_type', '?')}) base; it is "
+        print(f"note: this adapter was trained on a 4-bit ({quant.get('bnb_4bit_quant_type') or quant.get('quant_type', '?')}) base; it is "
               f"merged into the unquantized base, so the merged model's logits differ from the 4-bit model "
               f"trained by the quantization error (docs/strategies.md, QLoRA).", flush=True)
     tuned = AutoPeftModelForCausalLM.from_pretrained(adapter, dtype=torch.float32, use_safetensors=True)
