@@ -133,6 +133,7 @@ class SaveVerifier:
         process, on `device`."""
         from transformers import AutoModelForCausalLM
 
+        from sft.model.loading import NO_HUB_KERNELS
         from sft.model.zero3 import zero3_init_disabled
 
         quantized = {}
@@ -143,7 +144,7 @@ class SaveVerifier:
         with zero3_init_disabled():  # one process loads a whole copy: no zero.Init (the other ranks would not join)
             return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=self.attn_implementation,
                                                         trust_remote_code=self.trust_remote_code, use_safetensors=True,
-                                                        device_map={"": device}, **quantized)
+                                                        device_map={"": device}, **NO_HUB_KERNELS, **quantized)
 
     def adapter_in_place(self, model, path: Path, input_ids: torch.Tensor) -> str | None:
         """Load the saved adapter beside the trained one on the same base; compare; remove it again."""
