@@ -21,6 +21,20 @@ def write_jsonl(path: Path, conversations: list[list[tuple[str, str]]]) -> str:
     return str(path)
 
 
+def test_training_and_chat_load_the_models_own_code_without_hub_kernels(tiny_llama):
+    """transformers 5.25 turns hub kernels on by default in from_pretrained (a CUDA model then swaps its RMSNorm and
+    RoPE for kernels downloaded at its first train()/eval()); ours stay off, as on 5.24 where they were opt-in."""
+    from sft.model.loading import load_model
+    from sft.tools.chat import load
+
+    model = load_model(ModelArguments(model=str(tiny_llama), dtype="float32"), LoraArguments())
+    assert model.use_kernels is False
+    model.train()
+    assert model.use_kernels is False
+    chat_model, _ = load(Path(tiny_llama))
+    assert chat_model.use_kernels is False
+
+
 def test_training_and_eval_forwards_run_without_a_cache_and_the_save_keeps_the_base_use_cache(tmp_path, tiny_llama):
     """As sft/train.py builds it: the base's use_cache handed to the Trainer (which copies it onto the config), the
     Collator's batches turning the cache off in every forward, activation checkpointing on."""

@@ -102,6 +102,13 @@ def load_tokenizer(model_args: ModelArguments):
     return tokenizer
 
 
+# from_pretrained's default from transformers 5.25 (`kernels` became a dependency): hub kernels on, so a model on a
+# CUDA device swaps its RMSNorm, RoPE and activations for kernels downloaded from the Hub at its first
+# `model.train()`/`eval()`. Our runs train and compare (verified saves) the model's own code, as on 5.24, where
+# they were opt-in; `use_kernels` is a from_pretrained argument of both.
+NO_HUB_KERNELS = {"use_kernels": False}
+
+
 def weights_dtype(model_args: ModelArguments, lora: bool, m: Machine | None = None) -> torch.dtype:
     """The dtype of the weights as loaded; under --qlora, of the weights that stay unquantized (embeddings, norms,
     lm_head) and of the 4-bit weights' storage under FSDP."""
@@ -122,6 +129,7 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
         attn_implementation=model_args.attn_implementation,
         trust_remote_code=model_args.trust_remote_code,
         use_safetensors=True,  # never unpickle weights: a .bin checkpoint can run code when loaded
+        **NO_HUB_KERNELS,
         **tensor_parallel(model_args),
         **quantization(model_args, lora_args),
     )

@@ -31,7 +31,7 @@ class PrivateName:
     module: str
     attribute: str
     parameters: tuple[str, ...] | None
-    versions: str  # the range tested, e.g. ">=5.17,<5.25"
+    versions: str  # the range tested, e.g. ">=5.17,<5.26"
     why: str  # what we do with it, for the error line
 
     @property
@@ -40,7 +40,7 @@ class PrivateName:
 
 
 TRAINER = "transformers.trainer"
-TESTED_TRANSFORMERS = ">=5.17,<5.25"
+TESTED_TRANSFORMERS = ">=5.17,<5.26"
 TESTED_TORCHAO = ">=0.18,<0.19"
 TESTED_TORCH = ">=2.6,<2.15"
 
@@ -80,6 +80,12 @@ DTENSOR_CACHE_KEY = PrivateName("torch", "torch.distributed.tensor", "DTensor._s
                                 TESTED_TORCH, "one compiled torchao update per state type under FSDP2")
 DUCK_SHAPE = PrivateName("torch", "torch.fx.experimental._config", "use_duck_shape", None, TESTED_TORCH,
                          "adamw_bf16_sr's one compiled update for every parameter")
+# --compile_layers (sft/speed/regional_compile.py): a side effect in a checkpointed layer's forward (kernels' context
+# variable, which transformers' attention classes set and reset in every forward once `kernels` is installed: a
+# dependency from transformers 5.25) is not replayed in the backward's recompute instead of breaking the graph.
+SKIP_SIDE_EFFECTS_IN_RECOMPUTE = PrivateName("torch", "torch._dynamo.config",
+                                             "skip_fwd_side_effects_in_bwd_under_checkpoint", None, TESTED_TORCH,
+                                             "--compile_layers with activation checkpointing in one graph per layer")
 # Read, not patched, but a rename would change what we decide in silence.
 HF_DEEPSPEED_CONFIG = PrivateName("transformers", "transformers.integrations.deepspeed", "_hf_deepspeed_config_weak_ref",
                                   None, TESTED_TRANSFORMERS, "loading a whole model for verification under ZeRO-3")
@@ -94,8 +100,8 @@ DDP_IGNORE = PrivateName("torch", "torch.nn.parallel", "DistributedDataParallel.
 PRIVATE_NAMES = (CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPOINT, LOAD_FROM_CHECKPOINT, LOAD_OPTIMIZER, GET_OUTPUT_DIR,
                  SAVE_RNG_STATE,
                  PEFT_INPUT_CAST, ACCELERATE_ORIGINAL_FORWARD, TORCHAO_ADAM_LOAD,
-                 TORCHAO_SUBCLASS_ZEROS, TORCHAO_SINGLE_PARAM_ADAM, DTENSOR_CACHE_KEY, DUCK_SHAPE, HF_DEEPSPEED_CONFIG,
-                 FSDP_STATE, DDP_IGNORE)
+                 TORCHAO_SUBCLASS_ZEROS, TORCHAO_SINGLE_PARAM_ADAM, DTENSOR_CACHE_KEY, DUCK_SHAPE,
+                 SKIP_SIDE_EFFECTS_IN_RECOMPUTE, HF_DEEPSPEED_CONFIG, FSDP_STATE, DDP_IGNORE)
 
 
 @functools.cache  # read once per process: a library's version does not change under a running process

@@ -134,6 +134,7 @@ class SaveVerifier:
         process, on `device`."""
         from transformers import AutoModelForCausalLM
 
+        from sft.model.loading import NO_HUB_KERNELS
         from sft.model.zero3 import zero3_init_disabled
 
         quantized = {}
@@ -145,7 +146,7 @@ class SaveVerifier:
         with zero3_init_disabled():  # one process loads a whole copy: no zero.Init (the other ranks would not join)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=self.attn_implementation,
                                                          trust_remote_code=self.trust_remote_code, use_safetensors=True,
-                                                         device_map={"": device}, **quantized)
+                                                         device_map={"": device}, **NO_HUB_KERNELS, **quantized)
         if nf4:  # --qlora under FSDP: the same NF4 bytes again (deterministic, in the trained layout)
             from sft.model.nf4_base import quantize_base_nf4
 

@@ -36,7 +36,17 @@ def compile_decoder_layers(model: nn.Module) -> int:
     """Compile every decoder layer of `model` (a transformers model, or a peft model around one) in place; -> how
     many. The compile itself happens at the first forward (the first step is slower; inductor caches the kernels
     on disk for later runs)."""
+    from sft.safety.private_names import SKIP_SIDE_EFFECTS_IN_RECOMPUTE, expect
+
     layers = decoder_layers(model)
+    # Under activation checkpointing dynamo traces a layer's forward inside the checkpoint and refuses any Python
+    # side effect there (a graph break: the layer runs eagerly), since it cannot replay it in the backward's
+    # recompute as eager checkpointing does. The layers' side effects need no replay: kernels' wrapper around
+    # transformers' attention classes (installed with transformers >= 5.25) sets a context variable and resets it
+    # before the forward returns, and the MoE routers' capture hooks (sft/model/moe.py) record only in the forward.
+    # torchtitan and transformers' own per-layer compile benchmarks set the same.
+    expect(SKIP_SIDE_EFFECTS_IN_RECOMPUTE)
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
     # Each layer kind is one graph for all its layers, plus one for the first call's shapes: room for a model's
     # dense and MoE layers, and for a last batch of another length without falling back to eager.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)

@@ -20,13 +20,15 @@ def load(path: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from sft.model.loading import NO_HUB_KERNELS
+
     dtype = torch.bfloat16 if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else torch.float32
     if (path / ADAPTER_CONFIG).is_file():
         from peft import AutoPeftModelForCausalLM
 
-        model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
+        model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, **NO_HUB_KERNELS)
     else:
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, **NO_HUB_KERNELS)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
 
