@@ -52,10 +52,13 @@ def test_a_qlora_adapter_says_its_base_was_4_bit_and_merge_tells_the_user(traine
 
     adapter = tmp_path / "adapter"
     shutil.copytree(trained_adapter, adapter)
-    plain = SimpleNamespace(get_base_model=lambda: SimpleNamespace())
+    def base(**attributes):  # a model's modules() is read for an NF4 base (--qlora under FSDP): none here
+        return SimpleNamespace(modules=lambda: iter(()), **attributes)
+
+    plain = SimpleNamespace(get_base_model=lambda: base())
     assert not record_quantized_base(plain, str(adapter)) and not (adapter / QUANTIZED_BASE).exists()
     quantizer = SimpleNamespace(quantization_config=BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4"))
-    assert record_quantized_base(SimpleNamespace(get_base_model=lambda: SimpleNamespace(hf_quantizer=quantizer)),
+    assert record_quantized_base(SimpleNamespace(get_base_model=lambda: base(hf_quantizer=quantizer)),
                                  str(adapter))
     assert merge.main([str(adapter), str(tmp_path / "merged")]) == 0
     assert "trained on a 4-bit (nf4) base" in capsys.readouterr().out
