@@ -139,7 +139,7 @@ def build_model(args, path: Path) -> Path:
         return path
     code = ("import sys; sys.path.insert(0, sys.argv[1]); from fp8_check import _build; "
             "_build(sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]))")
-    shape = "tiny" if args.cpu_smoke else args.shape
+    shape = (("tiny-moe" if args.shape == "deepseek-v2-lite" else "tiny") if args.cpu_smoke else args.shape)
     subprocess.run([sys.executable, "-c", code, str(REPO / "bench"), shape, str(args.tokenizer), str(path),
                     str(args.layers)], check=True)
     return path
@@ -148,22 +148,9 @@ def build_model(args, path: Path) -> Path:
 def _build(shape: str, tokenizer_dir: str, path: str, num_layers: int) -> None:
     """Random init in a child process (this one holds no CUDA memory while the runs train): the bench's shape
     (bench/train_throughput.py MODELS, any family) with fewer layers (bench/ is on sys.path in this child)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from train_throughput import save_random_model
 
-    from train_throughput import model_config
-
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = model_config(shape, num_hidden_layers=num_layers, bos_token_id=tokenizer.bos_token_id,
-                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    cuda = torch.cuda.is_available()
-    torch.manual_seed(0)
-    with torch.device("cuda" if cuda else "cpu"):
-        built = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32)
-    built.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    print(f"model {shape} with {num_layers} layers: {sum(p.numel() for p in built.parameters()) / 1e9:.2f}B "
-          f"parameters -> {path}", flush=True)
+    save_random_model(shape, tokenizer_dir, path, num_hidden_layers=num_layers)
 
 
 # The loss check's candidates, each against plain bf16 LoRA: FP8's base; --compile_layers in bf16; both (refused by
@@ -283,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         p.error(f"--candidate {','.join(sorted(unknown))}: choose from {', '.join(sorted(CANDIDATES))}")
     if args.cpu_smoke:
-        args.steps, args.seeds, args.seq_len, args.micro_batch, args.layers = 2, 1, 256, 2, 1
+        args.steps, args.seeds, args.seq_len, args.micro_batch, args.layers = 2, 1, 256, 2, 2
         args.warmup, args.iters = 1, 2
     args.workdir.mkdir(parents=True, exist_ok=True)
     summary = {}
@@ -292,9 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.part in ("all", "loss"):
         if args.data is None or args.tokenizer is None:
             p.error("no data/tokenizer: carry .benchdata, or give --data and --tokenizer")
-        if args.cpu_smoke:  # --fp8 refuses a CPU: the bf16 run's plumbing only
+        if args.cpu_smoke:  # --fp8 refuses a CPU: the bf16 run's plumbing, and the candidates a CPU runs
             model = build_model(args, args.workdir / "model")
-            summary["loss"] = {"bf16": train(args, model, 0, "bf16")}
+            labels = ["bf16", *[c for c in args.candidates if not {"--fp8", "--compile_layers"} & {*CANDIDATES[c]}]]
+            summary["loss"] = {label: train(args, model, 0, label) for label in labels}
         else:
             summary["loss"] = loss(args)
     print(json.dumps({"fp8_check": summary, "fails": FAILS}), flush=True)

@@ -132,21 +132,9 @@ def build_model(args, path: Path) -> Path:
 
 
 def _build(model: str, tokenizer_dir: str, path: str) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from train_throughput import save_random_model
 
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
-    config = LlamaConfig(**MODELS[model], bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                         pad_token_id=tokenizer.pad_token_id)
-    assert len(tokenizer) <= config.vocab_size, (len(tokenizer), config.vocab_size)
-    cuda = torch.cuda.is_available()
-    torch.manual_seed(0)
-    with torch.device("cuda" if cuda else "cpu"):
-        built = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32)
-    built.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    n = sum(p.numel() for p in built.parameters())
-    print(f"model {model}: {n / 1e9:.2f}B parameters -> {path}", flush=True)
+    save_random_model(model, tokenizer_dir, path)
 
 
 # ---- one training run ---------------------------------------------------------------------------------------

@@ -89,14 +89,50 @@ MODELS = {
     "tiny": dict(vocab_size=32256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=4, rope_theta=10000.0, max_position_embeddings=4096,
                  tie_word_embeddings=False),
+    # DeepSeek-V2-Lite's architecture (MLA, a dense first layer, routed and shared experts) at a CPU's size
+    "tiny-moe": dict(model_type="deepseek_v2", vocab_size=32256, hidden_size=64, intermediate_size=128,
+                     moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                     n_shared_experts=1, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+                     routed_scaling_factor=1.0, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+                     qk_nope_head_dim=8, v_head_dim=16, topk_method="greedy", n_group=1, topk_group=1,
+                     norm_topk_prob=False, rope_theta=10000.0, max_position_embeddings=4096,
+                     tie_word_embeddings=False),
 }
 
 
 def model_config(name: str, **extra):
+    """The transformers config of a MODELS shape; `extra` overrides or adds fields (fewer layers, token ids)."""
     from transformers import AutoConfig
 
-    shape = dict(MODELS[name])
-    return AutoConfig.for_model(shape.pop("model_type", "llama"), **shape, **extra)
+    shape = {**MODELS[name], **extra}
+    return AutoConfig.for_model(shape.pop("model_type", "llama"), **shape)
+
+
+def save_random_model(name: str, tokenizer_dir: str | Path, path: str | Path, weights: bool = True,
+                      **overrides) -> None:
+    """A model directory for a MODELS shape with the tokenizer's special tokens: random bf16 weights written with
+    save_pretrained (built on the GPU where there is one: seconds; fp32 on a CPU, which trains in fp32), or only
+    config.json (weights=False: the runs build them with random_init). The benchmarks then load it through the
+    real path, like any model."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    config = model_config(name, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                          pad_token_id=tokenizer.pad_token_id, **overrides)
+    assert len(tokenizer) <= config.vocab_size, (len(tokenizer), config.vocab_size)
+    if weights:
+        cuda = torch.cuda.is_available()
+        torch.manual_seed(0)
+        with torch.device("cuda" if cuda else "cpu"):
+            built = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16 if cuda else torch.float32)
+        built.save_pretrained(path)
+        print(f"model {name}: {sum(p.numel() for p in built.parameters()) / 1e9:.2f}B parameters -> {path}",
+              flush=True)
+        del built
+    else:
+        config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
 
 
 def matmul_params(shape: dict) -> int:
@@ -414,26 +450,10 @@ def model_dir(args) -> Path:
     """A model directory holding config.json and the tokenizer: random_init builds the weights from it (sft's model
     loading, the host-RAM check and the LoRA target lookup read it like any model directory); random bf16 weights
     on disk for the rows that load them (needs_weights)."""
-    from transformers import AutoTokenizer
-
     weights = needs_weights(args)
     path = Path(args.out).resolve() / "models" / (args.model + ("-weights" if weights else ""))
-    if not (path / "config.json").exists():
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-        config = model_config(args.model, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.pad_token_id, use_cache=False)
-        if weights:
-            import torch
-            from transformers import AutoModelForCausalLM
-
-            torch.manual_seed(0)  # built on the GPU where there is one (this process holds no cap): seconds
-            with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-                built = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-            built.save_pretrained(path)
-            del built
-        else:
-            config.save_pretrained(path)
-        tokenizer.save_pretrained(path)
+    if not (path / "config.json").exists():  # this process holds no memory cap while it builds
+        save_random_model(args.model, args.tokenizer, path, weights=weights, use_cache=False)
     return path
 
 
