@@ -47,5 +47,6 @@ if [ -n "${GPU_CHECKS:-}" ]; then
     tar czf "$OUT/checks.tgz" -C /tmp checks 2>/dev/null
   fi
 fi
-tar czf "$OUT/logs.tgz" -C /tmp/bench . --exclude='*/output' --exclude='dataset-cache' --exclude='models' 2>/dev/null
+# (tar's --exclude applies to the names after it: before the ".", or the models' weights go in too)
+tar czf "$OUT/logs.tgz" --exclude='*/output' --exclude='dataset-cache' --exclude='models' -C /tmp/bench . 2>/dev/null
 ls -la "$OUT"

@@ -452,8 +452,14 @@ def model_dir(args) -> Path:
     on disk for the rows that load them (needs_weights)."""
     weights = needs_weights(args)
     path = Path(args.out).resolve() / "models" / (args.model + ("-weights" if weights else ""))
-    if not (path / "config.json").exists():  # this process holds no memory cap while it builds
-        save_random_model(args.model, args.tokenizer, path, weights=weights, use_cache=False)
+    if weights and not (path / "config.json").exists():
+        # in a child process: a CUDA context and cache held here would count in every row's nvidia-smi peak
+        code = ("import sys; sys.path.insert(0, sys.argv[1]); from train_throughput import save_random_model; "
+                "save_random_model(sys.argv[2], sys.argv[3], sys.argv[4], use_cache=False)")
+        subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), args.model, str(args.tokenizer),
+                        str(path)], check=True)
+    elif not (path / "config.json").exists():
+        save_random_model(args.model, args.tokenizer, path, weights=False, use_cache=False)
     return path
 
 

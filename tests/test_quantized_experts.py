@@ -42,6 +42,18 @@ def test_the_routed_experts_are_held_in_e4m3_and_the_logits_stay_close(model_typ
     assert (got - want).norm() / want.norm() < 0.05  # e4m3's rounding of the experts only
 
 
+def test_the_fused_dequantize_gives_the_eager_weights_bit_for_bit():
+    """CUDA dequantizes through one compiled kernel, other devices expert by expert: the same bf16 weights (the
+    product is exact in fp32 and rounds once either way). The compiled function runs on this CPU too."""
+    from sft.model.quantized_experts import _compiled_dequantize, dequantize, quantize_rows
+
+    w = torch.randn(4, 48, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16) * 3
+    q, scale = quantize_rows(w)
+    eager = dequantize(q, scale, torch.bfloat16)
+    assert eager.dtype == torch.bfloat16 and (eager.float() - w.float()).norm() / w.float().norm() < 0.05
+    assert torch.equal(_compiled_dequantize()(q, scale, torch.bfloat16), eager)
+
+
 def test_a_lora_run_on_quantized_experts_verifies_and_its_adapter_loads_on_the_bf16_base(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
