@@ -10,6 +10,9 @@ of at the user's first inference.
   when it has room (exact), else on CPU (other kernels: a looser tolerance, still far below what a wrong or
   missing tensor does). Every process computes the in-memory logits, since sharded models (ZeRO-3, FSDP) need
   all ranks for a forward.
+- A full fine-tune in FP8: the saved weights against the trained ones, bit for bit (logits cannot tell: the
+  trained model's compiled FP8 matmuls and an eager reload's round different values across an e4m3 step, and
+  four layers of that moved the logits by up to 1.15 on an H200, run 20261204T2135Z-resident22).
 - QLoRA (a LoRA adapter on a 4-bit base): the same, with the base reloaded quantized as in training (the same
   bits: NF4 quantization of the same weights is deterministic), on the model's GPU. On the unquantized base the
   adapter gives other logits, by the quantization error (tests/test_qlora.py): what users load to merge
@@ -80,6 +83,12 @@ def is_sharded(model) -> bool:
     return any(hasattr(p, "ds_id") or hasattr(p, "to_local") for p in model.parameters())
 
 
+def plain_name(name: str) -> str:
+    """A parameter's name as a plain reload of the model has it: without the activation checkpoint wrapper's and
+    torch.compile's module prefixes."""
+    return name.replace("_checkpoint_wrapped_module.", "").replace("_orig_mod.", "")
+
+
 def reload_device(model) -> torch.device:
     """The model's own GPU if a second copy fits there (with a margin), else CPU."""
     device = next(model.parameters()).device
@@ -109,7 +118,7 @@ class SaveVerifier:
     final: bool = True
     lora_in_place: bool = True  # False: reload base + adapter from disk even when the in-place check could run
     quantization: dict | None = None  # QLoRA: the base's BitsAndBytesConfig (as a dict), to reload it the same way
-    fp8_recipe: str | None = None  # a full fine-tune in FP8: the reload computes as the trained model did
+    fp8_recipe: str | None = None  # a full fine-tune in FP8: its saves are checked weight by weight
 
     def verifiable(self, path: str | Path) -> bool:
         """Whether `path` holds consolidated weights. Sharded checkpoints (FSDP's SHARDED_STATE_DICT, ZeRO-3
@@ -123,11 +132,37 @@ class SaveVerifier:
             from peft import PeftModel
 
             model = PeftModel.from_pretrained(model, str(path))
-        elif self.fp8_recipe:  # the saved weights are plain; FP8's rounding is the computation's, so compare like
-            from sft.speed.fp8_training import use_fp8_training  # with like (a plain reload is checked in tests)
-
-            use_fp8_training(model, self.fp8_recipe)
         return model
+
+    def saved_weights_mismatch(self, model, path: Path) -> str | None:
+        """The plain model saved in `path`, reloaded on the CPU, against the trained weights bit for bit; on every
+        rank (FSDP2's shards are gathered one parameter at a time, to the main process's host RAM)."""
+        from torch.distributed.tensor import DTensor
+
+        reloaded, error = None, None
+        if is_first_process():
+            if not any(path.glob("model*.safetensors")):
+                error = "no weights were written"
+            else:
+                try:
+                    dtype = next(model.parameters()).dtype
+                    reloaded = dict(self.load_whole(str(path), dtype, torch.device("cpu")).named_parameters())
+                except Exception as e:  # a save that cannot even be loaded is the loudest mismatch of all
+                    error = f"{type(e).__name__}: {e}"
+        error = _broadcast(error)
+        if error:
+            return error
+        differing = []
+        for name, p in model.named_parameters():
+            whole = p.full_tensor() if isinstance(p, DTensor) else p  # a collective: every rank, in one order
+            if reloaded is not None:
+                saved = reloaded.pop(plain_name(name), None)
+                if saved is None or not torch.equal(saved, whole.detach().to("cpu")):
+                    differing.append(plain_name(name))
+        if reloaded:  # tensors in the file that the trained model does not have
+            differing += sorted(reloaded)
+        return _broadcast(f"{len(differing)} saved tensors differ from the trained ones or are missing (first: "
+                          f"{differing[0]})" if differing else None)
 
     def load_whole(self, source: str, dtype: torch.dtype, device: torch.device):
         """A whole copy of the model (a LoRA run's base: quantized again as in training under QLoRA) in this
@@ -189,9 +224,7 @@ class SaveVerifier:
             return f"{type(e).__name__}: {e}"
         # A sharded model computes under FSDP's mixed-precision policy (a LoRA adapter's fp32 weights cast to
         # bf16), the reloaded one through peft's own casts: other rounding, so the other-device tolerance.
-        # FP8 (a full fine-tune's): a rounding difference between the trained model's compiled code and the eager
-        # reload moves a value across an e4m3 step (1/16 of it), so that too is other kernels' rounding.
-        same_kernels = device == next(model.parameters()).device and not is_sharded(model) and not self.fp8_recipe
+        same_kernels = device == next(model.parameters()).device and not is_sharded(model)
         return compare(expected, got, dtype, same_device=same_kernels)
 
     def check(self, model, path: str | Path) -> None:
@@ -204,7 +237,9 @@ class SaveVerifier:
         # were, or a resumed run (which restores the RNG state saved before this check) would diverge.
         devices = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
         with torch.random.fork_rng(devices=devices):
-            if self.lora and self.lora_in_place and not is_sharded(model):
+            if self.fp8_recipe and not self.lora:
+                error = self.saved_weights_mismatch(model, path)
+            elif self.lora and self.lora_in_place and not is_sharded(model):
                 if is_first_process():
                     error = self.adapter_in_place(model, path, input_ids)
             else:
