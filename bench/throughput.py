@@ -232,9 +232,15 @@ MATRIX += [
     Row("moe-lora-resident-1", "lora", "single", 1, model="deepseek-v2-lite", micro_batch=8, warmup=2, steps=4,
         args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--chunked_loss", "true",
               "--quantize_experts", "fp8"), timeout=420),
-    Row("moe-lora-resident-ddp", "lora", "ddp", 0, model="deepseek-v2-lite", micro_batch=8, warmup=2, steps=4,
+    # ... at micro-batch 4 x 2 (micro-batch 8 took 24.68 GiB by nvidia-smi held to 24 GiB, over a real card, and
+    # ran out of memory held to 22.25: runs 20261204T2105Z-resident, 20261204T2135Z-resident22)
+    Row("moe-lora-resident-1-mb4", "lora", "single", 1, model="deepseek-v2-lite", micro_batch=4, grad_accum=2,
+        warmup=2, steps=4, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--chunked_loss",
+                                 "true", "--quantize_experts", "fp8"), timeout=420),
+    Row("moe-lora-resident-ddp", "lora", "ddp", 0, model="deepseek-v2-lite", micro_batch=4, grad_accum=2, warmup=2,
+        steps=4,
         args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--chunked_loss", "true",
-              "--quantize_experts", "fp8", *NO_UNUSED), scaling_of="moe-lora-resident-1", timeout=420),
+              "--quantize_experts", "fp8", *NO_UNUSED), scaling_of="moe-lora-resident-1-mb4", timeout=420),
     # DeepSeek-V2-Lite on TWO 24 GiB cards: ZeRO-3 shards the bf16 base (micro-batch 4 ran out of memory: the
     # logits of MLA models are whole, no Liger; run 20261201T0930Z-x2)
     Row("moe-lora-z3-2", "lora", "zero3", 2, model="deepseek-v2-lite", micro_batch=1, grad_accum=4, warmup=2, steps=4,
@@ -285,14 +291,14 @@ GROUPS = {
     "levers": ["full-sr16", "trl-full", "lora-best-fp8", "lora-best", "trl-lora-best"],
     "smoke": ["tiny-lora", "trl-tiny-lora", "tiny-full", "trl-tiny-full"],
     "moe": ["moe-lora", "trl-moe-lora"],
-    "resident": ["moe-lora-resident-1", "moe-lora-offload-1-chunked"],  # issue 26 item 1, one GPU held to 24 GiB
+    "resident": ["moe-lora-resident-1-mb4", "moe-lora-resident-1"],  # issue 26 item 1, one GPU held to 24 GiB
     # two GPUs held to 24 GiB: V2-Lite sharded, DDP scaling of the LoRA plan, the recipes
     "x2": ["moe-lora-z3-2", "lora-1", "lora-ddp", "recipe-coder-lora", "recipe-r1-lora"],  # run 20261201T0930Z-x2
     # issue 30's rows that exist (2026-12-03), on nvidia-h200-x2, each rank held to 24 GiB, with --fresh_cache:
     # the LoRA plan with FP8 and compiled layers under DDP beside its one-GPU row; the full plan (FSDP2, FP8) beside
     # the same plan in bf16 and the peers' ZeRO-3 offload recipe; V2-Lite's plan of today (ZeRO-3 over 2 cards)
     "issue30": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit-fp8", "full-fsdp-4bit", "peer-mb1",
-                "moe-lora-resident-1", "moe-lora-resident-ddp", "moe-lora-z3-2"],
+                "moe-lora-resident-1-mb4", "moe-lora-resident-ddp", "moe-lora-z3-2"],
     # issue 15 on two or three GPUs held to 24 GiB: the LoRA plan's DDP scaling, the full plan on a fresh machine
     # against the peers' offload recipe (run with --fresh_cache)
     "box": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit-fp8", "full-fsdp-4bit", "peer-mb1"],
