@@ -205,11 +205,19 @@ def test_sharegpt_single_call_and_conversation_without_tools_field(tmp_path):
     assert conversation["messages"][0]["role"] == "user"  # no definitions: no tools message
 
 
+def test_text_beside_openai_calls_is_kept_for_the_template(tmp_path):
+    """R1 reasons before it calls: the reader keeps that text as the turn's content (R1's template writes it; V3's
+    and the distills' refuse it when the conversation is rendered, tests/test_tool_calls.py)."""
+    record = {"messages": [{"role": "user", "content": "q"},
+                           {"role": "assistant", "content": "<think>\nLook it up.\n</think>\n\n",
+                            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]},
+                           {"role": "tool", "content": "1"}, {"role": "assistant", "content": "One."}]}
+    (conversation,), _ = read(write_jsonl(tmp_path / "m.jsonl", [record]))
+    assert conversation["messages"][1]["content"] == "<think>\nLook it up.\n</think>\n\n"
+    assert conversation["messages"][1]["tool_calls"][0]["function"]["name"] == "f"
+
+
 @pytest.mark.parametrize("record, message", [
-    ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "Let me look.",
-                                                      "tool_calls": [{"type": "function",
-                                                                      "function": {"name": "f", "arguments": "{}"}}]}]},
-     r"m.jsonl:1: messages\[1\]: an assistant turn with both text and tool_calls"),
     ({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": None,
                                                       "tool_calls": [{"type": "function", "function": {"arguments": "{}"}}]}]},
      r"m.jsonl:1: messages\[1\].tool_calls\[0\]: a tool call needs a non-empty string 'name'"),

@@ -503,14 +503,37 @@ def test_saved_template_wraps_bare_functions_as_the_reader_does(saving_tokenizer
     assert tools_section(OPENAI_TOOLS["tools"]) in text
 
 
-def test_saved_template_refuses_text_beside_calls_as_the_reader_does(saving_tokenizer):
+@pytest.mark.parametrize("name", ["deepseek_v3", "r1_distill"])
+def test_text_beside_calls_stops_the_templates_that_drop_the_calls(saving_tokenizer, name):
+    """DeepSeek-V3's and the distills' templates write a turn with text as an answer and drop its calls: training
+    stops on such a record (naming it and what to do), and the saved template refuses it too."""
     from jinja2.exceptions import TemplateError
 
     tokenizer = saving_tokenizer
-    tokenizer.chat_template = chat_template_for_saving("r1_distill", tokenizer)
+    tokenizer.chat_template = chat_template_for_saving(name, tokenizer)
     messages = [{"role": "user", "content": "Rome?"},
-                {"role": "assistant", "content": "Checking.", "tool_calls": [openai_call("get_weather", {}, 1)]}]
-    with pytest.raises(DataError, match="both text and tool_calls"):
-        as_trained(messages, None)
+                {"role": "assistant", "content": "Checking.", "tool_calls": [openai_call("get_weather", {}, 1)]},
+                {"role": "tool", "content": "25°C"}, {"role": "assistant", "content": "25°C."}]
+    with pytest.raises(DataError, match=r"both text and tool_calls.*--template r1"):
+        tokenize_examples(as_trained(messages, None), tokenizer=tokenizer, max_length=4096,
+                          template=get_template(name, tokenizer))
     with pytest.raises(TemplateError, match="both text and tool_calls"):
         tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def test_r1_data_that_reasons_before_calling_trains_as_the_official_template_writes_it(tokenizers):
+    """Read from an OpenAI record (the reader keeps text beside calls), R1's reasoning before its first call is
+    trained, token for token the official template's conversation; a later call's text, which R1's template drops,
+    is counted in the data summary (R1.note)."""
+    tokenizer = tokenizers["r1"]
+    messages = conversation({"tools": OPENAI_TOOLS["tools"], "messages": [
+        {"role": "user", "content": "Weather in 東京?"},
+        {"role": "assistant", "content": "<think>\nLook it up.\n</think>\n\n",
+         "tool_calls": [call("get_weather", '{"city": "東京"}')]},
+        {"role": "tool", "content": "21°C"}, {"role": "assistant", "content": "21°C in 東京."}]})
+    rows = tokenize_examples(messages, tokenizer=tokenizer, max_length=4096, template=get_template("r1", tokenizer))
+    assert len(rows) == 1 and rows[0]["input_ids"] == official_ids(tokenizer, messages)
+    assert trained_runs(rows[0], tokenizer)[0].startswith("Look it up.\n</think>\n\n<｜tool▁calls▁begin｜>")
+    template = get_template("r1", tokenizer)
+    assert template.note(messages) is None
+    assert "text beside a later tool call" in template.note(R1_TOOL_CONVERSATIONS["text_beside_calls"])

@@ -506,7 +506,7 @@ def messages_conversation(record: Any, where: str, columns: dict | None = None, 
             content = _expect_str(turn, text_key, turn_where)
         message = {"role": roles[role.lower()], "content": content}
         if role_key == "role" and message["role"] == "assistant" and turn.get("tool_calls"):
-            message["tool_calls"] = _openai_calls(turn["tool_calls"], content, turn_where)
+            message["tool_calls"] = _openai_calls(turn["tool_calls"], turn_where)  # text beside: the template's
         turn_thinking = _thinking(turn.get("thinking"), turn_where) if role_key == "role" else None
         if message["role"] == "assistant" and (turn_thinking, thinking) != (None, None):
             message["thinking"] = thinking if turn_thinking is None else turn_thinking  # V3.1 (thinking_templates.py)
@@ -528,12 +528,9 @@ def _thinking(value: Any, where: str) -> bool | None:
                     f"--skip_bad_records to skip it.")
 
 
-def _openai_calls(calls: Any, content: str, where: str) -> list[dict]:
-    """OpenAI `tool_calls` -> [{"type", "function": {"name", "arguments" (JSON text)}}] (ids are not rendered)."""
-    if content.strip():
-        raise DataError(f"{where}: an assistant turn with both text and tool_calls; DeepSeek's chat template writes "
-                        f"only one of the two (it drops the calls). Move the text to its own turn, or pass "
-                        f"--skip_bad_records to skip it.")
+def _openai_calls(calls: Any, where: str) -> list[dict]:
+    """OpenAI `tool_calls` -> [{"type", "function": {"name", "arguments" (JSON text)}}] (ids are not rendered). Text
+    beside the calls stays the turn's content: R1's template writes it (sft/data/tool_calls.py), V3's refuses it."""
     if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
                                               for c in calls):
         raise DataError(f"{where}.tool_calls must be a list of {{\"type\": \"function\", \"function\": {{\"name\", "

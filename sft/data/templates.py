@@ -23,9 +23,10 @@ from __future__ import annotations
 from typing import Any
 
 from sft.errors import DataError
-from sft.data.tool_calls import (ASSISTANT, OUTPUTS_END, R1_CALLS, TOOLS_ROLE, TOOLS_STATE_JINJA, TRAINED_BEFORE, V3_CALLS,
-                             CallLayout, after_outputs, calls_jinja, end_jinja, has_tools, head_jinja, refuse_tools,
-                             render_v3, result_jinja, split_opening, tool_definitions, with_tools)
+from sft.data.tool_calls import (ASSISTANT, LATER_CALL_TEXT, OUTPUTS_END, R1_CALLS, TOOLS_ROLE, TOOLS_STATE_JINJA,
+                             TRAINED_BEFORE, V3_CALLS, CallLayout, after_outputs, calls_jinja, end_jinja, has_tools,
+                             head_jinja, later_call_text, refuse_tools, render_v3, result_jinja, split_opening,
+                             tool_definitions, with_tools)
 
 Segment = tuple[str, bool]  # (text, trained)
 Messages = list[dict[str, Any]]
@@ -237,14 +238,16 @@ class R1(DeepSeekV3):
 
     def note(self, messages):
         """A reply (after a question) that does not open with `<think>\n` is trained after `<｜Assistant｜>` alone,
-        while the saved template's generation prompt ends `<think>\n`: the summary counts those conversations."""
+        while the saved template's generation prompt ends `<think>\n`; under R1's tool layout, text beside a later
+        call is not written (as R1's own template drops it): the summary counts those conversations."""
         opens = self.generation_prompt.removeprefix(ASSISTANT)
+        notes = [LATER_CALL_TEXT] if self.tool_layout.writes_text and later_call_text(messages) else []
         if opens and any(m["role"] == "assistant" and not m.get("tool_calls") and not after and m["content"].strip()
                          and not m["content"].startswith(opens)
                          for m, after in zip(messages, after_outputs(messages))):
-            return (f"replies not opening with {opens!r}, trained after {ASSISTANT} alone (prompts from the saved "
-                    f"template end {opens!r})")
-        return None
+            notes.append(f"replies not opening with {opens!r}, trained after {ASSISTANT} alone (prompts from the "
+                         f"saved template end {opens!r})")
+        return "; ".join(notes) or None
 
     def hides(self, message: dict, after_results: bool) -> bool:
         """Whether later turns show this assistant turn otherwise than the model wrote it (its reasoning deleted)."""

@@ -152,9 +152,27 @@ def render_v3(messages: list[dict[str, Any]], *, head: str, generation_prompt: s
     return out
 
 
+# DeepSeek-V3's and the distills' official templates write an assistant turn with text as an answer, without its
+# calls: such data cannot be trained as the model is prompted, so it stops the run.
+TEXT_DROPS_CALLS = ("an assistant turn with both text and tool_calls: DeepSeek-V3's and the R1 distills' templates "
+                    "write only one of the two (they drop the calls). Move the text to its own turn, or train with "
+                    "--template r1, whose template writes the text before a conversation's first call")
+# DeepSeek-R1's writes the text beside the conversation's first call (its reasoning before calling) and drops that
+# of later calls, as it drops earlier answers' reasoning: said in the data summary (R1.note).
+LATER_CALL_TEXT = "text beside a later tool call, not written (R1's template writes the first call's only)"
+
+
+def later_call_text(messages: list[dict[str, Any]]) -> bool:
+    """Whether a turn with tool_calls after the conversation's first has text beside them (R1's template drops it)."""
+    calls = [m for m in messages if m["role"] == "assistant" and m.get("tool_calls")]
+    return any(m["content"].strip() for m in calls[1:])
+
+
 def calls_segments(message: dict[str, Any], first_call: bool, layout: CallLayout, generation_prompt: str,
                    eos: str) -> list[tuple[str, bool]]:
     """An assistant turn with `tool_calls` as segments (`first_call`: the conversation's first call is in it)."""
+    if message["content"].strip() and not layout.writes_text:
+        raise DataError(TEXT_DROPS_CALLS + ".")
     trained = not message.get(TRAINED_BEFORE)
     calls = [call_text(call) for call in message["tool_calls"]]
     out: list[tuple[str, bool]] = []
@@ -190,17 +208,17 @@ def head_jinja(system_jinja: str) -> str:
 
 def calls_jinja(eos: str, layout: CallLayout) -> str:
     """The Jinja of an assistant turn with `tool_calls` (an `{% elif %}` branch of the messages loop), as
-    calls_segments writes it; text beside the calls is refused, as sft/data/formats.py refuses it in training data (so
-    R1's text there can only be blank)."""
+    calls_segments writes it; R1's layout writes the text beside the conversation's first call and drops a later
+    call's; the others refuse text beside calls, as training does."""
     call = ("'" + CALL_BEGIN + "' + (call['type'] if call['type'] is defined else 'function') + '" + SEP + "' + "
             "call['function']['name'] + '\\n```json\\n' + (arguments if arguments is string else arguments | tojson) "
             "+ '\\n```" + CALL_END + "'")
     text = " + content" if layout.writes_text else ""
     ends = "" if layout.end_per_turn else " + '" + CALLS_END + eos + "'"
     return ("{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
-            "{% if content | trim %}{{ raise_exception('an assistant message with both text and tool_calls: "
-            "DeepSeek\\'s tool-call format writes only one of the two') }}"
-            "{% endif %}{% set ns.in_outputs = false %}{% for call in message['tool_calls'] %}"
+            + ("" if layout.writes_text else "{% if content | trim %}{{ raise_exception('an assistant message "
+               "with both text and tool_calls: this template writes only one of the two') }}{% endif %}")
+            + "{% set ns.in_outputs = false %}{% for call in message['tool_calls'] %}"
             "{% set arguments = call['function']['arguments'] if call['function']['arguments'] is defined else {} %}"
             "{% if ns.first_call %}{{ '" + ASSISTANT + "'" + text + " + '" + CALLS_BEGIN + "' + " + call + " }}"
             "{% set ns.first_call = false %}{% else %}{{ '\\n' + " + call + ends + " }}"
