@@ -303,11 +303,10 @@ GROUPS = {
     # against the peers' offload recipe (run with --fresh_cache)
     "box": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit-fp8", "full-fsdp-4bit", "peer-mb1"],
     "recipes": ["recipe-coder-lora", "recipe-r1-lora", "recipe-v2-lite-lora"],
-    # not measured yet (2026-12-02, 08:00): the compiled layers rounding as eager does (their speed), beside the
-    # plain compiled row and TRL (TRL first: its first step compiles for ~240 s on a fresh machine); then V2-Lite
-    # offload on 1 and 2 cards and with --chunked_loss
-    "next": ["trl-lora-best", "lora-best-fp8-compile", "lora-best-fp8-compile-eagerround", "full-sr16", "trl-full",
-             "moe-lora-offload-1", "moe-lora-offload-1-chunked", "moe-lora-offload"],
+    # not measured yet (2026-12-04): V2-Lite resident at the micro-batch a 24 GB card holds, the 16k long rows, and
+    # what a user gets by default against TRL's best (TRL first: its first step compiles for ~240 s on a fresh
+    # machine). With `python bench/fp8_check.py --part loss --method full --candidate fp8-compile` (issue 28).
+    "next": ["moe-lora-resident-1-mb4", "long-r1-16k", "long-llm-16k", "trl-lora-best", "lora-best-default"],
     # --compile_layers beside the plain rows and TRL's best, same run (2026-12-01, evening)
     "compile": ["lora-best-fp8-compile", "lora-best-compile", "lora-best", "trl-lora-best", "lora-best-fp8"],
     # why lora-best-compile logged a lower loss with the same gradient norms: not Liger's in-layer kernels
