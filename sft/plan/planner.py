@@ -19,7 +19,9 @@ sharded strategies' transient buffers (all-gathered layers and their gradients);
 cached on top (fitted), and the CUDA context and NCCL buffers that nvidia-smi adds (fitted); the fast paths' own
 share of the activations (fitted on their rows: fast_path_memory). Rows over 4,096 tokens are long rows
 (sft/plan/long_rows.py): one conversation each, with the MLP tile and offloaded checkpoints where a plan needs them
-to fit, and their speed from the long-document bench rows. The fitted constants and the rows they come
+to fit, and their speed from the long-document bench rows. LoRA of an MoE model is also planned resident
+(sft/plan/resident.py: --quantize_experts fp8, the routed experts in e4m3, one layer's dequantized at a time), its
+speed from its own bench rows. The fitted constants and the rows they come
 from are in CALIBRATION below and in the snapshot; `--check` prints predicted against measured for every row with
 a measured peak.
 """
