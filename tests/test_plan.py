@@ -233,8 +233,10 @@ def test_deepseek_v2_lite_lora_count_is_what_training_attaches(tmp_path):
     (3, {"fsdp", "zero3", "zero3_offload"}),
 ])
 def test_deepseek_v2_lite_lora_on_24gb_cards(gpus, fitting):
+    """Its bf16 base (the resident plans, experts in e4m3, are tested below)."""
     shape = plan.SHAPES["deepseek-v2-lite"]
-    plans = plan.enumerate_plans(shape, plan.Box(gpus, 24, host_ram_gib=128), "lora", 2048)
+    plans = [p for p in plan.enumerate_plans(shape, plan.Box(gpus, 24, host_ram_gib=128), "lora", 2048)
+             if not p.w.resident]
     assert {p.w.strategy for p in plans if p.fits} == fitting
     assert not any(p.fits for p in plans if p.w.strategy in ("ddp", "zero2", "single_gpu"))  # a whole base per card
     best = plan.best_plan(plans)
@@ -246,6 +248,82 @@ def test_deepseek_v2_lite_lora_on_24gb_cards(gpus, fitting):
     active = shape.matmul_params() + (cost - 1) * shape.routed_active_params()
     assert best.tok_s == pytest.approx(mfu * 165e12 * gpus / (4 * active))
     assert active < shape.params() / 4
+
+
+def test_resident_plan_is_recommended_for_v2_lite_lora_on_one_24gb_card():
+    """--quantize_experts fp8 (sft/plan/resident.py): the routed experts in e4m3 plus their row scales, the rest of the
+    base in bf16, one MoE layer's experts dequantized at a time: V2-Lite's base on one 24 GB card, far faster than
+    streaming it from host RAM (ZeRO-3 offload), so recommended where it fits."""
+    shape = plan.SHAPES["deepseek-v2-lite"]
+    box = plan.Box(1, 24, host_ram_gib=128)
+    plans = plan.enumerate_plans(shape, box, "lora", 2048)
+    resident = [p for p in plans if p.w.resident]
+    assert resident and all((p.w.strategy, p.w.checkpointing, p.w.chunked_loss) == ("single_gpu", True, True)
+                            for p in resident)
+    assert any(p.roomy for p in resident)
+    best = plan.best_plan(plans)
+    offload = plan.best_plan([p for p in plans if p.w.strategy == "zero3_offload"])
+    assert best.w.resident and offload is not None and best.tok_s > 5 * offload.tok_s
+    cmd = plan.command(best, "deepseek-v2-lite", box)
+    assert cmd.startswith("accelerate launch -q --config_file accelerate_configs/single_gpu.yaml sft/train.py")
+    assert "--lora" in cmd and "--quantize_experts fp8 --activation_checkpointing true --chunked_loss" in cmd
+    assert plan.options_of(best)["quantize_experts"] == "fp8" and plan.options_of(best)["activation_checkpointing"]
+    # weights: the bf16 base less 1 byte a routed expert weight, plus 4 bytes a row; the transient: one layer's
+    experts = 26 * 64 * 3 * 2048 * 1408
+    bf16 = plan.predict(shape, dataclasses.replace(best.w, resident=False)).parts["weights"]
+    assert bf16 - best.prediction.parts["weights"] == pytest.approx(
+        (experts - 4 * 26 * 64 * (2 * 1408 + 2048)) / plan.GIB)
+    assert best.prediction.parts["dequantized_experts"] == pytest.approx(
+        plan.CALIBRATION["dequantized_copies"] * 2 * experts / 26 / plan.GIB)
+    # DDP: one replica per card, never a sharded strategy
+    three = plan.enumerate_plans(shape, plan.Box(3, 24, host_ram_gib=128), "lora", 2048)
+    assert {p.w.strategy for p in three if p.w.resident} == {"single_gpu", "ddp"}
+    assert (plan.best_plan(three).w.strategy, plan.best_plan(three).w.resident) == ("ddp", True)
+
+
+def test_resident_plan_only_for_lora_of_routed_experts_with_checkpointing():
+    v2, box = plan.SHAPES["deepseek-v2-lite"], plan.Box(2, 24, host_ram_gib=512)
+    assert not any(p.w.resident for p in plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], box, "lora", 2048))
+    for method in ("full", "qlora"):
+        assert not any(p.w.resident for p in plan.enumerate_plans(v2, box, method, 2048)), method
+    no_experts = dataclasses.replace(v2, routed_experts=0)
+    assert not any(p.w.resident for p in plan.enumerate_plans(no_experts, box, "lora", 2048))
+    lora = plan.enumerate_plans(v2, box, "lora", 2048)
+    resident = [p for p in lora if p.w.resident]
+    assert resident and all(p.w.checkpointing and p.w.strategy in ("single_gpu", "ddp") for p in resident)
+
+
+def test_resident_row_is_predicted_within_the_memory_models_error():
+    """moe-lora-resident-1 (one H200 held to 24 GiB, micro-batch 8): 23.3 GiB allocated, 24.68 by nvidia-smi; the
+    same run held to 22.25 GiB ran out of memory at micro-batch 8."""
+    rows = [x for x in plan.check_rows() if x["run_id"] == "20261204T2105Z-resident"]
+    assert len(rows) == 1 and rows[0]["resident"]
+    x = rows[0]
+    assert abs(x["pred_allocated"] / x["allocated"] - 1) <= plan.HEADROOM and x["pred_allocated"] > 22.25
+    assert abs(x["err_smi"]) <= 0.065 and abs(x["err_reserved"]) <= plan.HEADROOM
+
+
+def test_resident_speed_is_read_from_its_own_rows():
+    """The resident rows speak for resident plans only (the dequantization is their own work), at today's speed
+    (the eager dequantization's row is left out), counted so that the measured configuration predicts its tok/s."""
+    shape = plan.SHAPES["deepseek-v2-lite"]
+    mfu, why = plan.mfu_reference("single_gpu", "lora", True, model=shape.name, resident_experts=True)
+    assert "moe-lora-resident-1" in why and "--quantize_experts fp8" in why
+    assert (mfu, why) == plan.mfu_reference("single_gpu", "lora", True, plan.RESULTS, shape.name,
+                                            resident_experts=True)
+    _, plain = plan.mfu_reference("single_gpu", "lora", True, model=shape.name)
+    assert "resident" not in plain
+    w = plan.Workload("single_gpu", Setup("lora"), 1, 8, 2048, True, fused_loss=False, chunked_loss=True,
+                      resident=True)
+    tok_s, _ = plan.tokens_per_second(shape, w, plan.GPU_KINDS["H200"].peak_flops)
+    assert tok_s == pytest.approx(12273, rel=0.01)  # run 20261204T2105Z-resident; 2040Z's 10,694 was eager
+
+
+def test_resident_loss_chunk_is_the_chunked_loss():
+    from sft.plan import resident
+    from sft.speed.chunked_loss import CHUNK_TOKENS
+
+    assert resident.LOSS_CHUNK_TOKENS == CHUNK_TOKENS
 
 
 def test_moe_lora_keeps_a_weight_per_layer_without_checkpointing():
@@ -488,7 +566,8 @@ def test_qlora_rows_are_lora_rows_never_full_fine_tune_rows(tmp_path):
 def test_each_recipe_is_the_planners_plan_for_its_micro_batch(recipe):
     """Asked for a recipe's micro-batch and accumulation on its box (3 x 24 GB), the planner recommends its
     strategy, precision, checkpointing and long-row levers (r1-distill-qwen-7b-long: the MLP tile and offloaded
-    checkpoints), and the recipe itself keeps the margin. The full fine-tune's recipe says why its micro-batch is
+    checkpoints), and the recipe itself keeps the margin; the resident plans (--quantize_experts) only for a recipe
+    that asks for them. The full fine-tune's recipe says why its micro-batch is
     not the planner's own choice, with the planner's prediction for it."""
     import re
 
@@ -503,8 +582,11 @@ def test_each_recipe_is_the_planners_plan_for_its_micro_batch(recipe):
     mb, accumulation = options.get("per_device_train_batch_size", 1), options.get("gradient_accumulation_steps", 1)
     shape = plan.resolve_shape(options["model"])
     box = plan.Box(3, 24, host_ram_gib=64)
-    best = plan.best_plan(plan.enumerate_plans(shape, box, method, options.get("max_length", 2048), (mb,),
-                                               options.get("lora_r", 16), accumulation))
+    plans = plan.enumerate_plans(shape, box, method, options.get("max_length", 2048), (mb,),
+                                 options.get("lora_r", 16), accumulation)
+    # a resident plan changes the model the adapter trains against: the plan of a recipe that asks for it (as
+    # --plan auto plans), else of one that does not
+    best = plan.best_plan([p for p in plans if p.w.resident == (options.get("quantize_experts") == "fp8")])
     precision = next((k for k, v in PRECISION_OPTIONS.items() if v and v["optim"] == options.get("optim")),
                      "fp32_master")
     levers = Levers(options.get("mlp_tile_tokens", 0), bool(options.get("offload_activations")))

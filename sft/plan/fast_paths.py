@@ -68,6 +68,7 @@ class _ModelOptions(FastPathSwitches):
     fp8: str
     compile_layers: str
     tp_size: int = 1
+    quantize_experts: str = "none"  # the compiled layers are not yet run with it (sft/options/resolve.py)
     speed_choices: tuple[str, ...] = ()
 
 
@@ -83,12 +84,15 @@ def described_machine(gpu: str, gpus: int, memory_gib: float) -> Machine:
 
 
 @functools.lru_cache(maxsize=None)
-def fast_paths(machine: Machine, strategy: str, world: int, method: str, asked: Asked = Asked()) -> FastPaths:
+def fast_paths(machine: Machine, strategy: str, world: int, method: str, asked: Asked = Asked(),
+               quantize_experts: str = "none") -> FastPaths:
     """What a run of `method` (lora, qlora, full) under `strategy` on `world` of `machine`'s GPUs runs with, for the
-    --fp8/--compile_layers `asked`: sft/options/resolve.py's rule, then the checks an option set to true meets."""
+    --fp8/--compile_layers `asked` (and --quantize_experts, which the rule reads): sft/options/resolve.py's rule,
+    then the checks an option set to true meets."""
     s = STRATEGIES[strategy]
     m = dataclasses.replace(machine, launch=s.launch(world))
-    model = _ModelOptions(asked.fp8, asked.compile_layers, tp_size=world if s.sharded_kind == "tp" else 1)
+    model = _ModelOptions(asked.fp8, asked.compile_layers, tp_size=world if s.sharded_kind == "tp" else 1,
+                          quantize_experts=quantize_experts)
     o = Options(model, None, SimpleNamespace(lora=method != "full", qlora=method == "qlora"),
                 SimpleNamespace(torch_compile=asked.torch_compile, fsdp=""))
     fast_paths_where_supported(o, m)

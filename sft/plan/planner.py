@@ -19,7 +19,9 @@ sharded strategies' transient buffers (all-gathered layers and their gradients);
 cached on top (fitted), and the CUDA context and NCCL buffers that nvidia-smi adds (fitted); the fast paths' own
 share of the activations (fitted on their rows: fast_path_memory). Rows over 4,096 tokens are long rows
 (sft/plan/long_rows.py): one conversation each, with the MLP tile and offloaded checkpoints where a plan needs them
-to fit, and their speed from the long-document bench rows. The fitted constants and the rows they come
+to fit, and their speed from the long-document bench rows. LoRA of an MoE model is also planned resident
+(sft/plan/resident.py: --quantize_experts fp8, the routed experts in e4m3, one layer's dequantized at a time), its
+speed from its own bench rows. The fitted constants and the rows they come
 from are in CALIBRATION below and in the snapshot; `--check` prints predicted against measured for every row with
 a measured peak.
 """
@@ -46,6 +48,7 @@ from sft.machine import GIB, GPU_KINDS, Machine, gpu_kind, host_ram_gib as this_
 from sft.parallel.strategies import PRECISION_OPTIONS, REPO, STRATEGIES, Setup, StateBytes
 from sft.plan.fast_paths import NAMES as FAST_PATH_NAMES, Asked, FastPaths, described_machine, fast_paths
 from sft.plan.long_rows import Levers, is_long, ladder, is_long_document_row, long_row_flops_per_token, tile_tokens
+from sft.plan import resident
 
 RESULTS = REPO / "bench" / "results.jsonl"  # the source of truth, in a checkout only
 # What the planner fits from RESULTS, snapshotted as package data: plans read this, so that a wheel plans as a checkout
@@ -354,6 +357,12 @@ CALIBRATION = {
     # the activations autograd keeps per layer (and the backward working set), against the count in
     # Shape.layer_activation_bytes: fitted on the LoRA rows of the current code (no peft input casts).
     "activation_scale": 0.74,
+    # --quantize_experts fp8: bf16 copies of one MoE layer's experts alive in its recomputation and backward (the
+    # dequantized weights the forward reads, and what the grouped matmuls' backward makes of them), in units of
+    # resident.dequantized_layer_bytes: fitted on moe-lora-resident-1 (20261204T2105Z-resident, micro-batch 8:
+    # 23.3 GiB allocated, 2.88 GiB over the rest of the memory model; the same run held to 22.25 GiB ran out of
+    # memory at micro-batch 8). A count per layer, not per token: at smaller micro-batches it errs on the safe side.
+    "dequantized_copies": 2.8,
 }
 
 
@@ -398,6 +407,8 @@ class Workload:
     compiled: bool = False         # --compile_layers (sft/speed/regional_compile.py)
     mlp_tile_tokens: int = 0       # --mlp_tile_tokens (sft/speed/tiled_mlp.py); 0: the MLP runs whole
     offload_activations: bool = False  # --offload_activations: checkpoints wait in host RAM (sft/trainer.py)
+    chunked_loss: bool = False     # --chunked_loss: one chunk's logits at a time (sft/speed/chunked_loss.py)
+    resident: bool = False         # --quantize_experts fp8: the routed experts in e4m3 (sft/plan/resident.py)
 
     @property
     def levers(self) -> Levers:
@@ -460,6 +471,8 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     lora = w.setup.method in ("lora", "qlora")
     trainable = shape.lora_params(w.lora_r) if lora else params
     state: StateBytes = strategy.state_bytes(params, trainable, w.setup, w.world, shape.linear_params())
+    if w.resident:  # the routed experts in e4m3 with their row scales, the rest of the base in bf16
+        state = dataclasses.replace(state, weights=state.weights - resident.bytes_saved(shape))
     tokens = w.micro_batch * w.seq_len
     h, layers = shape.hidden, shape.layers
     # activations (bytes)
@@ -486,11 +499,14 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     deltas = [shape.parameter_lora_bytes(i) for i in range(shape.layers)] if lora else [0.0]
     whole = min(w.skip_layers, len(deltas))  # --activation_checkpointing_skip_layers keeps the LAST layers whole
     kept_deltas = sum(deltas[len(deltas) - whole:]) + max(deltas) if w.checkpointing else sum(deltas)
-    logits = 0.0 if w.fused_loss else 12.0 * shape.vocab  # log_softmax output + two fp32 gradients
+    logits = 0.0 if w.fused_loss or w.chunked_loss else 12.0 * shape.vocab  # log_softmax output + two fp32 grads
+    loss_chunk = resident.loss_chunk_bytes(shape.vocab) if w.chunked_loss else 0.0
+    # --quantize_experts: one MoE layer's experts in bf16 while the backward recomputes that layer
+    dequantized = CALIBRATION["dequantized_copies"] * resident.dequantized_layer_bytes(shape) if w.resident else 0.0
     if strategy.sharded_kind == "tp":
         logits += 2.0 * shape.vocab if not w.fused_loss else 0.0  # the gathered (replicated) bf16 logits
     backward = k * (tokens * shape.backward_working_bytes() - (tokens - tile) * shape.mlp_working_bytes())
-    working = max(tokens * logits, recompute + one_tile + backward)
+    working = max(tokens * logits, loss_chunk, recompute + one_tile + backward + dequantized)
     extras = 8 * h  # final norm (fp32 input + output) and the loss's input
     if w.offload_activations:  # what the norm and the fused loss save waits in host RAM too: the GPU holds the
         extras = 4 * h         # gradient into the last layer and the saved tensor brought back for it (2h each)
@@ -538,6 +554,7 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     parts = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer,
              "masters": state.masters, "buckets": state.buckets, "activations": activations,
              "lora_weights": kept_deltas, "fast_paths": fast, "transient": transient, "cache": cache,
+             "dequantized_experts": dequantized,
              "context": context, "offloaded_activations": offloaded}
     return Prediction(w, allocated / GIB, reserved / GIB, (reserved + context) / GIB, need / GIB, host / GIB,
                       {k: v / GIB for k, v in parts.items()})
@@ -600,7 +617,9 @@ def workload_of_row(row: dict) -> Workload:
                     fused_loss=_arg(args, "--use_liger_kernel", "false") == "true",
                     grad_accum=row.get("grad_accum", 1), fp8=fast.fp8, compiled=fast.compiled,
                     mlp_tile_tokens=int(_arg(args, "--mlp_tile_tokens", 0)),
-                    offload_activations=_arg(args, "--offload_activations", "false") == "true")
+                    offload_activations=_arg(args, "--offload_activations", "false") == "true",
+                    chunked_loss=_arg(args, "--chunked_loss", "false") == "true",
+                    resident=resident.is_resident_row(args))
 
 
 def fast_of_row(row: dict) -> FastPaths:
@@ -612,7 +631,7 @@ def fast_of_row(row: dict) -> FastPaths:
                   _arg(args, "--torch_compile", "false") == "true")
     strategy = STRATEGY_OF_ROW.get(row["strategy"], row["strategy"])
     return fast_paths(described_machine(row.get("gpu") or "", row["n_gpus"], 0.0), strategy, row["n_gpus"],
-                      row["method"], asked)
+                      row["method"], asked, "fp8" if resident.is_resident_row(args) else "none")
 
 
 def bench_rows(path: Path = RESULTS) -> list[dict]:
@@ -663,7 +682,7 @@ def check_rows(path: Path = RESULTS) -> list[dict]:
                     "model": r["model"], "n_gpus": r["n_gpus"], "micro_batch": r["micro_batch"],
                     "checkpointing": w.checkpointing, "skip": w.skip_layers, "fused_loss": w.fused_loss,
                     "levers": w.levers.label,
-                    "precision": w.setup.precision, "fast": w.fast,
+                    "precision": w.setup.precision, "fast": w.fast, "resident": w.resident,
                     "pred_allocated": p.allocated_gib, "allocated": r.get("peak_allocated_gib"),
                     "pred_reserved": reserved, "reserved": r["peak_mem_gib"],
                     "pred_smi": smi, "smi": measured_smi, "smi_note": why,
@@ -684,7 +703,8 @@ def check_table(results: list[dict]) -> str:
         ck = ("yes" + (f" (skip {x['skip']})" if x["skip"] else "")) if x["checkpointing"] else "no"
         ck += f", {x['levers']}" if x["levers"] else ""  # the long-row levers (tile, offload)
         smi = f"{x['pred_smi']:.2f} / {x['smi']:.2f}" if x["smi"] else f"{x['pred_smi']:.2f} / - ({x['smi_note']})"
-        method = x["method"] + ("" if x["precision"] == "fp32_master" else f" {x['precision']}")
+        method = x["method"] + ("" if x["precision"] == "fp32_master" else f" {x['precision']}") \
+            + (" resident" if x["resident"] else "")
         lines.append("| " + " | ".join([
             f"{x['name']} ({x['run_id'][9:14]})", x["strategy"], method, str(x["n_gpus"]),
             str(x["micro_batch"]), ck, "yes" if x["fused_loss"] else "no", x["fast"] or "-",
@@ -705,15 +725,19 @@ FAMILY = {"single_gpu": "unsharded", "ddp": "unsharded", "zero2": "unsharded", "
 
 
 def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path | None = None,
-                  model: str | None = None, fast: str = "", long: bool = False) -> tuple[float, str]:
+                  model: str | None = None, fast: str = "", long: bool = False,
+                  resident_experts: bool = False) -> tuple[float, str]:
     """(MFU, which rows) for a kind of plan: the median MFU of our measured rows of the same strategy family,
     method, checkpointing and fast paths (`fast`: a FastPaths.label), with our fast kernels (flex_attention +
     Liger) where such rows exist. A plan with fast paths that no row of its strategy family and method ran with
     takes the rows without them, and says so. `long`: a plan of long rows (sft/plan/long_rows.py) reads the rows
     of one long conversation each, their MFU counted with their attention (long_mfu_rows); the short rows' where
     there is none of its family and method, and says so. `path`: the rows to fit from; None: the snapshot of
-    bench/results.jsonl (FITTED). `model`: a built-in shape's name in either spelling (sft/names.py)."""
+    bench/results.jsonl (FITTED). `model`: a built-in shape's name in either spelling (sft/names.py).
+    `resident_experts`: a resident plan (--quantize_experts fp8) reads the rows that ran with it (_resident_mfu)."""
     model = (shape_name(model) or model) if model else None
+    if resident_experts:
+        return _resident_mfu(strategy, checkpointing, path, model, fast)
     if path is None:
         table = fitted()["mfu"]
         own = table.get(model, table[ANY_MODEL])
@@ -752,6 +776,54 @@ def _long_mfu(strategy: str, method: str, checkpointing: bool, path: Path, model
     return mfu, why + ", rows of one long conversation each, their attention FLOPs counted" + note
 
 
+def _resident_mfu(strategy: str, checkpointing: bool, path: Path | None, model: str | None,
+                  fast: str) -> tuple[float, str]:
+    """mfu_reference of a resident plan: from the snapshot, or from the rows that ran with --quantize_experts fp8
+    (this model's, else any MoE model's, said so), with these fast paths where some did, else without them; a
+    LoRA plan's MFU where no row ran with it."""
+    if path is None:
+        table = fitted()["mfu"]
+        key = mfu_key(strategy, "lora", checkpointing, fast, resident_experts=True)
+        plain = mfu_key(strategy, "lora", checkpointing, resident_experts=True)
+        for own in (table.get(model, {}), table[ANY_MODEL]):  # this model's rows, else any MoE model's
+            if key in own:
+                return tuple(own[key])
+            if plain in own:
+                mfu, why = own[plain]
+                return mfu, why + unmeasured_fast_note(fast)
+        mfu, why = mfu_reference(strategy, "lora", checkpointing, model=model, fast=fast)
+        return mfu, why + f"; no row ran with {resident.OPTION}"
+    rows = resident_mfu_rows(path, model)
+    if not rows:
+        mfu, why = mfu_reference(strategy, "lora", checkpointing, path, model, fast)
+        return mfu, why + f"; no row ran with {resident.OPTION}"
+    note = "" if any(row_shape(r).name == model for r in rows) else "; another MoE model's rows"
+    with_them = [r for r in rows if fast_of_row(r).label == fast]
+    if not with_them:
+        with_them, note = [r for r in rows if not fast_of_row(r).label], note + unmeasured_fast_note(fast)
+    mfu, why = _median_mfu(with_them, strategy, "lora", checkpointing, model)
+    return mfu, why + f", rows with {resident.OPTION}, their MFU over the routed experts' measured cost" + note
+
+
+def resident_mfu_rows(path: Path, model: str | None) -> list[dict]:
+    """The rows a resident plan's MFU is read from: those that ran with --quantize_experts fp8 at today's speed
+    (resident.SLOWER_THAN_TODAY), this model's where there are some, with their MFU counted over the planner's
+    FLOPs (tokens_per_second: the routed experts at their measured cost), so that the measured configuration's
+    plan predicts its measured tok/s."""
+    rows = [r for r in _speed_rows(path) if resident.is_resident_row(row_options(r))
+            and (r.get("run_id"), r.get("name")) not in resident.SLOWER_THAN_TODAY]
+    rows = [r for r in rows if row_shape(r).name == model] or rows
+    costs = expert_costs(path)
+    out = []
+    for r in rows:
+        shape = row_shape(r)
+        cost = costs.get(layer_key(shape.hidden, shape.routed_experts, shape.experts_per_token,
+                                   shape.moe_intermediate), [1.0])[0]
+        weighted = shape.matmul_params() + (cost - 1) * shape.routed_active_params()
+        out.append({**r, "mfu": r["mfu"] * weighted / shape.matmul_params()})
+    return out
+
+
 def long_mfu_rows(path: Path, model: str | None) -> list[dict]:
     """The rows made of one long conversation each (bench/throughput.py's long-* rows), of the rows MFU is read
     from, with their MFU counted as a long plan's: the bench's 6N/4N plus their attention and the tiled MLP's
@@ -778,10 +850,15 @@ def mfu_rows(path: Path, model: str | None) -> list[dict]:
 
 
 def _mfu_candidates(path: Path, model: str | None) -> list[dict]:
-    rows = [r for r in measured_rows(path) if r.get("mfu") and r.get("peer") in ("ours", "zero3-offload-recipe")
+    """The rows of _speed_rows that speak for plans without --quantize_experts (its rows: resident_mfu_rows)."""
+    rows = [r for r in _speed_rows(path) if not resident.is_resident_row(row_options(r))]
+    return [r for r in rows if row_shape(r).name == model or not row_shape(r).routed_experts]
+
+
+def _speed_rows(path: Path) -> list[dict]:
+    return [r for r in measured_rows(path) if r.get("mfu") and r.get("peer") in ("ours", "zero3-offload-recipe")
             and "--torch_compile" not in (r.get("train_args") or "")
             and not any(mark in (r.get("notes") or "") for mark in ("NOT a 1-GPU number", "INVALID"))]
-    return [r for r in rows if row_shape(r).name == model or not row_shape(r).routed_experts]
 
 
 def fast_mfu_rows(rows: list[dict], strategy: str, method: str, fast: str) -> list[dict]:
@@ -872,11 +949,13 @@ def routed_expert_cost(shape: Shape, path: Path | None = None) -> tuple[float, s
 # ---------------------------------------------------------------------------------------------------------------
 # The snapshot: every number the plans take from bench/results.jsonl, fitted once (FITTED, shipped in the wheel).
 
-def mfu_key(strategy: str, method: str, checkpointing: bool, fast: str = "", long: bool = False) -> str:
+def mfu_key(strategy: str, method: str, checkpointing: bool, fast: str = "", long: bool = False,
+            resident_experts: bool = False) -> str:
     """The snapshot's key of a kind of plan: what mfu_reference reads of its arguments (QLoRA's is LoRA's), its
-    fast paths (FastPaths.label) where it has any, and `long` for plans of long rows."""
+    fast paths (FastPaths.label) where it has any, `long` for plans of long rows and `resident` for resident
+    plans (--quantize_experts fp8)."""
     return (f"{strategy} {'lora' if method in ('lora', 'qlora') else 'full'} {'ckpt' if checkpointing else 'no-ckpt'}"
-            + (f" {fast}" if fast else "") + (" long" if long else ""))
+            + (f" {fast}" if fast else "") + (" long" if long else "") + (" resident" if resident_experts else ""))
 
 
 def fitted_numbers(path: Path = RESULTS) -> dict:
@@ -895,6 +974,11 @@ def fitted_numbers(path: Path = RESULTS) -> dict:
                      if not f or fast_mfu_rows(rows, s, m, f)}
         mfu[name].update({mfu_key(s, m, c, f, True): list(mfu_reference(s, m, c, path, model, f, True))
                           for s, m, c, f in kinds if not f or fast_mfu_rows(long, s, m, f)})
+        moe = model is None or SHAPES[model].moe  # a resident plan is an MoE model's only
+        ran = {fast_of_row(r).label for r in resident_mfu_rows(path, model)} if moe else set()
+        mfu[name].update({mfu_key(s, "lora", True, f, resident_experts=True):
+                          list(mfu_reference(s, "lora", True, path, model, f, resident_experts=True))
+                          for s in resident.STRATEGIES for f in ran})
     return {"source": "bench/results.jsonl", "refresh": SNAPSHOT_COMMAND, "mfu": mfu,
             "fast_path_memory": fast_path_memory(path), "routed_expert_cost": expert_costs(path)}
 
@@ -967,7 +1051,8 @@ def tokens_per_second(shape: Shape, w: Workload, peak_flops: float) -> tuple[flo
     row (long_rows.is_long) also pays its attention and the tiled MLP's recomputation, and its MFU, counted the same
     way, comes from the long-document rows."""
     long = is_long(w.seq_len)
-    mfu, why = mfu_reference(w.strategy, w.setup.method, w.checkpointing, model=shape.name, fast=w.fast, long=long)
+    mfu, why = mfu_reference(w.strategy, w.setup.method, w.checkpointing, model=shape.name, fast=w.fast, long=long,
+                             resident_experts=w.resident)
     cost, cost_why = routed_expert_cost(shape)
     matmul = shape.matmul_params() + (cost - 1) * shape.routed_active_params()
     flops = (4 if w.setup.method in ("lora", "qlora") else 6) * matmul
@@ -1086,7 +1171,8 @@ def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: in
     """Every strategy x precision x checkpointing x micro-batch for `shape` on `box`, best first (ranked), each with
     the fast paths its run gets there for the --fp8/--compile_layers `asked` (fast_paths: the run's own rule), and
     for long rows the cheapest long-row levers that leave the card its margin (long_rows.ladder; all of them where
-    none does), or `levers` where given."""
+    none does), or `levers` where given. Beside them the resident plans (--quantize_experts fp8) where they apply
+    (resident.offered)."""
     plans = []
     for strategy in STRATEGIES.values():
         if method not in strategy.methods or box.gpus < strategy.min_gpus:
@@ -1094,7 +1180,6 @@ def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: in
         world = strategy.gpus_for(box.gpus)
         if strategy.name == "tp" and shape.heads % world:
             continue
-        fast = fast_paths(box.described(), strategy.name, world, method, asked)
         precisions = ("fp32_master",) if method != "full" else strategy.precisions
         for precision in precisions:
             if precision != "fp32_master" and strategy.name not in ("single_gpu", "ddp", "fsdp"):
@@ -1103,15 +1188,30 @@ def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: in
                 for mb in micro_batches:
                     w = Workload(strategy.name, Setup(method, precision), world, mb, max_length, ckpt,
                                  fused_loss=kernels(strategy.name, shape)["use_liger_kernel"], lora_r=lora_r,
-                                 grad_accum=grad_accum, fp8=fast.fp8, compiled=fast.compiled)
-                    tried = [_plan(shape, box, dataclasses.replace(w, mlp_tile_tokens=lv.mlp_tile_tokens,
-                                                                   offload_activations=lv.offload_activations),
-                                   fast, asked)
-                             for lv in ([levers] if levers else ladder(shape, max_length, ckpt))
-                             if ckpt or not lv.offload_activations]  # offloading moves the checkpoints
-                    if tried:
-                        plans.append(next((p for p in tried if p.roomy), tried[-1]))
+                                 grad_accum=grad_accum)
+                    kinds = [w, _resident(w)] if resident.offered(shape, strategy.name, method, ckpt) else [w]
+                    for kind in kinds:
+                        plans += _with_levers(shape, box, kind, asked, levers)
     return ranked(plans)
+
+
+def _resident(w: Workload) -> Workload:
+    """`w` with the experts in e4m3, its loss in chunks where there is no Liger (the whole logits are what its
+    bench rows left out)."""
+    return dataclasses.replace(w, resident=True, chunked_loss=not w.fused_loss)
+
+
+def _with_levers(shape: Shape, box: Box, w: Workload, asked: Asked, levers: Levers | None) -> list[Plan]:
+    """`w` with the fast paths its run gets on `box`, and the first long-row levers that leave the card its margin
+    (all of them where none does); [] where no lever applies."""
+    fast = fast_paths(box.described(), w.strategy, w.world, w.setup.method, asked,
+                      "fp8" if w.resident else "none")
+    w = dataclasses.replace(w, fp8=fast.fp8, compiled=fast.compiled)
+    tried = [_plan(shape, box, dataclasses.replace(w, mlp_tile_tokens=lv.mlp_tile_tokens,
+                                                   offload_activations=lv.offload_activations), fast, asked)
+             for lv in ([levers] if levers else ladder(shape, w.seq_len, w.checkpointing))
+             if w.checkpointing or not lv.offload_activations]  # offloading moves the checkpoints
+    return [next((p for p in tried if p.roomy), tried[-1])] if tried else []
 
 
 def _plan(shape: Shape, box: Box, w: Workload, fast: FastPaths, asked: Asked) -> Plan:
@@ -1153,7 +1253,9 @@ def command(plan: Plan, model: str, box: Box) -> str:
              if v is not False]
     if s.name == "tp":
         opts += [f"--tp_size {w.world}"]
-    if w.checkpointing:
+    if w.resident:  # its option, the checkpointing the run requires for it, the chunked loss
+        opts += resident.flags(w.chunked_loss)
+    elif w.checkpointing:
         opts.append("--activation_checkpointing")
     opts += w.levers.flags()  # long rows: what they need to leave the card its margin
     opts += plan.asked.flags()  # auto, the default, settles as planned on the box: no option needed for it
@@ -1165,6 +1267,8 @@ def options_of(plan: Plan) -> dict:
     w = plan.w
     opts = {"per_device_train_batch_size": w.micro_batch, "activation_checkpointing": w.checkpointing,
             **kernels(plan.w.strategy, plan.shape)}
+    if w.resident:
+        opts.update(quantize_experts="fp8", chunked_loss=w.chunked_loss)
     if is_long(w.seq_len):  # set either way: a long plan without a lever says so
         opts.update(mlp_tile_tokens=w.mlp_tile_tokens, offload_activations=w.offload_activations)
     if w.setup.method in ("lora", "qlora"):
@@ -1175,7 +1279,8 @@ def options_of(plan: Plan) -> dict:
 
 
 def plan_table(plans: list[Plan], limit: int | None = None) -> str:
-    """One line a plan; a `long rows` column (its levers: tile, offload) where the rows are long."""
+    """One line a plan; a `long rows` column (its levers: tile, offload) where the rows are long. A resident plan's
+    precision is `resident` (the experts in e4m3: sft/plan/resident.py)."""
     long = any(is_long(p.w.seq_len) for p in plans)
     levers = f" {'long rows':<12}" if long else ""
     head = f"{'strategy':<14} {'precision':<11} {'ckpt':<4} {'mb':>2} {'fast paths':<12}{levers} " \
@@ -1183,7 +1288,7 @@ def plan_table(plans: list[Plan], limit: int | None = None) -> str:
     lines = [head, "-" * len(head)]
     for p in plans[:limit]:
         w = p.w
-        prec = "-" if w.setup.method != "full" else w.setup.precision
+        prec = "resident" if w.resident else "-" if w.setup.method != "full" else w.setup.precision
         said = f" {w.levers.label or '-':<12}" if long else ""
         lines.append(f"{w.strategy:<14} {prec:<11} {'yes' if w.checkpointing else 'no':<4} {w.micro_batch:>2} "
                      f"{w.fast or '-':<12}{said} {shown_gib(p):>12.1f} {p.prediction.host_gib:>8.0f} "
@@ -1293,6 +1398,10 @@ def planned_options(model_args, lora_args, data_args, training_args, machine=Non
                             levers)
     strategy = _launched_strategy(m)
     plans = [p for p in plans if strategy is None or p.w.strategy == strategy]  # the launch decides the strategy
+    # the experts in e4m3 change the model the adapter trains against: a resident plan only where the user asked
+    # for it, and then only one (the run refuses --quantize_experts elsewhere)
+    experts = getattr(model_args, "quantize_experts", "none") == "fp8"
+    plans = [p for p in plans if p.w.resident == experts]
     chosen = best_plan(plans)
     if chosen is None:
         return NOT_PLANNED
@@ -1323,7 +1432,7 @@ def prediction_line(plan: Plan) -> str:
     """One line for the run's first screen."""
     p = plan.prediction
     return (f"  {'plan':<12} {plan.w.strategy}, checkpointing {'on' if plan.w.checkpointing else 'off'}, "
-            f"micro-batch {plan.w.micro_batch}, {plan.fast.name}: predicted {shown_gib(plan):.1f} GiB per GPU "
+            f"micro-batch {plan.w.micro_batch}, {plan.fast.name}{', experts in e4m3' if plan.w.resident else ''}: predicted {shown_gib(plan):.1f} GiB per GPU "
             f"(nvidia-smi; {p.reserved_gib:.1f} GiB reserved by PyTorch), ~{plan.tok_s:,.0f} tok/s")
 
 

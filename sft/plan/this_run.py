@@ -2,22 +2,23 @@
 quantized-base run says its predicted peak, and the end of the run the measured one beside it (issue 26 item 5).
 
 It is the plan of `enumerate_plans` that matches the run: its launch's strategy, method, micro-batch,
-activation checkpointing and long-row options (--mlp_tile_tokens, --offload_activations), on this machine's GPUs. None where the planner does not model the run (no GPU,
---quantize_experts, a model whose shape it cannot read): the first screen then says why instead of a number.
+activation checkpointing, long-row options (--mlp_tile_tokens, --offload_activations) and --quantize_experts (a resident
+plan: sft/plan/resident.py), on this machine's GPUs. None where the planner does not model the run (no GPU, a model
+whose shape it cannot read): the first screen then says why instead of a number.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from sft.plan.fast_paths import Asked
 from sft.plan.long_rows import Levers
-from sft.plan.planner import Box, Plan, _launched_strategy, cards, enumerate_plans, gpu_kind, resolve_shape
+from sft.plan.planner import Box, Plan, _launched_strategy, _plan, cards, enumerate_plans, gpu_kind, resolve_shape
 
 def why_no_prediction(model_args, machine) -> str | None:
     """Why the planner predicts nothing for this run, or None."""
     if not machine.cuda:
         return "no GPU here (the planner predicts GPU memory)"
-    if getattr(model_args, "quantize_experts", "none") != "none":
-        return "the planner does not model --quantize_experts yet"
     return None
 
 
@@ -46,7 +47,16 @@ def _matching_plan(shape, model_args, lora_args, data_args, training_args, machi
                             lora_args.lora_r, training_args.gradient_accumulation_steps or 1, asked, levers)
     strategy = _launched_strategy(machine) or "single_gpu"
     checkpointing = bool(training_args.activation_checkpointing)
-    return next((p for p in plans if p.w.strategy == strategy and p.w.checkpointing == checkpointing), None)
+    experts = getattr(model_args, "quantize_experts", "none") == "fp8"
+    found = next((p for p in plans if p.w.strategy == strategy and p.w.checkpointing == checkpointing
+                  and p.w.resident == experts), None)
+    if found is None:
+        return None
+    chunked = bool(getattr(model_args, "chunked_loss", False)) and not found.w.fused_loss  # refused beside Liger
+    if found.w.chunked_loss == chunked:
+        return found
+    # the run's own --chunked_loss, not the plan's choice: without it the run holds the whole logits
+    return _plan(shape, box, dataclasses.replace(found.w, chunked_loss=chunked), found.fast, asked)
 
 
 def predicted_text(plan: Plan | None, model_args, machine) -> str:
