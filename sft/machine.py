@@ -11,6 +11,7 @@ import functools
 import importlib.util
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -135,7 +136,14 @@ class Machine:
         return self.fp8_probe_error
 
 
-def read_launch(env: os._Environ | dict = os.environ) -> Launch:
+def current_environment(env: Mapping[str, str] | None) -> Mapping[str, str]:
+    """`env`, or the process environment as it is NOW: not a default argument bound at import, since datasets'
+    multi-process map rebinds `os.environ` to a copy (a stale default then misses later settings)."""
+    return os.environ if env is None else env
+
+
+def read_launch(env: Mapping[str, str] | None = None) -> Launch:
+    env = current_environment(env)
     world = int(env.get("WORLD_SIZE", "1"))
     offload = tuple(k.lower() for k in ("OPTIMIZER", "PARAM")
                     if env.get(f"ACCELERATE_DEEPSPEED_OFFLOAD_{k}_DEVICE", "none") in ("cpu", "nvme"))
@@ -203,9 +211,10 @@ def is_first_process() -> bool:
     return launch().first
 
 
-def host_ram_gib(env: os._Environ | dict = os.environ, meminfo: str = "/proc/meminfo") -> float | None:
+def host_ram_gib(env: Mapping[str, str] | None = None, meminfo: str = "/proc/meminfo") -> float | None:
     """This machine's RAM in GiB without importing torch: SFT_HOST_RAM_GIB when set (VMs whose RAM grows on demand),
     else psutil's total, else /proc/meminfo's MemTotal; None where neither can be read (unknown, never assumed)."""
+    env = current_environment(env)
     if env.get("SFT_HOST_RAM_GIB"):
         return float(env["SFT_HOST_RAM_GIB"])
     try:
