@@ -237,14 +237,3 @@ def test_thinking_flag_errors_are_one_line(official):
     with pytest.raises(DataError, match=r"^r\.jsonl:4: a reply marked thinking has no `</think>`"):
         tokenize_batch({"messages": [plain], "source": ["r.jsonl:4"]}, tokenizer=tokenizer, max_length=4096,
                        template=get_template("deepseek_v31", tokenizer))
-
-
-@pytest.mark.parametrize("name", ["r1_0528", "deepseek_v31"])
-def test_tool_conversations_are_refused_with_one_line(official, name):
-    from sft.data.chat_templates import get_template
-    from sft.errors import DataError
-
-    calls = [{"role": "user", "content": "Rome?"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]}]
-    with pytest.raises(DataError, match=f"^--template {name} does not write tool calls yet"):
-        get_template(name, official[name]).render(calls)

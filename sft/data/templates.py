@@ -12,10 +12,10 @@ Each built-in also carries `chat_template`, Jinja that renders the same text as 
 on the tokenizer it saves (chat_template_for_saving), so that `apply_chat_template` on a trained model (and
 `python -m sft.tools.chat`) writes prompts byte for byte as training did. A user turn's optional `input` (Alpaca data)
 is rendered there as in training; a plain {"role", "content"} message simply has none. The templates with a
-tool-call format (V3 and the R1 family) also render OpenAI-form tool conversations there as training renders them
-after sft/data/formats.py read them: `tools=` in the system prompt, assistant `tool_calls`, `tool` results. Every saved
-template reads messages as that reader does (PRELUDE_JINJA): a `developer` message is a system text, and content
-given as a list of text parts is their texts joined.
+tool-call format (V3, the R1 family, R1-0528 and V3.1) also render OpenAI-form tool conversations there as training
+renders them after sft/data/formats.py read them: `tools=` in the system prompt, assistant `tool_calls`, `tool`
+results. Every saved template reads messages as that reader does (PRELUDE_JINJA): a `developer` message is a system
+text, and content given as a list of text parts is their texts joined.
 """
 
 from __future__ import annotations

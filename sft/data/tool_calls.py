@@ -23,11 +23,16 @@ templates do not write `tools` at all (apply_chat_template drops them); we add t
 (tools_section), as LLaMA-Factory does for templates without a tool slot, so that the model sees the functions it
 learns to call. The chat template that
 training saves writes the same layout from apply_chat_template's messages and `tools` (TOOLS_STATE_JINJA and after).
+
+DeepSeek-R1-0528's and DeepSeek-V3.1's templates open every turn's calls afresh instead (CallLayout.per_turn: the
+turn's text, its own `<｜tool▁calls▁begin｜>` block ended once, turn_calls); V3.1 also writes a call without its type
+or ```json fence (V31_CALL) and its results bare. sft/data/thinking_templates.py renders those two.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +40,8 @@ from typing import Any
 from sft.errors import DataError
 
 TOOLS_ROLE = "tools"
-TOOL_TEMPLATES = ("deepseek_v3", "r1", "r1_distill", "r1_distill_no_reasoning")  # built-ins with a tool-call format
+# built-ins with a tool-call format
+TOOL_TEMPLATES = ("deepseek_v3", "r1", "r1_distill", "r1_distill_no_reasoning", "r1_0528", "deepseek_v31")
 CALLS_BEGIN, CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
 CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
 OUTPUTS_BEGIN, OUTPUTS_END = "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>"
@@ -44,19 +50,32 @@ OUTPUT_BEGIN, OUTPUT_END = "<｜tool▁output▁begin｜>", "<｜tool▁output�
 TRAINED_BEFORE = "_trained_before"
 ASSISTANT = "<｜Assistant｜>"
 TOOLS_HEADER = "## Tools\nYou have access to the following functions (JSON schemas, one per line):"
+# One call as the templates write it ({type}, {name}, {arguments}: the call's): V3's and the R1 family's, V3.1's.
+V3_CALL = CALL_BEGIN + "{type}" + SEP + "{name}\n```json\n{arguments}\n```" + CALL_END
+V31_CALL = CALL_BEGIN + "{name}" + SEP + "{arguments}" + CALL_END
 
 
 @dataclass(frozen=True)
 class CallLayout:
-    """What the official templates' tool layouts do differently: V3's and the distills' (V3_CALLS), R1's (R1_CALLS)."""
+    """What the official templates' tool layouts do differently: V3's and the distills' (V3_CALLS), R1's (R1_CALLS),
+    and the per-turn layouts of R1-0528 (R1_0528_CALLS) and V3.1 (V31_CALLS), which thinking_templates.py renders."""
 
-    result_sep: str  # written before every tool result of the conversation but the first
+    result_sep: str  # written before every tool result of a block but the first
     end_per_turn: bool  # calls end once per turn (R1), else every call but the conversation's first ends (V3)
     writes_text: bool  # the text beside the conversation's first call follows `<｜Assistant｜>` (R1), else dropped
+    call_format: str = V3_CALL  # one call's text
+    call_sep: str = "\n"  # written before every call but the one that opens `<｜tool▁calls▁begin｜>`
+    # Every turn's calls open `<｜tool▁calls▁begin｜>` after its text, and the results after them open a block of their
+    # own (R1-0528, V3.1), instead of once per conversation (V3, R1: render_v3).
+    per_turn: bool = False
+    outputs_block: bool = True  # results between `<｜tool▁outputs▁begin｜>` and `<｜tool▁outputs▁end｜>`; V3.1: bare
 
 
 V3_CALLS = CallLayout(result_sep="\n", end_per_turn=False, writes_text=False)
 R1_CALLS = CallLayout(result_sep="", end_per_turn=True, writes_text=True)
+R1_0528_CALLS = CallLayout(result_sep="\n", end_per_turn=True, writes_text=True, per_turn=True)
+V31_CALLS = CallLayout(result_sep="", end_per_turn=True, writes_text=True, call_format=V31_CALL, call_sep="",
+                       per_turn=True, outputs_block=False)
 
 
 def has_tools(messages: list[dict[str, Any]]) -> bool:
@@ -95,9 +114,21 @@ def with_tools(system: str, messages: list[dict[str, Any]]) -> str:
     return "\n\n".join(part for part in (system, tools_section(tool_definitions(messages))) if part)
 
 
-def call_text(call: dict[str, Any]) -> str:
+def call_text(call: dict[str, Any], layout: CallLayout = V3_CALLS) -> str:
     function = call["function"]
-    return f"{CALL_BEGIN}{call['type']}{SEP}{function['name']}\n```json\n{function['arguments']}\n```{CALL_END}"
+    return layout.call_format.format(type=call["type"], name=function["name"], arguments=function["arguments"])
+
+
+def result_text(content: str, first: bool, layout: CallLayout) -> str:
+    """A tool result (`first`: the first of its block, which opens `<｜tool▁outputs▁begin｜>` in a layout with one)."""
+    opening = (OUTPUTS_BEGIN if layout.outputs_block else "") if first else layout.result_sep
+    return opening + OUTPUT_BEGIN + content + OUTPUT_END
+
+
+def turn_calls(message: dict[str, Any], text: str, layout: CallLayout, eos: str) -> str:
+    """A turn's calls in a per-turn layout (R1-0528, V3.1): its text, then its own calls block, ended once."""
+    calls = layout.call_sep.join(call_text(call, layout) for call in message["tool_calls"])
+    return text + CALLS_BEGIN + calls + CALLS_END + eos
 
 
 def after_outputs(messages: list[dict[str, Any]]) -> list[bool]:
@@ -142,8 +173,7 @@ def render_v3(messages: list[dict[str, Any]], *, head: str, generation_prompt: s
             out += reply(m, i == len(messages) - 1, in_outputs)
             in_outputs = False
         elif m["role"] == "tool":
-            out.append(((OUTPUTS_BEGIN if first_output else layout.result_sep) + OUTPUT_BEGIN + m["content"]
-                        + OUTPUT_END, False))
+            out.append((result_text(m["content"], first_output, layout), False))
             in_outputs, first_output = True, False
     if in_outputs:
         out.append((OUTPUTS_END, False))
@@ -174,13 +204,13 @@ def calls_segments(message: dict[str, Any], first_call: bool, layout: CallLayout
     if message["content"].strip() and not layout.writes_text:
         raise DataError(TEXT_DROPS_CALLS + ".")
     trained = not message.get(TRAINED_BEFORE)
-    calls = [call_text(call) for call in message["tool_calls"]]
+    calls = [call_text(call, layout) for call in message["tool_calls"]]
     out: list[tuple[str, bool]] = []
     if first_call:  # the only call written with an opening; R1 writes the text beside it there (say, its reasoning)
         prompt, text = split_opening(generation_prompt, message["content"] if layout.writes_text else "")
         out += [(prompt, False), (text + CALLS_BEGIN + calls.pop(0), trained)]
     ends = "" if layout.end_per_turn else CALLS_END + eos
-    out += [("\n" + call + ends, trained) for call in calls]
+    out += [(layout.call_sep + call + ends, trained) for call in calls]
     if layout.end_per_turn:
         out.append((CALLS_END + eos, trained))
     return out
@@ -206,28 +236,51 @@ def head_jinja(system_jinja: str) -> str:
     return "{{ [" + system_jinja + ", ns.section] | select | join('\\n\\n') }}"
 
 
+# The Jinja of a call's fields in call_format, for a `call` of the loop over message['tool_calls'].
+CALL_FIELDS_JINJA = {"type": "(call['type'] if call['type'] is defined else 'function')",
+                     "name": "call['function']['name']",
+                     "arguments": "(arguments if arguments is string else arguments | tojson)"}
+ARGUMENTS_JINJA = ("{% set arguments = call['function']['arguments'] if call['function']['arguments'] is defined "
+                   "else {} %}")  # first in every loop over the calls
+
+
+def jinja_string(text: str) -> str:
+    return "'" + text.replace("\n", "\\n") + "'"
+
+
+def call_jinja(layout: CallLayout) -> str:
+    """One call's text in Jinja (call_text), from the layout's call_format."""
+    parts = re.split(r"\{(\w+)\}", layout.call_format)  # text, field, text, ...
+    return " + ".join(CALL_FIELDS_JINJA[part] if i % 2 else jinja_string(part) for i, part in enumerate(parts) if part)
+
+
 def calls_jinja(eos: str, layout: CallLayout) -> str:
     """The Jinja of an assistant turn with `tool_calls` (an `{% elif %}` branch of the messages loop), as
     calls_segments writes it; R1's layout writes the text beside the conversation's first call and drops a later
     call's; the others refuse text beside calls, as training does."""
-    call = ("'" + CALL_BEGIN + "' + (call['type'] if call['type'] is defined else 'function') + '" + SEP + "' + "
-            "call['function']['name'] + '\\n```json\\n' + (arguments if arguments is string else arguments | tojson) "
-            "+ '\\n```" + CALL_END + "'")
+    call = call_jinja(layout)
     text = " + content" if layout.writes_text else ""
     ends = "" if layout.end_per_turn else " + '" + CALLS_END + eos + "'"
     return ("{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
             + ("" if layout.writes_text else "{% if content | trim %}{{ raise_exception('an assistant message "
                "with both text and tool_calls: this template writes only one of the two') }}{% endif %}")
-            + "{% set ns.in_outputs = false %}{% for call in message['tool_calls'] %}"
-            "{% set arguments = call['function']['arguments'] if call['function']['arguments'] is defined else {} %}"
+            + "{% set ns.in_outputs = false %}{% for call in message['tool_calls'] %}" + ARGUMENTS_JINJA +
             "{% if ns.first_call %}{{ '" + ASSISTANT + "'" + text + " + '" + CALLS_BEGIN + "' + " + call + " }}"
-            "{% set ns.first_call = false %}{% else %}{{ '\\n' + " + call + ends + " }}"
-            "{% endif %}{% endfor %}" + ("{{ '" + CALLS_END + eos + "' }}" if layout.end_per_turn else ""))
+            "{% set ns.first_call = false %}{% else %}{{ " + jinja_string(layout.call_sep) + " + " + call + ends
+            + " }}{% endif %}{% endfor %}" + ("{{ '" + CALLS_END + eos + "' }}" if layout.end_per_turn else ""))
+
+
+def turn_calls_jinja(eos: str, layout: CallLayout) -> str:
+    """turn_calls in Jinja, after the turn's text: its calls block (a per-turn layout)."""
+    return ("{{ '" + CALLS_BEGIN + "' }}{% for call in message['tool_calls'] %}" + ARGUMENTS_JINJA + "{{ ('' if "
+            "loop.first else " + jinja_string(layout.call_sep) + ") + " + call_jinja(layout) + " }}{% endfor %}"
+            "{{ '" + CALLS_END + eos + "' }}")
 
 
 def result_jinja(layout: CallLayout) -> str:
     """A tool result (an `{% elif %}` branch of the messages loop), as render_v3 writes it."""
-    return ("{% elif message['role'] == 'tool' %}{{ ('" + OUTPUTS_BEGIN + "' if ns.first_output else "
+    opening = OUTPUTS_BEGIN if layout.outputs_block else ""
+    return ("{% elif message['role'] == 'tool' %}{{ ('" + opening + "' if ns.first_output else "
             + repr(layout.result_sep) + ") + '" + OUTPUT_BEGIN + "' + content + '" + OUTPUT_END + "' }}"
             "{% set ns.in_outputs = true %}{% set ns.first_output = false %}")
 
