@@ -30,7 +30,8 @@ def strategy(model, lora: bool, host_ram_gib: float | None = None) -> BoxRecomme
     shape = model if isinstance(model, plan.Shape) else plan.resolve_shape(model)
     ram = host_ram_gib or 512.0
     method = "lora" if lora else "full"
-    plans = plan.enumerate_plans(shape, plan.Box(GPUS, GPU_GB, ram), method)
+    # a config only: not the resident plan, whose --quantize_experts changes the model (the user opts in)
+    plans = [p for p in plan.enumerate_plans(shape, plan.Box(GPUS, GPU_GB, ram), method) if not p.w.resident]
     best = plan.best_plan(plans)
     what = f"{'LoRA' if lora else 'full fine-tuning'} of {shape.name} ({shape.params() / 1e9:.1f}B parameters)"
     if best is None:

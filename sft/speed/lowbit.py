@@ -58,7 +58,7 @@ import hashlib
 import math
 
 from sft.safety.private_names import (DTENSOR_CACHE_KEY, TORCHAO_ADAM_LOAD, TORCHAO_SINGLE_PARAM_ADAM,
-                                      TORCHAO_SUBCLASS_ZEROS, expect)
+                                      TORCHAO_SUBCLASS_ZEROS, expect, replaces)
 
 LOW_BIT_OPTIMIZERS = ("adamw_torch_8bit", "adamw_torch_4bit")
 SR_ADAMW = "adamw_bf16_sr"  # sft/speed/sr_adamw.py: bf16 AdamW with stochastic rounding
@@ -229,6 +229,7 @@ def patch_torchao_chunked_update() -> bool:
         return update(*args)
 
     skip(single_param_adam)
+    replaces(single_param_adam, original)
     single_param_adam._sft_chunked = True
     adam.single_param_adam = single_param_adam
     return True
