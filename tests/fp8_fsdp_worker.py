@@ -2,18 +2,22 @@
 decoder linear layers in FP8 (sft/speed/fp8_training.py), sharded by FSDP2 (`fully_shard` per decoder layer and
 the root, as accelerate's FSDP2 plugin wraps them), trained 3 steps on a batch per rank; rank 0 trains the same
 model unsharded on both ranks' batches (gradients summed, halved: what FSDP2's reduce-scatter averages) and writes
-both runs' losses and weights to the JSON file named by argv[1]."""
+both runs' losses and weights to the JSON file named by argv[1]. The verified save of such a run (sft/safety/verify.py:
+weights bit for bit, the shards gathered on every rank) is run on a save of the trained weights and on one with a
+weight changed."""
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from sft.safety.verify import SaveVerifier
 from sft.speed.fp8_training import use_fp8_training
 from sft.speed.regional_compile import decoder_layers
 
@@ -56,6 +60,18 @@ def main(out: str) -> None:
         dist.all_reduce(mean)
         losses.append(mean.item() / world)
     weights = {n: p.full_tensor().detach() for n, p in sharded.named_parameters()}
+    verified = {}
+    for case, change in (("as_trained", 0.0), ("one_weight_changed", 1.0)):
+        path = Path(out).with_name(case)
+        if rank == 0:  # a plain model with the trained weights, saved as the Trainer saves a full model
+            saved = LlamaForCausalLM(sharded.config)
+            saved.load_state_dict({n: w.clone() for n, w in weights.items()})
+            with torch.no_grad():
+                saved.model.layers[0].mlp.up_proj.weight[0, 0] += change
+            saved.save_pretrained(path)
+        dist.barrier()
+        verified[case] = SaveVerifier(base_model=str(path), lora=False, fp8_recipe="tensorwise").saved_weights_mismatch(
+            sharded, path)  # every rank
     if rank == 0:
         plain = tiny_model()
         optimizer = torch.optim.AdamW(plain.parameters(), lr=LR)
@@ -71,7 +87,7 @@ def main(out: str) -> None:
         diff = max((weights[n] - p.detach()).abs().max().item() for n, p in plain.named_parameters())
         with open(out, "w") as f:
             json.dump({"losses": losses, "plain_losses": plain_losses, "max_weight_diff": diff,
-                       "float8_layers": converted}, f)
+                       "float8_layers": converted, "verified": verified}, f)
     dist.destroy_process_group()
 
 

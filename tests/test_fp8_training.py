@@ -115,3 +115,7 @@ def test_fp8_training_under_fsdp2_on_two_cpu_ranks_trains_as_unsharded(tmp_path)
     assert result["losses"] == pytest.approx(result["plain_losses"], rel=1e-5)
     assert result["losses"][-1] < result["losses"][0]
     assert result["max_weight_diff"] < 1e-5
+    # the verified save gathers the shards: the trained weights pass, a changed one is named
+    assert result["verified"]["as_trained"] is None
+    assert "1 saved tensors differ" in result["verified"]["one_weight_changed"]
+    assert "model.layers.0.mlp.up_proj.weight" in result["verified"]["one_weight_changed"]
