@@ -49,6 +49,27 @@ def changes_since(before: dict[str, int]) -> list[str]:
     return sorted(name for name in after.keys() | before.keys() if after.get(name) != before.get(name))
 
 
+# The files that take longest on 2 cores (--durations, summed per file), longest first. Under `--dist loadfile` a
+# worker takes one file at a time in collection order (the README's command turns off xdist's reordering by test
+# count, which put files of few but long tests last): started first, they end together with the many short ones
+# instead of one worker finishing a long file alone at the end. A file not listed runs after them, as collected.
+LONGEST_FILES = ("test_regional_compile.py", "test_lowbit.py", "test_distributed.py", "test_readme.py",
+                 "test_user_paths.py", "test_train_e2e.py", "test_long_rows.py", "test_bench.py",
+                 "test_lowbit_resume.py", "test_multinode.py", "test_convergence.py", "test_resume.py",
+                 "test_fp8_training.py", "test_resume_advice.py", "test_package.py", "test_moe_sharded.py",
+                 "test_tensor_parallel.py", "test_console.py", "test_quantized_experts.py")
+
+
+def longest_first(name: str) -> int:
+    return LONGEST_FILES.index(name) if name in LONGEST_FILES else len(LONGEST_FILES)
+
+
+def pytest_collection_modifyitems(items):
+    """Longest files first; a stable sort, so each file's tests keep their order (test_readme's blocks use what
+    the blocks before them wrote)."""
+    items.sort(key=lambda item: longest_first(item.path.name))
+
+
 def pytest_sessionfinish(session, exitstatus):
     """Also what nothing of one test wrote: collecting the tests, a library's set-up at the first use."""
     changed = changes_since(AT_START)

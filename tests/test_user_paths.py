@@ -340,9 +340,13 @@ def test_ctrl_c_says_where_it_stopped_and_how_to_resume(tmp_path, tiny_llama):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen([sys.executable, str(REPO / "sft" / "train.py"), *args], env=env,
                             stdout=subprocess.DEVNULL, stderr=open(tmp_path / "stderr", "w"))
-    assert wait_for(lambda: any(is_complete(p) for p in checkpoint_dirs(out)), 600)
-    proc.send_signal(signal.SIGINT)
-    assert proc.wait(timeout=600) == 130
+    try:
+        assert wait_for(lambda: any(is_complete(p) for p in checkpoint_dirs(out)), 600)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=600) == 130
+    finally:  # a failed wait (SIGINT ignored, as in a shell's background job) must not leave a 10000-step run behind
+        if proc.poll() is None:
+            proc.kill()
     err = (tmp_path / "stderr").read_text()
     assert "Traceback" not in err
     line = next(x for x in err.splitlines() if "stopped (Ctrl-C) at step" in x)
