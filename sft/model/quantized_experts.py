@@ -21,7 +21,7 @@ import functools
 import torch
 from torch import nn
 
-from sft.machine import is_first_process
+from sft.machine import is_first_process, launch
 
 from sft.speed.fp8 import E4M3, quantize_rows as quantize_matrix_rows
 
@@ -53,8 +53,6 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     weight; in eager a cast, a copy and a multiply moved 3x the bytes: 17% of V2-Lite's step, run
     20261204T2040Z-resident); elsewhere, or with SFT_FP8_COMPILE=0, eager expert by expert (no fp32 copy of the
     whole tensor). The same numbers either way."""
-    from sft.machine import launch
-
     if q.is_cuda and launch().fp8_compile:
         return _compiled_dequantize()(q, scale, dtype).detach()
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
@@ -136,7 +134,6 @@ def apply_quantized_experts(model: nn.Module) -> None:
     """The hook sft/model/loading.py calls under --quantize_experts fp8, before LoRA attaches: quantize on this
     process's GPU where there is one (seconds there, minutes on the CPU), and say what was done."""
     from sft.errors import ConfigError
-    from sft.machine import launch
 
     device = torch.device("cuda", launch().local_rank) if torch.cuda.is_available() else None
     count = quantize_experts(model, device)
