@@ -77,18 +77,6 @@ def two_gloo_ranks(worker: str, tmp_path: Path, **env: str) -> dict:
     return json.loads(next(line for line in outputs[0].splitlines() if line.startswith("{")))
 
 
-
-@pytest.fixture(autouse=True)
-def torchao_update_restored(monkeypatch):
-    """patch_torchao_chunked_update replaces torchao's single_param_adam for the whole process: the original is put
-    back after each test here, so that a later test in this worker (test_private_names reads its signature) sees
-    torchao's own, whatever order the files run in."""
-    try:
-        from torchao.optim import adam
-    except ImportError:
-        return
-    monkeypatch.setattr(adam, "single_param_adam", adam.single_param_adam)
-
 @pytest.mark.slow
 def test_4bit_adamw_under_fsdp2_after_an_8bit_run_matches_torchaos_own_update(tmp_path):
     """The 4-bit crash under FSDP2 ("wrong number of dimensions", seen on 2 x H200) is a false hit in torch's
