@@ -261,6 +261,13 @@ MATRIX += [
         repeat_data=1, long_docs=True, timeout=420, args=(*LIGER, "--lora_dropout", "0", "--attn_implementation",
                                                           "sdpa", *CKPT, "--offload_activations", "true",
                                                           "--mlp_tile_tokens", "4096")),
+    # issue 27 item 2: 65,536-token rows (one conversation each) over 2 cards held to 24 GiB, each row split by
+    # --sequence_parallel 2 (DeepSpeed Ulysses under ZeRO-3, which also halves the bf16 base: 7.6 GB a card): each
+    # card runs 32k tokens outside attention, as long-r1-32k does on one card (the reference, its own run)
+    Row("long-r1-64k-sp2", "lora", "zero3", 2, model="r1-distill-qwen-7b", seq_len=65536, warmup=2, steps=3,
+        profile_steps=0, repeat_data=1, long_docs=True, timeout=600,
+        args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--offload_activations", "true",
+              "--mlp_tile_tokens", "4096", "--sequence_parallel", "2")),
     # the README's recipes as users run them (--config recipes/<x>.yaml, its accelerate config), on every GPU held to
     # 24 GiB; the bench's options (model, data, steps, length, micro-batch, accumulation) are the recipe's own values
     Row("recipe-coder-lora", "lora", "ddp", 0, model="deepseek-coder-6.7b", micro_batch=4, grad_accum=4, steps=4,
@@ -298,7 +305,8 @@ GROUPS = {
     # the LoRA plan with FP8 and compiled layers under DDP beside its one-GPU row; the full plan (FSDP2, FP8) beside
     # the same plan in bf16 and the peers' ZeRO-3 offload recipe; V2-Lite's plan of today (ZeRO-3 over 2 cards)
     "issue30": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit-fp8", "full-fsdp-4bit", "peer-mb1",
-                "moe-lora-resident-1-mb4", "moe-lora-resident-ddp", "moe-lora-z3-2"],
+                "moe-lora-resident-1-mb4", "moe-lora-resident-ddp", "moe-lora-z3-2", "long-r1-32k",
+                "long-r1-64k-sp2"],
     # issue 15 on two or three GPUs held to 24 GiB: the LoRA plan's DDP scaling, the full plan on a fresh machine
     # against the peers' offload recipe (run with --fresh_cache)
     "box": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit-fp8", "full-fsdp-4bit", "peer-mb1"],

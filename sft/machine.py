@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import json
 import os
 import sys
 from collections.abc import Mapping
@@ -152,7 +153,9 @@ def read_launch(env: Mapping[str, str] | None = None) -> Launch:
     return Launch(world_size=world, local_world_size=int(local) if local else None,
                   rank=int(env.get("RANK", "0")), local_rank=int(env.get("LOCAL_RANK", "0")),
                   launched="LOCAL_RANK" in env or "ACCELERATE_DYNAMO_BACKEND" in env,
-                  fsdp=_true(env.get("ACCELERATE_USE_FSDP")), zero_stage=env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE"),
+                  fsdp=_true(env.get("ACCELERATE_USE_FSDP")),
+                  zero_stage=env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") or zero_stage_in(
+                      env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")),
                   offload=offload, deepspeed_config_file=env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"),
                   mixed_precision=env.get("ACCELERATE_MIXED_PRECISION", "no"),
                   gradient_accumulation_steps=int(accumulation) if accumulation else None,
@@ -165,6 +168,19 @@ def read_launch(env: Mapping[str, str] | None = None) -> Launch:
                   fsdp_qlora_check=env.get("SFT_FSDP_QLORA_CHECK") == "1",
                   hub_proxied=any(env.get(v) for v in PROXY_VARS),
                   xdg_cache_home=env.get("XDG_CACHE_HOME") or None)
+
+
+def zero_stage_in(deepspeed_config_file: str | None) -> str | None:
+    """The ZeRO stage a DeepSpeed JSON names: accelerate exports ACCELERATE_DEEPSPEED_ZERO_STAGE only for a config
+    that holds its DeepSpeed settings itself, not for one that names a JSON file (ours all do). Relative paths are
+    read from the working directory, as accelerate reads them; a file that cannot be read says nothing."""
+    if not deepspeed_config_file:
+        return None
+    try:
+        stage = json.loads(Path(deepspeed_config_file).read_text()).get("zero_optimization", {}).get("stage")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return None if stage is None else str(stage)
 
 
 def nvml_uuid(uuid: str) -> str:

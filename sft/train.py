@@ -16,6 +16,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 if __package__ in (None, ""):  # `python sft/train.py` from a checkout: make the `sft` package importable
@@ -62,6 +63,7 @@ from sft.safety.run_lock import RunLock
 from sft.report.telemetry import EvalPerplexity, GpuTelemetry, RunRecord, run_summary
 from sft.data.chat_templates import chat_template_for_saving
 from sft.parallel.tensor_parallel import TensorParallelTrainer, check_tensor_parallel
+from sft.parallel.sequence_parallel import check_model as check_sequence_parallel
 from sft.trainer import SFTTrainer
 from sft.safety.verify import make_verifier
 
@@ -141,6 +143,8 @@ def train(run: Run, seams: Seams) -> int:
     resume = on_main_process(take_output_dir)  # a checkpoint, or None; never overwrites or mixes runs
     resolve_model_path(model_args.model)  # a missing directory or unreachable hub id: seconds, not a minute
     check_tensor_parallel(model_args, training_args.world_size, resume)  # the model's heads; the checkpoint's TP
+    if training_args.sequence_parallel > 1:  # heads that divide; no MLA
+        check_sequence_parallel(load_config(model_args), training_args.sequence_parallel)
     check_lora_targets(model_args, lora_args)  # user-named targets exist in the model (weightless copy)
     # the checkpoint's LoRA or full model, its shape
     check_resume_matches(resume, model_args, lora_args, run.argv, training_args.output_dir)
@@ -178,8 +182,12 @@ def train(run: Run, seams: Seams) -> int:
     model = load_model(model_args, lora_args, training_args.activation_checkpointing, seams.model_factory)
     # The training loss from the labelled tokens' hidden states (sft/speed/chunked_loss.py): Liger's fused kernel where
     # Liger's own would run (sft/options/resolve.py), torch chunks under --chunked_loss (refused beside Liger).
+    # Under --sequence_parallel always one of them (sft/speed/sequence_parallel_loss.py). LoRA under ZeRO-3 on several
+    # processes: the frozen lm_head gathered once for the loss (chunked_causal_lm_loss).
     labelled_token_loss = (liger_causal_lm_loss if training_args.liger_loss_on_labels
-                           else chunked_causal_lm_loss if model_args.chunked_loss else None)
+                           else partial(chunked_causal_lm_loss, zero3_frozen_head=lora_args.lora and options.zero_stage(
+                               machine()) == "3" and training_args.world_size > 1)
+                           if model_args.chunked_loss or training_args.sequence_parallel > 1 else None)
     use_cache = model.config.use_cache  # the base's, which a saved model keeps (restored once the Trainer exists)
     balance = install_moe(model, training_args.router_aux_loss_coef, pad_token_id=tokenizer.pad_token_id)  # MoE only
     verifier = make_verifier(training_args.verify_saves, model, resolve_model_path(model_args.model), lora_args.lora,
@@ -216,7 +224,8 @@ def train(run: Run, seams: Seams) -> int:
         args=training_args,
         train_dataset=train_data,
         eval_dataset=eval_data,
-        data_collator=Collator(tokenizer.pad_token_id, data_args.pad_to_multiple_of),
+        data_collator=Collator(tokenizer.pad_token_id, data_args.pad_to_multiple_of,
+                               positions=training_args.sequence_parallel > 1),  # DeepSpeed slices rows by them
         processing_class=tokenizer,
         callbacks=callbacks,
         labelled_token_loss=labelled_token_loss,  # None: the model's own loss

@@ -6,6 +6,8 @@ order of what happens in a step is the Trainer's own, held by code:
 - `compute_loss`: the loss from the labelled tokens' last hidden states (`labelled_token_loss`: Liger's fused
   kernel, or `--chunked_loss`'s torch chunks, sft/speed/chunked_loss.py) instead of the model's loss over whole
   logits; then the MoE routers' balance loss (sft/model/moe.py) added to a training micro-batch's loss.
+- `compute_loss` under `--sequence_parallel`: the same labelled-token loss from this rank's slice of each row, and
+  the row's mean over the slices (sft/speed/sequence_parallel_loss.py).
 - `compute_loss` under `--offload_activations`: what the forward saves outside the checkpointed layers (their
   checkpoints) waits in pinned host RAM until the backward needs it.
 - `_clip_grad_norm`: with `--optim adamw_bf16_sr`, the clipping's scaling is handed to the optimizer's own pass
@@ -36,11 +38,13 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import PrinterCallback, ProgressCallback, Trainer
 from transformers.integrations import TensorBoardCallback
 
+from sft.data.tokenization import IGNORE
 from sft.model.moe import RouterBalance
 from sft.report.progress import ConsolePrinter, ConsoleProgress
 from sft.safety.guards import NonFiniteGuard
 from sft.safety.private_names import CLIP_GRAD_NORM, GET_GRAD_NORM, expect
 from sft.speed.chunked_loss import LossFn
+from sft.speed.sequence_parallel_loss import mean_over_slices, sequence_parallel_group
 from sft.speed.lowbit import LOW_BIT_OPTIMIZERS, SR_ADAMW
 from sft.speed.sr_adamw import AdamWBf16SR, optim_arg_pairs, optimizer_kwargs
 
@@ -79,7 +83,9 @@ class SFTTrainer(Trainer):
         training = model.training
         capture = self.balance.capture() if training and self.balance else contextlib.nullcontext()
         with capture, self._offloaded_activations(training):
-            if training and self.labelled_token_loss is not None and "labels" in inputs:
+            if training and "shift_labels" in inputs:  # --sequence_parallel: a labelled_token_loss is set
+                loss, outputs = self._slice_loss_from_hidden_states(model, inputs)
+            elif training and self.labelled_token_loss is not None and "labels" in inputs:
                 loss, outputs = self._loss_from_hidden_states(model, inputs, num_items_in_batch)
             else:
                 loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
@@ -116,6 +122,25 @@ class SFTTrainer(Trainer):
         if self.args.average_tokens_across_devices and items is not None:  # as Trainer.compute_loss does
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
         return loss, outputs
+
+    def _slice_loss_from_hidden_states(self, model, inputs: dict):
+        """--sequence_parallel: this rank holds one slice of each row and its `shift_labels` (sft/parallel/
+        sequence_parallel.py). The labelled-token loss of the slice, summed, then the row's mean over every slice's
+        labelled tokens, as the Trainer's own SP loss weights them (which would project the slice's whole logits,
+        and train with N times the gradient: mean_over_slices)."""
+        inputs = dict(inputs)
+        targets = inputs.pop("shift_labels")
+        inputs.pop("labels", None)
+        causal_lm = _causal_lm(self.accelerator.unwrap_model(model))
+        if self.keeps_one_logit:
+            inputs["logits_to_keep"] = 1
+        with last_hidden_state_of(causal_lm) as last:
+            outputs = model(**inputs)
+        with self.accelerator.autocast():
+            loss_sum = self.labelled_token_loss(last.hidden_state, causal_lm.lm_head, targets, 1, shifted=True)
+        labelled = int((targets != IGNORE).sum())
+        stage = self.accelerator.state.deepspeed_plugin.zero_stage
+        return mean_over_slices(loss_sum, labelled, sequence_parallel_group(), stage), outputs
 
     def _with_balance_loss(self, loss: torch.Tensor, inputs: dict, num_items_in_batch) -> torch.Tensor:
         """The routers' balance loss joins the micro-batch's loss at the Trainer's scale: when the loss is already

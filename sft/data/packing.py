@@ -95,10 +95,13 @@ def position_ids_for(seq_lengths: list[int]) -> torch.Tensor:
 @dataclass
 class Collator:
     """Pad a list of rows into a batch. Packed rows (with `seq_lengths`) get position_ids and no attention_mask;
-    their padding forms one more document of its own, whose labels are all ignored."""
+    their padding forms one more document of its own, whose labels are all ignored. `positions`: rows of one
+    conversation get them too, as a pack of one (sequence parallelism: DeepSpeed slices each row and gathers the
+    positions back, and drops any attention mask)."""
 
     pad_token_id: int
     pad_to_multiple_of: int | None = None
+    positions: bool = False
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor | bool]:
         import torch
@@ -106,7 +109,7 @@ class Collator:
         longest = max(len(r["input_ids"]) for r in rows)
         if self.pad_to_multiple_of:
             longest = -(-longest // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        packed = "seq_lengths" in rows[0]
+        packed = "seq_lengths" in rows[0] or self.positions
         batch = {
             "input_ids": torch.full((len(rows), longest), self.pad_token_id, dtype=torch.long),
             "labels": torch.full((len(rows), longest), IGNORE, dtype=torch.long),
@@ -120,7 +123,7 @@ class Collator:
             batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"])
             batch["labels"][i, :n] = torch.as_tensor(row["labels"])
             if packed:
-                batch["position_ids"][i] = position_ids_for(list(row["seq_lengths"]) + [longest - n])
+                batch["position_ids"][i] = position_ids_for(list(row.get("seq_lengths", [n])) + [longest - n])
             else:
                 batch["attention_mask"][i, :n] = 1
         # A cache breaks the packed mask (and serves no purpose in training): off in every training and eval forward

@@ -250,6 +250,12 @@ class SFTTrainingArguments(TrainingArguments):
         "help": "With --activation_checkpointing: the checkpoints (each decoder layer's input) wait in host RAM "
                 "between the forward and the backward instead of on the GPU (pinned; ~0.25 GB a layer at 32k "
                 "tokens of hidden 4096): for long rows on 24 GB cards (docs/speed.md, Long rows)."})
+    sequence_parallel: int = field(default=1, metadata={
+        "help": "Split each row's tokens over this many GPUs (DeepSpeed's Ulysses sequence parallelism, ALST, as "
+                "accelerate runs it): rows too long for one card, e.g. 65,536 tokens over 2. Launch with a DeepSpeed "
+                "config (accelerate_configs/zero2.yaml or zero3.yaml); the model's attention heads must divide by "
+                "it; one conversation per row under sdpa (no --packing; flash_attention_2 keeps packed rows apart). "
+                "1: off (docs/speed.md, Long rows)."})
     verify_saves: str = field(default="auto", metadata={
         "help": "Reload each save and compare its logits with the trained model: auto (the final save, and every "
                 "checkpoint under LoRA or when the model has < 1e9 parameters), all, final, no."})

@@ -65,6 +65,10 @@ class Options:
         stage = self.zero().get("stage", m.launch.zero_stage)
         return None if stage is None else str(stage)
 
+    def deepspeed_on(self, m: Machine) -> bool:
+        """DeepSpeed runs: its JSON was read, or the accelerate config or --deepspeed names one."""
+        return bool(self.deepspeed or m.launch.zero_stage or m.launch.deepspeed_config_file or self.training.deepspeed)
+
     def offload(self, m: Machine) -> list[str]:
         """What DeepSpeed offloads to host memory, from its JSON or the accelerate config."""
         found = {k.removeprefix("offload_") for k in ("offload_optimizer", "offload_param")
@@ -465,6 +469,18 @@ def chunked_loss_combinations(o: Options, m: Machine) -> None:
                           "drop --chunked_loss.")
 
 
+def loss_in_chunks_under_zero3(o: Options, m: Machine) -> None:
+    """The loss in chunks (--chunked_loss, and always under --sequence_parallel) gathers a frozen ZeRO-3 lm_head
+    once (sft/speed/chunked_loss.py gathered_head); a trained one would be gathered by its hooks at every chunk and
+    every chunk's recomputation, which ranks with other counts of labelled tokens run different numbers of times."""
+    chunks = getattr(o.model, "chunked_loss", False) or o.training.sequence_parallel > 1
+    if chunks and not o.lora.lora and o.zero_stage(m) == "3" and m.launch.world_size > 1:
+        what = "--sequence_parallel" if o.training.sequence_parallel > 1 else "--chunked_loss"
+        raise ConfigError(f"{what} with a full fine-tune under ZeRO-3 on several processes: the loss in chunks "
+                          f"cannot gather a trained lm_head there. Use ZeRO-2 (accelerate_configs/zero2.yaml) or "
+                          f"--lora.")
+
+
 def compiled_layers_combinations(o: Options, m: Machine) -> None:
     """--compile_layers compiles the layers in place; DeepSpeed's hooks and TP's DTensors are not measured with it,
     and the Trainer's --torch_compile would compile the whole model around them."""
@@ -505,6 +521,42 @@ def tensor_parallel_combinations(o: Options, m: Machine) -> None:
         raise ConfigError(f"--use_liger_kernel with --tp_size {tp}: Liger's fused loss cannot take the "
                           f"tensor-parallel lm_head (\"mixed torch.Tensor and DTensor\" at the first step). Drop one "
                           f"of them.")
+
+
+# Attention kernels that find packed documents from position_ids alone, as DeepSpeed's Ulysses wrapper leaves them
+VARLEN_ATTENTIONS = ("flash_attention_2", "flash_attention_3")
+# What accelerate's sequence-parallel config accepts (eager keeps a whole-row mask; flex_attention's block mask
+# would be rebuilt causal-only by DeepSpeed)
+SEQUENCE_PARALLEL_ATTENTIONS = ("sdpa", *VARLEN_ATTENTIONS)
+
+
+def sequence_parallel_combinations(o: Options, m: Machine) -> None:
+    """--sequence_parallel N runs through DeepSpeed's Ulysses (sft/parallel/sequence_parallel.py): N ranks of a
+    DeepSpeed launch share each row; its attention wrapper drops the mask, so packed conversations stay apart only
+    under kernels that read documents from position_ids alone."""
+    n = o.training.sequence_parallel
+    if n < 1:
+        raise ConfigError(f"--sequence_parallel {n}: give the number of GPUs that share each row (1: off).")
+    if n == 1:
+        return
+    world = m.launch.world_size
+    if not o.deepspeed_on(m):
+        raise ConfigError(f"--sequence_parallel {n} runs through DeepSpeed (Ulysses): launch with accelerate launch "
+                          f"--config_file accelerate_configs/zero2.yaml (or zero3.yaml) --num_processes {n}.")
+    if world % n:
+        raise ConfigError(f"--sequence_parallel {n} with {world} process(es): launch a multiple of {n} (--num_processes "
+                          f"{n}; on the 3-GPU box, 2 GPUs share each row and the third is left out).")
+    attention = o.model.attn_implementation
+    if attention not in SEQUENCE_PARALLEL_ATTENTIONS:
+        raise ConfigError(f"--sequence_parallel with --attn_implementation {attention}: DeepSpeed's Ulysses runs "
+                          f"{', '.join(SEQUENCE_PARALLEL_ATTENTIONS)} (eager keeps a whole-row mask; flex_attention's mask would be "
+                          f"rebuilt without the documents). Use sdpa.")
+    if o.data.packing and attention not in VARLEN_ATTENTIONS:
+        raise ConfigError(f"--packing with --sequence_parallel under {attention}: DeepSpeed's Ulysses drops the "
+                          f"attention mask, so packed conversations would attend to each other. Drop --packing (one "
+                          f"conversation per row: long traces), or use --attn_implementation flash_attention_2.")
+    if o.model.tp_size > 1:
+        raise ConfigError(f"--sequence_parallel with --tp_size {o.model.tp_size}: use one of them.")
 
 
 def deepspeed_json_agrees(o: Options, m: Machine) -> None:
@@ -559,7 +611,7 @@ MACHINE_CHECKS: list[Check] = [
     partial_checkpointing, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
     quantized_base_not_under_zero3, qlora_needs, qlora_under_fsdp_awaits_its_gpu_run, sharding_needs_gpus, attention_kernel_available, processes_fit_gpus,
     tensor_parallel_combinations, compiled_layers_combinations, liger_kernel_available, fp8_base_needs,
-    chunked_loss_combinations, deepspeed_json_agrees, launcher_agrees, processes_name_one_run_directory,
+    chunked_loss_combinations, loss_in_chunks_under_zero3, sequence_parallel_combinations, deepspeed_json_agrees, launcher_agrees, processes_name_one_run_directory,
 ]
 CHECKS: list[Check] = OPTION_CHECKS + MACHINE_CHECKS
 

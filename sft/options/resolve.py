@@ -13,12 +13,14 @@ start: a property of SFTTrainingArguments, sft/options/arguments.py.)
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
 from sft.errors import ConfigError
 from sft.machine import Machine
-from sft.options.checks import (NEW_RUN_DIR, PICKED_NEW, PICKED_NEWEST, PICKED_NOTHING, Options,
+from sft.options.checks import (NEW_RUN_DIR, PICKED_NEW, PICKED_NEWEST, PICKED_NOTHING,
+                               SEQUENCE_PARALLEL_ATTENTIONS, Options,
                                compiled_layers_combinations, fp8_base_needs, fp8_combinations)
 from sft.safety.run_dir import holds_a_run, method_name, new_run_dir, runs_of
 
@@ -57,6 +59,32 @@ def flex_pads_packed_rows(o: Options, m: Machine) -> None:
     d = o.data
     if d.pad_to_multiple_of is None and d.packing and o.model.attn_implementation == "flex_attention":
         d.pad_to_multiple_of = d.max_length
+
+
+def sequence_parallel_slices_rows(o: Options, m: Machine) -> None:
+    """--sequence_parallel N: the Trainer is handed accelerate's ParallelismConfig for DeepSpeed's Ulysses (sft/
+    parallel/sequence_parallel.py), and every row is padded to --max_length, rounded up to a multiple of N: each
+    rank takes one equal slice, and DeepSpeed's dataloader adapter gathers the N ranks' rows with all_gather, which
+    gloo refuses for rows of different lengths (seen on CPU ranks). One shape also compiles once."""
+    n = o.training.sequence_parallel
+    if n <= 1 or o.model.attn_implementation not in SEQUENCE_PARALLEL_ATTENTIONS:  # (sequence_parallel_combinations)
+        return
+
+    o.training.parallelism_config = parallelism_config(n, o.model.attn_implementation)
+    d = o.data
+    d.pad_to_multiple_of = math.lcm(d.pad_to_multiple_of or 1, d.max_length, n)
+
+
+def parallelism_config(size: int, attention: str):
+    """What the Trainer's accelerator is built with for --sequence_parallel: DeepSpeed's Ulysses over `size` ranks
+    (accelerate's only sequence-parallel backend; its torch one is context parallelism, cp_size), rows of any length
+    a multiple of `size`, around the run's own attention kernel, whole rows on every rank in evaluation."""
+    from accelerate.parallelism_config import ParallelismConfig
+    from accelerate.utils import DeepSpeedSequenceParallelConfig
+
+    handler = DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True, sp_attn_implementation=attention,
+                                              sp_disable_in_eval=True)
+    return ParallelismConfig(sp_size=size, sp_backend="deepspeed", sp_handler=handler)
 
 
 def fp8_training_pads_rows_to_16(o: Options, m: Machine) -> None:
@@ -217,7 +245,7 @@ Derivation = Callable[[Options, Machine], None]
 # choice (which reads --compile_layers), Liger's kernel choice before its loss reads that choice.
 DERIVED: list[Derivation] = [
     qlora_trains_lora, output_dir_of_its_own, fast_paths_where_supported, flex_pads_packed_rows,
-    fp8_training_pads_rows_to_16, tensor_parallel_saves_model_only, lora_skips_unused_parameter_search,
+    sequence_parallel_slices_rows, fp8_training_pads_rows_to_16, tensor_parallel_saves_model_only, lora_skips_unused_parameter_search,
     compiled_layers_keep_liger_loss_only, liger_loss_on_labels, fsdp_checkpoints_activations,
     fsdp_reduce_scatters_each_micro_batch, our_rotation_keeps_checkpoints,
 ]

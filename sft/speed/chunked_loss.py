@@ -23,6 +23,8 @@ own path and get logits.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from typing import Callable
 
@@ -35,12 +37,17 @@ from sft.data.tokenization import IGNORE
 CHUNK_TOKENS = 1024  # one chunk's fp32 logits: 0.4 GB at a 102,400-token vocabulary
 
 
-LossFn = Callable[[torch.Tensor, torch.nn.Module, torch.Tensor, "torch.Tensor | int | None"], torch.Tensor]
+# (hidden, lm_head, labels, num_items_in_batch, shifted=False) -> loss; `shifted`: the labels are already each
+# position's next-token target (sequence parallelism's `shift_labels`: a slice's last target is the next slice's first)
+LossFn = Callable[..., torch.Tensor]
 
 
-def labelled_tokens(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The hidden states whose next token has a label, and those labels (labels shifted by one, -100 left out)."""
-    targets = F.pad(labels, (0, 1), value=IGNORE)[..., 1:].reshape(-1).to(hidden.device)
+def labelled_tokens(hidden: torch.Tensor, labels: torch.Tensor,
+                    shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The hidden states whose next token has a label, and those labels (labels shifted by one unless `shifted`,
+    -100 left out)."""
+    targets = labels if shifted else F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
+    targets = targets.reshape(-1).to(hidden.device)
     keep = targets != IGNORE
     return hidden.reshape(-1, hidden.shape[-1])[keep], targets[keep]
 
@@ -62,16 +69,37 @@ def no_label_loss(hidden: torch.Tensor) -> torch.Tensor:
 
 def chunked_causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor,
                            num_items_in_batch: torch.Tensor | int | None = None,
-                           chunk_tokens: int = CHUNK_TOKENS) -> torch.Tensor:
-    """transformers' ForCausalLMLoss (shift, ignore -100, sum / num_items_in_batch or mean) without whole logits."""
-    states, targets = labelled_tokens(hidden, labels)
-    if targets.numel() == 0:
+                           chunk_tokens: int = CHUNK_TOKENS, shifted: bool = False,
+                           zero3_frozen_head: bool = False) -> torch.Tensor:
+    """transformers' ForCausalLMLoss (shift, ignore -100, sum / num_items_in_batch or mean) without whole logits.
+    `zero3_frozen_head`: the lm_head is a frozen ZeRO-3 partitioned module (LoRA under ZeRO-3 on several
+    processes); its weight is gathered once for the whole loss instead of by the module's hooks at every chunk and
+    at every chunk's recomputation, which the processes would run different numbers of times (their labelled tokens
+    differ: seen hanging on 2 CPU ranks) and which a recomputation in the backward finds partitioned (shape [0])."""
+    states, targets = labelled_tokens(hidden, labels, shifted)
+    if targets.numel() == 0 and not zero3_frozen_head:  # (every process gathers under ZeRO-3, labels or not)
         return no_label_loss(hidden)
-    total = hidden.new_zeros((), dtype=torch.float32)
-    for start in range(0, targets.numel(), chunk_tokens):
-        end = start + chunk_tokens
-        total = total + checkpoint(_chunk_loss, lm_head, states[start:end], targets[start:end], use_reentrant=False)
+    with gathered_head(lm_head) if zero3_frozen_head else contextlib.nullcontext(lm_head) as head:
+        if targets.numel() == 0:
+            return no_label_loss(hidden)
+        total = hidden.new_zeros((), dtype=torch.float32)
+        for start in range(0, targets.numel(), chunk_tokens):
+            end = start + chunk_tokens
+            total = total + checkpoint(_chunk_loss, head, states[start:end], targets[start:end], use_reentrant=False)
     return per_item(total, targets.numel(), num_items_in_batch)
+
+
+@contextlib.contextmanager
+def gathered_head(lm_head: torch.nn.Module):
+    """A frozen ZeRO-3 lm_head's whole weight (and bias), gathered from every process once and copied (the copy
+    outlives the gather: each chunk is recomputed in the backward), as a plain function of the hidden states."""
+    import deepspeed
+
+    params = [p for p in (lm_head.weight, lm_head.bias) if p is not None]
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        weight = lm_head.weight.detach().clone()
+        bias = None if lm_head.bias is None else lm_head.bias.detach().clone()
+    yield functools.partial(F.linear, weight=weight, bias=bias)
 
 
 def _chunk_loss(lm_head: torch.nn.Module, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -79,12 +107,12 @@ def _chunk_loss(lm_head: torch.nn.Module, states: torch.Tensor, targets: torch.T
 
 
 def liger_causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor,
-                         num_items_in_batch: torch.Tensor | int | None = None) -> torch.Tensor:
+                         num_items_in_batch: torch.Tensor | int | None = None, shifted: bool = False) -> torch.Tensor:
     """The same loss through Liger's fused linear cross-entropy (its Triton kernels: GPU only), which projects the
     labelled tokens a chunk at a time and computes their gradient in the forward."""
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-    states, targets = labelled_tokens(hidden, labels)
+    states, targets = labelled_tokens(hidden, labels, shifted)
     if targets.numel() == 0:
         return no_label_loss(hidden)
     chunks = liger_chunk_mem_const(targets.numel(), *lm_head.weight.shape[::-1])
