@@ -161,8 +161,10 @@ def types_namespace(bos_token, vocab):
 
 @pytest.mark.parametrize("model,lora,config", [
     ("deepseek-r1-distill-qwen-1.5b", True, "ddp.yaml"), ("deepseek-llm-7b", True, "ddp.yaml"),
-    # R1-Distill-Qwen-14B LoRA: FSDP's plans come within 1 GiB of the card (23.4 GiB by nvidia-smi at micro-batch 1)
-    ("deepseek-r1-distill-llama-8b", True, "ddp.yaml"), ("deepseek-r1-distill-qwen-14b", True, "zero3.yaml"),
+    # R1-Distill-Qwen-14B LoRA: FSDP's plans counted from accelerate's units (the embedding gathered for the forward
+    # only, the tail to the loss's backward: planner.fsdp_adapter_buffers) leave the card its margin (21.1 GiB by
+    # nvidia-smi at micro-batch 4), at ZeRO-3's speed class, and come first in the strategy table
+    ("deepseek-r1-distill-llama-8b", True, "ddp.yaml"), ("deepseek-r1-distill-qwen-14b", True, "fsdp.yaml"),
     # V2-Lite: its ZeRO-3 row measured 24.6 GiB by nvidia-smi on 2 GPUs (over a real card) and 1.1% MFU, which
     # bounds its offload plans too; with equal estimates the plan with room (offload, micro-batch 4) is chosen
     ("deepseek-v2-lite", True, "zero3_offload.yaml"), ("deepseek-llm-67b", True, "zero3_offload.yaml"),

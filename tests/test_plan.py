@@ -578,15 +578,17 @@ def test_each_recipe_is_the_planners_plan_for_its_micro_batch(recipe):
     text = recipe.read_text()
     options = yaml.safe_load(text)
     config = re.search(r"--config_file (accelerate_configs/\S+)", text).group(1)
-    method = "lora" if options.get("lora") else "full"
+    method = "qlora" if options.get("qlora") else "lora" if options.get("lora") else "full"
     mb, accumulation = options.get("per_device_train_batch_size", 1), options.get("gradient_accumulation_steps", 1)
     shape = plan.resolve_shape(options["model"])
-    box = plan.Box(3, 24, host_ram_gib=64)
+    # FSDP + QLoRA: every rank loads the bf16 base into host RAM (a 67B: 397 GiB for 3 processes)
+    box = plan.Box(3, 24, host_ram_gib=512 if method == "qlora" else 64)
     plans = plan.enumerate_plans(shape, box, method, options.get("max_length", 2048), (mb,),
                                  options.get("lora_r", 16), accumulation)
     # a resident plan changes the model the adapter trains against: the plan of a recipe that asks for it (as
     # --plan auto plans), else of one that does not
-    best = plan.best_plan([p for p in plans if p.w.resident == (options.get("quantize_experts") == "fp8")])
+    kind = [p for p in plans if p.w.resident == (options.get("quantize_experts") == "fp8")]
+    best = plan.best_plan(kind) or plan.awaiting_plan(kind)  # a recipe the run refuses today: the plan that awaits
     precision = next((k for k, v in PRECISION_OPTIONS.items() if v and v["optim"] == options.get("optim")),
                      "fp32_master")
     levers = Levers(options.get("mlp_tile_tokens", 0), bool(options.get("offload_activations")))
@@ -883,3 +885,81 @@ def test_one_name_per_model_either_spelling_is_accepted(capsys):
     finally:
         sys.path.remove(str(plan.REPO / "bench"))
     assert bench.bench_model(R1) == bench.bench_model("r1-distill-qwen-7b") == "r1-distill-qwen-7b"
+
+
+# ---- 67B / 70B QLoRA on the box (issue 26 item 4): FSDP2 over the 4-bit base, refused until its GPU check passes
+
+BIG_QLORA = {"deepseek-llm-67b": "deepseek-llm-67b-qlora.yaml",
+             "deepseek-r1-distill-llama-70b": "r1-distill-llama-70b-qlora.yaml"}
+
+
+@pytest.mark.parametrize("model", BIG_QLORA)
+def test_67b_and_70b_qlora_plan_is_its_recipe_and_awaits_its_check(model, capsys):
+    """On 3 x 24 GB the only plan that fits is FSDP over the 4-bit base, below the card less its margin; the
+    planner gives its command as refused until bench/qlora_check.py --fsdp two passes (exit 1: nothing runs
+    today), never as Recommended; the recipe holds that plan's values."""
+    from sft.configs import RECIPES
+    from sft.options.recipe import load_recipe
+
+    recipe = load_recipe(str(RECIPES / BIG_QLORA[model]))
+    value = lambda name: plan._arg(recipe, f"--{name}")  # noqa: E731
+    length, mb, accumulation = value("max_length"), value("per_device_train_batch_size"), \
+        value("gradient_accumulation_steps")
+    assert plan.main(["--model", model, "--qlora", "--gpus", "3", "--gpu_mem", "24", "--host_ram", "512",
+                      "--max_length", length, "--gradient_accumulation_steps", accumulation]) == 1
+    out = capsys.readouterr().out
+    assert "Recommended:" not in out
+    line = next(x for x in out.splitlines() if x.startswith("Fits, but refused until"))
+    assert plan.AWAITED_CHECK in line and "--config_file accelerate_configs/fsdp.yaml" in line
+    assert f"--per_device_train_batch_size {mb} " in line and f"--max_length {length} " in line
+    assert f"--gradient_accumulation_steps {accumulation} " in line and line.endswith("--activation_checkpointing")
+    assert "the run today: error: --qlora under FSDP: not enabled until its check passes" in out
+    assert value("qlora") == "true" and value("activation_checkpointing") == "true"
+    for name in ("attn_implementation", "use_liger_kernel"):
+        assert value(name) == str(plan.kernels("fsdp", plan.SHAPES[model])[name]).lower()
+    box = plan.Box(3, 24.0, 512.0)
+    waiting = plan.awaiting_plan(plan.enumerate_plans(plan.SHAPES[model], box, "qlora", int(length), (1, 2, 4, 8),
+                                                      grad_accum=int(accumulation)))
+    assert waiting.w.strategy == "fsdp" and waiting.w.micro_batch == int(mb) and waiting.w.checkpointing
+    assert waiting.prediction.smi_gib <= box.card_gib - plan.MARGIN_GIB and waiting.awaits
+    assert str(round(waiting.prediction.smi_gib, 1)) in (RECIPES / BIG_QLORA[model]).read_text()  # its header
+
+
+def test_refused_plans_are_never_recommended_nor_planned():
+    """A plan the run refuses today (FSDP + QLoRA) is not best_plan, which `--plan auto` applies; on the 7B the
+    DDP QLoRA plan, which runs, is recommended."""
+    plans = plan.enumerate_plans(plan.SHAPES["deepseek-llm-67b"], plan.Box(3, 24.0, 512.0), "qlora")
+    assert plan.best_plan(plans) is None and plan.awaiting_plan(plans).w.strategy == "fsdp"
+    assert all("refused until" in p.mark() for p in plans if p.w.strategy == "fsdp" and p.fits)
+    seven = plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], plan.Box(3, 24.0, 512.0), "qlora")
+    assert plan.best_plan(seven).w.strategy == "ddp" and plan.awaiting_plan(seven) is not None
+    assert plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], BOX, "lora")[0].awaits is None
+
+
+def test_fsdp_qlora_memory_counts_the_4bit_base_as_it_moves():
+    """FSDP + QLoRA from the units accelerate builds: the base sharded in NF4, two decoder layers gathered as NF4
+    bytes (not bf16) with one linear dequantized in pieces beside them, or the bf16 tail (lm_head) at the end of
+    the forward, whichever is larger; the allocator's cache over the gathered bytes; every rank loading the bf16
+    base into host RAM. At 2048 tokens the 70B's 2.1 GB lm_head leaves less than the card's margin."""
+    from sft.model.nf4_layout import dequantize_peak_bytes
+    from sft.parallel.strategies import NF4_BYTES
+
+    shape = plan.SHAPES["deepseek-llm-67b"]
+    qlora, lora = (plan.Workload("fsdp", Setup(m), 3, 1, 2048, True) for m in ("qlora", "lora"))
+    transient, gathered = plan.fsdp_adapter_buffers(shape, qlora)
+    layer = shape.layer_params(0) - 2 * shape.hidden
+    assert 2 * layer * NF4_BYTES < gathered == 2 * (shape.vocab * shape.hidden + shape.hidden)  # the tail's moment
+    assert transient == gathered  # the layers' moment is smaller: 2 NF4 layers + one dequantized MLP weight
+    assert 2 * layer * NF4_BYTES + dequantize_peak_bytes(22016, 8192, 3) < transient
+    assert dequantize_peak_bytes(22016, 8192, 3) < 2 * 2 * 22016 * 8192  # pieces: not torchao's 7x of the whole
+    assert plan.fsdp_adapter_buffers(shape, lora)[0] == 2 * (2 * layer + 2 * 2 * shape.hidden
+                                                              + shape.lora_params(16) / shape.layers * 2)
+    p = plan.predict(shape, qlora)
+    assert p.parts["weights"] * plan.GIB == pytest.approx((shape.linear_params() * NF4_BYTES + (
+        shape.params() - shape.linear_params()) * 2 + shape.lora_params(16) * 4) / 3)
+    assert p.parts["cache"] == pytest.approx(plan.CALIBRATION["cache_per_gathered"]["fsdp"] * gathered / plan.GIB)
+    assert p.host_gib == pytest.approx(20 + 3 * shape.params() * 2 / plan.GIB)
+    seventy = plan.SHAPES["deepseek-r1-distill-llama-70b"]
+    assert seventy.params() == pytest.approx(70.55e9, rel=1e-3)
+    plans = plan.enumerate_plans(seventy, plan.Box(3, 24.0, 512.0), "qlora")
+    assert plan.awaiting_plan(plans) is None and plan.best_plan(plans) is None

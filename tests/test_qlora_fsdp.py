@@ -244,6 +244,21 @@ def test_nf4_layout_splits_into_equal_shards(shape, shards):
         assert torch.equal(layer.dequantized_weight(torch.bfloat16).reshape(-1), whole)
 
 
+def test_nf4_dequantized_in_pieces_is_the_whole_dequantized():
+    """NF4Linear dequantizes in equal pieces of whole rows (torchao's whole dequantization holds 7x the bf16 weight):
+    bit for bit torchao's get_original_weight of the whole, for each way the rows divide."""
+    from sft.model.nf4_base import dequantized, to_nf4_rows
+    from sft.model.nf4_layout import dequantize_pieces
+
+    weight = to_nf4_rows(torch.randn(300, 1000, dtype=torch.bfloat16), 3)  # 21 stored rows: 3 x 7
+    whole = weight.get_original_weight().reshape(-1)[:300 * 1000].view(300, 1000)
+    for piece_rows, pieces in ((21, 1), (7, 3), (3, 7), (2, 21)):
+        assert dequantize_pieces(weight.shape[0], piece_rows) == pieces
+        assert torch.equal(dequantized(weight, (300, 1000), torch.bfloat16, piece_rows), whole)
+    assert dequantize_pieces(11010) == 15 and dequantize_pieces(14337) == 27  # a 67B's and a 70B's MLP on 3 shards
+    assert dequantize_pieces(2 * 1031) == 2  # no divisor leaves <= 1024 rows: the most pieces that divide it
+
+
 def test_lora_over_nf4_trains_the_adapter_and_saves_a_plain_adapter(tmp_path):
     """peft's LoRA wraps NF4Linear as any nn.Linear: the backward reaches the input and the adapter, never the 4-bit
     base; the loss falls; the saved adapter has exactly the keys of a LoRA trained on the bf16 base and loads there

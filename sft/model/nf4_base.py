@@ -14,8 +14,9 @@ The layout: FSDP2 shards dim 0 into equal chunks, and NF4Tensor splits only at w
 block, 256 blocks per double-quantization block: 16384 values). A 70B's weights (8192 rows) do not split in three,
 so each weight is quantized as a (rows, 16384) matrix of its values in order, padded at the end (with its own
 first values, which keeps the scales' mean) to a row count that divides by the number of shards. NF4Linear
-dequantizes it, drops the padding and computes the layer; its backward reaches the input only (the base is
-frozen), dequantizing again instead of keeping a bf16 copy for backward, as torchao's linear_nf4 does.
+dequantizes it (piece by piece: torchao's dequantization holds 7x the bf16 weight at once, 2.3 GiB for a 67B's MLP
+weight; sft/model/nf4_layout.py), drops the padding and computes the layer; its backward reaches the input only (the
+base is frozen), dequantizing again instead of keeping a bf16 copy for backward, as torchao's linear_nf4 does.
 
 The adapter is an ordinary peft LoRA over NF4Linear (an nn.Linear): it saves the same keys as on the bf16 base
 and loads there with plain peft.
@@ -27,16 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-BLOCK = 64  # values per NF4 scale (QLoRA's, as bitsandbytes')
-SCALER_BLOCK = 256  # scales per double-quantization block
-ROW = BLOCK * SCALER_BLOCK  # the smallest piece NF4Tensor splits at: one row of the stored matrix
+from sft.model.nf4_layout import BLOCK, PIECE_ROWS, ROW, SCALER_BLOCK, dequantize_pieces, stored_rows
+
 QUANT_METHOD = "torchao_nf4"  # the name a verified save and quantized_base.json give this base
-
-
-def stored_rows(numel: int, shards: int) -> int:
-    """Rows of ROW values that hold `numel` values and divide into `shards` equal shards."""
-    rows = -(-numel // ROW)
-    return -(-rows // shards) * shards
 
 
 def to_nf4_rows(weight: torch.Tensor, shards: int):
@@ -65,8 +59,17 @@ class _DequantizedLinear(torch.autograd.Function):
         return grad @ dequantized(weight, ctx.shape, grad.dtype), None, None
 
 
-def dequantized(weight: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
-    values = weight.get_original_weight().reshape(-1)
+def dequantized(weight: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype,
+                piece_rows: int = PIECE_ROWS) -> torch.Tensor:
+    """The (out, in) weight in `dtype`, dequantized in equal pieces of whole rows (NF4Tensor splits only so) into one
+    buffer: the same values as torchao's whole get_original_weight, without its 7x working set of the whole."""
+    pieces = dequantize_pieces(weight.shape[0], piece_rows)
+    if pieces == 1:
+        values = weight.get_original_weight().reshape(-1)
+    else:
+        values = torch.empty(weight.shape[0] * ROW, dtype=weight.dtype, device=weight.device)
+        for piece, out in zip(torch.chunk(weight, pieces), values.chunk(pieces)):
+            out.copy_(piece.get_original_weight().reshape(-1))
     return values[: shape[0] * shape[1]].view(shape).to(dtype)
 
 

@@ -58,6 +58,11 @@ PRECISION_OPTIONS: dict[str, dict[str, str]] = {
 }
 
 
+# QLoRA's 4-bit base, bytes per value: NF4 (0.5) with one int8 scale per 64 values and a float factor per 256 scales
+# (double quantization; torchao's NF4Tensor under FSDP as bitsandbytes' layout on one GPU or DDP): ~4.13 bits.
+NF4_BYTES = 0.516
+
+
 def _optimizer_bytes(precision: str) -> float:
     """Adam's two moments per trained parameter: fp32 (8 B), bf16 (4 B), torchao 8-bit (2 B + a fp32 scale per
     256 values each) or 4-bit (1 B + a fp32 scale per 128 values each)."""
@@ -115,8 +120,8 @@ class Strategy:
         shard_o = world if "optimizer" in self.shards else 1
         host = 0.0
         if setup.method in ("lora", "qlora"):
-            if setup.method == "qlora":  # NF4 with double quantization: ~4.13 bits per value
-                base = quantizable * 0.516 + (params - quantizable) * 2
+            if setup.method == "qlora":  # NF4 with double quantization; the embeddings, lm_head and norms in bf16
+                base = quantizable * NF4_BYTES + (params - quantizable) * 2
             else:
                 base = params * 2  # frozen bf16/fp16 base
             adapter_w, adapter_g, adapter_o = trainable * 4, trainable * 4, trainable * 8

@@ -17,7 +17,8 @@ from types import SimpleNamespace
 
 from sft.errors import ConfigError
 from sft.machine import OPTIONAL_PACKAGES, Machine, gpu_kind
-from sft.options.checks import Options, compiled_layers_combinations, fp8_base_needs, fp8_combinations
+from sft.options.checks import (Options, compiled_layers_combinations, fp8_base_needs, fp8_combinations,
+                                qlora_under_fsdp_awaits_its_gpu_run)
 from sft.options.resolve import fast_paths_where_supported
 from sft.options.switches import FastPathSwitches
 from sft.parallel.strategies import STRATEGIES
@@ -103,3 +104,23 @@ def fast_paths(machine: Machine, strategy: str, world: int, method: str, asked: 
         except ConfigError as e:
             refused = refused or str(e)
     return FastPaths(model.fp8_on, model.compile_layers_on, model.speed_choices, refused)
+
+
+# The run's refusals of a whole kind of plan until its GPU check passes: a plan they refuse fits, but cannot run yet.
+AWAITING_CHECKS = (qlora_under_fsdp_awaits_its_gpu_run,)
+
+
+@functools.lru_cache(maxsize=None)
+def refused_today(machine: Machine, strategy: str, world: int, method: str) -> str | None:
+    """The run's error for a plan of `method` under `strategy` on `world` of `machine`'s GPUs that one of
+    AWAITING_CHECKS refuses (--qlora under FSDP until bench/qlora_check.py --fsdp two passes), else None: asked of
+    the run's own check, as fast_paths asks its rule."""
+    m = dataclasses.replace(machine, launch=STRATEGIES[strategy].launch(world))
+    o = Options(_ModelOptions("false", "false"), None, SimpleNamespace(lora=method != "full", qlora=method == "qlora"),
+                SimpleNamespace(torch_compile=False, fsdp=""))
+    for check in AWAITING_CHECKS:
+        try:
+            check(o, m)
+        except ConfigError as e:
+            return str(e)
+    return None

@@ -21,7 +21,11 @@ share of the activations (fitted on their rows: fast_path_memory). Rows over 4,0
 (sft/plan/long_rows.py): one conversation each, with the MLP tile and offloaded checkpoints where a plan needs them
 to fit, and their speed from the long-document bench rows. LoRA of an MoE model is also planned resident
 (sft/plan/resident.py: --quantize_experts fp8, the routed experts in e4m3, one layer's dequantized at a time), its
-speed from its own bench rows. The fitted constants and the rows they come
+speed from its own bench rows. LoRA and QLoRA under FSDP (the 67B/70B plans on 3 x 24 GB) count their gathered
+buffers from accelerate's units and the NF4 base's bytes (fsdp_adapter_buffers), every rank's bf16 load of the base
+in host RAM, and the full fine-tune's fitted cache and MFU: no FSDP LoRA row is measured yet; a plan the run refuses
+until its GPU check passes (refused_today: FSDP + QLoRA) is marked so and never recommended. The fitted constants and
+the rows they come
 from are in CALIBRATION below and in the snapshot; `--check` prints predicted against measured for every row with
 a measured peak.
 """
@@ -45,8 +49,10 @@ from sft.options.recipe import load_recipe
 from sft.configs import RECIPES
 from sft.names import known_as
 from sft.machine import GIB, GPU_KINDS, Machine, gpu_kind, host_ram_gib as this_host_ram
-from sft.parallel.strategies import PRECISION_OPTIONS, REPO, STRATEGIES, Setup, StateBytes
-from sft.plan.fast_paths import NAMES as FAST_PATH_NAMES, Asked, FastPaths, described_machine, fast_paths
+from sft.model.nf4_layout import dequantize_peak_bytes
+from sft.parallel.strategies import NF4_BYTES, PRECISION_OPTIONS, REPO, STRATEGIES, Setup, StateBytes
+from sft.plan.fast_paths import (NAMES as FAST_PATH_NAMES, Asked, FastPaths, described_machine, fast_paths,
+                                 refused_today)
 from sft.plan.long_rows import Levers, is_long, ladder, is_long_document_row, long_row_flops_per_token, tile_tokens
 from sft.plan import resident
 
@@ -64,6 +70,8 @@ HEADROOM = 0.075
 # tok/s estimates this close are one speed: the estimate is one measured MFU per kind of plan, and one configuration
 # measured again moves that much (full-sr16, 7 runs on the H200: MFU 65.0-68.8%).
 SPEED_TIE = 0.05
+# What lifts the run's refusal of --qlora under FSDP (sft/options/checks.py qlora_under_fsdp_awaits_its_gpu_run)
+AWAITED_CHECK = "`python bench/qlora_check.py --fsdp two` on 2 GPUs"
 
 # ---------------------------------------------------------------------------------------------------------------
 # Shapes: built in for the DeepSeek families (offline), else from a config.json.
@@ -146,6 +154,22 @@ class Shape:
     def linear_params(self) -> int:
         """Parameters of the decoder layers' linear weights (what QLoRA stores in 4 bits)."""
         return sum(self.layer_params(i) - 2 * self.hidden for i in range(self.layers))
+
+    def linear_shapes(self, index: int) -> list[tuple[int, int]]:
+        """(out, in) of layer `index`'s nn.Linear weights: what QLoRA stores in 4 bits (the routed experts of an MoE
+        layer are fused parameters, not linears, and the router is no nn.Linear)."""
+        h = self.hidden
+        if self.kv_lora_rank:
+            qd = self.heads * (self.qk_nope + self.qk_rope)
+            attn = [(self.q_lora_rank, h), (qd, self.q_lora_rank)] if self.q_lora_rank else [(qd, h)]
+            attn += [(self.kv_lora_rank + self.qk_rope, h), (self.heads * (self.qk_nope + self.v_head),
+                                                              self.kv_lora_rank), (h, self.heads * self.v_head)]
+        else:
+            q, kv = self.heads * self.hd, self.kv_heads * self.hd
+            attn = [(q, h), (kv, h), (kv, h), (h, q)]
+        inter = self.shared_experts * self.moe_intermediate if self.moe and index >= self.first_dense \
+            else self.intermediate
+        return attn + ([(inter, h), (inter, h), (h, inter)] if inter else [])
 
     def lora_params(self, r: int) -> int:
         """Trainable parameters of our default LoRA targets (sft/model/families.py): every attention and MLP projection
@@ -245,6 +269,7 @@ SHAPES: dict[str, Shape] = {s.name: s for s in [
     _dense("deepseek-r1-distill-qwen-14b", "qwen2", 5120, 13824, 48, 40, 8, 152064, qkv_bias=True,
            checked="not checked"),
     _dense("deepseek-r1-distill-llama-8b", "llama", 4096, 14336, 32, 32, 8, 128256, checked="not checked"),
+    _dense("deepseek-r1-distill-llama-70b", "llama", 8192, 28672, 80, 64, 8, 128256, checked="not checked"),
     Shape("deepseek-v2-lite", "deepseek_v2", 2048, 10944, 27, 16, 16, 102400, kv_lora_rank=512, q_lora_rank=None,
           qk_nope=128, qk_rope=64, v_head=128, routed_experts=64, shared_experts=2, experts_per_token=6,
           moe_intermediate=1408, first_dense=1, checked="config.json copy (third party)"),
@@ -261,6 +286,7 @@ RELEASES: dict[str, tuple[str, ...]] = {
     "deepseek-r1-distill-qwen-7b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",),
     "deepseek-r1-distill-qwen-14b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-14B",),
     "deepseek-r1-distill-llama-8b": ("deepseek-ai/DeepSeek-R1-Distill-Llama-8B",),
+    "deepseek-r1-distill-llama-70b": ("deepseek-ai/DeepSeek-R1-Distill-Llama-70B",),
     "deepseek-v2-lite": ("deepseek-ai/DeepSeek-V2-Lite", "deepseek-ai/DeepSeek-V2-Lite-Chat"),
 }
 ALIASES = {hub.rsplit("/", 1)[1].lower(): name for name, hubs in RELEASES.items() for hub in hubs}  # -> the shape
@@ -519,10 +545,15 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     layer = max(shape.layer_params(i) for i in range(shape.layers))
     end_transient = 0.0
     own_grad = 0 if lora else grad_bytes
-    if strategy.sharded_kind == "fsdp":
+    gathered = None  # of the transient, what FSDP's all-gathers hold (the allocator's cache grows with it)
+    if strategy.sharded_kind == "fsdp" and lora:
+        transient, gathered = fsdp_adapter_buffers(shape, w)
+        end_transient = gathered
+    elif strategy.sharded_kind == "fsdp":
         root = shape.embedding_params() + (0 if shape.tied else shape.embedding_params())
         # the root unit (embeddings, lm_head) stays gathered in bf16 through forward and backward, and its
         # gradients stay unsharded until the end of backward; two layers gathered (prefetch), one layer's gradient
+        # (the full fine-tune's count, as fitted on its rows: cache_per_gathered)
         transient = root * 2 + layer * (2 * 2 + own_grad)
         end_transient = root * (2 + own_grad)
     elif strategy.sharded_kind == "zero3":
@@ -539,7 +570,7 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     allocated = max(phase_backward, phase_end)
     kind = "zero3_moe" if strategy.sharded_kind == "zero3" and shape.routed_experts else strategy.sharded_kind
     if kind in CALIBRATION["cache_per_gathered"]:
-        cache = CALIBRATION["cache_per_gathered"][kind] * transient
+        cache = CALIBRATION["cache_per_gathered"][kind] * (transient if gathered is None else gathered)
     else:
         cache = CALIBRATION["cache_gib"]["none" if kind == "none" else kind] * GIB
     if kind in ("fsdp", "tp") and not w.fused_loss:
@@ -551,6 +582,10 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     host = (8 + 4 * w.world) * GIB + w.world * (pinned["optimizer"] * (state.host - state.host_weights)
                                                  + pinned["weights"] * state.host_weights
                                                  + pinned["activations"] * offloaded)
+    if strategy.sharded_kind == "fsdp" and w.setup.method == "qlora":
+        # every rank loads the bf16 base whole into host RAM, then quantizes it layer by layer (no RAM-efficient
+        # loading under --qlora: sft/parallel/fsdp.py hand_over_to_fsdp): from the code, not measured
+        host = max(host, (8 + 4 * w.world) * GIB + w.world * params * 2)
     parts = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer,
              "masters": state.masters, "buckets": state.buckets, "activations": activations,
              "lora_weights": kept_deltas, "fast_paths": fast, "transient": transient, "cache": cache,
@@ -558,6 +593,32 @@ def predict(shape: Shape, w: Workload) -> Prediction:
              "context": context, "offloaded_activations": offloaded}
     return Prediction(w, allocated / GIB, reserved / GIB, (reserved + context) / GIB, need / GIB, host / GIB,
                       {k: v / GIB for k, v in parts.items()})
+
+
+def fsdp_adapter_buffers(shape: Shape, w: Workload) -> tuple[float, float]:
+    """(transient bytes at the peak, of which all-gathered) of a LoRA or QLoRA plan under FSDP2, from the units
+    accelerate 1.16 builds (fsdp2_prepare_model) and what our run does with them, not from a measured row (no FSDP
+    LoRA or QLoRA row yet: the cache on top is the full fine-tune's cache_per_gathered, over the gathered bytes):
+    - the input embedding is a unit of its own, gathered for the forward only (sft/parallel/fsdp.py skips its
+      backward's gather): at the start of the step, when no activation is kept yet; not at the peak;
+    - the tail (final norm, lm_head; the embedding too when tied) stays gathered in bf16 from the end of the
+      forward to the loss's backward (reshard_after_forward=False): beside every checkpoint;
+    - two decoder layers gathered (the one computing, the next prefetched), in the bytes FSDP2 moves: bf16 for
+      LoRA, NF4 for QLoRA (sft/model/nf4_base.py; norms in bf16, the adapter in fp32: no cast in the all-gather);
+    - QLoRA: one linear dequantized at a time, in pieces (sft/model/nf4_layout.py: its bf16 weight and one piece of
+      torchao's working set), in the forward, the recomputation and the backward, beside the gathered layers.
+    The peak is the larger of the tail's moment and a layer's."""
+    h, qlora = shape.hidden, w.setup.method == "qlora"
+    tail = 2 * (shape.vocab * h + h)
+    adapter = shape.lora_params(w.lora_r) / shape.layers * (4 if qlora else 2)
+    layer_bytes, dequantized = [], 0.0
+    for i in range(shape.layers):
+        linears = shape.layer_params(i) - 2 * h
+        layer_bytes.append((linears * NF4_BYTES if qlora else 2 * linears) + 2 * 2 * h + adapter)
+        if qlora:
+            dequantized = max(dequantized, *(dequantize_peak_bytes(out, inp, w.world) for out, inp in shape.linear_shapes(i)))
+    layers = 2 * max(layer_bytes)
+    return max(tail, layers + dequantized), max(tail, layers)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1097,10 +1158,16 @@ class Plan:
     host_ram_gib: float | None = None  # the box's; None: unknown
     fast: FastPaths = FastPaths()      # what it runs with, and the run's words for why (w.fp8, w.compiled)
     asked: Asked = Asked()             # --fp8/--compile_layers as given: its command passes those not auto
+    awaits: str | None = None          # the run refuses it until a GPU check passes (refused_today): its error
 
     @property
     def w(self) -> Workload:
         return self.prediction.workload
+
+    @property
+    def ready(self) -> bool:
+        """It fits with its margin under a recommended strategy and the run takes it today: what is recommended."""
+        return self.roomy and STRATEGIES[self.w.strategy].recommended and not self.awaits
 
     @property
     def roomy(self) -> bool:
@@ -1126,6 +1193,8 @@ class Plan:
                    f"(the card less {MARGIN_GIB:g} GiB)" + (f"; {unknown}" if self.host_unknown else "")
         else:
             text = unknown if self.host_unknown else "yes"
+        if self.awaits and self.fits:
+            text += f" (refused until {AWAITED_CHECK} passes)"
         return text + ("" if STRATEGIES[self.w.strategy].recommended else " (not recommended)")
 
 
@@ -1153,7 +1222,7 @@ def ranked(plans: list[Plan]) -> list[Plan]:
     ran faster than 1 and 2 at the same MFU class), then the order of the strategy table (sft/parallel/strategies.py:
     simpler strategies, and bf16_sr, measured faster than torchao's 8-bit AdamW, first)."""
     def group(p: Plan) -> int:
-        return 0 if p.roomy and STRATEGIES[p.w.strategy].recommended else 1 if p.roomy else 2 if p.fits else 3
+        return 0 if p.ready else 1 if p.roomy else 2 if p.fits else 3
 
     out: list[Plan] = []
     order = {id(p): i for i, p in enumerate(plans)}
@@ -1227,7 +1296,8 @@ def _plan(shape: Shape, box: Box, w: Workload, fast: FastPaths, asked: Asked) ->
         why.append("TP takes no LoRA")
     if fast.refused:  # a --fp8/--compile_layers true this strategy refuses: the run stops there
         why.append(fast.refused.split(". ")[0])
-    return Plan(p, tok_s, source, not why, "; ".join(why), shape, box.card_gib, box.host_ram_gib, fast, asked)
+    return Plan(p, tok_s, source, not why, "; ".join(why), shape, box.card_gib, box.host_ram_gib, fast, asked,
+                refused_today(box.described(), w.strategy, w.world, w.setup.method))
 
 
 def command(plan: Plan, model: str, box: Box) -> str:
@@ -1332,7 +1402,13 @@ def best_plan(plans: list[Plan]) -> Plan | None:
     """The first of the ranked plans that fits with its margin (nvidia-smi at most the card less MARGIN_GIB) under a
     recommended strategy; None when there is none: a plan at the card's edge is never recommended (what it leaves
     is less than the prediction's own error, and the allocator's cache grows into it)."""
-    return next((p for p in ranked(plans) if p.roomy and STRATEGIES[p.w.strategy].recommended), None)
+    return next((p for p in ranked(plans) if p.ready), None)
+
+
+def awaiting_plan(plans: list[Plan]) -> Plan | None:
+    """When no plan is ready (best_plan): the first that fits with its margin under a recommended strategy but that
+    the run refuses until a GPU check passes (Plan.awaits); None when there is none."""
+    return next((p for p in ranked(plans) if p.roomy and STRATEGIES[p.w.strategy].recommended and p.awaits), None)
 
 
 def closest_plan(plans: list[Plan]) -> Plan | None:
@@ -1538,6 +1614,13 @@ def main(argv: list[str] | None = None) -> int:
           f"{kernels_text(shape, [p.w.strategy for p in shown])}; {fast_paths_text(shown)}")
     print(plan_table(shown))
     best = best_plan(plans)
+    waiting = awaiting_plan(plans) if best is None else None
+    if waiting:  # it fits, and the run refuses it until its GPU check passes: its command, not as ready to run
+        print(f"\nFits, but refused until {AWAITED_CHECK} passes (nothing else fits): "
+              f"{command(waiting, args.model, box)}")
+        print(f"  the run today: error: {waiting.awaits}")
+        print(plan_summary(waiting, box, ram))
+        return 1
     if best is None:
         closest = closest_plan(plans)
         print(f"\nNothing fits with {MARGIN_GIB:g} GiB of the card to spare. Closest: "
@@ -1550,12 +1633,17 @@ def main(argv: list[str] | None = None) -> int:
                   f"{more_ram.why_not}")
         return 1
     print(f"\nRecommended: {command(best, args.model, box)}")
-    print(f"  {fast_paths_said(best)}")
-    needs = f"host RAM: unknown, needs {best.prediction.host_gib:.0f} GiB" if ram is None else \
-        f"{best.prediction.host_gib:.0f} of {ram:.0f} GiB host RAM"
-    print(f"  predicted {shown_gib(best):.1f} GiB per GPU (nvidia-smi), {needs}; ~{best.tok_s:,.0f} tok/s, an "
-          f"estimate: {best.tok_s_source}, scaled to {box.peak_flops / 1e12:g} TFLOP/s per GPU")
+    print(plan_summary(best, box, ram))
     return 0
+
+
+def plan_summary(plan: Plan, box: Box, ram: float | None) -> str:
+    """The lines under a plan's command: its fast paths, and its predicted memory, host RAM and speed."""
+    needs = f"host RAM: unknown, needs {plan.prediction.host_gib:.0f} GiB" if ram is None else \
+        f"{plan.prediction.host_gib:.0f} of {ram:.0f} GiB host RAM"
+    return (f"  {fast_paths_said(plan)}\n"
+            f"  predicted {shown_gib(plan):.1f} GiB per GPU (nvidia-smi), {needs}; ~{plan.tok_s:,.0f} tok/s, an "
+            f"estimate: {plan.tok_s_source}, scaled to {box.peak_flops / 1e12:g} TFLOP/s per GPU")
 
 
 def check_summary(results: list[dict]) -> str:
