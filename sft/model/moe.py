@@ -195,6 +195,39 @@ class RouterBalance:
                 self._captured[index] = (output[0], output[2])  # router_logits [B*L, E], topk_indices [B*L, K]
         return hook
 
+    def follow_expert_parallel(self, model) -> int:
+        """Under DeepSpeed AutoEP the engine has replaced each MoE block (and its router) by an AutoEPMoELayer
+        (sft/parallel/expert_parallel.py): hook its router instead, whose `gate` (a Linear) gives the logits and
+        whose output the chosen experts `(top_scores, selected_experts, tokens_per_expert)`. -> the layers hooked
+        (0: no AutoEP layer, the hooks stay where they were)."""
+        from sft.parallel.expert_parallel import expert_parallel_layers
+
+        layers = expert_parallel_layers(model)
+        if not layers:
+            return 0
+        if len(layers) != len(self.blocks):
+            raise RuntimeError(f"AutoEP replaced {len(layers)} MoE blocks of {len(self.blocks)}: the balance loss "
+                               f"would miss some; this DeepSpeed version lays the model out otherwise.")
+        self.remove()
+        logits: dict[int, torch.Tensor] = {}
+
+        def on_gate(index: int):
+            def hook(module, args, output):
+                if self._active:
+                    logits[index] = output  # [B*L, E]
+            return hook
+
+        def on_router(index: int):
+            def hook(module, args, output):
+                if self._active:
+                    self._captured[index] = (logits.pop(index), output[1])  # chosen experts [B*L, K]
+            return hook
+
+        for index, layer in enumerate(layers):
+            self.handles += [layer.router.gate.register_forward_hook(on_gate(index)),
+                             layer.router.register_forward_hook(on_router(index))]
+        return len(layers)
+
     @contextmanager
     def capture(self):
         """Keep the routers' outputs of the forward passes run inside (one per micro-batch)."""
@@ -273,6 +306,13 @@ class MoeLoadLogger(TrainerCallback):
     def __init__(self, balance: RouterBalance, write_counts: bool = True):
         self.balance = balance
         self.write_counts = write_counts
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        """The engine exists now: under DeepSpeed AutoEP the routers hooked at load time have been replaced."""
+        if model is not None and self.balance.follow_expert_parallel(model) and is_first_process():
+            from sft.parallel.expert_parallel import described, expert_parallel_layers
+
+            print(described(expert_parallel_layers(model)), flush=True)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or "loss" not in logs:  # training logs only (all ranks log them: the all-reduce is safe)
