@@ -590,7 +590,8 @@ MACHINE_CHECKS: list[Check] = [
     partial_checkpointing, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
     quantized_base_not_under_zero3, qlora_needs, qlora_under_fsdp_awaits_its_gpu_run, sharding_needs_gpus, attention_kernel_available, processes_fit_gpus,
     tensor_parallel_combinations, compiled_layers_combinations, liger_kernel_available, fp8_base_needs,
-    chunked_loss_combinations, expert_parallel_combinations, deepspeed_json_agrees, launcher_agrees, processes_name_one_run_directory,
+    chunked_loss_combinations, expert_parallel_combinations, deepspeed_json_agrees, launcher_agrees,
+    processes_name_one_run_directory,
 ]
 CHECKS: list[Check] = OPTION_CHECKS + MACHINE_CHECKS
 

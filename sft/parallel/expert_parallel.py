@@ -22,8 +22,9 @@ It runs on CPU over gloo (torch's all_to_all_single with split sizes; AutoEP's p
 
 A whole-model forward needs every rank (the all-to-alls): the verified save runs the trained model's forward on all
 ranks, as for ZeRO-3 (sft/safety/verify.py `is_sharded`); the MoE balance loss hooks follow the replaced routers
-(sft/model/moe.py `RouterBalance.follow_expert_parallel`). A DeepSpeed checkpoint writes each rank's frozen experts
-(DeepSpeed saves them whatever exclude_frozen_parameters says): about 29 GB per checkpoint for V2-Lite.
+(sft/model/moe.py `RouterBalance.follow_expert_parallel`, which finds the replaced layers: `expert_parallel_layers`).
+A DeepSpeed checkpoint writes each rank's frozen experts (DeepSpeed saves them whatever exclude_frozen_parameters
+says): about 29 GB per checkpoint for V2-Lite.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from sft.errors import ConfigError
 
 # The model types AutoEP runs here: DeepSpeed has a preset for them and tests/test_expert_parallel.py trains them.
 AUTOEP_MODEL_TYPES = ("deepseek_v2",)
-LAYER_CLASS = "AutoEPMoELayer"  # deepspeed.module_inject.auto_ep_layer's replacement block
 
 
 def autoep_block(deepspeed_config: dict | None) -> dict | None:
@@ -43,18 +43,6 @@ def autoep_block(deepspeed_config: dict | None) -> dict | None:
 
 def ep_size(block: dict) -> int:
     return int(block.get("autoep_size", 1))
-
-
-def expert_parallel_layers(model) -> list:
-    """The model's AutoEP layers that hold a share of the experts (ep size > 1), in layer order."""
-    return [m for m in model.modules() if type(m).__name__ == LAYER_CLASS and getattr(m, "ep_size", 1) > 1]
-
-
-def described(layers: list) -> str:
-    """One line for the first screen: what each GPU holds of the routed experts."""
-    layer = layers[0]
-    return (f"DeepSpeed AutoEP: {len(layers)} MoE layers, each GPU holds {layer.num_local_experts} of their "
-            f"{layer.num_experts} routed experts (ep size {layer.ep_size}; tokens cross by all-to-all)")
 
 
 def check_expert_parallel(config, deepspeed_config: dict | None, world_size: int) -> None:

@@ -30,7 +30,7 @@ import torch
 from sft.errors import SaveMismatchError
 from sft.machine import GIB, is_first_process
 from sft.model.nf4_base import QUANT_METHOD
-from sft.parallel.expert_parallel import expert_parallel_layers
+from sft.model.moe import expert_parallel_layers
 from sft.safety.run_dir import ADAPTER_WEIGHTS
 from sft.safety.private_names import ACCELERATE_ORIGINAL_FORWARD, expect
 
