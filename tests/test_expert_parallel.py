@@ -28,17 +28,19 @@ def logged(output: Path) -> list[dict]:
 @pytest.mark.slow
 def test_autoep_trains_like_ddp_and_its_adapter_loads_with_plain_peft(tmp_path):
     """Issue 26 item 2: the tiny V2 (4 routed experts, 2 per rank under AutoEP) with the V2-Lite recipe's LoRA and
-    activation checkpointing (whose recomputation runs the all-to-alls again in backward), 3 steps under AutoEP and
+    activation checkpointing (whose recomputation runs the all-to-alls again in backward), 4 steps under AutoEP and
     under DDP from the same seed: the same first loss (nothing trained yet: the same model and data), the same later
     losses (the gradients through the all-to-alls are DDP's) and the same balance loss (its hooks follow the replaced
     routers). The run's own verified save passed (all ranks' forward); the adapter holds the promised modules,
-    equals DDP's, and loads with plain peft on the plain model."""
+    equals DDP's, and loads with plain peft on the plain model. Stopped after 2 steps (its DeepSpeed checkpoint holds
+    each rank's experts) and resumed, AutoEP trains steps 3-4 to the uninterrupted run's losses."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base = save_tiny_model(tmp_path / "v2", "deepseek_v2")
-    recipe = ("--lora", "--lora_dropout", "0", "--activation_checkpointing", "true", "--max_steps", "3",
-              "--save_strategy", "no", "--dataset_cache_dir", str(tmp_path / "cache"))
+    lora = ("--lora", "--lora_dropout", "0", "--activation_checkpointing", "true", "--dataset_cache_dir",
+            str(tmp_path / "cache"))
+    recipe = (*lora, "--max_steps", "4", "--save_strategy", "no")
     autoep = run_train(short_run(base, tmp_path / "autoep", *recipe), launcher=launch_with("autoep.yaml", 29667),
                        env={"TORCH_EXTENSIONS_DIR": EXTENSIONS, "OMP_NUM_THREADS": "1"})
     assert autoep.returncode == 0, (autoep.stdout + autoep.stderr)[-4000:]
@@ -52,7 +54,7 @@ def test_autoep_trains_like_ddp_and_its_adapter_loads_with_plain_peft(tmp_path):
     assert ddp.returncode == 0, (ddp.stdout + ddp.stderr)[-4000:]
 
     ours, theirs = logged(tmp_path / "autoep"), logged(tmp_path / "ddp")
-    assert len(ours) == len(theirs) == 3
+    assert len(ours) == len(theirs) == 4
     assert ours[0]["loss"] == pytest.approx(theirs[0]["loss"], rel=1e-6)
     for mine, reference in zip(ours, theirs):
         assert mine["loss"] == pytest.approx(reference["loss"], rel=1e-4)
@@ -66,8 +68,18 @@ def test_autoep_trains_like_ddp_and_its_adapter_loads_with_plain_peft(tmp_path):
     assert trained.keys() == reference.keys()
     for key, value in trained.items():
         # Adam moves a weight by about the learning rate (1e-2) per step whatever its gradient's size: a
-        # gradient summed in another order can move a near-zero one by ~1e-5 over 3 steps (seen: one of 1536)
+        # gradient summed in another order can move a near-zero one by ~1e-5 in a few steps (seen: one of 1536 after 3)
         torch.testing.assert_close(value, reference[key], rtol=1e-3, atol=1e-4)
+
+    for more in (("--max_steps", "2"), ("--max_steps", "4", "--resume_from_checkpoint", "true")):  # saves every 2
+        done = run_train(short_run(base, tmp_path / "resumed", *lora, *more),
+                         launcher=launch_with("autoep.yaml", 29671),
+                         env={"TORCH_EXTENSIONS_DIR": EXTENSIONS, "OMP_NUM_THREADS": "1"})
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert "Resuming from" in done.stdout and "checkpoint-2" in done.stdout, done.stdout[-2000:]
+    resumed = logged(tmp_path / "resumed")
+    assert [row["step"] for row in resumed] == [1, 2, 3, 4]
+    assert [row["loss"] for row in resumed[2:]] == pytest.approx([row["loss"] for row in ours[2:]], rel=1e-6)
 
 
 def test_what_autoep_cannot_do_is_refused_before_loading(tmp_path):
