@@ -67,8 +67,8 @@ def test_autoep_trains_like_ddp_and_its_adapter_loads_with_plain_peft(tmp_path):
         tensors(tmp_path / "ddp" / "adapter_model.safetensors")
     assert trained.keys() == reference.keys()
     for key, value in trained.items():
-        # Adam moves a weight by about the learning rate (1e-2) per step whatever its gradient's size: a
-        # gradient summed in another order can move a near-zero one by ~1e-5 in a few steps (seen: one of 1536 after 3)
+        # Adam moves a weight by about the learning rate (1e-2) per step whatever its gradient's size: a gradient
+        # summed in another order can move a near-zero one by ~1e-5 in a few steps (seen: one of 1536 after 3)
         torch.testing.assert_close(value, reference[key], rtol=1e-3, atol=1e-4)
 
     for more in (("--max_steps", "2"), ("--max_steps", "4", "--resume_from_checkpoint", "true")):  # saves every 2
