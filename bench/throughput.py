@@ -241,6 +241,19 @@ MATRIX += [
         steps=4,
         args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--chunked_loss", "true",
               "--quantize_experts", "fp8", *NO_UNUSED), scaling_of="moe-lora-resident-1-mb4", timeout=420),
+    # ... against expert parallelism through DeepSpeed AutoEP (issue 26 item 2; accelerate_configs/autoep.yaml,
+    # ZeRO-0), the experts in bf16, 32 of each layer's 64 on each of 2 cards held to 24 GiB. Per card (V2-Lite:
+    # hidden 2048, 27 layers, the first dense, 64 routed experts of 3 x 2048 x 1408, 2 shared, vocab 102,400):
+    #   routed experts 26 x 64 x 3 x 2048 x 1408 = 14.40B x 2 B = 28.8 GB (26.8 GiB) / 2 = 13.4 GiB
+    #   the rest (MLA 27 x 13.8M, dense MLP 67M, shared experts 26 x 17.3M, embeddings + lm_head 2 x 210M) =
+    #   1.31B x 2 B = 2.4 GiB, whole on each card
+    #   weights 15.85 GiB; the LoRA adapter (r 16) with its fp32 master and Adam's moments ~0.4 GiB; which leaves
+    #   ~7.7 GiB of the 24 for the activations of micro-batch 4 x 2048 (checkpointed, the loss in chunks), one
+    #   layer's recomputation and the all-to-all buffers: the resident row's micro-batch, so it can fit. Each rank
+    #   builds the whole bf16 model in host RAM first (31 GB each) and keeps its share on the GPU.
+    Row("moe-lora-autoep-ddp", "lora", "autoep", 2, model="deepseek-v2-lite", micro_batch=4, grad_accum=2, warmup=2,
+        steps=4, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--chunked_loss", "true"),
+        timeout=600),
     # DeepSeek-V2-Lite on TWO 24 GiB cards: ZeRO-3 shards the bf16 base (micro-batch 4 ran out of memory: the
     # logits of MLA models are whole, no Liger; run 20261201T0930Z-x2)
     Row("moe-lora-z3-2", "lora", "zero3", 2, model="deepseek-v2-lite", micro_batch=1, grad_accum=4, warmup=2, steps=4,
@@ -305,8 +318,8 @@ GROUPS = {
     # the LoRA plan with FP8 and compiled layers under DDP beside its one-GPU row; the full plan (FSDP2, FP8) beside
     # the same plan in bf16 and the peers' ZeRO-3 offload recipe; V2-Lite's plan of today (ZeRO-3 over 2 cards)
     "issue30": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit-fp8", "full-fsdp-4bit", "peer-mb1",
-                "moe-lora-resident-1-mb4", "moe-lora-resident-ddp", "moe-lora-z3-2", "long-r1-32k",
-                "long-r1-64k-sp2"],
+                "moe-lora-resident-1-mb4", "moe-lora-resident-ddp", "moe-lora-autoep-ddp", "moe-lora-z3-2",
+                "long-r1-32k", "long-r1-64k-sp2"],
     # issue 15 on two or three GPUs held to 24 GiB: the LoRA plan's DDP scaling, the full plan on a fresh machine
     # against the peers' offload recipe (run with --fresh_cache)
     "box": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit-fp8", "full-fsdp-4bit", "peer-mb1"],
@@ -362,7 +375,7 @@ def needs(row: Row) -> list[str]:
         ("trl", row.peer == "trl"),
         ("liger_kernel", "--use_liger_kernel" in words),
         ("torchao", any(w.startswith(("adamw_torch_4bit", "adamw_torch_8bit")) for w in words)),
-        ("deepspeed", row.strategy.startswith("zero")),
+        ("deepspeed", row.strategy.startswith("zero") or row.strategy == "autoep"),
         ("bitsandbytes", row.method == "qlora"),
     ) if needed]
 

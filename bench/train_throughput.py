@@ -157,7 +157,7 @@ def matmul_params(shape: dict) -> int:
 # Each strategy is launched with the repository's own accelerate config (what users run), with the number of
 # processes given here. DeepSpeed rows may name another JSON (the peers' recipe) with --ds_config.
 CONFIGS = {"single": "single_gpu.yaml", "ddp": "ddp.yaml", "fsdp": "fsdp.yaml", "zero2": "zero2.yaml",
-           "zero3": "zero3.yaml", "zero3_offload": "zero3_offload.yaml", "tp": "tp.yaml"}
+           "zero3": "zero3.yaml", "zero3_offload": "zero3_offload.yaml", "tp": "tp.yaml", "autoep": "autoep.yaml"}
 
 
 def launch_flags(strategy: str, n_gpus: int, ds_config: str | None, port: int, cpu: bool) -> list[str]:
@@ -529,15 +529,19 @@ def random_init(path, dtype=None, attn_implementation=None, **ignored):
     (sft's load_model passes its arguments; those about reading weights do not apply)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    from transformers.integrations.deepspeed import deepspeed_config, is_deepspeed_zero3_enabled
+
+    from sft.parallel.expert_parallel import autoep_block
 
     config = AutoConfig.from_pretrained(path)
     dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
     build = dict(dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32,
                  attn_implementation=attn_implementation)
     torch.manual_seed(0)
-    if is_deepspeed_zero3_enabled() or not torch.cuda.is_available():
-        # zero.Init partitions at creation (on GPU, or on CPU under offload_param): no full copy per rank
+    if is_deepspeed_zero3_enabled() or autoep_block(deepspeed_config()) or not torch.cuda.is_available():
+        # zero.Init partitions at creation (on GPU, or on CPU under offload_param): no full copy per rank. AutoEP
+        # keeps its share of the experts as the engine starts, on the host, and then moves it to the GPU (as a
+        # model loaded from disk: sft/model/loading.py loads to host RAM)
         return AutoModelForCausalLM.from_config(config, **build)
     with torch.device("cuda", torch.cuda.current_device()):
         return AutoModelForCausalLM.from_config(config, **build)

@@ -46,6 +46,7 @@ from sft.parallel.distributed import configure_nccl_env, exit_process, on_main_p
 from sft.machine import is_first_process
 from sft.errors import ConfigError, ModelNotFoundError, NothingToDo, UserFacingError
 from sft.parallel.fsdp import consolidate_fsdp_saves, fsdp_callbacks, hand_over_to_fsdp
+from sft.parallel.expert_parallel import autoep_block, check_expert_parallel
 from sft.safety.guards import LossSpikeLogger, NonFiniteGuard
 from sft.safety.interrupts import (SIGTERM_MARK, end_with_launcher, exit_code, ignore_further_interrupts,
                                    launcher_gone, leave_now, signal_name, stop_on_sigterm, tell_user)
@@ -146,6 +147,8 @@ def train(run: Run, seams: Seams) -> int:
     if training_args.sequence_parallel > 1:  # heads that divide; no MLA
         check_sequence_parallel(load_config(model_args), training_args.sequence_parallel)
     check_lora_targets(model_args, lora_args)  # user-named targets exist in the model (weightless copy)
+    if autoep_block(options.deepspeed):  # AutoEP: a model it has a preset for, experts that divide among the GPUs
+        check_expert_parallel(load_config(model_args), options.deepspeed, training_args.world_size)
     # the checkpoint's LoRA or full model, its shape
     check_resume_matches(resume, model_args, lora_args, run.argv, training_args.output_dir)
     conversations = read_datasets(data_args, training_args.seed)  # bad data stops here, before any model

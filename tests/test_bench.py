@@ -178,6 +178,21 @@ def test_row_selection_and_what_a_machine_cannot_run(monkeypatch, capsys):
     assert throughput.why_not(rows["lora-ddp"], 1) is None  # every visible GPU, however many
 
 
+def test_the_expert_parallel_row_runs_beside_the_resident_plan_in_the_two_gpu_group():
+    """Issue 26 item 2: V2-Lite with DeepSpeed AutoEP on 2 cards held to 24 GiB, the resident plan's micro-batch and
+    options but its e4m3 experts, in the group the two-GPU issue runs; launched with the shipped autoep.yaml."""
+    autoep, resident = throughput.ROWS["moe-lora-autoep-ddp"], throughput.ROWS["moe-lora-resident-ddp"]
+    group = throughput.GROUPS["issue30"]
+    assert autoep.name in group and resident.name in group and autoep.n_gpus == 2 and autoep.mem_cap_gib == 24
+    assert (autoep.model, autoep.micro_batch, autoep.grad_accum) == (resident.model, resident.micro_batch,
+                                                                     resident.grad_accum)
+    assert [a for a in resident.args if a not in autoep.args] == ["--quantize_experts", "fp8", *throughput.NO_UNUSED]
+    assert throughput.needs(autoep) == ["deepspeed"]
+    flags = bench.launch_flags("autoep", 2, None, 29500, cpu=False)
+    assert flags[:4] == ["--config_file", str(REPO / "accelerate_configs" / "autoep.yaml"), "--num_processes", "2"]
+    assert (REPO / "accelerate_configs" / "autoep.yaml").is_file()
+
+
 def test_a_row_becomes_the_one_row_command_with_its_optimizer(tmp_path):
     args = throughput.parse(["--run_id", "r", "--out", str(tmp_path), "--mem_cap_gib", "22", "--fresh_cache"])
     row = throughput.ROWS["full-sr"]

@@ -347,7 +347,7 @@ TRAINER_SET = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", 
                "train_batch_size")
 
 
-@pytest.mark.parametrize("name", ["zero2.json", "zero3.json", "zero3_offload.json"])
+@pytest.mark.parametrize("name", ["zero2.json", "zero3.json", "zero3_offload.json", "autoep.json"])
 def test_deepspeed_configs_leave_trainer_values_to_the_trainer(name):
     from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
 
@@ -389,7 +389,7 @@ def load_accelerate_config(name: str):
 
 @pytest.mark.parametrize("name, processes", [
     ("single_gpu.yaml", 1), ("ddp.yaml", 3), ("fsdp.yaml", 3), ("zero2.yaml", 3), ("zero3.yaml", 3),
-    ("zero3_offload.yaml", 3), ("tp.yaml", 2), ("multi_node.yaml", 6)])
+    ("zero3_offload.yaml", 3), ("tp.yaml", 2), ("multi_node.yaml", 6), ("autoep.yaml", 2)])
 def test_accelerate_configs_load(name, processes):
     config = load_accelerate_config(name)
     assert config.num_processes == processes

@@ -126,3 +126,26 @@ def test_the_memory_line_of_a_long_row_run_counts_its_own_levers():
                             NS(**{**vars(training), "offload_activations": False}), box)
     assert (bare.w.mlp_tile_tokens, bare.w.offload_activations) == (0, False)
     assert levered.prediction.smi_gib < 23 < bare.prediction.smi_gib
+
+
+def test_under_deepspeed_autoep_a_rank_holds_its_share_of_the_experts():
+    """AutoEP's replacement layers (built here as its engine builds them, for rank 0 of 2, no process group needed):
+    the held line counts this rank's half of the routed experts as routed experts, and the MoE hooks find them."""
+    import json
+
+    from deepspeed.module_inject.auto_ep import AutoEP
+    from deepspeed.module_inject.auto_ep_config import parse_autoep_config
+
+    from conftest import REPO
+    from sft.model.moe import expert_parallel_layers, expert_parallel_line
+    from sft.report.placement import holdings
+
+    model = tiny("deepseek_v2")
+    routed = experts_numel(model)
+    block = json.loads((REPO / "ds_configs" / "autoep.json").read_text())["expert_parallel"]
+    autoep = AutoEP(model, parse_autoep_config(block))
+    autoep.replace_moe_layers(autoep.ep_parser(), ep_size=2, ep_rank=0)
+    layers = expert_parallel_layers(model)
+    assert len(layers) == 1 and experts_numel(model) == 0  # the fused experts are gone
+    assert holdings(model)[("host", "routed experts", "bfloat16")] == 2 * (routed // 2)  # half of them, 2 B each
+    assert expert_parallel_line(layers).startswith("DeepSpeed AutoEP: 1 MoE layers, each GPU holds 2 of their 4")

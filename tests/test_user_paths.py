@@ -476,7 +476,7 @@ def test_deepseek_sft_train_launch_errors_are_one_line(capsys, tmp_path, monkeyp
     assert main(["train", "--config_file", "my_configs/ddp.yaml", "--model", "m"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --config_file my_configs/ddp.yaml: no such file; give a file or a shipped "
-                          "config's name (ddp.yaml, ") and err.count("\n") == 1
+                          "config's name (autoep.yaml, ddp.yaml, ") and err.count("\n") == 1
     assert main(["train", "--config_file=nope.yaml"]) == 2
     assert "a shipped config's name" in capsys.readouterr().err
     with pytest.raises(SystemExit) as bad:

@@ -59,6 +59,22 @@ ROUTER_CLASSES = ("DeepseekV2TopkRouter", "DeepseekV3TopkRouter")  # transformer
 DEFAULT_COEFFICIENT = 0.001  # DeepSeek-V2's aux_loss_alpha (the V2/V2-Lite/V3 hub configs all say 0.001)
 
 
+# What DeepSpeed AutoEP puts in each MoE block's place (sft/parallel/expert_parallel.py)
+AUTOEP_LAYER_CLASS = "AutoEPMoELayer"
+
+
+def expert_parallel_layers(model) -> list[torch.nn.Module]:
+    """The model's DeepSpeed AutoEP layers that hold a share of the experts (ep size > 1), in layer order."""
+    return [m for m in model.modules() if type(m).__name__ == AUTOEP_LAYER_CLASS and getattr(m, "ep_size", 1) > 1]
+
+
+def expert_parallel_line(layers: list[torch.nn.Module]) -> str:
+    """One line for the first screen: what each GPU holds of the routed experts."""
+    layer = layers[0]
+    return (f"DeepSpeed AutoEP: {len(layers)} MoE layers, each GPU holds {layer.num_local_experts} of their "
+            f"{layer.num_experts} routed experts (ep size {layer.ep_size}; tokens cross by all-to-all)")
+
+
 def moe_blocks(model) -> list[tuple[str, torch.nn.Module]]:
     """(name, block) of every MoE block whose router is transformers' TopkRouter, in layer order."""
     return [(name, module) for name, module in model.named_modules()
@@ -195,6 +211,37 @@ class RouterBalance:
                 self._captured[index] = (output[0], output[2])  # router_logits [B*L, E], topk_indices [B*L, K]
         return hook
 
+    def follow_expert_parallel(self, model) -> int:
+        """Under DeepSpeed AutoEP the engine has replaced each MoE block (and its router) by an AutoEPMoELayer
+        (sft/parallel/expert_parallel.py): hook its router instead, whose `gate` (a Linear) gives the logits and
+        whose output the chosen experts `(top_scores, selected_experts, tokens_per_expert)`. -> the layers hooked
+        (0: no AutoEP layer, the hooks stay where they were)."""
+        layers = expert_parallel_layers(model)
+        if not layers:
+            return 0
+        if len(layers) != len(self.blocks):
+            raise RuntimeError(f"AutoEP replaced {len(layers)} MoE blocks of {len(self.blocks)}: the balance loss "
+                               f"would miss some; this DeepSpeed version lays the model out otherwise.")
+        self.remove()
+        logits: dict[int, torch.Tensor] = {}
+
+        def on_gate(index: int):
+            def hook(module, args, output):
+                if self._active:
+                    logits[index] = output  # [B*L, E]
+            return hook
+
+        def on_router(index: int):
+            def hook(module, args, output):
+                if self._active:
+                    self._captured[index] = (logits.pop(index), output[1])  # chosen experts [B*L, K]
+            return hook
+
+        for index, layer in enumerate(layers):
+            self.handles += [layer.router.gate.register_forward_hook(on_gate(index)),
+                             layer.router.register_forward_hook(on_router(index))]
+        return len(layers)
+
     @contextmanager
     def capture(self):
         """Keep the routers' outputs of the forward passes run inside (one per micro-batch)."""
@@ -273,6 +320,11 @@ class MoeLoadLogger(TrainerCallback):
     def __init__(self, balance: RouterBalance, write_counts: bool = True):
         self.balance = balance
         self.write_counts = write_counts
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        """The engine exists now: under DeepSpeed AutoEP the routers hooked at load time have been replaced."""
+        if model is not None and self.balance.follow_expert_parallel(model) and is_first_process():
+            print(expert_parallel_line(expert_parallel_layers(model)), flush=True)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None or "loss" not in logs:  # training logs only (all ranks log them: the all-reduce is safe)

@@ -69,6 +69,11 @@ class Options:
         """DeepSpeed runs: its JSON was read, or the accelerate config or --deepspeed names one."""
         return bool(self.deepspeed or m.launch.zero_stage or m.launch.deepspeed_config_file or self.training.deepspeed)
 
+    def autoep(self) -> bool:
+        """DeepSpeed AutoEP (expert parallelism) is on in the DeepSpeed JSON (sft/parallel/expert_parallel.py)."""
+        block = self.deepspeed.get("expert_parallel")
+        return isinstance(block, dict) and bool(block.get("enabled"))
+
     def offload(self, m: Machine) -> list[str]:
         """What DeepSpeed offloads to host memory, from its JSON or the accelerate config."""
         found = {k.removeprefix("offload_") for k in ("offload_optimizer", "offload_param")
@@ -171,6 +176,10 @@ def quantized_experts_combinations(o: Options, m: Machine) -> None:
     if not (t.activation_checkpointing or getattr(t, "fsdp_activation_checkpointing", False)):
         raise ConfigError(f"{q} needs --activation_checkpointing true: without it every layer's dequantized "
                           f"experts stay on the GPU for the backward, as much memory as the bf16 base.")
+    if o.autoep():
+        raise ConfigError(f"{q} with DeepSpeed AutoEP: AutoEP shares the bf16 experts out among the GPUs, the resident "
+                          f"plan keeps them whole in e4m3 on each; use one of them (the resident plan: "
+                          f"accelerate_configs/ddp.yaml).")
     if o.fsdp(m) or o.zero_stage(m) is not None or o.model.tp_size > 1:
         raise ConfigError(f"{q}: the quantized experts stay whole on each GPU; use one GPU or "
                           f"accelerate_configs/ddp.yaml (not FSDP, DeepSpeed or --tp_size).")
@@ -498,6 +507,28 @@ def compiled_layers_combinations(o: Options, m: Machine) -> None:
                           "one of them.")
 
 
+def expert_parallel_combinations(o: Options, m: Machine) -> None:
+    """DeepSpeed AutoEP (accelerate_configs/autoep.yaml) here: a LoRA run's frozen routed experts shared out among
+    the GPUs, under ZeRO stage 0 (sft/parallel/expert_parallel.py says why each rule holds). The model's side (a
+    DeepSeek-V2, the experts divisible by autoep_size) is checked on its config: check_expert_parallel."""
+    if not o.autoep():
+        return
+    ep = "DeepSpeed AutoEP (expert_parallel in the DeepSpeed config)"
+    if not o.lora.lora or o.lora.qlora:
+        raise ConfigError(f"{ep} shares out the frozen routed experts of a LoRA run: add --lora (not --qlora, whose "
+                          f"4-bit base DeepSpeed does not take).")
+    if o.zero_stage(m) != "0":
+        raise ConfigError(f"{ep} with ZeRO-{o.zero_stage(m)}: AutoEP trains LoRA here under ZeRO stage 0 only "
+                          f"(ZeRO-1/2's optimizer needs trainable experts, which LoRA freezes; ZeRO-3 refuses frozen "
+                          f"experts). Use accelerate_configs/autoep.yaml (ds_configs/autoep.json).")
+    if getattr(o.lora, "lora_experts", False):
+        raise ConfigError(f"--lora_experts with {ep}: AutoEP replaces the routed experts' module, so LoRA on them "
+                          f"would not train; drop --lora_experts (LoRA stays on attention, the dense MLP and the "
+                          f"shared experts).")
+    if o.model.tp_size > 1:
+        raise ConfigError(f"--tp_size with {ep}: not supported together; drop --tp_size.")
+
+
 def processes_fit_gpus(o: Options, m: Machine) -> None:
     local = m.launch.processes_here(1)
     if m.cuda and local > m.gpus:
@@ -611,7 +642,8 @@ MACHINE_CHECKS: list[Check] = [
     partial_checkpointing, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
     quantized_base_not_under_zero3, qlora_needs, qlora_under_fsdp_awaits_its_gpu_run, sharding_needs_gpus, attention_kernel_available, processes_fit_gpus,
     tensor_parallel_combinations, compiled_layers_combinations, liger_kernel_available, fp8_base_needs,
-    chunked_loss_combinations, loss_in_chunks_under_zero3, sequence_parallel_combinations, deepspeed_json_agrees, launcher_agrees, processes_name_one_run_directory,
+    chunked_loss_combinations, loss_in_chunks_under_zero3, sequence_parallel_combinations,
+    expert_parallel_combinations, deepspeed_json_agrees, launcher_agrees, processes_name_one_run_directory,
 ]
 CHECKS: list[Check] = OPTION_CHECKS + MACHINE_CHECKS
 

@@ -183,6 +183,11 @@ STRATEGIES: dict[str, Strategy] = {s.name: s for s in [
              note="optimizer state and weights in host RAM (DeepSpeed CPU Adam): slow",
              checks=_c(*COMMON, "quantized_base_not_under_zero3", "sharding_needs_gpus", "deepspeed_json_agrees"),
              sharded_kind="zero3", zero_stage="3"),
+    Strategy("autoep", "accelerate_configs/autoep.yaml", "ds_configs/autoep.json", frozenset(), frozenset(),
+             "deepspeed", min_gpus=2, max_gpus=2, methods=("lora",), precisions=("fp32_master",),
+             note="DeepSeek-V2 LoRA: each GPU holds half the routed experts in bf16 (DeepSpeed AutoEP, ZeRO-0); speed "
+                  "not measured yet (sft/plan/expert_parallel.py)",
+             checks=_c(*COMMON, "expert_parallel_combinations", "deepspeed_json_agrees"), zero_stage="0"),
     Strategy("tp", "accelerate_configs/tp.yaml", None, frozenset({"weights", "gradients", "optimizer"}),
              frozenset(), "nccl", min_gpus=2, max_gpus=2, recommended=False, methods=("full",),
              precisions=("fp32_master",),

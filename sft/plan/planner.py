@@ -54,7 +54,7 @@ from sft.parallel.strategies import NF4_BYTES, PRECISION_OPTIONS, REPO, STRATEGI
 from sft.plan.fast_paths import (NAMES as FAST_PATH_NAMES, Asked, FastPaths, described_machine, fast_paths,
                                  refused_today)
 from sft.plan.long_rows import Levers, is_long, ladder, is_long_document_row, long_row_flops_per_token, tile_tokens
-from sft.plan import resident
+from sft.plan import expert_parallel, resident
 
 RESULTS = REPO / "bench" / "results.jsonl"  # the source of truth, in a checkout only
 # What the planner fits from RESULTS, snapshotted as package data: plans read this, so that a wheel plans as a checkout
@@ -499,6 +499,8 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     state: StateBytes = strategy.state_bytes(params, trainable, w.setup, w.world, shape.linear_params())
     if w.resident:  # the routed experts in e4m3 with their row scales, the rest of the base in bf16
         state = dataclasses.replace(state, weights=state.weights - resident.bytes_saved(shape))
+    if w.strategy == expert_parallel.STRATEGY:  # AutoEP: this card's share of the routed experts only
+        state = dataclasses.replace(state, weights=state.weights - expert_parallel.experts_elsewhere(shape))
     tokens = w.micro_batch * w.seq_len
     h, layers = shape.hidden, shape.layers
     # activations (bytes)
@@ -532,6 +534,8 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     if strategy.sharded_kind == "tp":
         logits += 2.0 * shape.vocab if not w.fused_loss else 0.0  # the gathered (replicated) bf16 logits
     backward = k * (tokens * shape.backward_working_bytes() - (tokens - tile) * shape.mlp_working_bytes())
+    if w.strategy == expert_parallel.STRATEGY:  # the all-to-all buffers of the layer in its backward
+        backward += expert_parallel.dispatch_bytes(shape, tokens)
     working = max(tokens * logits, loss_chunk, recompute + one_tile + backward + dequantized)
     extras = 8 * h  # final norm (fp32 input + output) and the loss's input
     if w.offload_activations:  # what the norm and the fused loss save waits in host RAM too: the GPU holds the
@@ -782,7 +786,7 @@ def check_table(results: list[dict]) -> str:
 # Throughput: from the measured MFU of rows of the same kind.
 
 FAMILY = {"single_gpu": "unsharded", "ddp": "unsharded", "zero2": "unsharded", "fsdp": "fsdp", "zero3": "fsdp",
-          "zero3_offload": "zero3_offload", "tp": "tp"}  # strategies whose rows speak for each other's MFU
+          "zero3_offload": "zero3_offload", "tp": "tp", "autoep": "autoep"}  # whose rows speak for each other's MFU
 
 
 def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path | None = None,
@@ -799,6 +803,10 @@ def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path | 
     model = (shape_name(model) or model) if model else None
     if resident_experts:
         return _resident_mfu(strategy, checkpointing, path, model, fast)
+    if strategy == expert_parallel.STRATEGY and not _autoep_measured(method, checkpointing, path, model, fast, long):
+        mfu, why = mfu_reference("ddp", method, checkpointing, path, model, fast, long,
+                                 resident_experts=method == "lora" and not long)
+        return mfu, why + expert_parallel.UNMEASURED
     if path is None:
         table = fitted()["mfu"]
         own = table.get(model, table[ANY_MODEL])
@@ -817,6 +825,17 @@ def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path | 
             return mfu, why + unmeasured_fast_note(fast)
         return _median_mfu(with_them, strategy, method, checkpointing, model)
     return _median_mfu([r for r in rows if not fast_of_row(r).label], strategy, method, checkpointing, model)
+
+
+def _autoep_measured(method: str, checkpointing: bool, path: Path | None, model: str | None, fast: str,
+                     long: bool) -> bool:
+    """Whether rows of strategy autoep speak for this plan: in the snapshot (its key), or among `path`'s rows."""
+    if path is None:
+        table = fitted()["mfu"]
+        return mfu_key(expert_parallel.STRATEGY, method, checkpointing, fast, long) in table.get(model,
+                                                                                                table[ANY_MODEL])
+    rows = long_mfu_rows(path, model) if long else mfu_rows(path, model)
+    return any(_kind(r)[0] == "autoep" for r in rows)
 
 
 def _long_mfu(strategy: str, method: str, checkpointing: bool, path: Path, model: str | None,
@@ -1025,7 +1044,8 @@ def fitted_numbers(path: Path = RESULTS) -> dict:
     fast paths only where rows ran with them: mfu_reference), what the fast paths do to memory, and the routed
     experts' cost of each measured MoE layer. JSON-shaped (lists, not tuples)."""
     models = sorted({row_shape(r).name for r in measured_rows(path)})  # the shapes' names (sft/names.py)
-    kinds = [(s, m, c, f) for s in STRATEGIES for m in ("lora", "full") for c in (True, False) for f in FAST_PATH_NAMES]
+    kinds = [(s, m, c, f) for s in STRATEGIES for m in ("lora", "full") for c in (True, False) for f in FAST_PATH_NAMES
+             if s != expert_parallel.STRATEGY or any(_kind(r)[0] == "autoep" for r in measured_rows(path))]
     mfu = {}
     for name in [*models, ANY_MODEL]:
         model = None if name == ANY_MODEL else name
@@ -1167,7 +1187,7 @@ class Plan:
     @property
     def ready(self) -> bool:
         """It fits with its margin under a recommended strategy and the run takes it today: what is recommended."""
-        return self.roomy and STRATEGIES[self.w.strategy].recommended and not self.awaits
+        return self.roomy and recommended(self) and not self.awaits
 
     @property
     def roomy(self) -> bool:
@@ -1195,7 +1215,14 @@ class Plan:
             text = unknown if self.host_unknown else "yes"
         if self.awaits and self.fits:
             text += f" (refused until {AWAITED_CHECK} passes)"
+        if self.speed_unmeasured:
+            return text + " (not recommended: speed not measured)"
         return text + ("" if STRATEGIES[self.w.strategy].recommended else " (not recommended)")
+
+    @property
+    def speed_unmeasured(self) -> bool:
+        """Its tok/s is another strategy's MFU (an AutoEP plan before its bench row: sft/plan/expert_parallel.py)."""
+        return expert_parallel.UNMEASURED in self.tok_s_source
 
 
 def _speed_tiers(plans: list[Plan]) -> list[list[Plan]]:
@@ -1258,6 +1285,10 @@ def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: in
                     w = Workload(strategy.name, Setup(method, precision), world, mb, max_length, ckpt,
                                  fused_loss=kernels(strategy.name, shape)["use_liger_kernel"], lora_r=lora_r,
                                  grad_accum=grad_accum)
+                    if strategy.name == expert_parallel.STRATEGY:
+                        if not expert_parallel.offered(shape, method):
+                            continue
+                        w = dataclasses.replace(w, chunked_loss=not w.fused_loss)  # as its bench row: no whole logits
                     kinds = [w, _resident(w)] if resident.offered(shape, strategy.name, method, ckpt) else [w]
                     for kind in kinds:
                         plans += _with_levers(shape, box, kind, asked, levers)
@@ -1325,8 +1356,8 @@ def command(plan: Plan, model: str, box: Box) -> str:
         opts += [f"--tp_size {w.world}"]
     if w.resident:  # its option, the checkpointing the run requires for it, the chunked loss
         opts += resident.flags(w.chunked_loss)
-    elif w.checkpointing:
-        opts.append("--activation_checkpointing")
+    else:
+        opts += ["--activation_checkpointing"] * w.checkpointing + ["--chunked_loss"] * w.chunked_loss
     opts += w.levers.flags()  # long rows: what they need to leave the card its margin
     opts += plan.asked.flags()  # auto, the default, settles as planned on the box: no option needed for it
     return f"{launch} " + " ".join(opts)
@@ -1339,6 +1370,8 @@ def options_of(plan: Plan) -> dict:
             **kernels(plan.w.strategy, plan.shape)}
     if w.resident:
         opts.update(quantize_experts="fp8", chunked_loss=w.chunked_loss)
+    elif w.chunked_loss:
+        opts.update(chunked_loss=True)
     if is_long(w.seq_len):  # set either way: a long plan without a lever says so
         opts.update(mlp_tile_tokens=w.mlp_tile_tokens, offload_activations=w.offload_activations)
     if w.setup.method in ("lora", "qlora"):
@@ -1408,7 +1441,13 @@ def best_plan(plans: list[Plan]) -> Plan | None:
 def awaiting_plan(plans: list[Plan]) -> Plan | None:
     """When no plan is ready (best_plan): the first that fits with its margin under a recommended strategy but that
     the run refuses until a GPU check passes (Plan.awaits); None when there is none."""
-    return next((p for p in ranked(plans) if p.roomy and STRATEGIES[p.w.strategy].recommended and p.awaits), None)
+    return next((p for p in ranked(plans) if p.roomy and recommended(p) and p.awaits), None)
+
+
+def recommended(plan: Plan) -> bool:
+    """Its strategy is one we recommend, and its speed stands on rows of its own kind: an AutoEP plan before its
+    bench row (sft/plan/expert_parallel.py) is a guess from DDP's rows, never put before a measured plan."""
+    return STRATEGIES[plan.w.strategy].recommended and not plan.speed_unmeasured
 
 
 def closest_plan(plans: list[Plan]) -> Plan | None:
@@ -1500,7 +1539,9 @@ def _launched_strategy(m) -> str | None:
     if launch.fsdp:
         return "fsdp"
     if launch.zero_stage:
-        return {"2": "zero2", "3": "zero3_offload" if launch.offload else "zero3"}.get(str(launch.zero_stage))
+        # ZeRO-0: the shipped DeepSpeed config of that stage is AutoEP's (accelerate_configs/autoep.yaml)
+        return {"0": expert_parallel.STRATEGY, "2": "zero2",
+                "3": "zero3_offload" if launch.offload else "zero3"}.get(str(launch.zero_stage))
     return "ddp" if launch.world_size > 1 else "single_gpu"
 
 

@@ -5,7 +5,7 @@ wait in host RAM (DeepSpeed's parameter offload).
 Counted from the model as the Trainer placed it (on_train_begin): each parameter where its storage lives (a
 DeepSpeed ZeRO-3 partition's, an FSDP2 DTensor's local shard), in bytes per GPU, grouped by what it is: the LoRA
 adapter (what trains), the MoE routed experts (transformers 5's fused 3-D expert weights, or their e4m3 form under
---quantize_experts with its row scales), and the rest of the base.
+--quantize_experts with its row scales, or this rank's share under DeepSpeed AutoEP), and the rest of the base.
 """
 
 from __future__ import annotations
@@ -18,15 +18,17 @@ from torch import nn
 GIB = 2**30
 QUANTIZED = {torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.int8}  # e4m3 experts, 4-bit/8-bit bytes
 QUANTIZED_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2", torch.uint8: "4-bit", torch.int8: "int8"}
-EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")  # transformers 5's fused routed experts, [experts, out, in] each
+EXPERT_LAYOUTS = (("gate_up_proj", "down_proj"),  # transformers 5's fused routed experts, [experts, out, in] each
+                  ("w1", "w2", "w3"))  # DeepSpeed AutoEP's grouped experts: this rank's share of them
 
 
 def _is_experts(module: nn.Module) -> bool:
     """Fused routed experts, whole (3-D weights) or in e4m3 (sft/model/quantized_experts.py keeps `<weight>_e4m3`
-    parameters; read by name, so that this report needs nothing of sft/model)."""
+    parameters), or a rank's share under DeepSpeed AutoEP; read by name, so that this report needs nothing of
+    sft/model."""
     own = module._parameters
-    return all(f"{w}_e4m3" in own or (isinstance(own.get(w), nn.Parameter) and own[w].dim() == 3)
-               for w in EXPERT_WEIGHTS)
+    return any(all(f"{w}_e4m3" in own or (isinstance(own.get(w), nn.Parameter) and own[w].dim() == 3)
+                   for w in layout) for layout in EXPERT_LAYOUTS)
 
 
 def _storage(t: torch.Tensor) -> torch.Tensor:

@@ -30,6 +30,7 @@ import torch
 from sft.errors import SaveMismatchError
 from sft.machine import GIB, is_first_process
 from sft.model.nf4_base import QUANT_METHOD
+from sft.model.moe import expert_parallel_layers
 from sft.safety.run_dir import ADAPTER_WEIGHTS
 from sft.safety.private_names import ACCELERATE_ORIGINAL_FORWARD, expect
 
@@ -79,8 +80,10 @@ def own_forward(model):
 
 
 def is_sharded(model) -> bool:
-    """ZeRO-3 (parameters carry ds_id) or FSDP2 (DTensor parameters): no process holds the whole model."""
-    return any(hasattr(p, "ds_id") or hasattr(p, "to_local") for p in model.parameters())
+    """ZeRO-3 (parameters carry ds_id), FSDP2 (DTensor parameters) or DeepSpeed AutoEP (each rank a share of the
+    routed experts, sft/parallel/expert_parallel.py): no process holds the whole model, and a forward needs all."""
+    return (any(hasattr(p, "ds_id") or hasattr(p, "to_local") for p in model.parameters())
+            or bool(expert_parallel_layers(model)))
 
 
 def plain_name(name: str) -> str:
