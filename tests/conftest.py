@@ -55,6 +55,7 @@ def changes_since(before: dict[str, int]) -> list[str]:
 # instead of one worker finishing a long file alone at the end. A file not listed runs after them, as collected.
 LONGEST_FILES = ("test_regional_compile.py", "test_lowbit.py", "test_distributed.py", "test_readme.py",
                  "test_user_paths.py", "test_train_e2e.py", "test_long_rows.py", "test_bench.py",
+                 "test_sequence_parallel.py", "test_expert_parallel.py",
                  "test_lowbit_resume.py", "test_multinode.py", "test_convergence.py", "test_resume.py",
                  "test_fp8_training.py", "test_resume_advice.py", "test_package.py", "test_moe_sharded.py",
                  "test_tensor_parallel.py", "test_console.py", "test_quantized_experts.py")

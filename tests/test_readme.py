@@ -47,7 +47,8 @@ Substitutions (every other word stays as written):
 Training commands on a CPU machine:
 - needing nothing the machine lacks: they train. A multi-process accelerate config starts 2 processes (the configs
   say 3) with `--use_cpu true` (DDP) or `--ddp_backend gloo` (DeepSpeed), as docs/strategies.md's CPU paragraph
-  says; the first command of each strategy trains 2 ranks, later ones of that strategy check their options with one. A
+  says; the first command of each strategy trains 2 ranks, later ones of that strategy check their options with one
+  (a command with `--sequence_parallel N` always N, the ranks that share its rows). A
   multi-node config becomes one local machine. DeepSpeed's CPU op is built in TORCH_EXTENSIONS_DIR (default
   .cache/torch_extensions, as in test_distributed and .ci/run): a test run compiles it once (~2 min on 2 cores).
 - needing a GPU (`--bf16`/`--fp16`, flex/flash attention, `--use_liger_kernel`, an FSDP config, offload,
@@ -470,6 +471,12 @@ class Launcher:
         return words
 
 
+def rows_split_over(args: list[str]) -> int:
+    """The ranks that share each row: --sequence_parallel's value (1 when not given). Such a command trains with
+    them every time (with fewer it is refused, as it should be)."""
+    return int(args[args.index("--sequence_parallel") + 1]) if "--sequence_parallel" in args else 1
+
+
 class ReadmeRun:
     """One working directory in which the README's blocks run in order (later blocks read earlier outputs)."""
 
@@ -847,6 +854,7 @@ class ReadmeRun:
         if launcher.strategy in ("ddp", "deepspeed"):
             # Two ranks the first time a strategy trains; later commands of that config check their options in one.
             processes = 2 if self.multi_rank.setdefault(launcher.strategy, command.where) == command.where else 1
+            processes = max(processes, rows_split_over(args))  # --sequence_parallel N: one row over N ranks
             args = args + (["--use_cpu", "true"] if launcher.strategy == "ddp" else ["--ddp_backend", "gloo"])
         result = self.run([*launcher.with_processes(processes), *step.program, *args], self.said(command), env=step.env,
                           what=f"train ({processes} process(es), CPU)")
