@@ -567,7 +567,8 @@ def test_each_recipe_is_the_planners_plan_for_its_micro_batch(recipe):
     """Asked for a recipe's micro-batch and accumulation on its box (3 x 24 GB), the planner recommends its
     strategy, precision, checkpointing and long-row levers (r1-distill-qwen-7b-long: the MLP tile and offloaded
     checkpoints), and the recipe itself keeps the margin; the resident plans (--quantize_experts) only for a recipe
-    that asks for them. The full fine-tune's recipe says why its micro-batch is
+    that asks for them, and the SP plans (--sequence_parallel: one trace per row, its speed not measured) only for a
+    recipe that asks for them, with its size and processes. The full fine-tune's recipe says why its micro-batch is
     not the planner's own choice, with the planner's prediction for it."""
     import re
 
@@ -587,7 +588,9 @@ def test_each_recipe_is_the_planners_plan_for_its_micro_batch(recipe):
                                  options.get("lora_r", 16), accumulation)
     # a resident plan changes the model the adapter trains against: the plan of a recipe that asks for it (as
     # --plan auto plans), else of one that does not
-    kind = [p for p in plans if p.w.resident == (options.get("quantize_experts") == "fp8")]
+    size = options.get("sequence_parallel", 1)
+    kind = [p for p in plans if p.w.resident == (options.get("quantize_experts") == "fp8")
+            and p.w.sequence_parallel == size]
     best = plan.best_plan(kind) or plan.awaiting_plan(kind)  # a recipe the run refuses today: the plan that awaits
     precision = next((k for k, v in PRECISION_OPTIONS.items() if v and v["optim"] == options.get("optim")),
                      "fp32_master")
@@ -595,11 +598,14 @@ def test_each_recipe_is_the_planners_plan_for_its_micro_batch(recipe):
     assert (STRATEGIES[best.w.strategy].accelerate_config, best.w.setup.precision, best.w.checkpointing,
             best.w.levers) == (config, precision, bool(options.get("activation_checkpointing")), levers)
     skip = options.get("activation_checkpointing_skip_layers", 0)
-    own = plan.predict(shape, plan.Workload(best.w.strategy, Setup(method, precision), 3, mb, best.w.seq_len,
+    processes = int(re.search(r"--num_processes (\d+)", text).group(1)) if "--num_processes" in text else 3
+    assert (best.w.world, best.w.sequence_parallel) == (processes, size)
+    own = plan.predict(shape, plan.Workload(best.w.strategy, Setup(method, precision), processes, mb, best.w.seq_len,
                                             best.w.checkpointing, skip, bool(options.get("use_liger_kernel")),
                                             grad_accum=accumulation, fp8=best.w.fp8, compiled=best.w.compiled,
                                             mlp_tile_tokens=levers.mlp_tile_tokens,
-                                            offload_activations=levers.offload_activations))
+                                            offload_activations=levers.offload_activations,
+                                            chunked_loss=size > 1, sequence_parallel=size))
     assert own.smi_gib <= box.card_gib - plan.MARGIN_GIB, recipe.name
     if levers.label:  # its header quotes the planner's prediction for it
         assert f"{own.smi_gib:.1f} GiB per GPU by nvidia-smi" in text, own.smi_gib
@@ -1004,3 +1010,150 @@ def test_the_autoep_plan_holds_its_share_of_the_experts_and_is_never_recommended
     validate_setup(*parsed, machine=box)
     dense = plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], plan.Box(2, 24, host_ram_gib=128), "lora", 2048)
     assert not any(p.w.strategy == "autoep" for p in dense)  # a model without routed experts has no such plan
+
+
+# ---- issue 27 item 3: --sequence_parallel N planned (sft/plan/sequence_parallel.py), its speed not measured
+
+def sp_plans(gpus: int = 3, length: int = 65536, model: str = R1) -> list:
+    return plan.enumerate_plans(plan.SHAPES[model], plan.Box(gpus, 24, host_ram_gib=128), "lora", length)
+
+
+def test_the_sp_plan_holds_a_slice_through_the_layers_and_the_whole_row_at_attention():
+    """Per card: the ZeRO-3 base over the 2 launched processes; the long-row activations of a 32k slice (as a 32k
+    row's: the same levers, the loss in chunks); plus the layer's attention over all 65k tokens with 14 of the 28
+    heads (q, k, v, output) and the all-to-all buffers, twice that. N divides the heads, and the key/value heads
+    divide by N or N by them; no MLA model."""
+    from sft.plan import sequence_parallel
+
+    shape = plan.SHAPES[R1]
+    assert sequence_parallel.sizes(shape, 3) == [2] and sequence_parallel.sizes(shape, 4) == [2, 4]  # 28 heads, 4 kv
+    assert sequence_parallel.sizes(plan.SHAPES["deepseek-r1-distill-qwen-1.5b"], 3) == [2]  # 12 heads, 2 kv: not 3
+    assert sequence_parallel.sizes(plan.SHAPES["deepseek-v2-lite"], 3) == []
+    split = plan.split_plan(sp_plans())
+    w = split.w
+    assert (w.strategy, w.world, w.sequence_parallel, w.slice_len, w.chunked_loss, w.fused_loss) == \
+        ("zero3", 2, 2, 32768, True, False)
+    assert sequence_parallel.processes(3, 2) == 2 and sequence_parallel.processes(4, 2) == 4
+    parts = split.prediction.parts
+    whole = plan.predict(shape, dataclasses.replace(w, world=3, sequence_parallel=1))
+    assert parts["weights"] * 2 == pytest.approx(whole.parts["weights"] * 3)  # the base over 2 processes, not 3
+    attention = 4 * 65536 * 14 * 128 * 2  # bytes: q, k, v and the output of the gathered row, 14 heads each
+    assert parts["sequence_parallel_attention"] * plan.GIB == pytest.approx(3 * attention)  # + the all-to-alls
+    slice_row = plan.predict(shape, dataclasses.replace(w, seq_len=32768, sequence_parallel=1))
+    assert parts["activations"] - parts["sequence_parallel_attention"] == pytest.approx(
+        slice_row.parts["activations"])
+    assert parts["offloaded_activations"] == pytest.approx(slice_row.parts["offloaded_activations"])
+    assert parts["activations"] < 0.5 * plan.predict(shape, dataclasses.replace(w, chunked_loss=False)).parts[
+        "activations"]  # no whole logits: the loss in chunks
+    assert not any(p.w.sequence_parallel > 1 for p in sp_plans(length=4096))  # short rows are not split
+    assert not any(p.w.sequence_parallel > 1 for p in sp_plans(model="deepseek-v2-lite"))
+
+
+def test_an_sp_plan_is_recommended_only_where_no_measured_plan_fits():
+    """Its speed is not measured (one card's long-row MFU, said so): beside a measured plan that fits with its
+    margin it is never recommended, however fast its estimate, and the planner prints it as the other way; where no
+    measured plan fits, it is the recommendation, saying its speed is not measured. Never at or over the card."""
+    plans = sp_plans()
+    split, best = plan.split_plan(plans), plan.best_plan(plans)
+    assert split.speed_unmeasured and not plan.recommended(split) and split.last_resort and split.roomy
+    assert "sequence parallelism's speed is not measured yet (bench row long-r1-64k-sp2" in split.tok_s_source
+    assert "recommended only where no measured plan fits" in split.mark()
+    assert best.w.sequence_parallel == 1 and not best.speed_unmeasured
+    faster = dataclasses.replace(split, tok_s=split.tok_s * 100)
+    assert plan.best_plan([faster, *plans]) is best
+    unmeasured_only = [p for p in plans if not p.ready]
+    assert plan.best_plan(unmeasured_only) is split
+    assert plan.best_plan([p for p in unmeasured_only if p is not split and p.w.sequence_parallel > 1]) is not None
+    for gpus in (2, 3, 4):
+        for length in (8192, 32768, 65536, 131072):
+            found = sp_plans(gpus, length)
+            for chosen in (plan.best_plan(found), plan.split_plan(found),
+                           plan.best_plan([p for p in found if p.w.sequence_parallel > 1])):
+                assert chosen is None or chosen.prediction.smi_gib <= plan.Box(gpus, 24).card_gib - plan.MARGIN_GIB
+
+
+def test_the_planner_prints_the_split_plans_command_and_it_runs(monkeypatch, capsys):
+    """65,536-token rows on 3 x 24 GB: the recommendation is unchanged (a measured kind's), and the SP plan's exact
+    command follows it: 2 processes under ZeRO-3, sdpa, no --packing, its levers and --sequence_parallel 2. It parses
+    and passes every check on its box. Where no measured plan fits, it is the recommendation and says so."""
+    import re
+    import shlex
+
+    from sft.machine import Machine
+    from sft.options.arguments import parse_args, validate_setup
+
+    argv = ["--model", R1, "--lora", "--gpus", "3", "--gpu_mem", "24", "--max_length", "65536", "--host_ram", "128"]
+    assert plan.main(argv) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^Recommended: .*--config_file accelerate_configs/zero2\.yaml sft/train\.py", out, re.M)
+    line = re.search(r"^Each row split over 2 cards instead \(its speed is not measured.*?: (.+)$", out, re.M).group(1)
+    assert "--config_file accelerate_configs/zero3.yaml --num_processes 2 sft/train.py" in line
+    assert line.endswith("--attn_implementation sdpa --activation_checkpointing --mlp_tile_tokens 4096 "
+                         "--offload_activations --sequence_parallel 2") and "--packing" not in line
+    predicted = float(re.search(r"sequence parallelism.*$", out, re.S) and
+                      re.findall(r"predicted ([\d.]+) GiB per GPU", out)[-1])
+    assert predicted <= plan.Box(3, 24).card_gib - plan.MARGIN_GIB
+    args = shlex.split(line.replace("data.jsonl", str(plan.REPO / "data" / "alpaca_demo.json")))
+    args = [a for a in args[args.index("sft/train.py") + 1:] if a != "--bf16"]  # no bf16 on this CPU: set below
+    size = args.index("--sequence_parallel")
+    parsed = parse_args([*args[:size], *args[size + 2:], "--output_dir", "/nonexistent/out"])
+    parsed[3].bf16, parsed[3].sequence_parallel = True, 2  # this machine is no DeepSpeed launch of 2: set back
+    box = Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * 3, gpu_memory_gib=(23.99,) * 3, bf16=True,
+                  host_ram_gib=128, host_ram_available_gib=120, launch=STRATEGIES["zero3"].launch(2))
+    validate_setup(*parsed, machine=box)
+    # no measured plan fits (here: none offered): the SP plan is recommended, and says its speed is not measured
+    enumerate_all = plan.enumerate_plans
+    monkeypatch.setattr(plan, "enumerate_plans", lambda *a, **k: [p for p in enumerate_all(*a, **k) if not p.ready])
+    assert plan.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Recommended (its speed is not measured, and no plan whose speed is measured fits): " in out
+    assert "--sequence_parallel 2" in out.split("Recommended")[1] and "Each row split" not in out
+
+
+def test_the_64k_recipe_is_the_planners_split_plan():
+    """recipes/r1-distill-qwen-7b-64k.yaml: the command its header gives the planner prints this recipe's plan
+    (test_each_recipe_is_the_planners_plan_for_its_micro_batch checks its strategy, levers and margin), with its
+    prediction, and the header says no GPU row measured it."""
+    from sft.options.recipe import load_recipe
+
+    recipe = plan.RECIPES / "r1-distill-qwen-7b-64k.yaml"
+    text, options = recipe.read_text(), load_recipe(str(recipe))
+    value = lambda name: plan._arg(options, f"--{name}")  # noqa: E731
+    plans = plan.enumerate_plans(plan.SHAPES[R1], plan.Box(3, 24, host_ram_gib=128), "lora", int(value("max_length")),
+                                 (int(value("per_device_train_batch_size")),),
+                                 grad_accum=int(value("gradient_accumulation_steps")))
+    split = plan.split_plan(plans)
+    assert (int(value("sequence_parallel")), value("attn_implementation"), value("packing")) == \
+        (split.w.sequence_parallel, "sdpa", "false")
+    assert f"--num_processes {split.w.world} sft/train.py" in text and "accelerate_configs/zero3.yaml" in text
+    assert f"{split.prediction.smi_gib:.1f} GiB per GPU by nvidia-smi" in text
+    assert f"~{split.tok_s:,.0f} tok/s" in text and "its speed is not measured" in text
+    assert "No GPU row has measured it yet: bench row long-r1-64k-sp2" in text
+    best = plan.best_plan(plans)  # what the header says the planner recommends instead
+    assert f"ZeRO-2, a whole row on each of the 3 cards: {best.prediction.smi_gib:.1f} GiB predicted" in text
+    assert (best.w.strategy, best.w.world) == ("zero2", 3)
+
+
+def test_plan_auto_plans_the_split_only_for_a_launch_of_its_processes():
+    """`--plan auto` under a ZeRO-3 launch: with --sequence_parallel 2 given on 2 processes, the SP plan's options
+    (its kernels, no packing, its levers); on 3 processes no SP plan is planned (the run's check refuses the size)."""
+    from sft.machine import Launch, Machine
+
+    def machine(processes: int) -> Machine:
+        return Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * 3, gpu_memory_gib=(23.99,) * 3, bf16=True,
+                       host_ram_gib=128, launch=Launch(world_size=processes, local_world_size=processes,
+                                                       launched=True, zero_stage="3"))
+
+    model = SimpleNamespace(model="r1-distill-qwen-7b", mlp_tile_tokens=0, attn_implementation="flex_attention")
+    lora = SimpleNamespace(lora=True, qlora=False, lora_r=16)
+    training = SimpleNamespace(per_device_train_batch_size=1, gradient_accumulation_steps=1, sequence_parallel=2,
+                               activation_checkpointing=False, offload_activations=False, use_liger_kernel=False)
+    data = SimpleNamespace(max_length=65536, packing=True)
+    options, chosen = plan.planned_options(model, lora, data, training, machine(2), given={"sequence_parallel"})
+    assert chosen.w.sequence_parallel == 2 and chosen.roomy and "sequence_parallel" not in options
+    assert options["packing"] is False and options["attn_implementation"] == "sdpa"
+    assert options["use_liger_kernel"] is False and options["offload_activations"] is True
+    assert plan.planned_options(model, lora, data, training, machine(3), given={"sequence_parallel"}) == \
+        plan.NOT_PLANNED
+    options, chosen = plan.planned_options(model, lora, data, training, machine(2))  # a measured plan fits there
+    assert chosen.w.sequence_parallel == 1 and "sequence_parallel" not in options

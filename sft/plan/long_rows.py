@@ -67,10 +67,11 @@ def ladder(shape: "Shape", seq_len: int, checkpointing: bool) -> list[Levers]:
 
 def tile_tokens(w: "Workload") -> int:
     """Tokens of one MLP tile (the micro-batch's rows are split along the sequence), or all of the micro-batch's
-    tokens where the MLP runs whole (no tile, or a row no longer than one)."""
-    tokens = w.micro_batch * w.seq_len
+    tokens on this card where the MLP runs whole (no tile, or a row no longer than one). Under --sequence_parallel a
+    card's rows are its slices (Workload.slice_len)."""
+    tokens = w.micro_batch * w.slice_len
     tile = w.mlp_tile_tokens
-    return w.micro_batch * tile if 0 < tile < w.seq_len else tokens
+    return w.micro_batch * tile if 0 < tile < w.slice_len else tokens
 
 
 def attention_flops_per_token(shape: "Shape", seq_len: int) -> float:
@@ -87,7 +88,7 @@ def attention_flops_per_token(shape: "Shape", seq_len: int) -> float:
 
 def tiled_mlp_flops_per_token(shape: "Shape", w: "Workload") -> float:
     """The tiled MLP's own recomputation: one more forward of every dense MLP (2 FLOPs per weight)."""
-    if tile_tokens(w) >= w.micro_batch * w.seq_len:
+    if tile_tokens(w) >= w.micro_batch * w.slice_len:
         return 0.0
     dense = sum(1 for i in range(shape.layers) if not (shape.moe and i >= shape.first_dense))
     return 2.0 * dense * shape.dense_mlp_params()
@@ -96,7 +97,8 @@ def tiled_mlp_flops_per_token(shape: "Shape", w: "Workload") -> float:
 def long_row_flops_per_token(shape: "Shape", w: "Workload") -> float:
     """What a row of one conversation costs beyond the bench's 6N/4N per token: its attention and the tiled MLP's
     recomputation. Long plans' MFU is counted on 6N/4N plus this, and so is that of the long-document rows it is
-    read from."""
+    read from. Under --sequence_parallel the attention is the whole row's (its N ranks attend over all of it, each
+    with 1/N of the heads)."""
     return attention_flops_per_token(shape, w.seq_len) + tiled_mlp_flops_per_token(shape, w)
 
 

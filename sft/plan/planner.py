@@ -19,7 +19,9 @@ sharded strategies' transient buffers (all-gathered layers and their gradients);
 cached on top (fitted), and the CUDA context and NCCL buffers that nvidia-smi adds (fitted); the fast paths' own
 share of the activations (fitted on their rows: fast_path_memory). Rows over 4,096 tokens are long rows
 (sft/plan/long_rows.py): one conversation each, with the MLP tile and offloaded checkpoints where a plan needs them
-to fit, and their speed from the long-document bench rows. LoRA of an MoE model is also planned resident
+to fit, and their speed from the long-document bench rows; a long row of a dense model is also planned split over
+N cards by --sequence_parallel (sft/plan/sequence_parallel.py: ZeRO-3 or ZeRO-2, first principles, its speed not
+measured). LoRA of an MoE model is also planned resident
 (sft/plan/resident.py: --quantize_experts fp8, the routed experts in e4m3, one layer's dequantized at a time), its
 speed from its own bench rows. LoRA and QLoRA under FSDP (the 67B/70B plans on 3 x 24 GB) count their gathered
 buffers from accelerate's units and the NF4 base's bytes (fsdp_adapter_buffers), every rank's bf16 load of the base
@@ -54,7 +56,7 @@ from sft.parallel.strategies import NF4_BYTES, PRECISION_OPTIONS, REPO, STRATEGI
 from sft.plan.fast_paths import (NAMES as FAST_PATH_NAMES, Asked, FastPaths, described_machine, fast_paths,
                                  refused_today)
 from sft.plan.long_rows import Levers, is_long, ladder, is_long_document_row, long_row_flops_per_token, tile_tokens
-from sft.plan import expert_parallel, resident
+from sft.plan import expert_parallel, resident, sequence_parallel
 
 RESULTS = REPO / "bench" / "results.jsonl"  # the source of truth, in a checkout only
 # What the planner fits from RESULTS, snapshotted as package data: plans read this, so that a wheel plans as a checkout
@@ -70,6 +72,8 @@ HEADROOM = 0.075
 # tok/s estimates this close are one speed: the estimate is one measured MFU per kind of plan, and one configuration
 # measured again moves that much (full-sr16, 7 runs on the H200: MFU 65.0-68.8%).
 SPEED_TIE = 0.05
+# What a plan's speed source says when no bench row of its kind exists yet (Plan.speed_unmeasured)
+UNMEASURED_SPEEDS = (expert_parallel.UNMEASURED, sequence_parallel.UNMEASURED)
 # What lifts the run's refusal of --qlora under FSDP (sft/options/checks.py qlora_under_fsdp_awaits_its_gpu_run)
 AWAITED_CHECK = "`python bench/qlora_check.py --fsdp two` on 2 GPUs"
 
@@ -392,23 +396,28 @@ CALIBRATION = {
 }
 
 
-def kernels(strategy: str, shape: "Shape") -> dict:
+def kernels(strategy: str, shape: "Shape", sequence_parallel_size: int = 1) -> dict:
     """The kernel options of a plan: those of our measured fast plans (flex_attention skips packed rows' masked
     blocks; Liger's fused loss), except under TP (Liger's loss fails on the sharded lm_head) and for MLA models
     (DeepSeek-V2/V3: key and value head sizes differ; no V2 run with flex or Liger yet), which keep sdpa. Without
-    the fused loss the logits are materialised: the memory model counts them (fused_loss)."""
+    the fused loss the logits are materialised: the memory model counts them (fused_loss). An SP plan runs what its
+    bench row runs (sequence_parallel.KERNELS: sdpa, its loss in chunks)."""
+    if sequence_parallel_size > 1:
+        return dict(sequence_parallel.KERNELS)
     if strategy == "tp" or shape.kv_lora_rank:
         return {"attn_implementation": "sdpa", "use_liger_kernel": False}
     return {"attn_implementation": "flex_attention", "use_liger_kernel": True}
 
 
-def kernels_text(shape: "Shape", strategies: list[str]) -> str:
+def kernels_text(shape: "Shape", strategies: list[str], sequence_parallel_sizes: list[int] | None = None) -> str:
     """What the plans of these strategies run, as their commands pass it (kernels): one description where they
-    agree, else the first strategy's and each other's."""
+    agree, else the first strategy's and each other's; an SP plan (its size beside its strategy, > 1) as
+    plan_table names it (zero3+sp2)."""
     def text(k: dict) -> str:
         return k["attn_implementation"] + (" + Liger" if k["use_liger_kernel"] else ", no Liger")
 
-    seen = {s: text(kernels(s, shape)) for s in strategies}
+    sizes = sequence_parallel_sizes or [1] * len(strategies)
+    seen = {strategy_label(s, n): text(kernels(s, shape, n)) for s, n in zip(strategies, sizes)}
     first = next(iter(seen.values()), "")
     others = sorted({f"{s}: {t}" for s, t in seen.items() if t != first})
     return first + (f" ({'; '.join(others)})" if others else "")
@@ -435,6 +444,13 @@ class Workload:
     offload_activations: bool = False  # --offload_activations: checkpoints wait in host RAM (sft/trainer.py)
     chunked_loss: bool = False     # --chunked_loss: one chunk's logits at a time (sft/speed/chunked_loss.py)
     resident: bool = False         # --quantize_experts fp8: the routed experts in e4m3 (sft/plan/resident.py)
+    sequence_parallel: int = 1     # --sequence_parallel N: each row split over N ranks (sft/plan/sequence_parallel.py)
+
+    @property
+    def slice_len(self) -> int:
+        """Tokens of each row on one card: the row's, or under --sequence_parallel N its slice (rows padded to a
+        multiple of N: sft/options/resolve.py sequence_parallel_slices_rows)."""
+        return -(-self.seq_len // self.sequence_parallel)
 
     @property
     def levers(self) -> Levers:
@@ -501,7 +517,7 @@ def predict(shape: Shape, w: Workload) -> Prediction:
         state = dataclasses.replace(state, weights=state.weights - resident.bytes_saved(shape))
     if w.strategy == expert_parallel.STRATEGY:  # AutoEP: this card's share of the routed experts only
         state = dataclasses.replace(state, weights=state.weights - expert_parallel.experts_elsewhere(shape))
-    tokens = w.micro_batch * w.seq_len
+    tokens = w.micro_batch * w.slice_len  # this card's: under --sequence_parallel, its slices
     h, layers = shape.hidden, shape.layers
     # activations (bytes)
     k = CALIBRATION["activation_scale"]
@@ -536,7 +552,11 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     backward = k * (tokens * shape.backward_working_bytes() - (tokens - tile) * shape.mlp_working_bytes())
     if w.strategy == expert_parallel.STRATEGY:  # the all-to-all buffers of the layer in its backward
         backward += expert_parallel.dispatch_bytes(shape, tokens)
-    working = max(tokens * logits, loss_chunk, recompute + one_tile + backward + dequantized)
+    ulysses = 0.0  # --sequence_parallel: the layer's attention over the whole row, heads / N, and its all-to-alls
+    if w.sequence_parallel > 1:
+        ulysses = sum(f(shape, w.seq_len, w.sequence_parallel, w.micro_batch)
+                      for f in (sequence_parallel.attention_bytes, sequence_parallel.all_to_all_bytes))
+    working = max(tokens * logits, loss_chunk, recompute + one_tile + backward + dequantized + ulysses)
     extras = 8 * h  # final norm (fp32 input + output) and the loss's input
     if w.offload_activations:  # what the norm and the fused loss save waits in host RAM too: the GPU holds the
         extras = 4 * h         # gradient into the last layer and the saved tensor brought back for it (2h each)
@@ -593,7 +613,7 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     parts = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer,
              "masters": state.masters, "buckets": state.buckets, "activations": activations,
              "lora_weights": kept_deltas, "fast_paths": fast, "transient": transient, "cache": cache,
-             "dequantized_experts": dequantized,
+             "dequantized_experts": dequantized, "sequence_parallel_attention": ulysses,
              "context": context, "offloaded_activations": offloaded}
     return Prediction(w, allocated / GIB, reserved / GIB, (reserved + context) / GIB, need / GIB, host / GIB,
                       {k: v / GIB for k, v in parts.items()})
@@ -674,6 +694,7 @@ def workload_of_row(row: dict) -> Workload:
     cast = row["method"] == "lora" and _arg(args, "--dtype") != "float16" and (
         row.get("commit", "").split("-")[0] in PEFT_CAST_COMMITS or row.get("name", "").endswith("-peftcast"))
     fast = fast_of_row(row)
+    size = int(_arg(args, sequence_parallel.OPTION, 1))
     return Workload(strategy=strategy, setup=Setup(row["method"], precision), world=row["n_gpus"],
                     peft_input_cast=cast,
                     micro_batch=row["micro_batch"], seq_len=row["seq_len"],
@@ -683,8 +704,9 @@ def workload_of_row(row: dict) -> Workload:
                     grad_accum=row.get("grad_accum", 1), fp8=fast.fp8, compiled=fast.compiled,
                     mlp_tile_tokens=int(_arg(args, "--mlp_tile_tokens", 0)),
                     offload_activations=_arg(args, "--offload_activations", "false") == "true",
-                    chunked_loss=_arg(args, "--chunked_loss", "false") == "true",
-                    resident=resident.is_resident_row(args))
+                    # the loss in chunks: asked for, or always under --sequence_parallel (sft/train.py)
+                    chunked_loss=_arg(args, "--chunked_loss", "false") == "true" or size > 1,
+                    resident=resident.is_resident_row(args), sequence_parallel=size)
 
 
 def fast_of_row(row: dict) -> FastPaths:
@@ -1132,8 +1154,13 @@ def tokens_per_second(shape: Shape, w: Workload, peak_flops: float) -> tuple[flo
     row (long_rows.is_long) also pays its attention and the tiled MLP's recomputation, and its MFU, counted the same
     way, comes from the long-document rows."""
     long = is_long(w.seq_len)
-    mfu, why = mfu_reference(w.strategy, w.setup.method, w.checkpointing, model=shape.name, fast=w.fast, long=long,
-                             resident_experts=w.resident)
+    if w.sequence_parallel > 1:  # no row measured it: one card's long rows, the whole row's attention counted
+        mfu, why = mfu_reference("single_gpu", w.setup.method, w.checkpointing, model=shape.name, fast=w.fast,
+                                 long=True)
+        why += sequence_parallel.UNMEASURED
+    else:
+        mfu, why = mfu_reference(w.strategy, w.setup.method, w.checkpointing, model=shape.name, fast=w.fast,
+                                 long=long, resident_experts=w.resident)
     cost, cost_why = routed_expert_cost(shape)
     matmul = shape.matmul_params() + (cost - 1) * shape.routed_active_params()
     flops = (4 if w.setup.method in ("lora", "qlora") else 6) * matmul
@@ -1215,14 +1242,26 @@ class Plan:
             text = unknown if self.host_unknown else "yes"
         if self.awaits and self.fits:
             text += f" (refused until {AWAITED_CHECK} passes)"
+        if self.speed_unmeasured and self.w.sequence_parallel > 1:
+            return text + " (speed not measured" + (": recommended only where no measured plan fits)"
+                                                    if self.last_resort else ")")
         if self.speed_unmeasured:
             return text + " (not recommended: speed not measured)"
         return text + ("" if STRATEGIES[self.w.strategy].recommended else " (not recommended)")
 
     @property
     def speed_unmeasured(self) -> bool:
-        """Its tok/s is another strategy's MFU (an AutoEP plan before its bench row: sft/plan/expert_parallel.py)."""
-        return expert_parallel.UNMEASURED in self.tok_s_source
+        """Its tok/s is another kind's MFU: an AutoEP plan or an SP plan before its bench row
+        (sft/plan/expert_parallel.py, sft/plan/sequence_parallel.py)."""
+        return any(note in self.tok_s_source for note in UNMEASURED_SPEEDS)
+
+    @property
+    def last_resort(self) -> bool:
+        """An SP plan that fits with its margin under a recommended strategy and that the run takes today: its speed
+        is not measured, so it is recommended only where no measured plan is ready (best_plan). AutoEP's plan never
+        is (recommended): a V2-Lite LoRA always has a measured plan on the cards AutoEP needs."""
+        return (self.roomy and self.w.sequence_parallel > 1 and STRATEGIES[self.w.strategy].recommended
+                and not self.awaits)
 
 
 def _speed_tiers(plans: list[Plan]) -> list[list[Plan]]:
@@ -1242,18 +1281,18 @@ def safe(plan: Plan) -> bool:
 
 
 def ranked(plans: list[Plan]) -> list[Plan]:
-    """Best first: the plans that fit with their margin (recommended strategies first), then the tight ones, then
-    those that do not fit. Within each, the fastest; among plans of one speed (SPEED_TIE) those with headroom
+    """Best first: the plans that fit with their margin (recommended strategies first, then the SP plans whose speed
+    is not measured: Plan.last_resort), then the tight ones, then those that do not fit. Within each, the fastest; among plans of one speed (SPEED_TIE) those with headroom
     enough for the memory model's worst error first (safe), then those with fewer long-row levers (a lever is taken
     where it is needed: its own cost is not measured apart), then the larger micro-batch (measured: micro-batch 4
     ran faster than 1 and 2 at the same MFU class), then the order of the strategy table (sft/parallel/strategies.py:
     simpler strategies, and bf16_sr, measured faster than torchao's 8-bit AdamW, first)."""
     def group(p: Plan) -> int:
-        return 0 if p.ready else 1 if p.roomy else 2 if p.fits else 3
+        return 0 if p.ready else 1 if p.last_resort else 2 if p.roomy else 3 if p.fits else 4
 
     out: list[Plan] = []
     order = {id(p): i for i, p in enumerate(plans)}
-    for g in range(4):
+    for g in range(5):
         for tier in _speed_tiers([p for p in plans if group(p) == g]):
             tier.sort(key=lambda p: order[id(p)])
             out += sorted(tier, key=lambda p: (not safe(p), len(p.w.levers.label.split("+")) if p.w.levers.label
@@ -1267,8 +1306,8 @@ def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: in
     """Every strategy x precision x checkpointing x micro-batch for `shape` on `box`, best first (ranked), each with
     the fast paths its run gets there for the --fp8/--compile_layers `asked` (fast_paths: the run's own rule), and
     for long rows the cheapest long-row levers that leave the card its margin (long_rows.ladder; all of them where
-    none does), or `levers` where given. Beside them the resident plans (--quantize_experts fp8) where they apply
-    (resident.offered)."""
+    none does), or `levers` where given. Beside them the resident plans (--quantize_experts fp8) and the SP plans
+    (--sequence_parallel) where they apply (resident.offered, sequence_parallel.offered)."""
     plans = []
     for strategy in STRATEGIES.values():
         if method not in strategy.methods or box.gpus < strategy.min_gpus:
@@ -1290,9 +1329,18 @@ def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: in
                             continue
                         w = dataclasses.replace(w, chunked_loss=not w.fused_loss)  # as its bench row: no whole logits
                     kinds = [w, _resident(w)] if resident.offered(shape, strategy.name, method, ckpt) else [w]
+                    if sequence_parallel.offered(strategy.name, method, max_length):
+                        kinds += [_split(w, n, box.gpus) for n in sequence_parallel.sizes(shape, box.gpus)]
                     for kind in kinds:
                         plans += _with_levers(shape, box, kind, asked, levers)
     return ranked(plans)
+
+
+def _split(w: Workload, size: int, gpus: int) -> Workload:
+    """`w` with each row split over `size` ranks (--sequence_parallel), on the processes that launch takes, with
+    the kernels its run takes and its loss in chunks."""
+    return dataclasses.replace(w, sequence_parallel=size, world=sequence_parallel.processes(gpus, size),
+                               fused_loss=False, chunked_loss=True)
 
 
 def _resident(w: Workload) -> Workload:
@@ -1334,12 +1382,13 @@ def _plan(shape: Shape, box: Box, w: Workload, fast: FastPaths, asked: Asked) ->
 def command(plan: Plan, model: str, box: Box) -> str:
     w, s = plan.w, STRATEGIES[plan.w.strategy]
     processes = "" if s.name == "single_gpu" or w.world == 3 else f" --num_processes {w.world}"
+    split = w.sequence_parallel > 1  # one conversation per row under sdpa: no --packing
     if (REPO / s.accelerate_config).is_file():  # a checkout: the README's command, from its root
         launch = f"accelerate launch -q --config_file {s.accelerate_config}{processes} sft/train.py"
     else:  # an install without the repository: the shipped config by name, from any directory
         launch = f"deepseek-sft train --config_file {Path(s.accelerate_config).name}{processes}"
-    opts = [f"--model {hub_id(model)}", "--dataset data.jsonl", "--packing", f"--max_length {w.seq_len}",
-            f"--per_device_train_batch_size {w.micro_batch}"]
+    opts = [f"--model {hub_id(model)}", "--dataset data.jsonl", *["--packing"] * (not split),
+            f"--max_length {w.seq_len}", f"--per_device_train_batch_size {w.micro_batch}"]
     if w.grad_accum > 1:
         opts += [f"--gradient_accumulation_steps {w.grad_accum}"]
     if w.setup.method in ("lora", "qlora"):
@@ -1350,15 +1399,16 @@ def command(plan: Plan, model: str, box: Box) -> str:
         opts += ["--bf16"]
     else:
         opts += [f"--{k} {v}" for k, v in PRECISION_OPTIONS[w.setup.precision].items()]
-    opts += [f"--{k}" if v is True else f"--{k} {v}" for k, v in kernels(plan.w.strategy, plan.shape).items()
-             if v is not False]
+    opts += [f"--{k}" if v is True else f"--{k} {v}"
+             for k, v in kernels(plan.w.strategy, plan.shape, w.sequence_parallel).items() if v is not False]
     if s.name == "tp":
         opts += [f"--tp_size {w.world}"]
     if w.resident:  # its option, the checkpointing the run requires for it, the chunked loss
         opts += resident.flags(w.chunked_loss)
     else:
-        opts += ["--activation_checkpointing"] * w.checkpointing + ["--chunked_loss"] * w.chunked_loss
+        opts += ["--activation_checkpointing"] * w.checkpointing + ["--chunked_loss"] * (w.chunked_loss and not split)
     opts += w.levers.flags()  # long rows: what they need to leave the card its margin
+    opts += sequence_parallel.flags(w.sequence_parallel) if split else []
     opts += plan.asked.flags()  # auto, the default, settles as planned on the box: no option needed for it
     return f"{launch} " + " ".join(opts)
 
@@ -1367,10 +1417,12 @@ def options_of(plan: Plan) -> dict:
     """The training options a plan sets (for `--plan auto`), by option name."""
     w = plan.w
     opts = {"per_device_train_batch_size": w.micro_batch, "activation_checkpointing": w.checkpointing,
-            **kernels(plan.w.strategy, plan.shape)}
+            **kernels(plan.w.strategy, plan.shape, w.sequence_parallel)}
+    if w.sequence_parallel > 1:  # its loss is in chunks without asking; one conversation per row under sdpa
+        opts.update(sequence_parallel=w.sequence_parallel, packing=False)
     if w.resident:
         opts.update(quantize_experts="fp8", chunked_loss=w.chunked_loss)
-    elif w.chunked_loss:
+    elif w.chunked_loss and w.sequence_parallel == 1:
         opts.update(chunked_loss=True)
     if is_long(w.seq_len):  # set either way: a long plan without a lever says so
         opts.update(mlp_tile_tokens=w.mlp_tile_tokens, offload_activations=w.offload_activations)
@@ -1393,10 +1445,15 @@ def plan_table(plans: list[Plan], limit: int | None = None) -> str:
         w = p.w
         prec = "resident" if w.resident else "-" if w.setup.method != "full" else w.setup.precision
         said = f" {w.levers.label or '-':<12}" if long else ""
-        lines.append(f"{w.strategy:<14} {prec:<11} {'yes' if w.checkpointing else 'no':<4} {w.micro_batch:>2} "
+        lines.append(f"{strategy_label(w.strategy, w.sequence_parallel):<14} {prec:<11} {'yes' if w.checkpointing else 'no':<4} {w.micro_batch:>2} "
                      f"{w.fast or '-':<12}{said} {shown_gib(p):>12.1f} {p.prediction.host_gib:>8.0f} "
                      f"{p.tok_s:>10,.0f}  {p.mark()}")
     return "\n".join(lines)
+
+
+def strategy_label(strategy: str, sequence_parallel_size: int = 1) -> str:
+    """A plan's strategy as the table names it: an SP plan's with its size (zero3+sp2)."""
+    return strategy + (f"+sp{sequence_parallel_size}" if sequence_parallel_size > 1 else "")
 
 
 def fast_paths_said(plan: Plan) -> str:
@@ -1433,9 +1490,17 @@ def fast_paths_text(plans: list[Plan]) -> str:
 
 def best_plan(plans: list[Plan]) -> Plan | None:
     """The first of the ranked plans that fits with its margin (nvidia-smi at most the card less MARGIN_GIB) under a
-    recommended strategy; None when there is none: a plan at the card's edge is never recommended (what it leaves
-    is less than the prediction's own error, and the allocator's cache grows into it)."""
-    return next((p for p in ranked(plans) if p.ready), None)
+    recommended strategy, its speed measured; where none is, the first SP plan that fits so (Plan.last_resort: its
+    speed is not measured, and the planner says so); None when there is none: a plan at the card's edge is never
+    recommended (what it leaves is less than the prediction's own error, and the allocator's cache grows into it)."""
+    return next((p for p in ranked(plans) if p.ready or p.last_resort), None)
+
+
+def split_plan(plans: list[Plan]) -> Plan | None:
+    """The first SP plan that fits with its margin (Plan.last_resort), its speed not measured: beside a measured
+    plan that best_plan recommends, the planner prints it as the other way to run the rows; None when there is
+    none."""
+    return next((p for p in ranked(plans) if p.last_resort), None)
 
 
 def awaiting_plan(plans: list[Plan]) -> Plan | None:
@@ -1513,6 +1578,10 @@ def planned_options(model_args, lora_args, data_args, training_args, machine=Non
                             levers)
     strategy = _launched_strategy(m)
     plans = [p for p in plans if strategy is None or p.w.strategy == strategy]  # the launch decides the strategy
+    # ... and the processes: an SP plan of as many as were launched, of the size the user gave if any
+    size = getattr(training_args, "sequence_parallel", 1) if "sequence_parallel" in given else None
+    plans = [p for p in plans if (p.w.sequence_parallel == 1 or p.w.world == gpus)
+             and size in (None, p.w.sequence_parallel)]
     # the experts in e4m3 change the model the adapter trains against: a resident plan only where the user asked
     # for it, and then only one (the run refuses --quantize_experts elsewhere)
     experts = getattr(model_args, "quantize_experts", "none") == "fp8"
@@ -1652,7 +1721,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{method}, {args.gpus} x {gpu} {mem:g} GB ({box.card_gib:.2f} GiB by nvidia-smi; a plan keeps "
           f"{MARGIN_GIB:g} GiB of it free), {host}, rows of {args.max_length} tokens"
           f"{f' x {accumulation} micro-batches per step' if accumulation > 1 else ''}, "
-          f"{kernels_text(shape, [p.w.strategy for p in shown])}; {fast_paths_text(shown)}")
+          f"{kernels_text(shape, [p.w.strategy for p in shown], [p.w.sequence_parallel for p in shown])}; "
+          f"{fast_paths_text(shown)}")
     print(plan_table(shown))
     best = best_plan(plans)
     waiting = awaiting_plan(plans) if best is None else None
@@ -1673,8 +1743,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"With more host RAM: {more_ram.w.strategy}, micro-batch {more_ram.w.micro_batch}: "
                   f"{more_ram.why_not}")
         return 1
-    print(f"\nRecommended: {command(best, args.model, box)}")
+    unmeasured = " (its speed is not measured, and no plan whose speed is measured fits)" * best.speed_unmeasured
+    print(f"\nRecommended{unmeasured}: {command(best, args.model, box)}")
     print(plan_summary(best, box, ram))
+    split = split_plan(plans)
+    if split is not None and split is not best:  # the rows split over cards: an estimate beside a measured kind's
+        print(f"\nEach row split over {split.w.sequence_parallel} cards instead (its speed is not measured, so it is not "
+              f"recommended while a measured plan fits): {command(split, args.model, box)}")
+        print(plan_summary(split, box, ram))
     return 0
 
 
