@@ -128,8 +128,8 @@ def fp8_combinations(o: Options, m: Machine) -> None:
     if not o.model.fp8_on:
         return
     if o.lora.qlora:
-        raise ConfigError("--fp8 with --qlora: the base is already 4-bit (bitsandbytes computes it in bf16); use "
-                          "one of them.")
+        raise ConfigError("--fp8 with --qlora: the base is already 4-bit (dequantized to bf16 for its matmuls); "
+                          "use one of them.")
     if not o.lora.lora and not m.has("torchao"):
         raise ConfigError("--fp8 without --lora trains through torchao's float8 training, which is not installed: "
                           "pip install 'deepseek-sft[lowbit]' (or torchao), or --fp8 false.")
@@ -375,8 +375,9 @@ def qlora_under_fsdp_awaits_its_gpu_run(o: Options, m: Machine) -> None:
     if not (qlora(o) and o.fsdp(m) and m.cuda) or m.launch.fsdp_qlora_check:
         return
     raise ConfigError("--qlora under FSDP: not enabled until its check passes on two GPUs (bench/qlora_check.py "
-                      "--fsdp two; docs/strategies.md, QLoRA). Use accelerate_configs/ddp.yaml: each GPU holds the "
-                      "4-bit base (a 7B fits a 24 GB card).")
+                      "--fsdp two; docs/strategies.md, QLoRA). A model whose 4-bit base fits one card (up to ~33B on "
+                      "24 GB: a 7B takes ~4 GB) runs under accelerate_configs/ddp.yaml, each GPU holding the base; "
+                      "a 67B/70B has no other plan on 24 GB cards (docs/planner.md).")
 
 
 def quantized_base_not_under_zero3(o: Options, m: Machine) -> None:
