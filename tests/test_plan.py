@@ -1134,6 +1134,77 @@ def test_the_64k_recipe_is_the_planners_split_plan():
     assert (best.w.strategy, best.w.world) == ("zero2", 3)
 
 
+def measured_split_row(peak_flops: float) -> dict:
+    """A row as bench/throughput.py's long-r1-64k-sp2 would write it once measured (its options; made-up numbers of
+    the same order as long-r1-32k's, its MFU the bench's: tok/s x 4N over the peak of its 2 GPUs)."""
+    tok_s = 9000.0
+    return {"run_id": "20991231T0000Z-made-up", "commit": "test", "gpu": "NVIDIA H200", "n_gpus": 2,
+            "mem_cap_gib": 24.0, "model": "r1-distill-qwen-7b", "method": "lora", "strategy": "zero3", "peer": "ours",
+            "seq_len": 65536, "micro_batch": 1, "grad_accum": 1, "real_tok_s": tok_s,
+            "mfu": tok_s * 4 * plan.SHAPES[R1].matmul_params() / (peak_flops * 2), "peak_mem_gib": 19.5,
+            "peak_allocated_gib": 18.9, "nvidia_smi_mem_gib": 21.9, "host_ram_gib": 30.0, "name": "long-r1-64k-sp2",
+            "train_args": "--lora_dropout 0 --attn_implementation sdpa --activation_checkpointing true "
+                          "--offload_activations true --mlp_tile_tokens 4096 --sequence_parallel 2"}
+
+
+def test_a_measured_split_row_is_its_own_kind(tmp_path, monkeypatch):
+    """A measured --sequence_parallel row (long-r1-64k-sp2's kind, in a results file of today's rows, it, and a
+    ZeRO-2 pair of such rows without and with FP8) gives the SP plans of its size, family and method their speed,
+    and --check its memory, and nothing else: the snapshot fitted with them is today's but for their own `sp2` keys
+    (ZeRO-3's long-row MFU, and the fast paths' memory, which the FP8 twin would move, unchanged). The plan of its
+    configuration then predicts its tok/s, and is measured (ranked as any plan)."""
+    import json
+
+    peak = 989e12
+    row = measured_split_row(peak)
+    zero2 = dict(row, strategy="zero2", name="long-zero2-sp2", mfu=row["mfu"] * 1.2)
+    zero2_fp8 = dict(zero2, name="long-zero2-sp2-fp8", peak_mem_gib=15.0,
+                     train_args=row["train_args"] + " --fp8 true")  # a twin without it: what fast_path_memory fits on
+    results = tmp_path / "results.jsonl"
+    results.write_text(plan.RESULTS.read_text() + "".join(json.dumps(r) + "\n" for r in (zero2, zero2_fp8, row)))
+    today = plan.fitted()
+    numbers = json.loads(json.dumps(plan.fitted_numbers(results)))
+    assert {k: v for k, v in numbers.items() if k != "mfu"} == {k: v for k, v in today.items() if k != "mfu"}
+    for model, table in numbers["mfu"].items():
+        own = {k: v for k, v in table.items() if not k.endswith(" sp2")}
+        assert own == today["mfu"][model], model  # every other kind's MFU, ZeRO-3's long rows' included
+    split_keys = {k for k in numbers["mfu"][R1] if k.endswith(" sp2")}
+    assert split_keys == {f"{s} lora {c} long sp2" for s in ("zero3", "zero2") for c in ("ckpt", "no-ckpt")} | \
+        {f"zero2 lora {c} fp8 long sp2" for c in ("ckpt", "no-ckpt")}
+    mfu, why = numbers["mfu"][R1]["zero3 lora ckpt long sp2"]
+    assert "of 1 rows (long-r1-64k-sp2)" in why and "rows split by --sequence_parallel 2" in why  # its family's
+    _, why = plan.mfu_reference("zero3", "lora", True, results, R1, long=True, sequence_parallel_size=4)
+    assert "rows split by" not in why and "speed is not measured yet" in why  # another size's all-to-alls
+    w = plan.workload_of_row(row)
+    matmul = 4 * plan.SHAPES[R1].matmul_params()
+    assert mfu == pytest.approx(row["mfu"] * (matmul + plan.long_row_flops_per_token(plan.SHAPES[R1], w)) / matmul)
+
+    before = {(p.w.strategy, p.w.sequence_parallel, p.w.micro_batch, p.w.levers): p.tok_s for p in sp_plans()}
+    monkeypatch.setattr(plan, "fitted", lambda: numbers)
+    plans = plan.enumerate_plans(plan.SHAPES[R1], plan.Box(3, 24, host_ram_gib=128, peak_flops=peak), "lora", 65536)
+    split = next(p for p in plans if p.w.sequence_parallel == 2 and p.w.strategy == "zero3"
+                 and (p.w.checkpointing, p.w.levers) == (w.checkpointing, w.levers) and p.w.micro_batch == 1)
+    assert not split.speed_unmeasured and "long-r1-64k-sp2" in split.tok_s_source
+    assert split.tok_s == pytest.approx(row["real_tok_s"])  # the measured configuration predicts its tok/s
+    assert plan.split_plan(plans).ready and "speed not measured" not in plan.split_plan(plans).mark()
+    zero2_split = next(p for p in plans if p.w.sequence_parallel == 2 and p.w.strategy == "zero2")
+    assert not zero2_split.speed_unmeasured and "long-zero2-sp2" in zero2_split.tok_s_source
+    assert "long-r1-64k-sp2" not in zero2_split.tok_s_source  # another family's split row
+    after = {(p.w.strategy, p.w.sequence_parallel, p.w.micro_batch, p.w.levers): p.tok_s for p in sp_plans()}
+    assert {k: v for k, v in after.items() if k[1] == 1} == {k: v for k, v in before.items() if k[1] == 1}
+
+    checked = plan.check_rows(results)
+    assert checked[:-3] == plan.check_rows()  # every other row's check unchanged
+    mine = checked[-1]
+    predicted = plan.predict(plan.SHAPES[R1], w)
+    assert (mine["name"], mine["strategy"], mine["sequence_parallel"], w.world, w.slice_len) == \
+        ("long-r1-64k-sp2", "zero3", 2, 2, 32768)
+    assert predicted.parts["sequence_parallel_attention"] > 0
+    assert (mine["pred_reserved"], mine["reserved"]) == (predicted.capped(24.0)[0], row["peak_mem_gib"])
+    assert mine["err_smi"] == pytest.approx(predicted.capped(24.0)[1] / row["nvidia_smi_mem_gib"] - 1)
+    assert "| long-r1-64k-sp2 (0000Z) | zero3+sp2 | lora | 2 |" in plan.check_table(checked)
+
+
 def test_plan_auto_plans_the_split_only_for_a_launch_of_its_processes():
     """`--plan auto` under a ZeRO-3 launch: with --sequence_parallel 2 given on 2 processes, the SP plan's options
     (its kernels, no packing, its levers); on 3 processes no SP plan is planned (the run's check refuses the size)."""

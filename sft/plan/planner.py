@@ -19,17 +19,16 @@ sharded strategies' transient buffers (all-gathered layers and their gradients);
 cached on top (fitted), and the CUDA context and NCCL buffers that nvidia-smi adds (fitted); the fast paths' own
 share of the activations (fitted on their rows: fast_path_memory). Rows over 4,096 tokens are long rows
 (sft/plan/long_rows.py): one conversation each, with the MLP tile and offloaded checkpoints where a plan needs them
-to fit, and their speed from the long-document bench rows; a long row of a dense model is also planned split over
-N cards by --sequence_parallel (sft/plan/sequence_parallel.py: ZeRO-3 or ZeRO-2, first principles, its speed not
-measured). LoRA of an MoE model is also planned resident
-(sft/plan/resident.py: --quantize_experts fp8, the routed experts in e4m3, one layer's dequantized at a time), its
-speed from its own bench rows. LoRA and QLoRA under FSDP (the 67B/70B plans on 3 x 24 GB) count their gathered
-buffers from accelerate's units and the NF4 base's bytes (fsdp_adapter_buffers), every rank's bf16 load of the base
-in host RAM, and the full fine-tune's fitted cache and MFU: no FSDP LoRA row is measured yet; a plan the run refuses
-until its GPU check passes (refused_today: FSDP + QLoRA) is marked so and never recommended. The fitted constants and
-the rows they come
-from are in CALIBRATION below and in the snapshot; `--check` prints predicted against measured for every row with
-a measured peak.
+to fit, and their speed from the long-document bench rows; a long row of a dense model is also planned split over N
+cards by --sequence_parallel (sft/plan/sequence_parallel.py: ZeRO-3 or ZeRO-2, first principles, its speed from the
+rows split as it is, which speak for no other plan; none is measured yet). LoRA of an MoE model is also planned
+resident (sft/plan/resident.py: --quantize_experts fp8, the routed experts in e4m3, one layer's dequantized at a
+time), its speed from its own bench rows. LoRA and QLoRA under FSDP (the 67B/70B plans on 3 x 24 GB) count their
+gathered buffers from accelerate's units and the NF4 base's bytes (fsdp_adapter_buffers), every rank's bf16 load of
+the base in host RAM, and the full fine-tune's fitted cache and MFU: no FSDP LoRA row is measured yet; a plan the
+run refuses until its GPU check passes (refused_today: FSDP + QLoRA) is marked so and never recommended. The fitted
+constants and the rows they come from are in CALIBRATION below and in the snapshot; `--check` prints predicted
+against measured for every row with a measured peak.
 """
 
 from __future__ import annotations
@@ -709,6 +708,11 @@ def workload_of_row(row: dict) -> Workload:
                     resident=resident.is_resident_row(args), sequence_parallel=size)
 
 
+def split_size(row: dict) -> int:
+    """The N a bench row split each row over (--sequence_parallel N: such rows speak for SP plans only); 1: none."""
+    return int(_arg(row_options(row), sequence_parallel.OPTION, 1))
+
+
 def fast_of_row(row: dict) -> FastPaths:
     """The fast paths a bench row ran with: its --fp8 and --compile_layers (false where it names neither: the bench
     passes false before a row's own options, and rows from before the `auto` default ran without them), as the
@@ -766,6 +770,7 @@ def check_rows(path: Path = RESULTS) -> list[dict]:
         reserved, smi = p.capped(cap)
         measured_smi, why = smi_of_row(r, rows)
         out.append({"name": r["name"], "run_id": r["run_id"], "strategy": w.strategy, "method": r["method"],
+                    "sequence_parallel": w.sequence_parallel,
                     "model": r["model"], "n_gpus": r["n_gpus"], "micro_batch": r["micro_batch"],
                     "checkpointing": w.checkpointing, "skip": w.skip_layers, "fused_loss": w.fused_loss,
                     "levers": w.levers.label,
@@ -793,7 +798,8 @@ def check_table(results: list[dict]) -> str:
         method = x["method"] + ("" if x["precision"] == "fp32_master" else f" {x['precision']}") \
             + (" resident" if x["resident"] else "")
         lines.append("| " + " | ".join([
-            f"{x['name']} ({x['run_id'][9:14]})", x["strategy"], method, str(x["n_gpus"]),
+            f"{x['name']} ({x['run_id'][9:14]})", strategy_label(x["strategy"], x["sequence_parallel"]), method,
+            str(x["n_gpus"]),
             str(x["micro_batch"]), ck, "yes" if x["fused_loss"] else "no", x["fast"] or "-",
             f"{x['pred_allocated']:.2f} / {x['allocated']:.2f}",
             f"{x['pred_reserved']:.2f} / {x['reserved']:.2f}" + (" (cap)" if x["at_cap"] else ""),
@@ -813,7 +819,7 @@ FAMILY = {"single_gpu": "unsharded", "ddp": "unsharded", "zero2": "unsharded", "
 
 def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path | None = None,
                   model: str | None = None, fast: str = "", long: bool = False,
-                  resident_experts: bool = False) -> tuple[float, str]:
+                  resident_experts: bool = False, sequence_parallel_size: int = 1) -> tuple[float, str]:
     """(MFU, which rows) for a kind of plan: the median MFU of our measured rows of the same strategy family,
     method, checkpointing and fast paths (`fast`: a FastPaths.label), with our fast kernels (flex_attention +
     Liger) where such rows exist. A plan with fast paths that no row of its strategy family and method ran with
@@ -821,8 +827,11 @@ def mfu_reference(strategy: str, method: str, checkpointing: bool, path: Path | 
     of one long conversation each, their MFU counted with their attention (long_mfu_rows); the short rows' where
     there is none of its family and method, and says so. `path`: the rows to fit from; None: the snapshot of
     bench/results.jsonl (FITTED). `model`: a built-in shape's name in either spelling (sft/names.py).
-    `resident_experts`: a resident plan (--quantize_experts fp8) reads the rows that ran with it (_resident_mfu)."""
+    `resident_experts`: a resident plan (--quantize_experts fp8) reads the rows that ran with it (_resident_mfu).
+    `sequence_parallel_size` N > 1: an SP plan (of long rows) reads the rows split over N ranks (_split_mfu)."""
     model = (shape_name(model) or model) if model else None
+    if sequence_parallel_size > 1:
+        return _split_mfu(strategy, method, checkpointing, path, model, fast, sequence_parallel_size)
     if resident_experts:
         return _resident_mfu(strategy, checkpointing, path, model, fast)
     if strategy == expert_parallel.STRATEGY and not _autoep_measured(method, checkpointing, path, model, fast, long):
@@ -870,12 +879,52 @@ def _long_mfu(strategy: str, method: str, checkpointing: bool, path: Path, model
         mfu, why = mfu_reference(strategy, method, checkpointing, path, model, fast)
         return mfu, why + "; no row of long documents of this kind: the short rows' MFU, over FLOPs that count " \
                           "the long row's attention"
-    if fast and fast_mfu_rows(rows, strategy, method, fast):
-        rows, note = [r for r in rows if fast_of_row(r).label == fast], ""
-    else:
-        rows, note = [r for r in rows if not fast_of_row(r).label], unmeasured_fast_note(fast)
+    rows, note = _rows_of_fast(rows, strategy, method, fast)
     mfu, why = _median_mfu(rows, strategy, method, checkpointing, model)
     return mfu, why + ", rows of one long conversation each, their attention FLOPs counted" + note
+
+
+def _rows_of_fast(rows: list[dict], strategy: str, method: str, fast: str) -> tuple[list[dict], str]:
+    """Of `rows`, those with these fast paths where some of the plan's family and method ran with them, else those
+    without any (and the note that says so)."""
+    if fast and fast_mfu_rows(rows, strategy, method, fast):
+        return [r for r in rows if fast_of_row(r).label == fast], ""
+    return [r for r in rows if not fast_of_row(r).label], unmeasured_fast_note(fast)
+
+
+def _split_mfu(strategy: str, method: str, checkpointing: bool, path: Path | None, model: str | None, fast: str,
+               size: int) -> tuple[float, str]:
+    """mfu_reference of an SP plan (each row split over `size` ranks): the rows that ran so, of its strategy family
+    and method (split_rows_of_kind), from the snapshot or `path`'s rows; where there are none, one card's long-row
+    MFU over the whole row's FLOPs, said so (sequence_parallel.UNMEASURED: Plan.speed_unmeasured)."""
+    if path is None:
+        table = fitted()["mfu"]
+        own = table.get(model, table[ANY_MODEL])
+        key = mfu_key(strategy, method, checkpointing, fast, long=True, sequence_parallel_size=size)
+        plain = mfu_key(strategy, method, checkpointing, long=True, sequence_parallel_size=size)
+        if key in own:  # the snapshot holds an SP kind only where rows of it exist (fitted_numbers)
+            return tuple(own[key])
+        if plain in own:
+            mfu, why = own[plain]
+            return mfu, why + unmeasured_fast_note(fast)
+    else:
+        rows = split_rows_of_kind(split_mfu_rows(path, model), strategy, method, size)
+        if rows:
+            rows, note = _rows_of_fast(rows, strategy, method, fast)
+            mfu, why = _median_mfu(rows, strategy, method, checkpointing, model)
+            return mfu, why + f", rows split by {sequence_parallel.OPTION} {size}, the whole row's attention FLOPs " \
+                              f"counted" + note
+    mfu, why = mfu_reference("single_gpu", method, checkpointing, path, model, fast, long=True)
+    return mfu, why + sequence_parallel.UNMEASURED
+
+
+def split_rows_of_kind(rows: list[dict], strategy: str, method: str, size: int) -> list[dict]:
+    """Of split rows (split_mfu_rows), those of `size` where some are of the plan's strategy family and method (else
+    none: another family's split rows, or another size's all-to-alls, are not this plan's speed)."""
+    rows = [r for r in rows if split_size(r) == size]
+    lora = method in ("lora", "qlora")
+    return rows if method in sequence_parallel.METHODS.get(strategy, ()) and \
+        any(_kind(r)[:2] == (FAMILY[strategy], lora) for r in rows) else []
 
 
 def _resident_mfu(strategy: str, checkpointing: bool, path: Path | None, model: str | None,
@@ -930,8 +979,20 @@ def long_mfu_rows(path: Path, model: str | None) -> list[dict]:
     """The rows made of one long conversation each (bench/throughput.py's long-* rows), of the rows MFU is read
     from, with their MFU counted as a long plan's: the bench's 6N/4N plus their attention and the tiled MLP's
     recomputation (long_rows.long_row_flops_per_token), so that 4k and 32k rows of one run read alike."""
+    return _counted_as_long(_mfu_candidates(path, model))
+
+
+def split_mfu_rows(path: Path, model: str | None) -> list[dict]:
+    """The rows of one long conversation each that ran split over ranks (--sequence_parallel N): an SP plan's only,
+    their MFU counted as its own (the whole row's attention, the tile of each rank's slice), as long_mfu_rows counts
+    the rows of one card."""
+    return _counted_as_long(_mfu_candidates(path, model, split=True))
+
+
+def _counted_as_long(rows: list[dict]) -> list[dict]:
+    """Of `rows`, those of long documents, their MFU counted with their attention and the tiled MLP's recomputation."""
     out = []
-    for r in _mfu_candidates(path, model):
+    for r in rows:
         if is_long_document_row(r):
             shape, w = row_shape(r), workload_of_row(r)
             matmul = (4 if r["method"] in ("lora", "qlora") else 6) * shape.matmul_params()
@@ -951,14 +1012,18 @@ def mfu_rows(path: Path, model: str | None) -> list[dict]:
     return [r for r in _mfu_candidates(path, model) if not is_long_document_row(r)]
 
 
-def _mfu_candidates(path: Path, model: str | None) -> list[dict]:
-    """The rows of _speed_rows that speak for plans without --quantize_experts (its rows: resident_mfu_rows)."""
-    rows = [r for r in _speed_rows(path) if not resident.is_resident_row(row_options(r))]
+def _mfu_candidates(path: Path, model: str | None, split: bool = False) -> list[dict]:
+    """The rows of _speed_rows that speak for plans without --quantize_experts (its rows: resident_mfu_rows): those
+    that ran each row whole, or (`split`) those split over ranks (--sequence_parallel, an SP plan's only)."""
+    rows = [r for r in _speed_rows(path, split) if not resident.is_resident_row(row_options(r))]
     return [r for r in rows if row_shape(r).name == model or not row_shape(r).routed_experts]
 
 
-def _speed_rows(path: Path) -> list[dict]:
+def _speed_rows(path: Path, split: bool = False) -> list[dict]:
+    """Our rows whose MFU is a training speed: of rows run whole, or (`split`) of rows split by --sequence_parallel,
+    which speak for SP plans only (split_mfu_rows)."""
     return [r for r in measured_rows(path) if r.get("mfu") and r.get("peer") in ("ours", "zero3-offload-recipe")
+            and (split_size(r) > 1) == split
             and "--torch_compile" not in (r.get("train_args") or "")
             and not any(mark in (r.get("notes") or "") for mark in ("NOT a 1-GPU number", "INVALID"))]
 
@@ -1052,12 +1117,13 @@ def routed_expert_cost(shape: Shape, path: Path | None = None) -> tuple[float, s
 # The snapshot: every number the plans take from bench/results.jsonl, fitted once (FITTED, shipped in the wheel).
 
 def mfu_key(strategy: str, method: str, checkpointing: bool, fast: str = "", long: bool = False,
-            resident_experts: bool = False) -> str:
+            resident_experts: bool = False, sequence_parallel_size: int = 1) -> str:
     """The snapshot's key of a kind of plan: what mfu_reference reads of its arguments (QLoRA's is LoRA's), its
-    fast paths (FastPaths.label) where it has any, `long` for plans of long rows and `resident` for resident
-    plans (--quantize_experts fp8)."""
+    fast paths (FastPaths.label) where it has any, `long` for plans of long rows, `resident` for resident
+    plans (--quantize_experts fp8) and `sp<N>` for SP plans (--sequence_parallel N)."""
     return (f"{strategy} {'lora' if method in ('lora', 'qlora') else 'full'} {'ckpt' if checkpointing else 'no-ckpt'}"
-            + (f" {fast}" if fast else "") + (" long" if long else "") + (" resident" if resident_experts else ""))
+            + (f" {fast}" if fast else "") + (" long" if long else "") + (" resident" if resident_experts else "")
+            + (f" sp{sequence_parallel_size}" if sequence_parallel_size > 1 else ""))
 
 
 def fitted_numbers(path: Path = RESULTS) -> dict:
@@ -1082,8 +1148,24 @@ def fitted_numbers(path: Path = RESULTS) -> dict:
         mfu[name].update({mfu_key(s, "lora", True, f, resident_experts=True):
                           list(mfu_reference(s, "lora", True, path, model, f, resident_experts=True))
                           for s in resident.STRATEGIES for f in ran})
+        mfu[name].update(_split_numbers(path, model, kinds))
     return {"source": "bench/results.jsonl", "refresh": SNAPSHOT_COMMAND, "mfu": mfu,
             "fast_path_memory": fast_path_memory(path), "routed_expert_cost": expert_costs(path)}
+
+
+def _split_numbers(path: Path, model: str | None, kinds: list[tuple]) -> dict:
+    """The snapshot's MFU of the SP plans that rows split over ranks measured (split_rows_of_kind): none until
+    such a row exists, so that the other SP plans keep their unmeasured estimate."""
+    split = split_mfu_rows(path, model)
+    sizes = sorted({split_size(r) for r in split})
+    out = {}
+    for s, m, c, f in kinds:
+        for n in sizes:
+            rows = split_rows_of_kind(split, s, m, n)
+            if rows and (not f or fast_mfu_rows(rows, s, m, f)):
+                out[mfu_key(s, m, c, f, True, sequence_parallel_size=n)] = list(
+                    mfu_reference(s, m, c, path, model, f, True, sequence_parallel_size=n))
+    return out
 
 
 def fast_path_memory(path: Path = RESULTS) -> dict:
@@ -1092,8 +1174,9 @@ def fast_path_memory(path: Path = RESULTS) -> dict:
     the rows that ran with the path against their twins without it (the same model, workload, allocator cap and
     other options; in any run: the median of the twins' peaks): the sum of the differences over the sum of those
     rows' whole-layer activations. A pair where either peak is within 0.5 GiB of its cap is left out (the cap hides
-    the difference). A QLoRA plan takes LoRA's numbers."""
-    rows = measured_rows(path)
+    the difference). A QLoRA plan takes LoRA's numbers. Rows split over ranks (--sequence_parallel) are left out:
+    their slices and all-to-alls are no other plan's memory."""
+    rows = [r for r in measured_rows(path) if split_size(r) == 1]
     twins: dict[tuple, list[dict]] = {}
     for r in rows:
         twins.setdefault(_twin_key(r), []).append(r)
@@ -1152,15 +1235,10 @@ def tokens_per_second(shape: Shape, w: Workload, peak_flops: float) -> tuple[flo
     """Measured MFU x peak x GPUs / FLOPs per token, on ACTIVE parameters (an MoE token runs only its experts), the
     routed experts' FLOPs weighted by what they cost against dense FLOPs where bench/moe_layer.py measured it. A long
     row (long_rows.is_long) also pays its attention and the tiled MLP's recomputation, and its MFU, counted the same
-    way, comes from the long-document rows."""
+    way, comes from the long-document rows; an SP plan's from the rows split as it is (_split_mfu)."""
     long = is_long(w.seq_len)
-    if w.sequence_parallel > 1:  # no row measured it: one card's long rows, the whole row's attention counted
-        mfu, why = mfu_reference("single_gpu", w.setup.method, w.checkpointing, model=shape.name, fast=w.fast,
-                                 long=True)
-        why += sequence_parallel.UNMEASURED
-    else:
-        mfu, why = mfu_reference(w.strategy, w.setup.method, w.checkpointing, model=shape.name, fast=w.fast,
-                                 long=long, resident_experts=w.resident)
+    mfu, why = mfu_reference(w.strategy, w.setup.method, w.checkpointing, model=shape.name, fast=w.fast,
+                             long=long, resident_experts=w.resident, sequence_parallel_size=w.sequence_parallel)
     cost, cost_why = routed_expert_cost(shape)
     matmul = shape.matmul_params() + (cost - 1) * shape.routed_active_params()
     flops = (4 if w.setup.method in ("lora", "qlora") else 6) * matmul
@@ -1257,9 +1335,10 @@ class Plan:
 
     @property
     def last_resort(self) -> bool:
-        """An SP plan that fits with its margin under a recommended strategy and that the run takes today: its speed
-        is not measured, so it is recommended only where no measured plan is ready (best_plan). AutoEP's plan never
-        is (recommended): a V2-Lite LoRA always has a measured plan on the cards AutoEP needs."""
+        """An SP plan that fits with its margin under a recommended strategy and that the run takes today: where its
+        speed is not measured, it is recommended only where no measured plan is ready (best_plan); once rows split as
+        it is measured it, it is also `ready`, ranked by its speed as any plan. AutoEP's plan never is (recommended):
+        a V2-Lite LoRA always has a measured plan on the cards AutoEP needs."""
         return (self.roomy and self.w.sequence_parallel > 1 and STRATEGIES[self.w.strategy].recommended
                 and not self.awaits)
 
@@ -1497,7 +1576,7 @@ def best_plan(plans: list[Plan]) -> Plan | None:
 
 
 def split_plan(plans: list[Plan]) -> Plan | None:
-    """The first SP plan that fits with its margin (Plan.last_resort), its speed not measured: beside a measured
+    """The first SP plan that fits with its margin (Plan.last_resort), its speed measured or not: beside another
     plan that best_plan recommends, the planner prints it as the other way to run the rows; None when there is
     none."""
     return next((p for p in ranked(plans) if p.last_resort), None)
@@ -1747,9 +1826,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nRecommended{unmeasured}: {command(best, args.model, box)}")
     print(plan_summary(best, box, ram))
     split = split_plan(plans)
-    if split is not None and split is not best:  # the rows split over cards: an estimate beside a measured kind's
-        print(f"\nEach row split over {split.w.sequence_parallel} cards instead (its speed is not measured, so it is not "
-              f"recommended while a measured plan fits): {command(split, args.model, box)}")
+    if split is not None and split is not best:  # the rows split over cards, beside the recommendation
+        why = " (its speed is not measured, so it is not recommended while a measured plan fits)" \
+            * split.speed_unmeasured
+        print(f"\nEach row split over {split.w.sequence_parallel} cards instead{why}: "
+              f"{command(split, args.model, box)}")
         print(plan_summary(split, box, ram))
     return 0
 
