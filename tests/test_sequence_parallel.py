@@ -95,17 +95,17 @@ def test_rows_of_one_conversation_get_positions_for_the_slices():
     assert "position_ids" not in Collator(pad_token_id=0)([{"input_ids": [5], "labels": [5]}])
 
 
-def logged(output: Path) -> list[tuple[float, float]]:
+def logged(output: Path) -> list[tuple[float, float, int]]:
     rows = [json.loads(line) for line in (output / "trainer_log.jsonl").read_text().splitlines()]
-    return [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r and "grad_norm" in r]
+    return [(r["loss"], r["grad_norm"], r["num_input_tokens_seen"]) for r in rows if "loss" in r and "grad_norm" in r]
 
 
 @pytest.mark.slow
 def test_two_ranks_train_the_rows_of_one_process(tmp_path):
     """One conversation per row, each split over 2 gloo ranks under ZeRO-2 and under ZeRO-3 (with the long-row
-    levers): the losses and gradient norms of one process training the same rows, step by step (DeepSpeed's
-    reduction differs by stage: sft/speed/sequence_parallel_loss.py), and the same adapter, which plain peft
-    loads."""
+    levers): the losses, gradient norms and token counts of one process training the same rows, step by step
+    (DeepSpeed's reduction differs by stage: sft/speed/sequence_parallel_loss.py), and the same adapter, which
+    plain peft loads."""
     import torch
     from peft import PeftModel
     from safetensors.torch import load_file
@@ -130,8 +130,9 @@ def test_two_ranks_train_the_rows_of_one_process(tmp_path):
         assert "Training on 2 process(es)" in two.stdout, two.stdout[-2000:]
         got = logged(output)
         assert len(got) == len(expected) == 4
-        for (loss, norm), (loss_sp, norm_sp) in zip(expected, got):
+        for (loss, norm, tokens), (loss_sp, norm_sp, tokens_sp) in zip(expected, got):
             assert loss_sp == pytest.approx(loss, rel=1e-4) and norm_sp == pytest.approx(norm, rel=1e-4), stage
+            assert tokens_sp == tokens, stage  # each token counted once (tok/s, MFU), not once per slice holder
         adapter_sp = load_file(output / "adapter_model.safetensors")
         assert adapter.keys() == adapter_sp.keys()
         for key, value in adapter.items():
