@@ -1449,7 +1449,8 @@ def _plan(shape: Shape, box: Box, w: Workload, fast: FastPaths, asked: Asked) ->
     if p.need_gib > box.card_gib:
         why.append(f"needs {p.need_gib:.1f} GiB per card > {box.card_gib:.1f}")
     if box.host_ram_gib is not None and p.host_gib > box.host_ram_gib:
-        why.append(f"needs {p.host_gib:.0f} GiB host RAM > {box.host_ram_gib:g}")
+        have = f"{box.host_ram_gib:.1f}".removesuffix(".0")  # this machine's, read to the byte: 23.5, not 23.5403
+        why.append(f"needs {p.host_gib:.0f} GiB host RAM > {have}")
     if w.strategy == "tp" and w.setup.method != "full":
         why.append("TP takes no LoRA")
     if fast.refused:  # a --fp8/--compile_layers true this strategy refuses: the run stops there
