@@ -77,8 +77,7 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, label
     at every chunk's recomputation, which the processes would run different numbers of times (their labelled tokens
     differ: seen hanging on 2 CPU ranks) and which a recomputation in the backward finds partitioned (shape [0])."""
     states, targets = labelled_tokens(hidden, labels, shifted)
-    if targets.numel() == 0 and not zero3_frozen_head:  # (every process gathers under ZeRO-3, labels or not)
-        return no_label_loss(hidden)
+    # (under ZeRO-3 every process gathers, labels or not: the gather is collective)
     with gathered_head(lm_head) if zero3_frozen_head else contextlib.nullcontext(lm_head) as head:
         if targets.numel() == 0:
             return no_label_loss(hidden)
