@@ -160,12 +160,14 @@ WORKER = textwrap.dedent("""
             if tensor.numel() > 100_000:
                 tensor.zero_()
         dist.all_reduce = broken
+    from sft.parallel.distributed import exit_process
     try:
         check_allreduce()
         print("all-reduce ok")
     except DistributedCheckError as e:
         print(f"error: {e}")
-        sys.exit(3)
+        exit_process(3)
+    exit_process(0)  # gloo's threads can abort the interpreter's teardown of a finished run (seen in CI: -6)
 """)
 
 
@@ -492,6 +494,9 @@ FSDP_LORA_WORKER = textwrap.dedent("""
                 counts["equal"] = all(torch.equal(adapter[k], v) for k, v in trained.items())
     if dist.get_rank() == 0:
         print(json.dumps(counts))
+    dist.barrier()  # no rank leaves while another still works
+    from sft.parallel.distributed import exit_process
+    exit_process(0)  # gloo's threads can abort the interpreter's teardown of a finished run (seen in CI: -6)
 """)
 
 

@@ -126,6 +126,9 @@ FSDP_MOE_WORKER = textwrap.dedent("""
             print(json.dumps({"base": base, "layer": sorted(layers), "losses": [reference_loss.item(), loss.item()],
                               "worst": worst, "sharded": sharded, "trainable": len(trained), "saved": len(saved),
                               "equal": equal}), flush=True)
+    dist.barrier()  # no rank leaves while another still works
+    from sft.parallel.distributed import exit_process
+    exit_process(0)  # gloo's threads can abort the interpreter's teardown of a finished run (seen in CI: -6)
 """)
 
 

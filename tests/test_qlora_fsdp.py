@@ -91,6 +91,9 @@ WORKER = textwrap.dedent("""
     except SaveMismatchError as e:
         message = str(e)
     print(json.dumps({"rank": rank, "message": message}), flush=True)
+    dist.barrier()  # no rank leaves while another still works
+    from sft.parallel.distributed import exit_process
+    exit_process(0)  # gloo's threads can abort the interpreter's teardown of a finished run (seen in CI: -6)
 """)
 
 
@@ -166,7 +169,10 @@ BYTES_WORKER = textwrap.dedent("""
     accelerate = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16)
     print(json.dumps({"rank": dist.get_rank(), "accelerate": gathered_bits_changed(accelerate, True),
                       "ours": gathered_bits_changed(qlora_policy(), True),
-                      "ours_without_adapter": gathered_bits_changed(qlora_policy(), False)}))
+                      "ours_without_adapter": gathered_bits_changed(qlora_policy(), False)}), flush=True)
+    dist.barrier()  # no rank leaves while another still works
+    from sft.parallel.distributed import exit_process
+    exit_process(0)  # gloo's threads can abort the interpreter's teardown of a finished run (seen in CI: -6)
 """).replace("CANONICALIZING_COPY\n", CANONICALIZING)
 
 
@@ -357,8 +363,9 @@ NF4_WORKER = textwrap.dedent("""
     found["corrupted"] = gathered_bytes_problem(sharding_mesh(model), torch.device("cpu"))
     print(json.dumps({"rank": rank, **found}), flush=True)
     torch._foreach_copy_ = copy
-    dist.barrier()
-    dist.destroy_process_group()  # a live gloo group torn down at exit can abort a finished rank (seen in CI: -6)
+    dist.barrier()  # no rank leaves while another still works
+    from sft.parallel.distributed import exit_process
+    exit_process(0)  # gloo's threads can abort the interpreter's teardown of a finished run (seen in CI: -6)
 """).replace("CANONICALIZING_COPY\n", CANONICALIZING)
 
 
