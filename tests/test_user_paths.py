@@ -338,8 +338,11 @@ def test_ctrl_c_says_where_it_stopped_and_how_to_resume(tmp_path, tiny_llama):
     out = tmp_path / "out"
     args = small_run(tiny_llama, out, tmp_path / "cache", "--max_steps", "10000", "--save_steps", "3")
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    # Ctrl-C as a terminal's foreground run has it, however the tests were started (a background job of a shell
+    # without job control starts with SIGINT ignored, and so would this run)
     proc = subprocess.Popen([sys.executable, str(REPO / "sft" / "train.py"), *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "stderr", "w"))
+                            stdout=subprocess.DEVNULL, stderr=open(tmp_path / "stderr", "w"),
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert wait_for(lambda: any(is_complete(p) for p in checkpoint_dirs(out)), 600)
         proc.send_signal(signal.SIGINT)
@@ -372,6 +375,7 @@ def test_the_launchers_sigterm_after_a_ctrl_c_is_the_users_ctrl_c(monkeypatch):
         raise AssertionError(f"{signals[0]} raised nothing")
 
     try:
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a terminal's, even where the tests' shell ignores it
         interrupts.stop_on_sigterm()
         alone = stop_by(signal.SIGTERM)
         assert interrupts.signal_name(alone) == "SIGTERM" and interrupts.exit_code(alone) == 143
