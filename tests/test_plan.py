@@ -313,10 +313,13 @@ def test_resident_speed_is_read_from_its_own_rows():
                                             resident_experts=True)
     _, plain = plan.mfu_reference("single_gpu", "lora", True, model=shape.name)
     assert "resident" not in plain
-    w = plan.Workload("single_gpu", Setup("lora"), 1, 8, 2048, True, fused_loss=False, chunked_loss=True,
-                      resident=True)
-    tok_s, _ = plan.tokens_per_second(shape, w, plan.GPU_KINDS["H200"].peak_flops)
-    assert tok_s == pytest.approx(12273, rel=0.01)  # run 20261204T2105Z-resident; 2040Z's 10,694 was eager
+    # the median of the two rows at today's speed predicts each measured configuration within 5% (2040Z's 10,694
+    # was eager)
+    for micro_batch, measured in ((8, 12273), (4, 11386)):  # runs 20261204T2105Z-resident, 20261205T0235Z-next
+        w = plan.Workload("single_gpu", Setup("lora"), 1, micro_batch, 2048, True, fused_loss=False,
+                          chunked_loss=True, resident=True)
+        tok_s, _ = plan.tokens_per_second(shape, w, plan.GPU_KINDS["H200"].peak_flops)
+        assert tok_s == pytest.approx(measured, rel=0.05)
 
 
 def test_resident_loss_chunk_is_the_chunked_loss():
