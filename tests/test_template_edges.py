@@ -1,7 +1,7 @@
 """Template edges (issue 27 item 5), each checked against the official template: a system text after the last turn,
 R1 replies that do not open with `<think>\\n`, replies that are all reasoning under r1_distill_no_reasoning, system
-texts under alpaca. What training cannot make equal to the saved template's prompts is counted in the data summary
-(the status of the examples concerned)."""
+texts under alpaca (written in place of its header, as LLaMA-Factory's alpaca template does). What training cannot
+make equal to the saved template's prompts is counted in the data summary (the status of the examples concerned)."""
 
 from __future__ import annotations
 
@@ -65,13 +65,37 @@ def test_a_reply_that_is_all_reasoning_is_not_trained_without_reasoning_and_coun
     assert tokenizer.decode(row["input_ids"]).startswith(official.removesuffix("<think>\n"))
 
 
-def test_alpaca_counts_the_system_texts_it_cannot_write():
+# LLaMA-Factory's alpaca template (hiyouga/LLaMA-Factory, src/llamafactory/data/template.py): its default_system is
+# the Stanford header, and without a format_system of its own register_template gives it the default formatter,
+# StringFormatter(slots=["{{content}}"]): a record's system text replaces the header, written as given.
+LLAMA_FACTORY_ALPACA_SYSTEM = "{{content}}"
+
+
+def test_alpaca_writes_a_system_text_in_place_of_the_header_as_llama_factory_does():
+    from sft.data.chat_templates import chat_template_for_saving
     from test_templates import CONVERSATIONS
 
     tokenizer = tokenizer_with(None)
-    with_system = [{"role": "system", "content": "Be brief."}] + CONVERSATIONS[0]
-    assert rows_of("alpaca", tokenizer, with_system)[0]["status"].startswith("system texts not written")
-    assert rows_of("alpaca", tokenizer, CONVERSATIONS[0])[0]["status"] == "ok"
+    bos, eos = tokenizer.bos_token, tokenizer.eos_token
+    with_system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Traduis: chat",
+                                                                  "input": "le chat noir"},
+                   {"role": "assistant", "content": "the black cat"}, {"role": "user", "content": "And dog?"},
+                   {"role": "assistant", "content": "dog"}]
+    system = LLAMA_FACTORY_ALPACA_SYSTEM.replace("{{content}}", "Be brief.")
+    expected = (bos + system + "### Instruction:\nTraduis: chat\n\n### Input:\nle chat noir\n\n### Response:"
+                "the black cat" + eos + system + "### Instruction:\nAnd dog?\n\n### Response:dog" + eos)
+    row = rows_of("alpaca", tokenizer, with_system)[0]
+    assert tokenizer.decode(row["input_ids"]) == expected and row["status"] == "ok"
+    assert [tokenizer.decode(row["input_ids"][s:e]) for s, e in runs(row)] == ["the black cat" + eos, "dog" + eos]
+    tokenizer.chat_template = chat_template_for_saving("alpaca", tokenizer)  # the saved template writes the same
+    assert tokenizer.apply_chat_template(with_system, tokenize=False) == expected
+    assert tokenizer.apply_chat_template(with_system[:2], tokenize=False, add_generation_prompt=True) == \
+        expected[: expected.index("the black cat")]
+    # No system text, or an empty one: the Stanford header, as before.
+    for messages in (CONVERSATIONS[0], [{"role": "system", "content": ""}] + CONVERSATIONS[0]):
+        row = rows_of("alpaca", tokenizer, messages)[0]
+        assert tokenizer.decode(row["input_ids"]).startswith(bos + "Below is an instruction that describes a task.")
+        assert row["status"] == "ok"
 
 
 def test_families_documents_only_options_that_exist():

@@ -19,7 +19,8 @@ from conftest import needs_shared
 from sft.data.chat_templates import chat_template_for_saving, get_template
 from sft.data.thinking_templates import answer_only
 from sft.data.tokenization import IGNORE, tokenize_examples
-from sft.data.tool_calls import tool_definitions, tools_section
+from sft.data.tool_calls import TOOLS_ROLE, tool_definitions, tools_section
+from sft.data.v31_tools import v31_tools_section
 from test_formats import OPENAI_TOOLS
 from test_reasoning import runs, tokenizer_with
 from test_templates import trained_runs
@@ -51,13 +52,32 @@ def saving_tokenizer():
     return tokenizer
 
 
+def official_v31(messages: list[dict]) -> list[dict]:
+    """What V3.1's template is given: as official() does, but with the tool description of V3.1's model card after
+    the system prompt and a blank line (the card's `{system prompt}\\n\\n{tool_description}`, system prompt or not)."""
+    out = official([m for m in messages if m["role"] != TOOLS_ROLE])
+    section = v31_tools_section(tool_definitions(messages))
+    systems = [m for m in out if m["role"] == "system"]
+    if systems and section:
+        systems[-1]["content"] += "\n\n" + section
+    elif section:
+        out.insert(0, {"role": "system", "content": "\n\n" + section})
+    return out
+
+
+def section_of(name: str, messages: list[dict]) -> str:
+    """The text that shows the conversation's tools under the template `name`."""
+    return (v31_tools_section if name == "deepseek_v31" else tools_section)(tool_definitions(messages))
+
+
 def official_text(tokenizer, messages: list[dict], add_generation_prompt: bool = False, **kwargs) -> str:
     """The official template's text (render_jinja_template: apply_chat_template drops None contents), with calls'
     missing text as "" (R1-0528's template tests `'</think>' in content` on every reply, which fails on None) and
-    our tools section in the system prompt, where we put it."""
+    the tools in the system prompt, where we put them (V3.1: its model card's tool description)."""
     from transformers.utils.chat_template_utils import render_jinja_template
 
-    given = [{**m, "content": m["content"] or ""} for m in official(messages)]
+    shown = official_v31(messages) if tokenizer.chat_template == V3_1 else official(messages)
+    given = [{**m, "content": m["content"] or ""} for m in shown]
     rendered, _ = render_jinja_template(conversations=[given], chat_template=tokenizer.chat_template,
                                         add_generation_prompt=add_generation_prompt, **kwargs,
                                         **tokenizer.special_tokens_map)
@@ -166,7 +186,7 @@ def test_tool_turns_train_once_after_the_official_context(tokenizers, name, key)
                 assert template.text(messages[:n], True, **({"thinking": True} if thinking else {})) == \
                     official_text(tokenizer, messages[:n], add_generation_prompt=True, thinking=thinking)
     untrained = tokenizer.decode([t for t, label in zip(rows[-1]["input_ids"], rows[-1]["labels"]) if label == IGNORE])
-    assert tools_section(tool_definitions(messages)) in untrained
+    assert section_of(name, messages) in untrained
     assert all(m["content"] in untrained for m in messages if m["role"] in ("user", "tool"))
 
 

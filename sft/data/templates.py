@@ -325,37 +325,37 @@ class R1DistillWithoutReasoning(R1Distill):
 
 
 class Alpaca(Template):
-    """The Stanford Alpaca prompt; the target follows `### Response:` directly, as in its train.py."""
+    """The Stanford Alpaca prompt; the target follows `### Response:` directly, as in its train.py. A conversation's
+    system text (its non-empty system texts joined by a blank line) takes the place of the fixed header in every turn,
+    as in LLaMA-Factory's alpaca template (its default_system is that header; its format_system writes a system text
+    as given, with nothing after it: the header's own blank line goes with the header); without one, the header."""
 
     name = "alpaca"
     # `input` (kept apart by the Alpaca reader) becomes the `### Input:` section; plain messages get the no-input
     # prompt. add_generation_prompt changes nothing: a user turn already ends with `### Response:`.
     chat_template = (
-        PRELUDE_JINJA + "{{ bos_token }}{% for message in messages %}" + CONTENT_JINJA +
-        "{% if message['role'] == 'user' %}{{ " + repr(ALPACA_HEAD) + ".format(', paired with an input that "
-        "provides further context' if message['input'] else '') + '### Instruction:\\n' + content + '\\n\\n' }}"
+        PRELUDE_JINJA + "{{ bos_token }}{% set system = " + SYSTEMS_JINJA + " | select | join('\\n\\n') %}"
+        "{% for message in messages %}" + CONTENT_JINJA + "{% if message['role'] == 'user' %}"
+        "{{ system or " + repr(ALPACA_HEAD) + ".format(', paired with an input that provides further context' if "
+        "message['input'] else '') }}{{ '### Instruction:\\n' + content + '\\n\\n' }}"
         "{% if message['input'] %}{{ '### Input:\\n' + message['input'] + '\\n\\n' }}{% endif %}"
         "{{ '### Response:' }}{% elif message['role'] == 'assistant' %}{{ content + eos_token }}"
         "{% endif %}{% endfor %}")
 
     def render(self, messages, add_generation_prompt=False):
         refuse_tools(self.name, messages)
+        system = "\n\n".join(m["content"] for m in messages if m["role"] == "system" and m["content"])
         out: list[Segment] = [(self.bos, False)]
         for m in messages:
-            if m["role"] == "user":
+            if m["role"] == "user":  # each turn is a whole Alpaca prompt: the header (or system text) opens it
                 context = m.get("input") or ""
-                head = ALPACA_HEAD.format(", paired with an input that provides further context" if context else "")
+                head = system or ALPACA_HEAD.format(", paired with an input that provides further context"
+                                                    if context else "")
                 body = f"### Instruction:\n{m['content']}\n\n" + (f"### Input:\n{context}\n\n" if context else "")
                 out.append((head + body + "### Response:", False))
             elif m["role"] == "assistant":
                 out.append((m["content"] + self.eos, True))
-            # Alpaca has no system turn: its fixed header plays that part (note() counts what is left out).
         return out
-
-    def note(self, messages):
-        if any(m["role"] == "system" and m["content"].strip() for m in messages):
-            return "system texts not written (the alpaca template has none: its fixed header takes their place)"
-        return None
 
 
 class ModelChatTemplate(Template):

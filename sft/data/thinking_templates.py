@@ -13,8 +13,9 @@ turn as "thinking"), else whether the reply holds `</think>`. A thinking reply t
 after `</think>`, which is all later turns see of it).
 
 Tool conversations take each release's own layout, byte for byte (sft/data/tool_calls.py R1_0528_CALLS, V31_CALLS:
-both open every turn's calls afresh, unlike V3's and R1's render_v3), with the tools section in the system prompt
-(with_tools: neither official template writes `tools`):
+both open every turn's calls afresh, unlike V3's and R1's render_v3), with the tools in the system prompt (neither
+official template writes `tools`): R1-0528 with our tools section (with_tools), V3.1 with the tool description its
+model card gives, after the system prompt and a blank line (sft/data/v31_tools.py):
 - R1-0528: a call turn is its text (reasoning deleted in later turns, as for answers), `<｜tool▁calls▁begin｜>`, its
   calls in V3's form ("\\n" between them) and `<｜tool▁calls▁end｜><｜end▁of▁sentence｜>`; the results after it open
   `<｜tool▁outputs▁begin｜>` ("\\n" between them) and `<｜tool▁outputs▁end｜>` closes them before the next reply, call
@@ -35,13 +36,22 @@ from sft.data.templates import (CONTENT_JINJA, PRELUDE_JINJA, SYSTEMS_JINJA, THI
                                 R1, Segment, Template, shown_answer, user_text)
 from sft.data.tool_calls import (ASSISTANT, OUTPUTS_END, R1_0528_CALLS, TOOLS_STATE_JINJA, TRAINED_BEFORE, V31_CALLS,
                                  head_jinja, result_jinja, result_text, turn_calls, turn_calls_jinja, with_tools)
+from sft.data.v31_tools import V31_TOOLS_STATE_JINJA, v31_head_jinja, v31_with_tools
 from sft.errors import DataError
 
 THINK = "<think>"
 THINKING_KEY = "thinking"  # on an assistant turn: whether it thinks (V3.1); None: whether it holds `</think>`
-# What every saved template here starts with: the tools section's state (tool_calls.py) and the system texts with it.
-HEAD_JINJA = (PRELUDE_JINJA + "{{ bos_token }}" + TOOLS_STATE_JINJA + "{% set ns.last_user = false %}"
-              + head_jinja(SYSTEMS_JINJA + " | join('\\n\\n')"))
+
+
+def head_of(tools_state_jinja: str, head: str) -> str:
+    """What every saved template here starts with: the tools' state (with the text that shows them) and the system
+    texts with that text (`head`: head_jinja or v31_head_jinja)."""
+    return PRELUDE_JINJA + "{{ bos_token }}" + tools_state_jinja + "{% set ns.last_user = false %}" + head
+
+
+SYSTEM_TEXTS_JINJA = SYSTEMS_JINJA + " | join('\\n\\n')"
+HEAD_JINJA = head_of(TOOLS_STATE_JINJA, head_jinja(SYSTEM_TEXTS_JINJA))
+V31_HEAD_JINJA = head_of(V31_TOOLS_STATE_JINJA, v31_head_jinja(SYSTEM_TEXTS_JINJA))
 # What a reply does to the loop's state: it is no question, and results before it are closed.
 REPLIED_JINJA = "{% set ns.last_user = false %}{% set ns.in_outputs = false %}"
 
@@ -80,7 +90,7 @@ class R1_0528(R1):
     def turns(self, messages: Messages) -> tuple[list[Segment], str | None]:
         """The conversation's segments, and the role of its last question, reply or tool result (the official
         template's state: `is_last_user`, `is_tool`), None without any."""
-        out: list[Segment] = [(self.bos + with_tools(self.system(messages), messages), False)]
+        out: list[Segment] = [(self.bos + self.head(messages), False)]
         last, first_output = None, True  # first_output: the next result opens a block (reset by every call turn)
         for i, m in enumerate(messages):
             if m["role"] == "user":
@@ -96,6 +106,10 @@ class R1_0528(R1):
         if last == "tool" and self.tool_layout.outputs_block:
             out.append((OUTPUTS_END, False))
         return out, last
+
+    def head(self, messages: Messages) -> str:
+        """The system texts with the tools after them."""
+        return with_tools(self.system(messages), messages)
 
     def turn_reply(self, message: dict, after: str | None, last: bool) -> list[Segment]:
         """An answer or a call turn (`after`: the role before it; `last`: the conversation's last message)."""
@@ -141,7 +155,7 @@ class DeepSeekV31(R1_0528):
     tool_layout = V31_CALLS
     chat_template = (
         "{% if thinking is not defined %}{% set thinking = enable_thinking if enable_thinking is defined else false %}"
-        "{% endif %}" + HEAD_JINJA + "{% for message in messages %}" + CONTENT_JINJA
+        "{% endif %}" + V31_HEAD_JINJA + "{% for message in messages %}" + CONTENT_JINJA
         + "{% if message['role'] == 'user' %}{{ '<｜User｜>' + " + USER_JINJA + " }}{% set ns.last_user = true %}"
         "{% set ns.in_outputs = false %}{% elif message['role'] == 'assistant' and message['tool_calls'] %}"
         "{% if '</think>' in content %}{{ raise_exception(" + repr(REASONING_BESIDE_CALLS) + ") }}{% endif %}"
@@ -164,6 +178,9 @@ class DeepSeekV31(R1_0528):
         return "".join(text for text, _ in segments)
 
     user_end = ""
+
+    def head(self, messages):
+        return v31_with_tools(self.system(messages), messages)  # the model card's tool description
 
     def render(self, messages, add_generation_prompt=False):
         out, last = self.turns(messages)

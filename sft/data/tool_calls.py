@@ -26,7 +26,8 @@ training saves writes the same layout from apply_chat_template's messages and `t
 
 DeepSeek-R1-0528's and DeepSeek-V3.1's templates open every turn's calls afresh instead (CallLayout.per_turn: the
 turn's text, its own `<｜tool▁calls▁begin｜>` block ended once, turn_calls); V3.1 also writes a call without its type
-or ```json fence (V31_CALL) and its results bare. sft/data/thinking_templates.py renders those two.
+or ```json fence (V31_CALL) and its results bare. sft/data/thinking_templates.py renders those two. V3.1's model
+card gives the text it reads its tools in, so V3.1 writes that one (sft/data/v31_tools.py) instead of tools_section.
 """
 
 from __future__ import annotations
@@ -224,9 +225,9 @@ def calls_segments(message: dict[str, Any], first_call: bool, layout: CallLayout
 # None value from a message before rendering; `content` is the message's text, set by the messages loop
 # (sft/data/templates.py CONTENT_JINJA: list-of-parts content joined as the reader joins it). `ns` holds render_v3's
 # state and the tools section.
+TOOLS_NS_JINJA = "{% set ns = namespace(section='', first_call=true, in_outputs=false, first_output=true) %}"
 TOOLS_STATE_JINJA = (
-    "{% set ns = namespace(section='', first_call=true, in_outputs=false, first_output=true) %}"
-    "{% if tools %}{% set ns.section = " + repr(TOOLS_HEADER) + " %}{% for tool in tools %}"
+    TOOLS_NS_JINJA + "{% if tools %}{% set ns.section = " + repr(TOOLS_HEADER) + " %}{% for tool in tools %}"
     "{% set ns.section = ns.section + '\\n' + ((tool if tool['function'] is mapping else "
     "{'type': 'function', 'function': tool}) | tojson) %}{% endfor %}{% endif %}")
 
