@@ -20,6 +20,7 @@ from sft.errors import ConfigError, ModelNotFoundError
 from sft.model.families import MLP_PROJECTIONS, family_of
 from sft.machine import GIB, Machine, is_first_process, launch, machine
 from sft.model.moe import mark_moe_leaves
+from sft.model.nf4_base import nf4_settings
 from sft.safety.run_dir import QUANTIZED_BASE
 
 
@@ -123,7 +124,9 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
                model_factory=None):
     """`model_factory`: called as from_pretrained would be, e.g. random weights from the config (bench/)."""
     qlora = qlora_requested(lora_args)
-    model = (model_factory or AutoModelForCausalLM.from_pretrained)(
+    nf4_for_fsdp = qlora and machine().launch.fsdp  # the base as NF4 bytes (sft/model/nf4_base.py)
+    model = load_nf4_for_fsdp(model_args, lora_args) if nf4_for_fsdp and model_factory is None else None
+    model = model or (model_factory or AutoModelForCausalLM.from_pretrained)(
         resolve_model_path(model_args.model),
         dtype=weights_dtype(model_args, lora_args.lora),
         attn_implementation=model_args.attn_implementation,
@@ -139,7 +142,7 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
         apply_quantized_experts(model)
     report_zero3_partitioning(model)
     mark_moe_leaves(model)  # ZeRO-3: each MoE block one leaf (before the Trainer builds the engine)
-    if qlora and machine().launch.fsdp:  # bytes only through FSDP2's all-gather (sft/model/nf4_base.py)
+    if nf4_for_fsdp and not nf4_settings(model):  # loaded whole (a model factory, or not read weight by weight)
         quantize_base_for_fsdp(model)
     elif qlora:
         report_quantization(model)
@@ -225,23 +228,51 @@ def quantization(model_args: ModelArguments, lora_args: LoraArguments) -> dict:
     return {"quantization_config": config, "device_map": {"": device}}
 
 
+def load_nf4_for_fsdp(model_args: ModelArguments, lora_args: LoraArguments):
+    """--qlora under FSDP: the model with its decoder layers' linear weights read one at a time from the checkpoint and
+    quantized to NF4 as they are read (sft/model/nf4_loading.py): host RAM for the NF4 base, not the bf16 model. None,
+    with a note, where the checkpoint does not map 1:1 onto the model: the caller loads it whole, then quantizes."""
+    from sft.model.nf4_loading import NotStreamable, load_nf4_model
+
+    m = machine()
+    source = resolve_model_path(model_args.model)
+    try:
+        model = load_nf4_model(source, load_config(model_args), weights_dtype(model_args, lora_args.lora, m),
+                               m.launch.world_size, model_args.attn_implementation, model_args.trust_remote_code,
+                               quantize_on=torch.device("cuda", m.launch.local_rank) if m.cuda else None)
+    except NotStreamable as why:
+        if is_first_process():
+            print(f"QLoRA: {model_args.model} is loaded whole into every process's host RAM, then quantized: its "
+                  f"checkpoint cannot be read weight by weight ({why})", flush=True)
+        return None
+    report_nf4_base(model, "read from the checkpoint one weight at a time")
+    return model
+
+
 def quantize_base_for_fsdp(model) -> None:
-    """--qlora under FSDP: the decoder layers' linear weights to NF4 held as bytes (torchao's NF4Tensor) instead of
-    bitsandbytes' bf16-held bytes, whose NaN-looking patterns CUDA's float copies in FSDP2's all-gather rewrite.
-    Quantized on this process's GPU, layer by layer, and left in host RAM for FSDP2 to move each unit to the GPU
-    as it shards it (a 70B's 4-bit base, ~35 GiB, fits no 24 GB card whole)."""
-    from sft.model.nf4_base import nf4_settings, quantize_base_nf4
+    """--qlora under FSDP, a model loaded whole: the decoder layers' linear weights to NF4 held as bytes (torchao's
+    NF4Tensor) instead of bitsandbytes' bf16-held bytes, whose NaN-looking patterns CUDA's float copies in FSDP2's
+    all-gather rewrite. Quantized on this process's GPU, layer by layer, and left in host RAM for FSDP2 to move each
+    unit to the GPU as it shards it (a 70B's 4-bit base, ~35 GiB, fits no 24 GB card whole)."""
+    from sft.model.nf4_base import quantize_base_nf4
 
     m = machine()
     device = torch.device("cuda", m.launch.local_rank) if m.cuda else None
-    count = quantize_base_nf4(model, m.launch.world_size, device)
+    quantize_base_nf4(model, m.launch.world_size, device)
+    report_nf4_base(model, "quantized after loading")
+
+
+def report_nf4_base(model, how: str) -> None:
+    from sft.model.nf4_base import NF4Linear
+
     if not is_first_process():
         return
     settings = nf4_settings(model) or {}
+    count = sum(isinstance(m, NF4Linear) for m in model.modules())
     packed = sum(p.numel() // 2 for n, p in model.named_parameters() if n.endswith("weight")
                  and type(p).__name__ == "NF4Tensor")
     print(f"QLoRA: {count} linear layers of the base quantized to 4-bit NF4 with double quantization (torchao "
-          f"NF4Tensor, blocks of {settings.get('block_size')}), computed in {str(weights_dtype_of(model))[6:]}, "
+          f"NF4Tensor, blocks of {settings.get('block_size')}; {how}), computed in {str(weights_dtype_of(model))[6:]}, "
           f"stored as uint8, laid out in {settings.get('shards')} equal shards; {packed / GIB:.2f} GiB of packed "
           f"weights", flush=True)
 
@@ -268,8 +299,6 @@ def report_quantization(model) -> None:
 def record_quantized_base(model, output_dir: str) -> bool:
     """A --qlora adapter trained on a 4-bit base: write that base's quantization beside the adapter (peft's
     adapter_config.json records nothing of it), so that sft.tools.merge can say what the merged model is. -> written."""
-    from sft.model.nf4_base import nf4_settings
-
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(getattr(base, "hf_quantizer", None), "quantization_config", None)
     settings = nf4_settings(base) if config is None else \

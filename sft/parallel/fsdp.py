@@ -18,8 +18,9 @@ def hand_over_to_fsdp(training_args, launch: Launch | None = None, qlora: bool =
     activation checkpointing, which it reads from the environment only, and say what FSDP changes. The options
     themselves were settled in sft/options/resolve.py (fsdp_checkpoints_activations,
     fsdp_reduce_scatters_each_micro_batch); nothing here writes one. Under --qlora every rank loads the base
-    itself (no RAM-efficient loading: it would load the weights on rank 0 only and broadcast whole bf16 tensors into
-    the sharded model, where the base is NF4 bytes by then)."""
+    itself, one weight at a time, quantized as it is read (sft/model/nf4_loading.py; no RAM-efficient loading: it
+    would load the weights on rank 0 only and broadcast whole bf16 tensors into the sharded model, where the base is
+    NF4 bytes by then)."""
     if not fsdp_launched(launch):
         return
     notes = []

@@ -606,9 +606,7 @@ def predict(shape: Shape, w: Workload) -> Prediction:
                                                  + pinned["weights"] * state.host_weights
                                                  + pinned["activations"] * offloaded)
     if strategy.sharded_kind == "fsdp" and w.setup.method == "qlora":
-        # every rank loads the bf16 base whole into host RAM, then quantizes it layer by layer (no RAM-efficient
-        # loading under --qlora: sft/parallel/fsdp.py hand_over_to_fsdp): from the code, not measured
-        host = max(host, (8 + 4 * w.world) * GIB + w.world * params * 2)
+        host = max(host, (8 + 4 * w.world) * GIB + w.world * nf4_load_host_bytes(shape))
     parts = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer,
              "masters": state.masters, "buckets": state.buckets, "activations": activations,
              "lora_weights": kept_deltas, "fast_paths": fast, "transient": transient, "cache": cache,
@@ -616,6 +614,17 @@ def predict(shape: Shape, w: Workload) -> Prediction:
              "context": context, "offloaded_activations": offloaded}
     return Prediction(w, allocated / GIB, reserved / GIB, (reserved + context) / GIB, need / GIB, host / GIB,
                       {k: v / GIB for k, v in parts.items()})
+
+
+def nf4_load_host_bytes(shape: Shape) -> float:
+    """Host RAM one rank holds at its peak while it loads the --qlora base under FSDP, from the code
+    (sft/model/nf4_loading.py), not measured: the decoder layers' linear weights read one at a time and quantized to
+    NF4 as they are read (on the GPU), so the NF4 base, the unquantized weights (embeddings, lm_head, norms) in bf16,
+    and the largest linear weight in flight in bf16 (the file's mapped pages, released with it). Every rank loads its
+    own copy (FSDP2 shards it afterwards; no RAM-efficient loading under --qlora: sft/parallel/fsdp.py)."""
+    linears = shape.linear_params()
+    largest = max(out * inp for i in range(shape.layers) for out, inp in shape.linear_shapes(i))
+    return linears * NF4_BYTES + (shape.params() - linears) * 2 + largest * 2
 
 
 def fsdp_adapter_buffers(shape: Shape, w: Workload) -> tuple[float, float]:

@@ -177,6 +177,10 @@ class SaveVerifier:
 
         quantized = {}
         nf4 = self.lora and self.quantization and self.quantization.get("quant_method") == QUANT_METHOD
+        if nf4:  # --qlora under FSDP: the same NF4 bytes again, read weight by weight (sft/model/nf4_loading.py)
+            model = self.load_nf4_base(source, dtype, device)
+            if model is not None:
+                return model
         if self.lora and self.quantization and not nf4:
             from transformers import BitsAndBytesConfig
 
@@ -185,11 +189,25 @@ class SaveVerifier:
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=self.attn_implementation,
                                                          trust_remote_code=self.trust_remote_code, use_safetensors=True,
                                                          device_map={"": device}, **NO_HUB_KERNELS, **quantized)
-        if nf4:  # --qlora under FSDP: the same NF4 bytes again (deterministic, in the trained layout)
+        if nf4:  # a checkpoint not read weight by weight: the same NF4 bytes again (deterministic, the trained layout)
             from sft.model.nf4_base import quantize_base_nf4
 
             quantize_base_nf4(model, int(self.quantization["shards"]))
         return model
+
+    def load_nf4_base(self, source: str, dtype: torch.dtype, device: torch.device):
+        """The --qlora base quantized to NF4 as it is read, on `device` (no bf16 copy of the whole in host RAM), or
+        None where its checkpoint does not map 1:1 onto the model."""
+        from transformers import AutoConfig
+
+        from sft.model.nf4_loading import NotStreamable, load_nf4_model
+
+        config = AutoConfig.from_pretrained(source, trust_remote_code=self.trust_remote_code)
+        try:
+            return load_nf4_model(source, config, dtype, int(self.quantization["shards"]), self.attn_implementation,
+                                  self.trust_remote_code, device=device)
+        except NotStreamable:
+            return None
 
     def adapter_in_place(self, model, path: Path, input_ids: torch.Tensor) -> str | None:
         """Load the saved adapter beside the trained one on the same base; compare; remove it again."""
