@@ -75,8 +75,9 @@ def read_tensor(path: str, key: str) -> torch.Tensor:
 def streaming_problem(model, keys: Iterable[str]) -> str | None:
     """Why the checkpoint's `keys` cannot be read 1:1 into `model` (built from the config, weightless), else None.
     transformers' own conversion mapping decides whether it renames or fuses keys as it loads this model."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
+    from sft.safety.private_names import CONVERSION_MAPPING, expect
 
+    get_model_conversion_mapping = expect(CONVERSION_MAPPING)
     config = model.config
     if getattr(config, "quantization_config", None):
         return "the checkpoint is quantized already (its config has a quantization_config)"

@@ -96,12 +96,17 @@ DDP_IGNORE = PrivateName("torch", "torch.nn.parallel", "DistributedDataParallel.
                          ("module", "params_and_buffers_to_ignore"), TESTED_TORCH,
                          "--quantize_experts under DDP: the frozen e4m3 experts, equal on every rank, kept out of "
                          "DDP's first broadcast (gloo cannot send float8)")
+# Called, not patched: which checkpoints transformers renames or fuses as it loads (a module without a public
+# export); --qlora under FSDP reads a checkpoint weight by weight only where it converts nothing (sft/model/nf4_loading.py).
+CONVERSION_MAPPING = PrivateName("transformers", "transformers.conversion_mapping", "get_model_conversion_mapping",
+                                 ("model", "key_mapping", "hf_quantizer", "add_legacy"), TESTED_TRANSFORMERS,
+                                 "--qlora under FSDP: which checkpoints can be read weight by weight")
 
 PRIVATE_NAMES = (CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPOINT, LOAD_FROM_CHECKPOINT, LOAD_OPTIMIZER, GET_OUTPUT_DIR,
                  SAVE_RNG_STATE,
                  PEFT_INPUT_CAST, ACCELERATE_ORIGINAL_FORWARD, TORCHAO_ADAM_LOAD,
                  TORCHAO_SUBCLASS_ZEROS, TORCHAO_SINGLE_PARAM_ADAM, DTENSOR_CACHE_KEY, DUCK_SHAPE,
-                 SKIP_SIDE_EFFECTS_IN_RECOMPUTE, HF_DEEPSPEED_CONFIG, FSDP_STATE, DDP_IGNORE)
+                 SKIP_SIDE_EFFECTS_IN_RECOMPUTE, HF_DEEPSPEED_CONFIG, FSDP_STATE, DDP_IGNORE, CONVERSION_MAPPING)
 
 
 @functools.cache  # read once per process: a library's version does not change under a running process
