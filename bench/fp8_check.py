@@ -33,6 +33,7 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -236,7 +237,14 @@ def loss(args) -> dict:
     return summary
 
 
+def stop(signum, frame):
+    """SIGTERM (`timeout`, a scheduler) stops the check as an exception, so that subprocess.run kills the training
+    run it waits on: the default handler would leave that run training on the GPU beside whatever comes next."""
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    signal.signal(signal.SIGTERM, stop)
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--part", choices=["all", "layers", "loss"], default="all")
     p.add_argument("--tokens", type=int, default=8192, help="rows per layer call (micro-batch 4 x 2048)")

@@ -115,9 +115,13 @@ def quantize_base_nf4(model, shards: int, device: torch.device | None = None) ->
     """Replace the decoder layers' linear layers by NF4Linear (quantized on `device` if given); -> how many. Before
     peft and before FSDP2 shards the model. Each bf16 weight is freed as its layer is replaced."""
     linears = base_linears(model)
-    for parent, name, linear in linears:
+    count = len(linears)
+    linears.reverse()  # popped from the end: the model's order
+    while linears:  # the list lets each linear go as soon as it is replaced, not when the loop ends
+        parent, name, linear = linears.pop()
         setattr(parent, name, NF4Linear(linear, shards, device))
-    return len(linears)
+        del linear
+    return count
 
 
 def nf4_settings(model) -> dict | None:
