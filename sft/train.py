@@ -52,8 +52,8 @@ from sft.safety.interrupts import (SIGTERM_MARK, end_with_launcher, exit_code, i
                                    launcher_gone, leave_now, signal_name, stop_on_sigterm, tell_user)
 from sft.speed.lowbit import prepare_optimizer
 from sft.model.families import check_family, refuse_unsupported
-from sft.model.loading import (PartialCheckpointing, check_lora_targets, load_config, load_model, load_tokenizer,
-                       record_quantized_base, resolve_model_path)
+from sft.model.loading import (PartialCheckpointing, check_lora_targets, check_safetensors_weights, load_config,
+                               load_model, load_tokenizer, record_quantized_base, resolve_model_path)
 from sft.model.moe import MoeLoadLogger, install_moe
 from sft.data.packing import Collator
 from sft.machine import Machine, machine
@@ -143,6 +143,7 @@ def train(run: Run, seams: Seams) -> int:
 
     resume = on_main_process(take_output_dir)  # a checkpoint, or None; never overwrites or mixes runs
     resolve_model_path(model_args.model)  # a missing directory or unreachable hub id: seconds, not a minute
+    check_safetensors_weights(model_args.model)  # pickled weights: how to convert them, before any data work
     check_tensor_parallel(model_args, training_args.world_size, resume)  # the model's heads; the checkpoint's TP
     if training_args.sequence_parallel > 1:  # heads that divide; no MLA
         check_sequence_parallel(load_config(model_args), training_args.sequence_parallel)

@@ -304,6 +304,13 @@ def test_missing_model_directory_and_unreachable_hub_fail_in_seconds(tmp_path, m
     (tmp_path / "empty").mkdir()
     assert main(["--model", str(tmp_path / "empty"), *base]) == 2
     assert "holds no config.json" in capsys.readouterr().err
+    (tmp_path / "empty" / "config.json").write_text("{}")  # a config, no weights
+    assert main(["--model", str(tmp_path / "empty"), *base]) == 2
+    assert "holds a config.json but no weights" in capsys.readouterr().err
+    (tmp_path / "empty" / "pytorch_model.bin").write_bytes(b"")  # pickled weights only: refused, with the conversion
+    assert main(["--model", str(tmp_path / "empty"), *base]) == 2
+    said = capsys.readouterr().err
+    assert "pickled PyTorch files (pytorch_model.bin)" in said and ".save_pretrained(" in said
     assert main(["--model", "deepseek-ai/not-cached-here", *base]) == 2  # the tests run with HF_HUB_OFFLINE=1
     assert "HF_HUB_OFFLINE=1" in capsys.readouterr().err
     from sft.model.loading import resolve_model_path

@@ -47,6 +47,27 @@ def resolve_model_path(name: str, option: str = "--model") -> str:
     return name
 
 
+PICKLED_WEIGHTS = ("*.bin", "*.pt", "*.pth")
+
+
+def check_safetensors_weights(name: str) -> None:
+    """A local model directory holds safetensors weights (runs never unpickle weights: use_safetensors=True), else a
+    ModelNotFoundError that says how to convert them, before any data work (transformers' own OSError comes as the
+    model loads, as a traceback). A hub id is left to the download."""
+    path = Path(name).expanduser()
+    if name == TINY_MODEL or not path.is_dir() or any(path.glob("*.safetensors")):
+        return
+    pickled = sorted(p.name for pattern in PICKLED_WEIGHTS for p in path.glob(pattern))
+    if not pickled:
+        raise ModelNotFoundError(f"--model {name}: the directory holds a config.json but no weights (model.safetensors "
+                                 f"or model-*.safetensors). Give the directory save_pretrained wrote.")
+    raise ModelNotFoundError(
+        f"--model {name}: its weights are pickled PyTorch files ({', '.join(pickled[:2])}{', ...' * (len(pickled) > 2)}), "
+        f"which can run code as they load; runs load only safetensors. If you trust them, convert them once: "
+        f"python -c \"from transformers import AutoModelForCausalLM as M; M.from_pretrained('{path}', dtype='auto')"
+        f".save_pretrained('{path}-safetensors')\" and give --model {path}-safetensors (copy its tokenizer files too).")
+
+
 def check_hub_model(repo_id: str, option: str) -> None:
     """The hub id is in the local cache, or the hub answers for it now (a 3-second connection test first)."""
     import socket
