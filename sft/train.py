@@ -143,7 +143,8 @@ def train(run: Run, seams: Seams) -> int:
 
     resume = on_main_process(take_output_dir)  # a checkpoint, or None; never overwrites or mixes runs
     resolve_model_path(model_args.model)  # a missing directory or unreachable hub id: seconds, not a minute
-    check_safetensors_weights(model_args.model)  # pickled weights: how to convert them, before any data work
+    if seams.model_factory is None:  # pickled weights: how to convert them, before any data work (a factory
+        check_safetensors_weights(model_args.model)  # builds its own weights)
     check_tensor_parallel(model_args, training_args.world_size, resume)  # the model's heads; the checkpoint's TP
     if training_args.sequence_parallel > 1:  # heads that divide; no MLA
         check_sequence_parallel(load_config(model_args), training_args.sequence_parallel)
