@@ -237,6 +237,11 @@ MATRIX += [
     Row("moe-lora-resident-1-mb4", "lora", "single", 1, model="deepseek-v2-lite", micro_batch=4, grad_accum=2,
         warmup=2, steps=4, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--chunked_loss",
                                  "true", "--quantize_experts", "fp8"), timeout=420),
+    # ... with each decoder layer compiled (--compile_layers true; left off by auto beside --quantize_experts until
+    # this row says it is faster within memory): the profiled mb4 step was 25% GPU idle on launches. Not measured yet
+    Row("moe-lora-resident-1-mb4-compile", "lora", "single", 1, model="deepseek-v2-lite", micro_batch=4, grad_accum=2,
+        warmup=3, steps=4, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--chunked_loss",
+                                 "true", "--quantize_experts", "fp8", "--compile_layers", "true"), timeout=600),
     # ... and at micro-batch 6, between the two (mb4: 21.59 GiB by nvidia-smi at 11,386 tok/s, run 20261205T0235Z-next)
     Row("moe-lora-resident-1-mb6", "lora", "single", 1, model="deepseek-v2-lite", micro_batch=6, warmup=2, steps=4,
         args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--chunked_loss", "true",
@@ -315,7 +320,8 @@ GROUPS = {
     "levers": ["full-sr16", "trl-full", "lora-best-fp8", "lora-best", "trl-lora-best"],
     "smoke": ["tiny-lora", "trl-tiny-lora", "tiny-full", "trl-tiny-full"],
     "moe": ["moe-lora", "trl-moe-lora"],
-    "resident": ["moe-lora-resident-1-mb4", "moe-lora-resident-1-mb6", "moe-lora-resident-1"],  # issue 26 item 1, one GPU held to 24 GiB
+    "resident": ["moe-lora-resident-1-mb4", "moe-lora-resident-1-mb4-compile", "moe-lora-resident-1-mb6",
+                 "moe-lora-resident-1"],  # issue 26 item 1, one GPU held to 24 GiB
     # two GPUs held to 24 GiB: V2-Lite sharded, DDP scaling of the LoRA plan, the recipes
     "x2": ["moe-lora-z3-2", "lora-1", "lora-ddp", "recipe-coder-lora", "recipe-r1-lora"],  # run 20261201T0930Z-x2
     # issue 30's rows that exist (2026-12-03), on nvidia-h200-x2, each rank held to 24 GiB, with --fresh_cache:
@@ -328,10 +334,11 @@ GROUPS = {
     # against the peers' offload recipe (run with --fresh_cache)
     "box": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit-fp8", "full-fsdp-4bit", "peer-mb1"],
     "recipes": ["recipe-coder-lora", "recipe-r1-lora", "recipe-v2-lite-lora"],
-    # not measured yet (2026-12-04): V2-Lite resident at the micro-batch a 24 GB card holds, the 16k long rows, and
-    # what a user gets by default against TRL's best (TRL first: its first step compiles for ~240 s on a fresh
-    # machine). With `python bench/fp8_check.py --part loss --method full --candidate fp8-compile` (issue 28).
-    "next": ["moe-lora-resident-1-mb4", "long-r1-16k", "long-llm-16k", "trl-lora-best", "lora-best-default"],
+    # not measured yet (2026-12-05): V2-Lite resident with compiled layers beside the same row eager, the 16k long
+    # rows, and what a user gets by default against TRL's best (TRL first: its first step compiles for ~240 s on a
+    # fresh machine). With `python bench/fp8_check.py --part loss --method full --candidate fp8-compile` (issue 28).
+    "next": ["moe-lora-resident-1-mb4-compile", "moe-lora-resident-1-mb4", "long-r1-16k", "long-llm-16k",
+             "trl-lora-best", "lora-best-default"],
     # --compile_layers beside the plain rows and TRL's best, same run (2026-12-01, evening)
     "compile": ["lora-best-fp8-compile", "lora-best-compile", "lora-best", "trl-lora-best", "lora-best-fp8"],
     # why lora-best-compile logged a lower loss with the same gradient norms: not Liger's in-layer kernels

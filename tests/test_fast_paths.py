@@ -104,4 +104,5 @@ def test_the_first_screen_says_what_was_chosen():
 
 def test_quantized_experts_get_no_compiled_layers_by_default():
     m = settled(gpu(), "--lora", "--quantize_experts", "fp8", "--activation_checkpointing", "true")
-    assert not m.compile_layers_on and "not yet run with --quantize_experts" in m.speed_choices[0]
+    assert not m.compile_layers_on
+    assert "with --quantize_experts tested on CPU, not yet measured on a GPU" in m.speed_choices[0]

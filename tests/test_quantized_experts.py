@@ -80,6 +80,66 @@ def test_a_lora_run_on_quantized_experts_verifies_and_its_adapter_loads_on_the_b
 
 
 @pytest.mark.slow
+def test_compiled_layers_train_on_quantized_experts_as_the_eager_layers(tmp_path):
+    """Issue 26: --compile_layers true beside --quantize_experts fp8 and activation checkpointing. Two LoRA steps
+    (the second after an SGD step, so every LoRA factor has a gradient) of two MoE layers, the routers' balance loss
+    and the chunked loss added as the Trainer adds them: the eager run's losses and LoRA gradients, no graph break
+    (peft's parametrized LoRA on the shared experts' weights broke it: sft/speed/traced_param_lora.py), one graph
+    for both layers (one experts class for all layers, one balance hook for all routers)."""
+    from transformers import AutoModelForCausalLM
+    from torch._dynamo.utils import counters
+
+    from sft.model.loading import load_model
+    from sft.model.moe import install_moe
+    from sft.options.arguments import LoraArguments, ModelArguments
+    from sft.speed.chunked_loss import chunked_causal_lm_loss
+    from test_regional_compile import packed_batch
+
+    torch.manual_seed(0)
+    path = tmp_path / "v2"
+    config = tiny_config("deepseek_v2", vocab_size=300, first_k_dense_replace=0)  # one compile: cheaper on CPU
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    batch = packed_batch(300)
+
+    def two_steps(compile_layers: str) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+        torch.manual_seed(0)  # the same LoRA init
+        model = load_model(ModelArguments(model=str(path), quantize_experts="fp8", compile_layers=compile_layers),
+                           LoraArguments(lora=True, lora_dropout=0.0), gradient_checkpointing=True)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        balance = install_moe(model, coefficient=0.1)  # large enough to move the gradients
+        causal_lm = model.get_base_model()
+        optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=1.0)
+        losses, grads = [], []
+        for _ in range(2):
+            optimizer.zero_grad()
+            with balance.capture():
+                hidden = causal_lm.model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                                         use_cache=False).last_hidden_state
+            loss = chunked_causal_lm_loss(hidden, causal_lm.lm_head, batch["labels"], chunk_tokens=16)
+            loss = loss + balance.loss(batch)
+            loss.backward()
+            losses.append(loss.item())
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            optimizer.step()
+        return losses, grads
+
+    expected, expected_grads = two_steps("false")
+    torch._dynamo.reset()
+    counters.clear()
+    got, grads = two_steps("true")
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert any("mlp.shared_experts" in n and "lora_A" in n for n in grads[1])  # the MLP's parametrized LoRA
+    for step, (mine, want) in enumerate(zip(grads, expected_grads)):
+        assert mine.keys() == want.keys()
+        for name, grad in mine.items():
+            torch.testing.assert_close(grad, want[name], rtol=1e-4, atol=1e-6, msg=f"step {step + 1}: {name}")
+    assert all(want[n].abs().sum() > 0 for want in expected_grads[1:] for n in want)
+
+
+@pytest.mark.slow
 def test_the_resident_plan_trains_under_ddp_on_two_ranks(tmp_path):
     """Issue 26 item 2: one replica per card. DDP leaves the e4m3 experts out of its first broadcast (frozen, equal
     on every rank; gloo cannot send float8: 'Invalid scalar type' before), and only LoRA gradients cross."""

@@ -171,3 +171,34 @@ def test_under_flex_attention_compiled_layers_follow_each_batchs_document_mask()
             losses.append([eager(**batch, use_cache=False).loss.item(), compiled(**batch, use_cache=False).loss.item()])
     assert all(mine == pytest.approx(want, rel=1e-5) for want, mine in losses), losses
     assert len({round(want, 6) for want, _ in losses}) == 3  # the cut changes the loss: the mask is in effect
+
+
+def test_deepseeks_lora_on_mlp_weights_gets_a_traceable_forward_with_peft_s_numbers(tmp_path):
+    """sft/speed/traced_param_lora.py: peft's ParamWrapper on the dense and shared-experts MLP weights (its
+    parametrization breaks a compiled layer's graph) computes the same loss and gradients bit for bit without it,
+    and keeps peft's class name: peft's checks read it when a second adapter loads beside the trained one, as the
+    save check does (refused under another name)."""
+    from transformers import AutoModelForCausalLM
+
+    from sft.model.loading import load_model
+    from sft.speed.traced_param_lora import TracedLinearParamLora, trace_param_lora
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("deepseek_v2", vocab_size=300)).save_pretrained(tmp_path / "v2")
+    model = load_model(ModelArguments(model=str(tmp_path / "v2")), LoraArguments(lora=True, lora_dropout=0.0)).train()
+    for name, p in model.named_parameters():  # lora_B starts at 0: give the adapter a delta to add
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    batch = packed_batch(300)
+    expected, expected_grads = loss_and_grads(model, batch)
+    assert trace_param_lora(model) == 6  # gate, up, down of the dense layer's MLP and of the shared experts
+    assert trace_param_lora(model) == 0  # once
+    got, grads = loss_and_grads(model, batch)
+    assert got == expected and grads.keys() == expected_grads.keys()
+    assert all(torch.equal(grads[n], expected_grads[n]) for n in grads)
+    traced = [m for m in model.modules() if isinstance(m, TracedLinearParamLora)]
+    assert len(traced) == 6 and all(type(m).__name__ == "ParamWrapper" for m in traced)
+    model.save_pretrained(tmp_path / "adapter")
+    model.load_adapter(str(tmp_path / "adapter"), adapter_name="_saved")
+    model.set_adapter("_saved")
+    assert model(**batch, use_cache=False).loss.item() == pytest.approx(got, rel=1e-6)

@@ -56,6 +56,7 @@ from sft.safety.run_dir import MOE_LOAD
 # transformers' MoE blocks (V2 spells it Moe) and DeepSeek's remote-code one (ZeRO-3 leaves: all of them).
 MOE_BLOCK_CLASSES = ("DeepseekV2Moe", "DeepseekV3MoE", "DeepseekV2MoE")
 ROUTER_CLASSES = ("DeepseekV2TopkRouter", "DeepseekV3TopkRouter")  # transformers' routers, whose output we read
+CAPTURED = "_sft_balance_capture"  # where a router keeps its output of one training forward (RouterBalance._keep)
 DEFAULT_COEFFICIENT = 0.001  # DeepSeek-V2's aux_loss_alpha (the V2/V2-Lite/V3 hub configs all say 0.001)
 
 
@@ -191,7 +192,7 @@ class RouterBalance:
         self._captured: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self._warned = False
         self.reset()
-        self.handles = [block.gate.register_forward_hook(self._hook(i)) for i, (_, block) in enumerate(self.blocks)]
+        self.handles = [block.gate.register_forward_hook(self._keep) for _, block in self.blocks]
 
     def reset(self) -> None:
         """Start a new logging window."""
@@ -205,11 +206,22 @@ class RouterBalance:
             handle.remove()
         self.handles = []
 
-    def _hook(self, index: int):
-        def hook(module, args, output):
-            if self._active:
-                self._captured[index] = (output[0], output[2])  # router_logits [B*L, E], topk_indices [B*L, K]
-        return hook
+    def _keep(self, module, args, output) -> None:
+        """The routers' hook: router_logits [B*L, E], topk_indices [B*L, K], kept on the router itself. One hook
+        for every layer, so that a compiled decoder layer (--compile_layers) is one graph for all MoE layers: a
+        hook per layer holding its index made dynamo compile each layer anew (the index is a constant to it), and
+        past the cache limit (16; V2-Lite has 26 MoE layers) run the rest eagerly."""
+        if self._active:
+            module.__dict__[CAPTURED] = (output[0], output[2])
+
+    def _taken(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """What the forward under `capture` kept, by MoE layer; and forget it."""
+        captured, self._captured = self._captured, {}  # AutoEP's hooks (follow_expert_parallel)
+        for index, (_, block) in enumerate(self.blocks):
+            kept = block.gate.__dict__.pop(CAPTURED, None)
+            if kept is not None:
+                captured[index] = kept
+        return captured
 
     def follow_expert_parallel(self, model) -> int:
         """Under DeepSpeed AutoEP the engine has replaced each MoE block (and its router) by an AutoEPMoELayer
@@ -245,7 +257,7 @@ class RouterBalance:
     @contextmanager
     def capture(self):
         """Keep the routers' outputs of the forward passes run inside (one per micro-batch)."""
-        self._captured.clear()
+        self._taken()
         self._active = True
         try:
             yield
@@ -255,7 +267,7 @@ class RouterBalance:
     def loss(self, inputs: dict) -> torch.Tensor | None:
         """After a forward under `capture`: the balance loss to add (coefficient x sum over layers), or None when the
         coefficient is 0. Adds the micro-batch to the window's statistics either way."""
-        captured, self._captured = self._captured, {}
+        captured = self._taken()
         if not captured:
             return None
         real, sequence, sequences = token_groups(inputs, self.pad_token_id)

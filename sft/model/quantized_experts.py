@@ -53,6 +53,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     weight; in eager a cast, a copy and a multiply moved 3x the bytes: 17% of V2-Lite's step, run
     20261204T2040Z-resident); elsewhere, or with SFT_FP8_COMPILE=0, eager expert by expert (no fp32 copy of the
     whole tensor). The same numbers either way."""
+    if torch.compiler.is_compiling():  # inside a compiled layer (--compile_layers): inductor fuses it there
+        return _dequantize_rows(q, scale, dtype)
     if q.is_cuda and launch().fp8_compile:
         return _compiled_dequantize()(q, scale, dtype).detach()
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
@@ -104,6 +106,7 @@ class QuantizedExperts:
         return self
 
 
+@functools.cache  # one class for all layers: dynamo guards on the class, and one per layer recompiled each layer
 def _quantized_class(cls: type) -> type:
     return type(f"Fp8{cls.__name__}", (QuantizedExperts, cls), {"__module__": cls.__module__})
 

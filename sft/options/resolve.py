@@ -120,7 +120,7 @@ def fast_paths_where_supported(o: Options, m: Machine) -> None:
     md, notes = o.model, []
     if md.compile_layers == "auto":
         why = "no GPU" if not m.cuda else _refusal(compiled_layers_combinations, o, m, "compile_layers") or (
-            "not yet run with --quantize_experts; --compile_layers true to try" if getattr(
+            "with --quantize_experts tested on CPU, not yet measured on a GPU; --compile_layers true to try" if getattr(
                 md, "quantize_experts", "none") != "none" else None) or (
             "not yet run on FSDP's 4-bit base; --compile_layers true to try" if o.lora.qlora and o.fsdp(m) else None)
         md.compile_layers = "false" if why else "true"

@@ -69,7 +69,7 @@ class _ModelOptions(FastPathSwitches):
     fp8: str
     compile_layers: str
     tp_size: int = 1
-    quantize_experts: str = "none"  # the compiled layers are not yet run with it (sft/options/resolve.py)
+    quantize_experts: str = "none"  # compiled layers with it: CPU-tested, GPU-unmeasured (sft/options/resolve.py)
     speed_choices: tuple[str, ...] = ()
 
 

@@ -6,6 +6,9 @@ the loss, the data collator or the Trainer's own code. Inductor then fuses what 
 (RMSNorm, RoPE, SwiGLU, the residual adds, LoRA's scaling and add) into a few kernels, in the forward and in the
 backward. With --fp8 the FP8 matmuls are custom ops inside the graph (sft/speed/fp8.py), called as they are.
 
+DeepSeek's MoE families put LoRA on the MLP weights through peft's `target_parameters`, whose forward dynamo cannot
+trace: those wrappers get a traceable forward with the same numbers first (sft/speed/traced_param_lora.py).
+
 In place (`module.compile()`, not `torch.compile(module)`): parameter names, state dicts, peft's adapter lookups
 and the hooks FSDP2 adds later stay as they were, so saves, verified reloads and resumes see the model they know.
 
@@ -37,6 +40,7 @@ def compile_decoder_layers(model: nn.Module) -> int:
     many. The compile itself happens at the first forward (the first step is slower; inductor caches the kernels
     on disk for later runs)."""
     from sft.safety.private_names import SKIP_SIDE_EFFECTS_IN_RECOMPUTE, expect
+    from sft.speed.traced_param_lora import trace_param_lora
 
     layers = decoder_layers(model)
     # Under activation checkpointing dynamo traces a layer's forward inside the checkpoint and refuses any Python
@@ -50,6 +54,7 @@ def compile_decoder_layers(model: nn.Module) -> int:
     # Each layer kind is one graph for all its layers, plus one for the first call's shapes: room for a model's
     # dense and MoE layers, and for a last batch of another length without falling back to eager.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+    trace_param_lora(model)  # peft's parametrized LoRA on DeepSeek's MLP weights breaks the graph
     for layer in layers:
         layer.compile()  # shapes static at first; a second length makes them dynamic (one more compile)
     return len(layers)
