@@ -9,7 +9,9 @@ order of what happens in a step is the Trainer's own, held by code:
 - `compute_loss` under `--sequence_parallel`: the same labelled-token loss from this rank's slice of each row, and
   the row's mean over the slices (sft/speed/sequence_parallel_loss.py).
 - `compute_loss` under `--offload_activations`: what the forward saves outside the checkpointed layers (their
-  checkpoints) waits in pinned host RAM until the backward needs it.
+  checkpoints) waits in pinned host RAM until the backward needs it, copied there and back on a side stream beside
+  the compute, the next layer's checkpoint brought back while this one's backward runs
+  (sft/speed/activation_offload.py).
 - `_clip_grad_norm`: with `--optim adamw_bf16_sr`, the clipping's scaling is handed to the optimizer's own pass
   over the gradients (sr_adamw.py `clip_gradients`) instead of another read and write of every gradient.
 - `_get_grad_norm`: the NaN guard (sft/safety/guards.py) sees the total gradient norm just computed, before the
@@ -43,6 +45,7 @@ from sft.model.moe import RouterBalance
 from sft.report.progress import ConsolePrinter, ConsoleProgress
 from sft.safety.guards import NonFiniteGuard
 from sft.safety.private_names import CLIP_GRAD_NORM, GET_GRAD_NORM, expect
+from sft.speed.activation_offload import OffloadedActivations
 from sft.speed.chunked_loss import LossFn
 from sft.speed.sequence_parallel_loss import mean_over_slices, sequence_parallel_group
 from sft.speed.lowbit import LOW_BIT_OPTIMIZERS, SR_ADAMW
@@ -96,11 +99,16 @@ class SFTTrainer(Trainer):
 
     def _offloaded_activations(self, training: bool):
         """--offload_activations: what the forward saves for the backward outside the checkpointed layers (their
-        checkpoints: each layer's input) goes to pinned host RAM and comes back as the backward reaches it. At long
-        rows a layer computes for far longer than its checkpoint takes over PCIe (0.25 GB a layer at 32k tokens)."""
+        checkpoints: each layer's input) goes to pinned host RAM and comes back as the backward reaches it, copied
+        on a side stream: at long rows a layer computes for far longer than its checkpoint takes over PCIe (0.25 GB
+        a layer at 32k tokens), so the copies hide behind the compute. Without CUDA the hooks keep every tensor."""
         if not (training and getattr(self.args, "offload_activations", False)):  # plain TrainingArguments too
             return contextlib.nullcontext()
-        return torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available())
+        return self.activation_offload()
+
+    def activation_offload(self) -> OffloadedActivations:
+        """The saved-tensor hooks of one training forward (a subclass may copy otherwise: the CPU tests do)."""
+        return OffloadedActivations()
 
     def _loss_from_hidden_states(self, model, inputs: dict, num_items_in_batch):
         """The causal-LM loss of the labelled tokens from the last hidden states: the model runs without its

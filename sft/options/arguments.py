@@ -249,7 +249,8 @@ class SFTTrainingArguments(TrainingArguments):
     offload_activations: bool = field(default=False, metadata={
         "help": "With --activation_checkpointing: the checkpoints (each decoder layer's input) wait in host RAM "
                 "between the forward and the backward instead of on the GPU (pinned; ~0.25 GB a layer at 32k "
-                "tokens of hidden 4096): for long rows on 24 GB cards (docs/speed.md, Long rows)."})
+                "tokens of hidden 4096), copied on a side stream beside the compute: for long rows on 24 GB cards "
+                "(docs/speed.md, Long rows)."})
     sequence_parallel: int = field(default=1, metadata={
         "help": "Split each row's tokens over this many GPUs (DeepSpeed's Ulysses sequence parallelism, ALST, as "
                 "accelerate runs it): rows too long for one card, e.g. 65,536 tokens over 2. Launch with a DeepSpeed "

@@ -102,11 +102,19 @@ CONVERSION_MAPPING = PrivateName("transformers", "transformers.conversion_mappin
                                  ("model", "key_mapping", "hf_quantizer", "add_legacy"), TESTED_TRANSFORMERS,
                                  "--qlora under FSDP: which checkpoints can be read weight by weight")
 
+# Read, not patched: --offload_activations (sft/speed/activation_offload.py) checks saved tensors' versions itself
+# (autograd does not once saved-tensor hooks are set) and leaves parameters' views on the GPU.
+TENSOR_VERSION = PrivateName("torch", "torch", "Tensor._version", None, TESTED_TORCH,
+                             "--offload_activations: a saved activation changed in place stops the backward")
+TENSOR_BASE = PrivateName("torch", "torch", "Tensor._base", None, TESTED_TORCH,
+                          "--offload_activations: views of parameters stay on the GPU")
+
 PRIVATE_NAMES = (CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPOINT, LOAD_FROM_CHECKPOINT, LOAD_OPTIMIZER, GET_OUTPUT_DIR,
                  SAVE_RNG_STATE,
                  PEFT_INPUT_CAST, ACCELERATE_ORIGINAL_FORWARD, TORCHAO_ADAM_LOAD,
                  TORCHAO_SUBCLASS_ZEROS, TORCHAO_SINGLE_PARAM_ADAM, DTENSOR_CACHE_KEY, DUCK_SHAPE,
-                 SKIP_SIDE_EFFECTS_IN_RECOMPUTE, HF_DEEPSPEED_CONFIG, FSDP_STATE, DDP_IGNORE, CONVERSION_MAPPING)
+                 SKIP_SIDE_EFFECTS_IN_RECOMPUTE, HF_DEEPSPEED_CONFIG, FSDP_STATE, DDP_IGNORE, CONVERSION_MAPPING,
+                 TENSOR_VERSION, TENSOR_BASE)
 
 
 @functools.cache  # read once per process: a library's version does not change under a running process
