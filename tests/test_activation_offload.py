@@ -160,3 +160,11 @@ def test_the_trainer_offloads_its_training_forward(tmp_path):
     assert got_loss == want_loss and got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def test_the_planner_counts_the_checkpoints_the_offload_keeps_on_the_gpu():
+    """The layer's own checkpoint and those brought back ahead of it (sft/plan/long_rows.py has no torch import)."""
+    from sft.plan.long_rows import CHECKPOINTS_ON_GPU
+    from sft.speed.activation_offload import PREFETCH
+
+    assert CHECKPOINTS_ON_GPU == 1 + PREFETCH

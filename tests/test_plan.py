@@ -1069,7 +1069,8 @@ def test_an_sp_plan_is_recommended_only_where_no_measured_plan_fits():
     assert plan.best_plan([faster, *plans]) is best
     unmeasured_only = [p for p in plans if not p.ready]
     assert plan.best_plan(unmeasured_only) is split
-    assert plan.best_plan([p for p in unmeasured_only if p is not split and p.w.sequence_parallel > 1]) is not None
+    others = plan.best_plan([p for p in unmeasured_only if p is not split and p.w.sequence_parallel > 1])
+    assert others is None or others.last_resort  # the next SP plan, where one fits with its margin
     for gpus in (2, 3, 4):
         for length in (8192, 32768, 65536, 131072):
             found = sp_plans(gpus, length)

@@ -8,7 +8,8 @@
 - `--mlp_tile_tokens N`: each dense MLP's [tokens x intermediate] tensors exist for one tile of N tokens at a time
   (the backward recomputes them per tile: one more forward of the MLP, counted as FLOPs the row pays for).
 - `--offload_activations`: what the forward saves outside the checkpointed layers (each layer's input, and the
-  layers kept whole) waits in pinned host RAM; the GPU holds one layer's worth at a time, in the backward.
+  layers kept whole) waits in pinned host RAM; in the backward the GPU holds one layer's worth and the next
+  checkpoint, brought back ahead.
 
 Without torch: the planner's command line reads no GPU.
 """
@@ -26,6 +27,9 @@ TILE_TOKENS = 4096
 # Rows longer than this are long rows: the longest short-row bench rows (packed, and long-*-4k's one conversation)
 # are 4,096 tokens, and a row that fits one MLP tile gains nothing from tiling.
 LONG_ROW_TOKENS = 4096
+# --offload_activations: the checkpoints on the GPU during a layer's backward, its own and the next one's, brought
+# back while it computes (sft/speed/activation_offload.py: 1 + PREFETCH; a test keeps the two equal).
+CHECKPOINTS_ON_GPU = 2
 # The bench rows made of one long conversation each (bench/throughput.py: group `long`, long_docs=True).
 LONG_ROW_PREFIX = "long-"
 

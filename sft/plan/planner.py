@@ -55,7 +55,7 @@ from sft.parallel.strategies import NF4_BYTES, PRECISION_OPTIONS, REPO, STRATEGI
 from sft.plan.fast_paths import (NAMES as FAST_PATH_NAMES, Asked, FastPaths, described_machine, fast_paths,
                                  refused_today)
 from sft.plan.long_rows import Levers, is_long, ladder, is_long_document_row, long_row_flops_per_token, tile_tokens
-from sft.plan import expert_parallel, resident, sequence_parallel
+from sft.plan import expert_parallel, long_rows, resident, sequence_parallel
 
 RESULTS = REPO / "bench" / "results.jsonl"  # the source of truth, in a checkout only
 # What the planner fits from RESULTS, snapshotted as package data: plans read this, so that a wheel plans as a checkout
@@ -535,9 +535,10 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     else:
         checkpoints, whole_layers, recompute = 0.0, layers * per_layer, 0.0
     offloaded = 0.0
-    if w.offload_activations:  # all of it waits in host RAM; the backward brings back one layer's at a time
-        offloaded = checkpoints + whole_layers
-        checkpoints, whole_layers = (2 * h * tokens if checkpoints else 0.0), (per_layer if whole_layers else 0.0)
+    if w.offload_activations:  # all of it waits in host RAM; the backward brings back one layer's at a time, and
+        offloaded = checkpoints + whole_layers  # the next checkpoint ahead of its asking
+        checkpoints = long_rows.CHECKPOINTS_ON_GPU * 2 * h * tokens if checkpoints else 0.0
+        whole_layers = per_layer if whole_layers else 0.0
     # MoE LoRA: the W + BA weights of the layers whose forward is kept (the recomputed one's under checkpointing)
     deltas = [shape.parameter_lora_bytes(i) for i in range(shape.layers)] if lora else [0.0]
     whole = min(w.skip_layers, len(deltas))  # --activation_checkpointing_skip_layers keeps the LAST layers whole

@@ -39,8 +39,8 @@ from sft.safety.private_names import TENSOR_BASE, TENSOR_VERSION, expect
 
 MIN_BYTES = 1 << 20  # a smaller tensor frees little GPU memory for two copies (torchtune's threshold is 1 KiB)
 # Saved tensors brought back ahead of the backward's asking: the next layer's checkpoint, on the GPU while this
-# layer's backward runs (0.23 GB at 32k tokens of R1-Distill-Qwen-7B). sft/plan/planner.py counts one layer's
-# checkpoint on the GPU under --offload_activations, not this one as well: the next long-row measurement tells.
+# layer's backward runs (0.23 GB at 32k tokens of R1-Distill-Qwen-7B). The planner counts it (sft/plan/long_rows.py
+# CHECKPOINTS_ON_GPU = 1 + PREFETCH; tests/test_activation_offload.py keeps the two equal).
 PREFETCH = 1
 
 
