@@ -147,16 +147,17 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
     qlora = qlora_requested(lora_args)
     nf4_for_fsdp = qlora and machine().launch.fsdp  # the base as NF4 bytes (sft/model/nf4_base.py)
     model = load_nf4_for_fsdp(model_args, lora_args) if nf4_for_fsdp and model_factory is None else None
-    model = model or (model_factory or AutoModelForCausalLM.from_pretrained)(
-        resolve_model_path(model_args.model),
-        dtype=weights_dtype(model_args, lora_args.lora),
-        attn_implementation=model_args.attn_implementation,
-        trust_remote_code=model_args.trust_remote_code,
-        use_safetensors=True,  # never unpickle weights: a .bin checkpoint can run code when loaded
-        **NO_HUB_KERNELS,
-        **tensor_parallel(model_args),
-        **quantization(model_args, lora_args),
-    )
+    if model is None:  # not read weight by weight: loaded whole
+        model = (model_factory or AutoModelForCausalLM.from_pretrained)(
+            resolve_model_path(model_args.model),
+            dtype=weights_dtype(model_args, lora_args.lora),
+            attn_implementation=model_args.attn_implementation,
+            trust_remote_code=model_args.trust_remote_code,
+            use_safetensors=True,  # never unpickle weights: a .bin checkpoint can run code when loaded
+            **NO_HUB_KERNELS,
+            **tensor_parallel(model_args),
+            **quantization(model_args, lora_args),
+        )
     if model_args.quantize_experts == "fp8":  # before LoRA: the routed experts are the frozen base's
         from sft.model.quantized_experts import apply_quantized_experts
 
