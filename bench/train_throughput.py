@@ -40,6 +40,7 @@ do, which this formula (per real token, like ours) still credits it.
 from __future__ import annotations
 
 import argparse
+import bisect
 import datetime as dt
 import json
 import os
@@ -411,6 +412,7 @@ def make_row(args, ranks: list[dict], monitor: Monitor, wall: float, cpu: bool) 
         "top_kernels": r0.get("top_kernels"),
         "kernel_ms": r0.get("kernel_ms"),
         "kernel_ms_total": r0.get("kernel_ms_total"),
+        "idle_ms": r0.get("idle_ms"),  # where the GPU waited on the host, by host op (profiled steps)
         "step_s": r0.get("step_s"),
         "tokens_per_step": r0.get("tokens_per_step"),
         "first_step_s": r0.get("first_step_s"),
@@ -702,7 +704,33 @@ def profile_shares(prof, wall_us: float) -> dict:
             "top_kernels": [f"{share(us)} {name[:70]}" for name, us in top],
             # where a step's GPU time goes beyond the matmuls (the optimizer, norms, fused elementwise kernels)
             "kernel_ms": top_kernel_ms(kernel_us, 32),
-            "kernel_ms_total": round(sum(kernel_us.values()) / 1e3, 1)}
+            "kernel_ms_total": round(sum(kernel_us.values()) / 1e3, 1),
+            "idle_ms": idle_by_host_op(prof, compute + copies + nccl)}
+
+
+def idle_by_host_op(prof, busy: list[tuple[float, float]], n: int = 12) -> dict[str, float]:
+    """Where the GPU waited: every gap of 50 us or more between kernels (any stream) in the profiled steps, its time
+    given to what the host was doing in the middle of it (the outermost and the innermost host op there, or
+    "(python)" where no op ran), in ms, costliest first. A host-bound stretch shows up as the op that issues it."""
+    gaps, end = [], None
+    for s, e in sorted(busy):
+        if end is not None and s - end >= 50:
+            gaps.append((end, s))
+        end = e if end is None else max(end, e)
+    host = sorted(((e.time_range.start, e.time_range.end, e.name, e.cpu_parent is None) for e in prof.events()
+                   if str(getattr(e, "device_type", "")) == "DeviceType.CPU"), key=lambda t: t[0])
+    starts = [h[0] for h in host]
+    by: dict[str, float] = {}
+    for s, e in gaps:
+        mid = (s + e) / 2
+        around = [h for h in host[:bisect.bisect_right(starts, mid)][-4000:] if h[1] >= mid]
+        outer = next((h[2] for h in around if h[3]), "(python)")
+        inner = min(around, key=lambda h: h[1] - h[0])[2] if around else "(python)"
+        key = outer if inner == outer else f"{outer} > {inner}"
+        by[key[:90]] = by.get(key[:90], 0.0) + (e - s)
+    top = sorted(by.items(), key=lambda kv: -kv[1])[:n]
+    return {"total": round(sum(e - s for s, e in gaps) / 1e3, 1), "gaps": len(gaps),
+            **{name: round(us / 1e3, 2) for name, us in top}}
 
 
 def top_kernel_ms(kernel_us: dict[str, float], n: int) -> dict[str, float]:
