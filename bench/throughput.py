@@ -207,6 +207,10 @@ MATRIX += [
     Row("lora-best-default", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
         args=(*LIGER, "--lora_dropout", "0", *FLEX, "--fp8", "auto", "--compile_layers", "auto"),
         vs="trl-lora-best", timeout=420),
+    # the same with the FP8 forward matmuls accumulating fast (torchao's recipe for the output matmul; issue 28 item 2)
+    Row("lora-best-default-fastaccum", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
+        args=(*LIGER, "--lora_dropout", "0", *FLEX, "--fp8", "auto", "--compile_layers", "auto"),
+        env=(("SFT_FP8_FAST_ACCUM", "1"),), vs="trl-lora-best", timeout=420),
     # ... and the box's LoRA plan on one 24 GiB card (lora-1's options) with them
     Row("lora-1-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--compile_layers", "true"), timeout=420),
     Row("lora-1-fp8-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--fp8", "true", "--compile_layers", "true"),
@@ -348,6 +352,9 @@ GROUPS = {
     "fp8-full": ["trl-full", "full-fp8", "full-fp8-rowwise", "full-sr16", "lora-best-fp8-compile",
                  "lora-best-fp8-compile-eagerround"],
     "defaults": ["trl-lora-best", "lora-best-default"],
+    # issue 28 item 2 (LoRA >= 2.0x TRL): the step without host waits (the NaN guard's verdict on the GPU, the token
+    # count from the collator, no NaN filter), and the FP8 forward's fast accumulation, beside TRL's best
+    "lora2x": ["trl-lora-best", "lora-best-default", "lora-best-default-fastaccum"],
     # issue 27 item 1, one GPU held to 24 GiB (run with --fresh_cache: the first step's compile is the user's wait)
     "long": ["long-r1-4k", "long-r1-32k", "long-llm-4k", "long-llm-32k", "long-r1-16k", "long-llm-16k",
              "long-r1-32k-sdpa"],

@@ -76,6 +76,7 @@ class Launch:
     nccl: tuple[tuple[str, str], ...] = ()         # the NCCL_* variables the user set (sft/parallel/distributed.py NCCL_VARS)
     tensorboard_logging_dir: str | None = None    # TENSORBOARD_LOGGING_DIR: where the Trainer's TensorBoard logs go
     fp8_compile: bool = True                      # SFT_FP8_COMPILE; "0": --fp8 quantizes eagerly on CUDA too
+    fp8_fast_accum: bool = False                  # SFT_FP8_FAST_ACCUM=1: --fp8's forward matmuls accumulate fast
     peft_input_cast: bool = False                 # SFT_PEFT_INPUT_CAST=1: keep peft's input casts (bench rows)
     fp8_on_cpu: bool = False                      # SFT_FP8_ON_CPU=1: --fp8 on torch's CPU FP8 matmul (slow; tests)
     # HTTPS_PROXY, https_proxy, ALL_PROXY or all_proxy is set (only whether: a proxy URL may hold a password)
@@ -163,6 +164,7 @@ def read_launch(env: Mapping[str, str] | None = None) -> Launch:
                   nccl=tuple((k, v) for k, v in sorted(env.items()) if k.startswith("NCCL_")),
                   tensorboard_logging_dir=env.get("TENSORBOARD_LOGGING_DIR") or None,
                   fp8_compile=env.get("SFT_FP8_COMPILE", "1") != "0",
+                  fp8_fast_accum=env.get("SFT_FP8_FAST_ACCUM") == "1",
                   peft_input_cast=env.get("SFT_PEFT_INPUT_CAST") == "1",
                   fp8_on_cpu=env.get("SFT_FP8_ON_CPU") == "1",
                   fsdp_qlora_check=env.get("SFT_FSDP_QLORA_CHECK") == "1",

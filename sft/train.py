@@ -230,7 +230,8 @@ def train(run: Run, seams: Seams) -> int:
         train_dataset=train_data,
         eval_dataset=eval_data,
         data_collator=Collator(tokenizer.pad_token_id, data_args.pad_to_multiple_of,
-                               positions=training_args.sequence_parallel > 1),  # DeepSpeed slices rows by them
+                               positions=training_args.sequence_parallel > 1,  # DeepSpeed slices rows by them
+                               counts_tokens=True),  # on the host: SFTTrainer reads the count without a wait
         processing_class=tokenizer,
         callbacks=callbacks,
         labelled_token_loss=labelled_token_loss,  # None: the model's own loss

@@ -16,6 +16,10 @@ order of what happens in a step is the Trainer's own, held by code:
   over the gradients (sr_adamw.py `clip_gradients`) instead of another read and write of every gradient.
 - `_get_grad_norm`: the NaN guard (sft/safety/guards.py) sees the total gradient norm just computed, before the
   optimizer step, instead of reading every gradient again.
+- `_track_num_input_tokens`: the real-token count (tokens/s, MFU) from the collator's count made on the host
+  (sft/data/packing.py NUM_INPUT_TOKENS) instead of a count on the GPU read back with `.item()`, which made the host
+  wait for each micro-batch's backward and left the GPU idle while it then issued the optimizer step and the next
+  forward. One process only: across processes the Trainer's gathered count stays.
 - `get_optimizer_cls_and_kwargs`: builds `adamw_bf16_sr` and gives torchao's low-bit AdamW its `--optim_args` as
   numbers.
 - `create_scheduler`: the Trainer's schedule, as a scheduler whose resume keeps this run's schedule (the rule:
@@ -25,7 +29,7 @@ order of what happens in a step is the Trainer's own, held by code:
 - TensorBoard's callback runs after ours, so that it logs what ours add to the logs; the console's progress
   callback is ours (sft/report/progress.py): one short line per log instead of the metric dicts.
 
-The two overridden private methods are checked against the installed transformers before the Trainer is built
+The overridden private methods are checked against the installed transformers before the Trainer is built
 (sft/safety/private_names.py): a release that renames them stops with one error line instead of training on
 without the guard or the folded clipping.
 """
@@ -40,11 +44,12 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import PrinterCallback, ProgressCallback, Trainer
 from transformers.integrations import TensorBoardCallback
 
+from sft.data.packing import NUM_INPUT_TOKENS
 from sft.data.tokenization import IGNORE
 from sft.model.moe import RouterBalance
 from sft.report.progress import ConsolePrinter, ConsoleProgress
 from sft.safety.guards import NonFiniteGuard
-from sft.safety.private_names import CLIP_GRAD_NORM, GET_GRAD_NORM, expect
+from sft.safety.private_names import CLIP_GRAD_NORM, GET_GRAD_NORM, TRACK_NUM_INPUT_TOKENS, expect
 from sft.speed.activation_offload import OffloadedActivations
 from sft.speed.chunked_loss import LossFn
 from sft.speed.sequence_parallel_loss import mean_over_slices, sequence_parallel_group
@@ -56,7 +61,7 @@ class SFTTrainer(Trainer):
     """`Trainer(...)` plus: `labelled_token_loss` (a LossFn, or None for the model's own loss), `balance` (the MoE
     routers' RouterBalance, or None), `guard` (the NonFiniteGuard among the callbacks, or None)."""
 
-    overridden = (CLIP_GRAD_NORM, GET_GRAD_NORM)
+    overridden = (CLIP_GRAD_NORM, GET_GRAD_NORM, TRACK_NUM_INPUT_TOKENS)
 
     @classmethod
     def check_overrides(cls) -> None:
@@ -83,6 +88,7 @@ class SFTTrainer(Trainer):
     # ---- the loss ----------------------------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        inputs = without_host_count(inputs)
         training = model.training
         capture = self.balance.capture() if training and self.balance else contextlib.nullcontext()
         with capture, self._offloaded_activations(training):
@@ -96,6 +102,15 @@ class SFTTrainer(Trainer):
         if training and self.balance:
             loss = self._with_balance_loss(loss, inputs, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, *args, **kwargs):
+        return super().prediction_step(model, without_host_count(inputs), *args, **kwargs)
+
+    def _track_num_input_tokens(self, inputs):
+        count = inputs.get(NUM_INPUT_TOKENS) if isinstance(inputs, dict) else None
+        if count is None or self.args.include_num_input_tokens_seen != "non_padding" or self.args.world_size > 1:
+            return super()._track_num_input_tokens(without_host_count(inputs))
+        self.state.num_input_tokens_seen += count
 
     def _offloaded_activations(self, training: bool):
         """--offload_activations: what the forward saves for the backward outside the checkpointed layers (their
@@ -252,6 +267,13 @@ class last_hidden_state_of(contextlib.AbstractContextManager):
         self.handle.remove()
         if exc[0] is None and self.hidden_state is None:
             raise RuntimeError(f"{type(self.decoder).__name__} ran no forward: no last hidden state for the loss")
+
+
+def without_host_count(inputs):
+    """The batch as the model takes it: without the collator's token count."""
+    if isinstance(inputs, dict) and NUM_INPUT_TOKENS in inputs:
+        return {k: v for k, v in inputs.items() if k != NUM_INPUT_TOKENS}
+    return inputs
 
 
 def _causal_lm(model):

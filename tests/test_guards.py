@@ -118,6 +118,67 @@ def test_the_check_reads_the_clippings_norm_and_else_the_gradients():
     guard.on_pre_optimizer_step(args, state, None, model=model)
 
 
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_a_fused_adamw_takes_the_verdict_without_a_wait_and_the_bad_step_changes_nothing(policy):
+    """With torch's fused AdamW the guard reads no norm on the host before the step: the optimizer gets the verdict
+    (GradScaler's found_inf) and leaves weights, moments and step count alone on a bad step; the verdict is read
+    before the next step (stop: the run ends there) and before any save or log."""
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    guard = NonFiniteGuard(policy, lambda: None, "")
+    args = SimpleNamespace(fp16=False)
+    control = SimpleNamespace(should_save=False, should_log=False, should_evaluate=False, should_training_stop=False)
+
+    def step(number: int, norm: float):
+        state = SimpleNamespace(global_step=number - 1, max_steps=10)
+        for p in model.parameters():
+            p.grad = torch.full_like(p, norm)
+        guard.saw_norm(torch.tensor(norm))
+        guard.on_pre_optimizer_step(args, state, control, model=model, optimizer=optimizer)
+        optimizer.step()
+        guard.on_optimizer_step(args, state, control)
+        assert not hasattr(optimizer, "found_inf")  # the verdict was that step's only
+        state.global_step = number
+        guard.on_step_end(args, state, control)
+
+    step(1, 1.0)
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moments = {k: v.clone() for k, v in optimizer.state[model.weight].items()}
+    step(2, math.nan)  # not read yet: no save or log follows this step
+    assert guard.pending and all(torch.equal(weights[n], p) for n, p in model.named_parameters())
+    assert all(torch.equal(moments[k], v) for k, v in optimizer.state[model.weight].items())  # the step count too
+    if policy == "stop":
+        with pytest.raises(NonFiniteError, match="step 2: .*skipped that step's update"):
+            step(3, 1.0)
+        return
+    step(3, 1.0)
+    assert guard.skipped == 1 and [v.step for v in guard.pending] == [3]  # step 3: read before the next
+    assert float(optimizer.state[model.weight]["step"]) == 2  # steps 1 and 3
+
+
+def test_a_bad_step_is_read_before_a_checkpoint_is_written():
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters(), fused=True)
+    guard = NonFiniteGuard("stop", lambda: "out/checkpoint-4", "")
+    args, state = SimpleNamespace(fp16=False), SimpleNamespace(global_step=4, max_steps=10)
+    control = SimpleNamespace(should_save=True, should_log=False, should_evaluate=False, should_training_stop=False)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    guard.saw_norm(torch.tensor(math.inf))
+    guard.on_pre_optimizer_step(args, state, control, model=model, optimizer=optimizer)
+    optimizer.step()
+    guard.on_optimizer_step(args, state, control)
+    state.global_step = 5
+    with pytest.raises(NonFiniteError, match="step 5.*checkpoint-4"):
+        guard.on_step_end(args, state, control)
+
+
+def test_the_probe_finds_that_fused_adamw_honours_found_inf():
+    from sft.safety.guards import fused_adam_skips_on
+
+    assert fused_adam_skips_on("cpu")
+
+
 def test_guard_without_gradients_checks_the_logs():
     """DeepSpeed keeps gradients in its engine: then the logged loss/grad_norm are checked."""
     guard = NonFiniteGuard("stop", lambda: "out/checkpoint-4", "python sft/train.py --resume_from_checkpoint true")

@@ -307,3 +307,32 @@ def test_a_resumed_run_appends_to_its_log(tmp_path, monkeypatch):
     assert [line["step"] for line in new[1:] if "loss" in line] == [5, 6]
     results = json.loads((out / ALL_RESULTS).read_text())
     assert results["global_step"] == 6 and results["total_real_tokens"] == 6 * 2 * 25  # the whole run's tokens
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_collators_host_count_is_the_trainers_own(tmp_path, packed):
+    """SFTTrainer counts real tokens from the collator's count made on the host (no `.item()` of a GPU count each
+    micro-batch): the same number the Trainer's own count gives, and the model never sees the count."""
+    import datasets
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from sft.data.packing import Collator
+    from sft.trainer import SFTTrainer
+
+    def tokens_seen(counts_tokens: bool) -> int:
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=128), dtype=torch.float32)
+        lengths = (11, 21, 31, 41)
+        rows = [{"input_ids": list(range(1, n)), "labels": list(range(1, n)),
+                 **({"seq_lengths": [n // 2, n - 1 - n // 2]} if packed else {})} for n in lengths]
+        args = TrainingArguments(output_dir=str(tmp_path / str(counts_tokens)), max_steps=3,
+                                 per_device_train_batch_size=2, use_cpu=True, report_to=[], save_strategy="no",
+                                 remove_unused_columns=False, disable_tqdm=True,
+                                 include_num_input_tokens_seen="non_padding")
+        trainer = SFTTrainer(model=model, args=args, train_dataset=datasets.Dataset.from_list(rows),
+                             data_collator=Collator(0, counts_tokens=counts_tokens),
+                             processing_class=SimpleNamespace(pad_token_id=0))  # the Trainer's rule reads it
+        trainer.train()
+        return trainer.state.num_input_tokens_seen
+
+    assert tokens_seen(True) == tokens_seen(False) > 0

@@ -92,18 +92,25 @@ def position_ids_for(seq_lengths: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in seq_lengths]) if seq_lengths else torch.zeros(0, dtype=torch.long)
 
 
+# A batch's key for its non-padding token count, a Python int (the model's forward does not take it: SFTTrainer
+# takes it out before the forward)
+NUM_INPUT_TOKENS = "num_input_tokens"
+
+
 @dataclass
 class Collator:
     """Pad a list of rows into a batch. Packed rows (with `seq_lengths`) get position_ids and no attention_mask;
     their padding forms one more document of its own, whose labels are all ignored. `positions`: rows of one
     conversation get them too, as a pack of one (sequence parallelism: DeepSpeed slices each row and gathers the
-    positions back, and drops any attention mask)."""
+    positions back, and drops any attention mask). `counts_tokens`: the batch also holds its non-padding token
+    count as a Python int under NUM_INPUT_TOKENS, for SFTTrainer (a plain Trainer would hand it to the model)."""
 
     pad_token_id: int
     pad_to_multiple_of: int | None = None
     positions: bool = False
+    counts_tokens: bool = False
 
-    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor | bool]:
+    def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor | bool | int]:
         import torch
 
         longest = max(len(r["input_ids"]) for r in rows)
@@ -128,4 +135,11 @@ class Collator:
                 batch["attention_mask"][i, :n] = 1
         # A cache breaks the packed mask (and serves no purpose in training): off in every training and eval forward
         # whatever config.use_cache says (the Trainer hands the batch to model(**batch) as it is).
-        return {**batch, "use_cache": False}
+        batch["use_cache"] = False
+        if self.counts_tokens:
+            # The Trainer's non-padding count of this batch (its own rule), made here on the host: counted on the
+            # GPU, reading it (`.item()`) makes the host wait for the micro-batch's backward.
+            counted = batch["attention_mask"].sum() if "attention_mask" in batch else (
+                batch["input_ids"] != self.pad_token_id).sum()
+            batch[NUM_INPUT_TOKENS] = int(counted)
+        return batch

@@ -263,6 +263,11 @@ class SFTTrainingArguments(TrainingArguments):
     nan_policy: str = field(default="stop", metadata={
         "help": "On a NaN/inf loss or gradient: stop (before the weights change; the last checkpoint is kept) "
                 "or skip (drop that step's update and go on)."})
+    # transformers' filter (on by default) looks at each micro-batch's loss on the host, which makes the host wait
+    # for that micro-batch's backward; the NaN guard covers what it filters (sft/options/resolve.py).
+    logging_nan_inf_filter: bool | None = field(default=None, metadata={
+        "help": "Leave NaN/inf losses out of the logged mean (transformers' option). Default: only with "
+                "--nan_policy skip (with stop the run ends at such a loss)."})
     loss_spike_factor: float = field(default=2.0, metadata={
         "help": "Warn (and count in the `loss_spikes` log) when a logged loss exceeds this many times the "
                 "running mean; 0 turns it off."})

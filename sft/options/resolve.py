@@ -111,6 +111,17 @@ def lora_skips_unused_parameter_search(o: Options, m: Machine) -> None:
         o.training.ddp_find_unused_parameters = False
 
 
+def nan_filter_only_where_steps_are_skipped(o: Options, m: Machine) -> None:
+    """transformers' --logging_nan_inf_filter tests each micro-batch's loss on the host (`torch.isnan(loss)` in an
+    `if`): the host waits there for the micro-batch's backward to end, and the GPU then idles while the host issues
+    the optimizer step and the next forward. Under --nan_policy stop (the default) the guard ends the run at such a
+    loss before it reaches the weights or a log, so the filter has nothing to do; under skip it keeps the skipped
+    step's NaN out of the logged mean, as transformers does. The user's value wins."""
+    t = o.training
+    if t.logging_nan_inf_filter is None:
+        t.logging_nan_inf_filter = t.nan_policy == "skip"
+
+
 def fast_paths_where_supported(o: Options, m: Machine) -> None:
     """--compile_layers auto and --fp8 auto (the defaults): on a GPU, each is on wherever the run's own checks for
     it pass (the checks a user who typed `true` would meet), else off, with the check's reason on the first
@@ -248,7 +259,7 @@ DERIVED: list[Derivation] = [
     qlora_trains_lora, output_dir_of_its_own, fast_paths_where_supported, flex_pads_packed_rows,
     sequence_parallel_slices_rows, fp8_training_pads_rows_to_16, tensor_parallel_saves_model_only, lora_skips_unused_parameter_search,
     compiled_layers_keep_liger_loss_only, liger_loss_on_labels, fsdp_checkpoints_activations,
-    fsdp_reduce_scatters_each_micro_batch, our_rotation_keeps_checkpoints,
+    fsdp_reduce_scatters_each_micro_batch, our_rotation_keeps_checkpoints, nan_filter_only_where_steps_are_skipped,
 ]
 
 

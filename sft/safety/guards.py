@@ -14,11 +14,23 @@ Not covered by the gradient check: DeepSpeed keeps gradients inside its engine (
 grad_norm are checked at each log, so use `--logging_steps 1` for a per-step check), and fp16, whose loss scaler
 skips overflowing steps by design (there only the logged loss is checked: an inf grad_norm is such an overflow).
 Loss spikes are judged per logged value (the mean over `--logging_steps`).
+
+Without a wait on the GPU where the optimizer allows it. Reading the norm on the host (`.item()`) makes the host wait
+for the whole backward every step, and the GPU then idles while the host issues the optimizer step and the next
+forward. torch's fused Adam/AdamW (`adamw_torch_fused`, transformers' default) takes the verdict on the GPU
+instead, as torch's GradScaler hands it over: `found_inf` set on the optimizer, and its kernel leaves every weight,
+moment and step count as they were where it is 1. Then the verdict is read on the host later, once it is there
+(a non-blocking copy and an event): before the next optimizer step, and with a wait before any checkpoint, log or
+evaluation and at the end of training. `stop` still ends the run with no weight changed by the bad step; the
+message comes one step later at most. Whether the installed torch does skip so is checked once per device, on a
+one-element optimizer, before it is relied on (`skips_on_device`); elsewhere the verdict is read at once, as before.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 from transformers import TrainerCallback
@@ -49,6 +61,62 @@ def grads_finite(model) -> bool | None:
     return bad.item() == 0
 
 
+@functools.lru_cache(maxsize=None)
+def fused_adam_skips_on(device_type: str) -> bool:
+    """Whether torch's fused AdamW on this device type honours `found_inf` as GradScaler uses it: with 1 it changes
+    neither the weight nor its step count, with 0 it steps. Tried once per device type on one element."""
+    weight = torch.nn.Parameter(torch.ones(1, device=device_type))
+    weight.grad = torch.ones(1, device=device_type)
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
+    optimizer.found_inf = torch.ones((), device=device_type)
+    optimizer.step()
+    kept = bool(weight.detach().eq(1).all()) and float(optimizer.state[weight]["step"]) == 0
+    optimizer.found_inf = torch.zeros((), device=device_type)
+    optimizer.step()
+    return kept and not bool(weight.detach().eq(1).all())
+
+
+def skips_on_device(optimizer, norm) -> torch.optim.Optimizer | None:
+    """The torch optimizer (inside accelerate's wrapper) if it can take this step's verdict on the GPU: fused
+    Adam/AdamW (GradScaler's protocol: `_step_supports_amp_scaling`), the norm a plain CUDA tensor, the probe
+    passed. Else None: the verdict is read on the host at once. On a CPU it changes nothing but the order (no
+    wait to save there), and runs the same code as on a GPU."""
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if type(norm) is not torch.Tensor or norm.device.type not in ("cuda", "cpu") or \
+            not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+        return None
+    if not getattr(inner, "_step_supports_amp_scaling", False) or not all(g.get("fused") for g in inner.param_groups):
+        return None
+    return inner if fused_adam_skips_on(norm.device.type) else None
+
+
+@dataclass
+class PendingVerdict:
+    """One step's verdict on its way to the host: 1.0 where the norm was NaN/inf."""
+
+    step: int
+    on_host: torch.Tensor  # from a GPU: pinned, filled by a non-blocking copy
+    copied: torch.cuda.Event | None  # None: computed on the CPU, there already
+
+    @classmethod
+    def of(cls, step: int, bad: torch.Tensor) -> PendingVerdict:
+        if not bad.is_cuda:
+            return cls(step, bad, None)
+        on_host = torch.empty((), dtype=bad.dtype, pin_memory=True)
+        on_host.copy_(bad, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        return cls(step, on_host, copied)
+
+    def ready(self) -> bool:
+        return self.copied is None or self.copied.query()
+
+    def bad(self) -> bool:
+        if self.copied is not None:
+            self.copied.synchronize()  # long done where ready() said so
+        return bool(self.on_host.item())
+
+
 class NonFiniteGuard(TrainerCallback):
     def __init__(self, policy: str = "stop", last_checkpoint=lambda: None, resume_command: str = ""):
         self.policy = policy
@@ -57,6 +125,8 @@ class NonFiniteGuard(TrainerCallback):
         self.skipped = 0
         self.checked_gradients = False
         self.clip_norm: torch.Tensor | None = None  # this step's total gradient norm, from the Trainer's clipping
+        self.pending: list[PendingVerdict] = []  # verdicts taken on the GPU, not read yet
+        self.skipping_on: torch.optim.Optimizer | None = None  # the optimizer holding this step's found_inf
 
     def saw_norm(self, norm) -> None:
         """The total gradient norm of this optimizer step, as the Trainer computed it for clipping and logging
@@ -65,9 +135,17 @@ class NonFiniteGuard(TrainerCallback):
         memory traffic a step). Under DeepSpeed it is the engine's, after its step: not used (see on_log)."""
         self.clip_norm = norm if isinstance(norm, torch.Tensor) else None
 
-    def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kwargs):
         norm, self.clip_norm = self.clip_norm, None
         if args.fp16 or model is None:
+            return
+        self._read_verdicts(wait=False)  # earlier steps' verdicts that have reached the host
+        if (inner := skips_on_device(optimizer, norm)) is not None:
+            bad = (~torch.isfinite(norm)).float()
+            inner.found_inf = bad  # the fused kernel leaves weights, moments and step counts alone where it is 1
+            self.skipping_on = inner
+            self.pending.append(PendingVerdict.of(state.global_step + 1, bad))
+            self.checked_gradients = True
             return
         # A plain tensor: the norm of every gradient of the model, the same on every rank (DDP's are all-reduced,
         # FSDP1's clip reduces over shards). A DTensor (FSDP2) or none (TP, DeepSpeed): ask the gradients.
@@ -81,12 +159,41 @@ class NonFiniteGuard(TrainerCallback):
         if self.policy == "skip":
             for p in model.parameters():
                 p.grad = None
-            self.skipped += 1
-            logger.warning(f"step {step}: NaN/inf loss or gradient; the step was skipped (no weight changed), "
-                           f"{self.skipped} skipped so far.")
+            self._skipped(step)
             return
         self._stop(f"step {step}: the loss or a gradient is NaN/inf; stopped before the optimizer step, so no "
                    f"weight took the bad update")
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        if self.skipping_on is not None:  # the verdict was this step's only
+            del self.skipping_on.found_inf
+            self.skipping_on = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        # a checkpoint, log or evaluation comes next (or the end): it must not come from a step that was bad
+        if control.should_save or control.should_log or control.should_evaluate or control.should_training_stop \
+                or state.global_step >= state.max_steps:
+            self._read_verdicts(wait=True)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._read_verdicts(wait=True)
+
+    def _read_verdicts(self, wait: bool) -> None:
+        while self.pending and (wait or self.pending[0].ready()):
+            verdict = self.pending.pop(0)
+            if not verdict.bad():
+                continue
+            if self.policy == "skip":
+                self._skipped(verdict.step)
+                continue
+            self.pending.clear()
+            self._stop(f"step {verdict.step}: the loss or a gradient is NaN/inf; the optimizer skipped that "
+                       f"step's update, so no weight took it")
+
+    def _skipped(self, step: int) -> None:
+        self.skipped += 1
+        logger.warning(f"step {step}: NaN/inf loss or gradient; the step was skipped (no weight changed), "
+                       f"{self.skipped} skipped so far.")
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs is None:

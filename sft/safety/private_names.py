@@ -49,6 +49,8 @@ CLIP_GRAD_NORM = PrivateName("transformers", TRAINER, "Trainer._clip_grad_norm",
                              TESTED_TRANSFORMERS, "the folded gradient clipping of --optim adamw_bf16_sr")
 GET_GRAD_NORM = PrivateName("transformers", TRAINER, "Trainer._get_grad_norm", ("self", "model", "grad_norm"),
                             TESTED_TRANSFORMERS, "the NaN guard's look at the gradient norm")
+TRACK_NUM_INPUT_TOKENS = PrivateName("transformers", TRAINER, "Trainer._track_num_input_tokens", ("self", "inputs"),
+                                     TESTED_TRANSFORMERS, "the token count made on the host (no wait for the GPU)")
 SAVE_CHECKPOINT = PrivateName("transformers", TRAINER, "Trainer._save_checkpoint", ("self", "model", "trial"),
                               TESTED_TRANSFORMERS, "tensor-parallel checkpoints that resume")
 LOAD_FROM_CHECKPOINT = PrivateName("transformers", TRAINER, "Trainer._load_from_checkpoint",
@@ -114,7 +116,7 @@ PRIVATE_NAMES = (CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPOINT, LOAD_FROM_CHECK
                  PEFT_INPUT_CAST, ACCELERATE_ORIGINAL_FORWARD, TORCHAO_ADAM_LOAD,
                  TORCHAO_SUBCLASS_ZEROS, TORCHAO_SINGLE_PARAM_ADAM, DTENSOR_CACHE_KEY, DUCK_SHAPE,
                  SKIP_SIDE_EFFECTS_IN_RECOMPUTE, HF_DEEPSPEED_CONFIG, FSDP_STATE, DDP_IGNORE, CONVERSION_MAPPING,
-                 TENSOR_VERSION, TENSOR_BASE)
+                 TENSOR_VERSION, TENSOR_BASE, TRACK_NUM_INPUT_TOKENS)
 
 
 @functools.cache  # read once per process: a library's version does not change under a running process

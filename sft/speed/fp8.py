@@ -56,10 +56,19 @@ def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return quantize_rows(x)
 
 
-def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor,
+                  fast_accum: bool = False) -> torch.Tensor:
     """(a * a_scale) @ (b_t * b_scale^T)^T in bf16: a [M, K] e4m3 row-major, b_t [N, K] e4m3 row-major (so its
-    transpose is the column-major operand _scaled_mm wants), scales [M, 1] and [1, N]."""
-    return torch._scaled_mm(a, b_t.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16)
+    transpose is the column-major operand _scaled_mm wants), scales [M, 1] and [1, N]. `fast_accum`: Hopper's FP8
+    accumulation without the periodic promotion to fp32 (faster, fewer accumulator bits), as torchao's float8
+    recipes use for the forward's output matmul only (SFT_FP8_FAST_ACCUM=1; off until measured on a GPU)."""
+    return torch._scaled_mm(a, b_t.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16,
+                            use_fast_accum=fast_accum)
+
+
+def forward_matmul(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
+    """The forward's x @ W^T: scaled_matmul, with fast accumulation where the launch asks for it (gradients never)."""
+    return scaled_matmul(a, a_scale, b_t, b_scale, fast_accum=a.is_cuda and launch().fp8_fast_accum)
 
 
 def quantized_matmul(a: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
@@ -88,7 +97,8 @@ def fp8_matmul(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scal
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, weight_t: torch.Tensor,
                weight_t_scale: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ W^T in bf16, W held as `weight` [N, K] (its gradient path as `weight_t` [K, N])."""
-    return quantized_matmul(x, weight, weight_scale)
+    q, scale = quantize(x)
+    return forward_matmul(q, scale, weight, weight_scale)
 
 
 @torch.library.custom_op("sft::fp8_linear_input_grad", mutates_args=())
@@ -102,7 +112,7 @@ def fp8_linear_quantized(x: torch.Tensor, x_q: torch.Tensor, x_scale: torch.Tens
                          weight_scale: torch.Tensor, weight_t: torch.Tensor,
                          weight_t_scale: torch.Tensor) -> torch.Tensor:
     """fp8_linear with x quantized by the caller (x_q, x_scale = quantize_rows(x)); x itself is not read."""
-    return scaled_matmul(x_q, x_scale, weight, weight_scale)
+    return forward_matmul(x_q, x_scale, weight, weight_scale)
 
 
 def _matmul_shape(a, a_scale, b_t, b_scale):
