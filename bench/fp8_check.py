@@ -8,6 +8,7 @@ line at the end, exit status 1 on a FAIL.
     python bench/fp8_check.py --part loss --candidate compile   # --compile_layers (bf16) against plain bf16
     python bench/fp8_check.py --part loss --candidate fp8,fp8-compile   # several, sharing the bf16 runs
     python bench/fp8_check.py --part loss --shape deepseek-v2-lite --candidate quantize-experts  # issue 26 item 1
+    python bench/fp8_check.py --part loss --shape deepseek-v2-lite --candidate quantize-experts,quantize-experts-compile
     python bench/fp8_check.py --cpu_smoke           # this script's plumbing on a CPU: tiny shapes, no verdict
 
 Layers: each projection shape of deepseek-llm-7b (q/k/v/o 4096x4096, gate/up 4096->11008, down 11008->4096), with
@@ -161,11 +162,14 @@ def _build(shape: str, tokenizer_dir: str, path: str, num_layers: int) -> None:
 CANDIDATES = {"fp8": ["--fp8", "true"], "compile": ["--compile_layers", "true"],
               "fp8-compile": ["--fp8", "true", "--compile_layers", "true"],
               "fp32": ["--bf16", "false", "--dtype", "float32"],
-              # V2-Lite's frozen routed experts held in e4m3 (issue 26 item 1; --shape deepseek-v2-lite)
-              "quantize-experts": ["--quantize_experts", "fp8"]}
+              # V2-Lite's frozen routed experts held in e4m3 (issue 26 item 1; --shape deepseek-v2-lite), eager and
+              # in compiled layers (the resident plan's fastest measured row, run 20261205T0515Z-next)
+              "quantize-experts": ["--quantize_experts", "fp8"],
+              "quantize-experts-compile": ["--quantize_experts", "fp8", "--compile_layers", "true"]}
 # options every run of the check takes (the bf16 twins too) when a candidate needs them: the quantized experts are
 # dequantized layer by layer under activation checkpointing, which changes no loss
-SHARED_OPTIONS = {"quantize-experts": ["--activation_checkpointing", "true"]}
+SHARED_OPTIONS = {name: ["--activation_checkpointing", "true"]
+                  for name in ("quantize-experts", "quantize-experts-compile")}
 
 
 # --method: LoRA (the base in FP8, sft/speed/fp8.py), or a full fine-tune (every decoder linear layer in FP8
@@ -287,9 +291,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.part in ("all", "loss"):
         if args.data is None or args.tokenizer is None:
             p.error("no data/tokenizer: carry .benchdata, or give --data and --tokenizer")
-        if args.cpu_smoke:  # --fp8 refuses a CPU: the bf16 run's plumbing, and the candidates a CPU runs
+        if args.cpu_smoke:  # --fp8 refuses a CPU: the bf16 run's plumbing, and the candidates a CPU runs (the
+            # compiled layers too, through inductor's CPU backend)
             model = build_model(args, args.workdir / "model")
-            labels = ["bf16", *[c for c in args.candidates if not {"--fp8", "--compile_layers"} & {*CANDIDATES[c]}]]
+            labels = ["bf16", *[c for c in args.candidates if "--fp8" not in CANDIDATES[c]]]
             summary["loss"] = {label: train(args, model, 0, label) for label in labels}
         else:
             summary["loss"] = loss(args)

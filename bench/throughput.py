@@ -338,11 +338,9 @@ GROUPS = {
     # against the peers' offload recipe (run with --fresh_cache)
     "box": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit-fp8", "full-fsdp-4bit", "peer-mb1"],
     "recipes": ["recipe-coder-lora", "recipe-r1-lora", "recipe-v2-lite-lora"],
-    # not measured yet (after run 20261205T0235Z-next, whose mb4 row is the eager twin): V2-Lite resident with compiled
-    # layers (issue 26 items 1 and 3), V2-Lite LoRA uncapped with the defaults (its MoE layers now compile whole:
-    # never run on CUDA), resident at micro-batch 6, the 16k long rows (issue 27 item 1)
-    "next": ["moe-lora-resident-1-mb4-compile", "moe-lora", "moe-lora-resident-1-mb6", "long-r1-16k",
-             "long-llm-16k"],
+    # not measured yet: the 16k long rows (issue 27 item 1). Run 20261205T0515Z-next measured the rest of this group
+    # (V2-Lite resident with compiled layers, moe-lora, resident at micro-batch 6: groups resident and moe)
+    "next": ["long-r1-16k", "long-llm-16k"],
     # --compile_layers beside the plain rows and TRL's best, same run (2026-12-01, evening)
     "compile": ["lora-best-fp8-compile", "lora-best-compile", "lora-best", "trl-lora-best", "lora-best-fp8"],
     # why lora-best-compile logged a lower loss with the same gradient norms: not Liger's in-layer kernels

@@ -303,6 +303,33 @@ def test_resident_row_is_predicted_within_the_memory_models_error():
     assert abs(x["err_smi"]) <= 0.065 and abs(x["err_reserved"]) <= plan.HEADROOM
 
 
+def test_compiled_layers_of_a_resident_plan_are_fitted_on_its_eager_twin():
+    """--compile_layers in the resident plan held less than its eager twin (moe-lora-resident-1-mb4-compile, run
+    20261205T0515Z-next, against moe-lora-resident-1-mb4 of 0235Z: 19.96 against 20.82 GiB reserved), where a dense
+    LoRA's compiled layers hold more: the resident kind has its own fit, counted in one MoE layer's dequantized
+    experts, which the dense rows' share does not read; the row is predicted within the memory model's error."""
+    results = {(x["name"], x["run_id"]): x for x in plan.check_rows()}
+    compiled = results[("moe-lora-resident-1-mb4-compile", "20261205T0515Z-next")]
+    eager = results[("moe-lora-resident-1-mb4", "20261205T0235Z-next")]
+    assert (compiled["fast"], compiled["resident"]) == ("compiled", True)
+    assert abs(compiled["err_reserved"]) <= plan.HEADROOM and abs(compiled["err_smi"]) <= 0.065
+    moved = compiled["pred_reserved"] - eager["pred_reserved"]
+    assert moved == pytest.approx(compiled["reserved"] - eager["reserved"], abs=0.01) and moved < 0
+    table = plan.fitted()["fast_path_memory"]
+    share, why = table["resident"]["compiled"]
+    assert share < 0 and "moe-lora-resident-1-mb4-compile" in why and "dequantized experts" in why
+    assert "resident" not in table["lora"]["compiled"][1] and "fp8" not in table["resident"]
+    # a resident plan with FP8 (no resident row ran with it) takes LoRA's share of its activations
+    shape = plan.SHAPES["deepseek-v2-lite"]
+    w = plan.Workload("single_gpu", Setup("lora"), 1, 4, 2048, True, fused_loss=False, chunked_loss=True,
+                      resident=True)
+    fp8 = dataclasses.replace(w, fp8=True)
+    assert plan.fast_path_bytes(shape, fp8) == pytest.approx(
+        table["lora"]["fp8"][0] * plan.whole_layer_activations(shape, fp8))
+    assert plan.fast_path_bytes(shape, dataclasses.replace(w, compiled=True)) == pytest.approx(
+        share * 2 * 64 * 3 * 2048 * 1408)
+
+
 def test_resident_speed_is_read_from_its_own_rows():
     """The resident rows speak for resident plans only (the dequantization is their own work), at today's speed
     (the eager dequantization's row is left out), counted so that the measured configuration predicts its tok/s."""
@@ -313,13 +340,15 @@ def test_resident_speed_is_read_from_its_own_rows():
                                             resident_experts=True)
     _, plain = plan.mfu_reference("single_gpu", "lora", True, model=shape.name)
     assert "resident" not in plain
-    # the median of the two rows at today's speed predicts each measured configuration within 5% (2040Z's 10,694
-    # was eager)
-    for micro_batch, measured in ((8, 12273), (4, 11386)):  # runs 20261204T2105Z-resident, 20261205T0235Z-next
+    # the median of the eager rows at today's speed predicts each measured configuration within 8% (2040Z's 10,694
+    # had the eager dequantization): one MFU per kind of plan, and micro-batches 4 to 8 moved it by 7% either way;
+    # the compiled layers' one row predicts itself (runs 20261204T2105Z-resident, 20261205T0235Z-next, 0515Z-next)
+    for micro_batch, compiled, measured in ((8, False, 12273), (4, False, 11386), (6, False, 13182),
+                                            (4, True, 16922)):
         w = plan.Workload("single_gpu", Setup("lora"), 1, micro_batch, 2048, True, fused_loss=False,
-                          chunked_loss=True, resident=True)
+                          chunked_loss=True, resident=True, compiled=compiled)
         tok_s, _ = plan.tokens_per_second(shape, w, plan.GPU_KINDS["H200"].peak_flops)
-        assert tok_s == pytest.approx(measured, rel=0.05)
+        assert tok_s == pytest.approx(measured, rel=0.08 if not compiled else 0.01), (micro_batch, compiled)
 
 
 def test_resident_loss_chunk_is_the_chunked_loss():

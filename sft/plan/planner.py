@@ -17,7 +17,8 @@ weights, gradients, optimizer, masters, DDP buckets), plus activations (checkpoi
 kept whole, the backward working set of one layer, the logits unless Liger's fused loss is used), plus the
 sharded strategies' transient buffers (all-gathered layers and their gradients); what PyTorch's allocator keeps
 cached on top (fitted), and the CUDA context and NCCL buffers that nvidia-smi adds (fitted); the fast paths' own
-share of the activations (fitted on their rows: fast_path_memory). Rows over 4,096 tokens are long rows
+share of the activations (fitted on their rows: fast_path_memory; a resident plan's compiled layers, of its
+dequantized experts). Rows over 4,096 tokens are long rows
 (sft/plan/long_rows.py): one conversation each, with the MLP tile and offloaded checkpoints where a plan needs them
 to fit, and their speed from the long-document bench rows; a long row of a dense model is also planned split over N
 cards by --sequence_parallel (sft/plan/sequence_parallel.py: ZeRO-3 or ZeRO-2, first principles, its speed from the
@@ -495,15 +496,33 @@ def whole_layer_activations(shape: Shape, w: Workload) -> float:
 
 def fast_path_bytes(shape: Shape, w: Workload) -> float:
     """What the plan's fast paths add to its peak (negative: what they save), per the snapshot's fit
-    (fast_path_memory): a share of the whole layers' activations for each path on, by method. The compiled layers
-    keep inductor's own saved tensors and workspaces; LoRA's FP8 base adds its quantized activations and scales;
-    torchao's float8 training saves its matmul inputs in FP8, half of bf16's bytes, so a full fine-tune's share is
-    negative."""
+    (fast_path_memory): for each path on, a share of its kind's unit (fast_path_unit), by kind of plan. The compiled
+    layers keep inductor's own saved tensors and workspaces; LoRA's FP8 base adds its quantized activations and
+    scales; torchao's float8 training saves its matmul inputs in FP8, half of bf16's bytes, so a full fine-tune's
+    share is negative. A resident plan's compiled layers change what its MoE layers' dequantized experts hold (one
+    layer's bf16 copies, not its activations: measured less memory than eager): its own fit where a resident row
+    ran with them beside its eager twin, else LoRA's."""
     if not (w.fp8 or w.compiled):
         return 0.0
-    table = fitted()["fast_path_memory"]["full" if w.setup.method == "full" else "lora"]
-    share = (table["compiled"][0] if w.compiled else 0.0) + (table["fp8"][0] if w.fp8 else 0.0)
-    return share * whole_layer_activations(shape, w)
+    memory, total = fitted()["fast_path_memory"], 0.0
+    for name in [n for n, on in (("compiled", w.compiled), ("fp8", w.fp8)) if on]:
+        kind = fast_path_kind(w)
+        if name not in memory.get(kind, {}):  # no row of this kind ran with the path: LoRA's share (a resident plan)
+            kind = "lora"
+        total += memory[kind][name][0] * fast_path_unit(shape, w, kind)
+    return total
+
+
+def fast_path_kind(w: Workload) -> str:
+    """Which fit of fast_path_memory speaks for a plan (or a row): a resident plan's own (--quantize_experts fp8),
+    a full fine-tune's, else LoRA's (QLoRA's too)."""
+    return "resident" if w.resident else "full" if w.setup.method == "full" else "lora"
+
+
+def fast_path_unit(shape: Shape, w: Workload, kind: str) -> float:
+    """What a kind's fast-path shares are shares of: one MoE layer's dequantized experts for the resident kind
+    (resident.dequantized_layer_bytes), else the whole layers' activations (whole_layer_activations)."""
+    return resident.dequantized_layer_bytes(shape) if kind == "resident" else whole_layer_activations(shape, w)
 
 
 def predict(shape: Shape, w: Workload) -> Prediction:
@@ -1179,35 +1198,37 @@ def _split_numbers(path: Path, model: str | None, kinds: list[tuple]) -> dict:
 
 
 def fast_path_memory(path: Path = RESULTS) -> dict:
-    """{lora|full: {compiled|fp8: [share, why]}}: what each fast path adds to the peak reserved memory (negative:
-    saves), as a share of the whole layers' activations (whole_layer_activations; fast_path_bytes adds it). Fitted on
-    the rows that ran with the path against their twins without it (the same model, workload, allocator cap and
-    other options; in any run: the median of the twins' peaks): the sum of the differences over the sum of those
-    rows' whole-layer activations. A pair where either peak is within 0.5 GiB of its cap is left out (the cap hides
-    the difference). A QLoRA plan takes LoRA's numbers. Rows split over ranks (--sequence_parallel) are left out:
-    their slices and all-to-alls are no other plan's memory."""
+    """{lora|full|resident: {compiled|fp8: [share, why]}}: what each fast path adds to the peak reserved memory
+    (negative: saves), as a share of its kind's unit (fast_path_unit: the whole layers' activations, or for resident
+    plans one MoE layer's dequantized experts; fast_path_bytes adds it). Fitted on the rows that ran with the path
+    against their twins without it (the same model, workload, allocator cap and other options; in any run: the
+    median of the twins' peaks): the sum of the differences over the sum of those rows' units. A pair where either
+    peak is within 0.5 GiB of its cap is left out (the cap hides the difference). A QLoRA plan takes LoRA's numbers;
+    the resident kind holds only the paths some resident row ran with beside its twin (fast_path_bytes takes LoRA's
+    for the others). Rows split over ranks (--sequence_parallel) are left out: their slices and all-to-alls are no
+    other plan's memory."""
     rows = [r for r in measured_rows(path) if split_size(r) == 1]
     twins: dict[tuple, list[dict]] = {}
     for r in rows:
         twins.setdefault(_twin_key(r), []).append(r)
     out: dict[str, dict] = {}
-    for method in ("lora", "full"):
-        out[method] = {}
+    for kind in ("lora", "full", "resident"):
+        out[kind] = {}
         for name in ("compiled", "fp8"):
-            pairs = []  # (row, its peak over its twins', its whole layers' activations), GiB
+            pairs = []  # (row, its peak over its twins', its kind's unit), GiB
             for r in rows:
-                fast = fast_of_row(r)
-                if ("full" if r["method"] == "full" else "lora") != method or not getattr(fast, name):
+                fast, w = fast_of_row(r), workload_of_row(r)
+                if fast_path_kind(w) != kind or not getattr(fast, name):
                     continue
                 without = FastPaths(fast.fp8 and name != "fp8", fast.compiled and name != "compiled").label
                 peaks = [t["peak_mem_gib"] for t in twins[_twin_key(r)] if fast_of_row(t).label == without]
                 cap = r.get("mem_cap_gib") or math.inf
                 if peaks and max(r["peak_mem_gib"], *peaks) < cap - 0.5:
-                    w = workload_of_row(r)
-                    x = whole_layer_activations(row_shape(r), w) / GIB
+                    x = fast_path_unit(row_shape(r), w, kind) / GIB
                     pairs.append((r, r["peak_mem_gib"] - statistics.median(peaks), x))
             if not pairs:
-                out[method][name] = [0.0, "no row ran with it beside a twin without it: counted as nothing"]
+                if kind != "resident":
+                    out[kind][name] = [0.0, "no row ran with it beside a twin without it: counted as nothing"]
                 continue
             share = sum(d for _, d, _ in pairs) / sum(x for *_, x in pairs)
             by_name: dict[str, list[float]] = {}
@@ -1216,8 +1237,9 @@ def fast_path_memory(path: Path = RESULTS) -> dict:
             named = ", ".join(f"{n} {min(d):+.2f}" + (f" to {max(d):+.2f}" if len(d) > 1 else "") + " GiB"
                               for n, d in sorted(by_name.items()))
             rows_said = f"{len(pairs)} rows against their" if len(pairs) > 1 else "1 row against its"
-            out[method][name] = [share, f"{share:+.3f} x the whole layers' activations, from {rows_said} twins "
-                                        f"without {FAST_PATH_NAMES[name]} ({named})"]
+            unit = "one MoE layer's dequantized experts" if kind == "resident" else "the whole layers' activations"
+            out[kind][name] = [share, f"{share:+.3f} x {unit}, from {rows_said} twins without "
+                                      f"{FAST_PATH_NAMES[name]} ({named})"]
     return out
 
 

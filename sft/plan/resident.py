@@ -8,6 +8,11 @@ layer's bf16 experts are the plan's own transient. The experts stay whole on eve
 computes its loss in chunks (--chunked_loss), as its bench rows ran: the whole logits of micro-batch 8 would take
 more than the card.
 
+Under --compile_layers the plan held less than eager at the same micro-batch (moe-lora-resident-1-mb4-compile,
+run 20261205T0515Z-next: 19.96 against 20.82 GiB reserved), where a dense LoRA's compiled layers hold more: the
+planner's fit of the compiled layers' memory for resident plans is their own, in units of dequantized_layer_bytes
+(planner.fast_path_memory, kind "resident").
+
 Its speed is read from the bench rows that ran with --quantize_experts fp8 only (the dequantization is work no other
 row does), their MFU counted in the planner's FLOPs (the routed experts at their measured cost), so that a plan of
 the measured configuration predicts the measured tok/s.
