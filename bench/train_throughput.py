@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import bisect
 import datetime as dt
+import gc
 import json
 import os
 import shlex
@@ -413,6 +414,7 @@ def make_row(args, ranks: list[dict], monitor: Monitor, wall: float, cpu: bool) 
         "kernel_ms": r0.get("kernel_ms"),
         "kernel_ms_total": r0.get("kernel_ms_total"),
         "idle_ms": r0.get("idle_ms"),  # where the GPU waited on the host, by host op (profiled steps)
+        "gc_ms": r0.get("gc_ms"), "gc_longest": r0.get("gc_longest"), "step_seconds": r0.get("step_seconds"),
         "step_s": r0.get("step_s"),
         "tokens_per_step": r0.get("tokens_per_step"),
         "first_step_s": r0.get("first_step_s"),
@@ -607,6 +609,16 @@ def _bench_callback(spec: dict, rank: int):
 
         def on_train_begin(self, args, state, control, **kwargs):
             self.mark, self.seen = time.perf_counter(), state.num_input_tokens_seen
+            self.gc_pauses: list[tuple[int, int, float]] = []  # (step under way, generation, ms) of each collection
+            self.gc_started = 0.0
+            gc.callbacks.append(self._gc_timer)
+
+        def _gc_timer(self, phase: str, info: dict) -> None:
+            if phase == "start":
+                self.gc_started = time.perf_counter()
+            else:
+                self.gc_pauses.append((len(self.steps) + 1, info["generation"],
+                                       (time.perf_counter() - self.gc_started) * 1e3))
 
         def on_step_end(self, args, state, control, model=None, **kwargs):
             now = time.perf_counter()
@@ -649,7 +661,9 @@ def _bench_callback(spec: dict, rank: int):
             self.prof = None
 
         def on_train_end(self, args, state, control, **kwargs):
+            gc.callbacks.remove(self._gc_timer)
             measured = [(tokens, seconds) for step, tokens, seconds in self.steps if warmup < step <= warmup + steps]
+            in_measured = [(step, gen, ms) for step, gen, ms in self.gc_pauses if warmup < step <= warmup + steps]
             tokens, seconds = sum(t for t, _ in measured), sum(s for _, s in measured)
             cuda = torch.cuda.is_available()
             result = {"rank": rank, "measured_steps": len(measured),
@@ -660,6 +674,11 @@ def _bench_callback(spec: dict, rank: int):
                       # user's first run waits for before the steady rate
                       "first_step_s": round(self.steps[0][2], 1) if self.steps else None,
                       "callback_mfu": self.callback_mfu,
+                      # the garbage collector's pauses in the measured steps: total ms, and the longest (step, gen, ms)
+                      "gc_ms": round(sum(ms for *_, ms in in_measured), 1),
+                      "gc_longest": max(in_measured, key=lambda p: p[2], default=None),
+                      # each measured step's seconds: a slow one stands out
+                      "step_seconds": [round(s, 3) for step, _, s in self.steps if warmup < step <= warmup + steps],
                       "loss_first_last": ([self.logged_losses[0], self.logged_losses[-1]] if self.logged_losses
                                           else None),
                       "max_reserved_gib": torch.cuda.max_memory_reserved() / GIB if cuda else None,

@@ -50,6 +50,7 @@ from sft.parallel.expert_parallel import autoep_block, check_expert_parallel
 from sft.safety.guards import LossSpikeLogger, NonFiniteGuard
 from sft.safety.interrupts import (SIGTERM_MARK, end_with_launcher, exit_code, ignore_further_interrupts,
                                    launcher_gone, leave_now, signal_name, stop_on_sigterm, tell_user)
+from sft.speed.gc_freeze import FreezeLongLivedObjects
 from sft.speed.lowbit import prepare_optimizer
 from sft.model.families import check_family, refuse_unsupported
 from sft.model.loading import (PartialCheckpointing, check_lora_targets, check_safetensors_weights, load_config,
@@ -211,6 +212,7 @@ def train(run: Run, seams: Seams) -> int:
         overview,  # the first screen (rank 0)
         ThroughputCallback(flops_per_token(model, lora_args.lora), peak_flops()),  # real tok/s, MFU, memory
         LastStepLogged(),  # a run shorter than --logging_steps still logs its loss
+        FreezeLongLivedObjects(),  # after the first step: no full garbage collection walks the compiled graphs
         *seams.callbacks,
         checkpoint_callback(verifier),  # verified, complete-marked, rotated checkpoints
         CompleteRunCheck(),  # a resumed run already at its last step trains no step past it

@@ -142,7 +142,7 @@ def fast_paths_where_supported(o: Options, m: Machine) -> None:
                          "compiled layers on (--compile_layers false turns them off)")
     if md.fp8 == "auto":
         why = "no GPU" if not m.cuda else m.fp8_problem() or _refusal(fp8_combinations, o, m, "fp8") or _refusal(
-            fp8_base_needs, o, m, "fp8") or full_fp8_unmeasured(o)
+            fp8_base_needs, o, m, "fp8") or full_fp8_unmeasured(o) or resident_fp8_unmeasured(o)
         md.fp8 = "false" if why else "true"
         if m.cuda:
             notes.append(f"FP8 off ({why})" if why else "FP8 on (compute capability "
@@ -155,6 +155,14 @@ def full_fp8_unmeasured(o: Options) -> str | None:
     kernels in eager code)."""
     if not o.lora.lora and not o.model.compile_layers_on:
         return "a full fine-tune in FP8 needs the compiled layers to be fast: --fp8 true to try it eager"
+    return None
+
+
+def resident_fp8_unmeasured(o: Options) -> str | None:
+    """The resident plan's rows and loss checks ran with the MLA and shared-expert layers in bf16 (--fp8 false):
+    FP8 beside the e4m3 experts is on by default only once it is measured so."""
+    if getattr(o.model, "quantize_experts", "none") != "none":
+        return "not yet measured beside --quantize_experts; --fp8 true to try"
     return None
 
 
