@@ -102,14 +102,10 @@ def test_the_first_screen_says_what_was_chosen():
             "8.9; --fp8 false turns it off)") in text.splitlines()
 
 
-def test_quantized_experts_get_compiled_layers_by_default():
-    """Measured on one H200 held to 24 GiB (V2-Lite resident, micro-batch 4 x 2): 1.49x the eager layers in less
-    memory (runs 20261205T0515Z-next, 20261205T0235Z-next); false still turns them off."""
+def test_quantized_experts_get_no_compiled_layers_by_default():
     m = settled(gpu(), "--lora", "--quantize_experts", "fp8", "--activation_checkpointing", "true")
-    assert m.compile_layers_on and m.speed_choices[0] == "compiled layers on (--compile_layers false turns them off)"
+    assert not m.compile_layers_on
+    assert "beside --quantize_experts: 1.49x, its GPU loss check not run yet" in m.speed_choices[0]
     # FP8 for the MLA projections beside the e4m3 experts: not measured, so not by default
     assert not m.fp8_on and m.speed_choices[1] == "FP8 off (not yet measured beside --quantize_experts; --fp8 true " \
         "to try)"
-    m = settled(gpu(), "--lora", "--quantize_experts", "fp8", "--activation_checkpointing", "true",
-                "--compile_layers", "false")
-    assert not m.compile_layers_on

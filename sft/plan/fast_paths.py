@@ -69,9 +69,7 @@ class _ModelOptions(FastPathSwitches):
     fp8: str
     compile_layers: str
     tp_size: int = 1
-    # --quantize_experts, as the run has it: the rule and checks are asked with it, so that a rule on it reaches the
-    # plans (compiled layers were off beside it until run 20261205T0515Z-next measured them; none reads it now)
-    quantize_experts: str = "none"
+    quantize_experts: str = "none"  # compiled layers beside it: off by default until their GPU loss check (resolve.py)
     speed_choices: tuple[str, ...] = ()
 
 
@@ -90,7 +88,7 @@ def described_machine(gpu: str, gpus: int, memory_gib: float) -> Machine:
 def fast_paths(machine: Machine, strategy: str, world: int, method: str, asked: Asked = Asked(),
                quantize_experts: str = "none") -> FastPaths:
     """What a run of `method` (lora, qlora, full) under `strategy` on `world` of `machine`'s GPUs runs with, for the
-    --fp8/--compile_layers `asked` (and its --quantize_experts, described too): sft/options/resolve.py's rule,
+    --fp8/--compile_layers `asked` (and --quantize_experts, which the rule reads): sft/options/resolve.py's rule,
     then the checks an option set to true meets."""
     s = STRATEGIES[strategy]
     m = dataclasses.replace(machine, launch=s.launch(world))
