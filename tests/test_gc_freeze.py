@@ -11,11 +11,11 @@ from sft.speed.gc_freeze import FreezeLongLivedObjects
 def test_the_first_step_end_freezes_and_the_run_end_gives_back():
     callback = FreezeLongLivedObjects()
     state, control = SimpleNamespace(global_step=1), SimpleNamespace()
-    assert gc.get_freeze_count() == 0
+    before = gc.get_freeze_count()  # 0, unless a run that failed earlier in this process froze and never ended
     try:
         callback.on_step_end(None, state, control)
         frozen = gc.get_freeze_count()
-        assert frozen > 0
+        assert frozen > before
         kept = [object()]  # made after the freeze: a later collection still walks it
         callback.on_step_end(None, state, control)  # once per run
         assert gc.get_freeze_count() == frozen and kept
