@@ -338,9 +338,10 @@ GROUPS = {
     # against the peers' offload recipe (run with --fresh_cache)
     "box": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit-fp8", "full-fsdp-4bit", "peer-mb1"],
     "recipes": ["recipe-coder-lora", "recipe-r1-lora", "recipe-v2-lite-lora"],
-    # not measured yet: the 16k long rows (issue 27 item 1). Run 20261205T0515Z-next measured the rest of this group
-    # (V2-Lite resident with compiled layers, moe-lora, resident at micro-batch 6: groups resident and moe)
-    "next": ["long-r1-16k", "long-llm-16k"],
+    # the next GPU session's rows: LoRA against TRL with the garbage collector frozen after the first step (issue 28
+    # item 2; run 20261205T0550Z-lora2x had one slow step in each of our rows), then the 16k long rows (issue 27
+    # item 1). Also due there: bench/fp8_check.py's loss checks of quantize-experts-compile and of SFT_FP8_FAST_ACCUM
+    "next": ["trl-lora-best", "lora-best-default", "lora-best-default-fastaccum", "long-r1-16k", "long-llm-16k"],
     # --compile_layers beside the plain rows and TRL's best, same run (2026-12-01, evening)
     "compile": ["lora-best-fp8-compile", "lora-best-compile", "lora-best", "trl-lora-best", "lora-best-fp8"],
     # why lora-best-compile logged a lower loss with the same gradient norms: not Liger's in-layer kernels
