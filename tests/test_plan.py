@@ -677,7 +677,9 @@ def test_a_lora_plan_on_the_default_box_runs_fp8_and_the_compiled_layers_and_cou
     best = plan.best_plan(plans)
     assert (best.w.strategy, best.w.fast) == ("ddp", "fp8+compiled")
     plain = plan.predict(shape, plan.Workload("ddp", Setup("lora"), 3, best.w.micro_batch, 2048, best.w.checkpointing))
-    assert best.prediction.parts["fast_paths"] > 0 and best.prediction.smi_gib > plain.smi_gib
+    # the compiled layers' share is counted against layers without Liger's kernels (Liger keeps only its loss beside
+    # them): negative, yet the plan holds more than its eager twin with Liger, as the bench rows measured
+    assert best.prediction.parts["fast_paths"] != 0 and best.prediction.smi_gib > plain.smi_gib
     assert "lora-1-fp8-compile" in best.tok_s_source and "no row of this kind with" not in best.tok_s_source
     by_strategy = {p.w.strategy: p.w.fast for p in plans}
     assert by_strategy["fsdp"] == "compiled" and by_strategy["zero2"] == by_strategy["zero3"] == ""  # as resolve.py
@@ -714,7 +716,9 @@ def test_the_fast_paths_memory_is_fitted_on_their_bench_rows_and_checked_there()
         assert results[name]["fast"] == fast, name
         assert abs(results[name]["err_reserved"]) <= plan.HEADROOM, name
     table = plan.fitted()["fast_path_memory"]
-    assert table["lora"]["compiled"][0] > table["lora"]["fp8"][0] > 0 > table["full"]["fp8"][0]  # FP8 activations
+    # FP8 activations; the compiled layers' shares are counted against layers without Liger's kernels (Liger keeps only
+    # its loss beside them): what they add over an eager twin with Liger is checked below, as measured
+    assert table["lora"]["fp8"][0] > 0 > table["full"]["fp8"][0]
     # a pair measured apart: the prediction moves with the measured difference (GiB)
     for fast, plain, measured in [("lora-best-compile", "lora-best", 6.08), ("lora-1-compile", "lora-1", 0.56),
                                   ("full-fp8", "full-sr16", 63.73 - 70.15)]:
@@ -1121,7 +1125,7 @@ def test_the_planner_prints_the_split_plans_command_and_it_runs(monkeypatch, cap
     argv = ["--model", R1, "--lora", "--gpus", "3", "--gpu_mem", "24", "--max_length", "65536", "--host_ram", "128"]
     assert plan.main(argv) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^Recommended: .*--config_file accelerate_configs/zero2\.yaml sft/train\.py", out, re.M)
+    assert re.search(r"^Recommended: .*--config_file accelerate_configs/ddp\.yaml sft/train\.py", out, re.M)
     line = re.search(r"^Each row split over 2 cards instead \(its speed is not measured.*?: (.+)$", out, re.M).group(1)
     assert "--config_file accelerate_configs/zero3.yaml --num_processes 2 sft/train.py" in line
     assert line.endswith("--attn_implementation sdpa --activation_checkpointing --mlp_tile_tokens 4096 "
@@ -1166,8 +1170,8 @@ def test_the_64k_recipe_is_the_planners_split_plan():
     assert f"~{split.tok_s:,.0f} tok/s" in text and "its speed is not measured" in text
     assert "No GPU row has measured it yet: bench row long-r1-64k-sp2" in text
     best = plan.best_plan(plans)  # what the header says the planner recommends instead
-    assert f"ZeRO-2, a whole row on each of the 3 cards: {best.prediction.smi_gib:.1f} GiB predicted" in text
-    assert (best.w.strategy, best.w.world) == ("zero2", 3)
+    assert f"DDP, a whole row on each of the 3 cards: {best.prediction.smi_gib:.1f} GiB predicted" in text
+    assert (best.w.strategy, best.w.world) == ("ddp", 3)
 
 
 def measured_split_row(peak_flops: float) -> dict:

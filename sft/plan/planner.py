@@ -66,7 +66,7 @@ ANY_MODEL = "*"  # the snapshot's MFU table for a model that has no bench row of
 # A plan is recommended only with this much of the card left free by nvidia-smi's count (the bench's target on 24 GB
 # cards: nvidia-smi <= 23 GiB): below it, the allocator's cache and the prediction's own error meet the card's edge.
 MARGIN_GIB = 1.0
-# The memory model's worst error on the bench rows (7.3% of the allocator's peak, 6.5% of nvidia-smi's): plans whose
+# The memory model's worst error on the bench rows (7.3% of the allocator's peak, 7.3% of nvidia-smi's): plans whose
 # predictions are closer than this cannot be told apart by their headroom.
 HEADROOM = 0.075
 # tok/s estimates this close are one speed: the estimate is one measured MFU per kind of plan, and one configuration
@@ -203,10 +203,11 @@ class Shape:
         return max(self.embedding_params(), max(self.layer_params(i) for i in range(self.layers)))
 
     # ---- activations, bytes per token (bf16 autocast)
-    def layer_activation_bytes(self, index: int) -> float:
+    def layer_activation_bytes(self, index: int, liger: bool = False) -> float:
         """What autograd keeps for one decoder layer's backward: the two RMSNorm inputs in fp32 (4h each), the
         attention and MLP inputs (2h each), q, k, v and the attention output, and the MLP's gate, up, activation
-        and product (2I each)."""
+        and product (2I each). With Liger's in-layer kernels on (`liger`: Workload.liger_layers), its RMSNorm keeps
+        its bf16 input (2h each, and one fp32 number per row)."""
         h = self.hidden
         if self.kv_lora_rank:
             qd = self.heads * (self.qk_nope + self.qk_rope)
@@ -216,14 +217,18 @@ class Shape:
         else:
             q, kv = self.heads * self.hd, self.kv_heads * self.hd
             attn = 2 * q + 4 * kv + 2 * q
-        return 12 * h + attn + self.mlp_activation_bytes(index)
+        norms = 4 * h if liger else 8 * h
+        return norms + 4 * h + attn + self.mlp_activation_bytes(index, liger)
 
-    def mlp_activation_bytes(self, index: int) -> float:
-        """The MLP's share of layer_activation_bytes: what --mlp_tile_tokens keeps for one tile at a time."""
+    def mlp_activation_bytes(self, index: int, liger: bool = False) -> float:
+        """The MLP's share of layer_activation_bytes: what --mlp_tile_tokens keeps for one tile at a time. Liger's
+        SwiGLU (`liger`) keeps gate and up and recomputes the activation in its backward: 6I where eager keeps 8I.
+        Counted for the dense MLPs only: an MoE layer's experts are no module Liger's SwiGLU replaces, and no
+        measured row ran Liger on an MoE model (the planner plans none: kernels)."""
         if self.moe and index >= self.first_dense:
             return (self.experts_per_token * (2 * self.hidden + 8 * self.moe_intermediate)
                     + 8 * self.shared_experts * self.moe_intermediate + 4 * self.routed_experts)
-        return 8 * self.intermediate
+        return (6 if liger else 8) * self.intermediate
 
     def lora_cast_bytes(self) -> float:
         """peft's fp32 round trip of the adapted layers' inputs (what sft skipped from 51be3c5 on): a bf16 re-cast
@@ -385,14 +390,20 @@ CALIBRATION = {
     "host_per_offloaded": {"optimizer": 1.79, "weights": 1.24, "activations": 1.13},
     "cache_logits_share": 0.5,
     # the activations autograd keeps per layer (and the backward working set), against the count in
-    # Shape.layer_activation_bytes: fitted on the LoRA rows of the current code (no peft input casts).
-    "activation_scale": 0.74,
+    # Shape.layer_activation_bytes (which counts Liger's in-layer kernels where they run: Workload.liger_layers): the
+    # scale with the least worst error over every measured row, reserved and nvidia-smi (--check: 7.3% and 7.3%;
+    # below 0.935 lora-best-sdpa's reserved is worse, above 0.94 long-llm-32k's nvidia-smi), refitting
+    # dequantized_copies and the fast paths' shares (--write_snapshot) at each scale tried. On a CPU, autograd's
+    # saved tensors of a frozen deepseek-llm-7b layer are 0.78 x the count without Liger, a V2-Lite MoE layer's
+    # about 0.79 x (with the GPU's attention tensors in place of CPU sdpa's math path).
+    "activation_scale": 0.94,
     # --quantize_experts fp8: bf16 copies of one MoE layer's experts alive in its recomputation and backward (the
     # dequantized weights the forward reads, and what the grouped matmuls' backward makes of them), in units of
     # resident.dequantized_layer_bytes: fitted on moe-lora-resident-1 (20261204T2105Z-resident, micro-batch 8:
-    # 23.3 GiB allocated, 2.88 GiB over the rest of the memory model; the same run held to 22.25 GiB ran out of
-    # memory at micro-batch 8). A count per layer, not per token: at smaller micro-batches it errs on the safe side.
-    "dequantized_copies": 2.8,
+    # 23.3 GiB allocated, 2.27 GiB over the rest of the memory model at activation_scale 0.94; the same run held to
+    # 22.25 GiB ran out of memory at micro-batch 8). A count per layer, not per token: at smaller micro-batches it
+    # errs on the safe side.
+    "dequantized_copies": 2.2,
 }
 
 
@@ -434,7 +445,7 @@ class Workload:
     seq_len: int
     checkpointing: bool
     skip_layers: int = 0
-    fused_loss: bool = True        # Liger's fused linear cross-entropy: no logits tensor
+    fused_loss: bool = True        # --use_liger_kernel: Liger's fused linear cross-entropy, no logits tensor
     lora_r: int = 16
     grad_accum: int = 1
     peft_input_cast: bool = False  # peft's own fp32 casts of the LoRA inputs (sft before 51be3c5)
@@ -456,6 +467,13 @@ class Workload:
     def levers(self) -> Levers:
         """Its long-row options (sft/plan/long_rows.py)."""
         return Levers(self.mlp_tile_tokens, self.offload_activations)
+
+    @property
+    def liger_layers(self) -> bool:
+        """Whether Liger's in-layer kernels (RMSNorm, SwiGLU) run, not its loss only: --use_liger_kernel without
+        --compile_layers, beside which Liger keeps only its fused loss (sft/options/resolve.py
+        compiled_layers_keep_liger_loss_only). What the layers keep depends on it (Shape.layer_activation_bytes)."""
+        return self.fused_loss and not self.compiled
 
     @property
     def fast(self) -> str:
@@ -481,9 +499,11 @@ class Prediction:
         return reserved, reserved + CALIBRATION["context_gib"][strategy.launcher]
 
 
-def mean_layer_activation_bytes(shape: Shape) -> float:
-    """What autograd keeps per token of one decoder layer, on average over the layers (fitted scale)."""
-    return CALIBRATION["activation_scale"] * sum(map(shape.layer_activation_bytes, range(shape.layers))) / shape.layers
+def mean_layer_activation_bytes(shape: Shape, liger: bool = False) -> float:
+    """What autograd keeps per token of one decoder layer, on average over the layers (fitted scale); `liger`:
+    Liger's in-layer kernels on (Workload.liger_layers)."""
+    per_layer = (shape.layer_activation_bytes(i, liger) for i in range(shape.layers))
+    return CALIBRATION["activation_scale"] * sum(per_layer) / shape.layers
 
 
 def whole_layer_activations(shape: Shape, w: Workload) -> float:
@@ -491,7 +511,7 @@ def whole_layer_activations(shape: Shape, w: Workload) -> float:
     checkpointing; with it, the layers kept whole (--activation_checkpointing_skip_layers) and the one recomputed.
     What the fast paths' memory is counted in (fast_path_bytes)."""
     whole = shape.layers if not w.checkpointing else min(w.skip_layers + 1, shape.layers)
-    return w.micro_batch * w.seq_len * whole * mean_layer_activation_bytes(shape)
+    return w.micro_batch * w.seq_len * whole * mean_layer_activation_bytes(shape, w.liger_layers)
 
 
 def fast_path_bytes(shape: Shape, w: Workload) -> float:
@@ -525,7 +545,9 @@ def fast_path_unit(shape: Shape, w: Workload, kind: str) -> float:
     return resident.dequantized_layer_bytes(shape) if kind == "resident" else whole_layer_activations(shape, w)
 
 
-def predict(shape: Shape, w: Workload) -> Prediction:
+def predict(shape: Shape, w: Workload, with_fast_paths: bool = True) -> Prediction:
+    """The plan's memory; without its fast paths' own term (fast_path_bytes) where `with_fast_paths` is false: what
+    the rest of the model says, as fast_path_memory fits that term against."""
     strategy = STRATEGIES[w.strategy]
     params = shape.params()
     lora = w.setup.method in ("lora", "qlora")
@@ -539,13 +561,14 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     h, layers = shape.hidden, shape.layers
     # activations (bytes)
     k = CALIBRATION["activation_scale"]
-    a_mean = mean_layer_activation_bytes(shape)
+    a_mean = mean_layer_activation_bytes(shape, w.liger_layers)
     if lora and w.peft_input_cast:  # peft's fp32 round trip (sft before 51be3c5): bf16 re-casts of the inputs
         a_mean += shape.lora_cast_bytes()
     # --mlp_tile_tokens: a layer keeps its MLP's input only (counted in its bytes); the MLP's intermediates exist
     # for the one tile the backward recomputes
     tile = tile_tokens(w)
-    mlp = k * sum(map(shape.mlp_activation_bytes, range(layers))) / layers if tile < tokens else 0.0
+    mlp = k * sum(shape.mlp_activation_bytes(i, w.liger_layers) for i in range(layers)) / layers \
+        if tile < tokens else 0.0
     per_layer, one_tile = tokens * (a_mean - mlp), tile * mlp
     if w.checkpointing:
         kept = min(w.skip_layers, layers)
@@ -580,7 +603,7 @@ def predict(shape: Shape, w: Workload) -> Prediction:
     if w.offload_activations:  # what the norm and the fused loss save waits in host RAM too: the GPU holds the
         extras = 4 * h         # gradient into the last layer and the saved tensor brought back for it (2h each)
         offloaded += tokens * 4 * h
-    fast = fast_path_bytes(shape, w)
+    fast = fast_path_bytes(shape, w) if with_fast_paths else 0.0
     activations = checkpoints + whole_layers + working + tokens * extras + kept_deltas + fast
     # transient buffers of the sharded strategies
     transient = 0.0
@@ -1202,7 +1225,8 @@ def fast_path_memory(path: Path = RESULTS) -> dict:
     (negative: saves), as a share of its kind's unit (fast_path_unit: the whole layers' activations, or for resident
     plans one MoE layer's dequantized experts; fast_path_bytes adds it). Fitted on the rows that ran with the path
     against their twins without it (the same model, workload, allocator cap and other options; in any run: the
-    median of the twins' peaks): the sum of the differences over the sum of those rows' units. A pair where either
+    median of the twins' peaks): the sum of the differences, less what the rest of the memory model puts between
+    the two (_modelled_difference), over the sum of those rows' units. A pair where either
     peak is within 0.5 GiB of its cap is left out (the cap hides the difference). A QLoRA plan takes LoRA's numbers;
     the resident kind holds only the paths some resident row ran with beside its twin (fast_path_bytes takes LoRA's
     for the others). Rows split over ranks (--sequence_parallel) are left out: their slices and all-to-alls are no
@@ -1221,26 +1245,42 @@ def fast_path_memory(path: Path = RESULTS) -> dict:
                 if fast_path_kind(w) != kind or not getattr(fast, name):
                     continue
                 without = FastPaths(fast.fp8 and name != "fp8", fast.compiled and name != "compiled").label
-                peaks = [t["peak_mem_gib"] for t in twins[_twin_key(r)] if fast_of_row(t).label == without]
+                others = [t for t in twins[_twin_key(r)] if fast_of_row(t).label == without]
+                peaks = [t["peak_mem_gib"] for t in others]
                 cap = r.get("mem_cap_gib") or math.inf
                 if peaks and max(r["peak_mem_gib"], *peaks) < cap - 0.5:
                     x = fast_path_unit(row_shape(r), w, kind) / GIB
-                    pairs.append((r, r["peak_mem_gib"] - statistics.median(peaks), x))
+                    pairs.append((r, r["peak_mem_gib"] - statistics.median(peaks),
+                                  _modelled_difference(r, others[0]), x))
             if not pairs:
                 if kind != "resident":
                     out[kind][name] = [0.0, "no row ran with it beside a twin without it: counted as nothing"]
                 continue
-            share = sum(d for _, d, _ in pairs) / sum(x for *_, x in pairs)
+            share = sum(d - modelled for _, d, modelled, _ in pairs) / sum(x for *_, x in pairs)
             by_name: dict[str, list[float]] = {}
-            for r, d, _ in pairs:
+            for r, d, *_ in pairs:
                 by_name.setdefault(r["name"], []).append(d)
             named = ", ".join(f"{n} {min(d):+.2f}" + (f" to {max(d):+.2f}" if len(d) > 1 else "") + " GiB"
                               for n, d in sorted(by_name.items()))
             rows_said = f"{len(pairs)} rows against their" if len(pairs) > 1 else "1 row against its"
+            modelled = sorted({round(m, 2) for _, _, m, _ in pairs})
+            if any(modelled):  # the rest of the model already holds part of the difference
+                named += (f"; less {modelled[0]:+.2f}" + (f" to {modelled[-1]:+.2f}" if len(modelled) > 1 else "")
+                          + " GiB that the rest of the memory model puts between them")
             unit = "one MoE layer's dequantized experts" if kind == "resident" else "the whole layers' activations"
             out[kind][name] = [share, f"{share:+.3f} x {unit}, from {rows_said} twins without "
                                       f"{FAST_PATH_NAMES[name]} ({named})"]
     return out
+
+
+def _modelled_difference(row: dict, twin: dict) -> float:
+    """GiB the memory model itself puts between a fast-path row and its twin without the path, before the path's
+    own term: the layers' activations where the path changes what else runs (Liger keeps only its fused loss beside
+    the compiled layers: Workload.liger_layers). The path's share is fitted on what is left, so that it is not
+    counted twice."""
+    shape = row_shape(row)
+    return (predict(shape, workload_of_row(row), with_fast_paths=False).reserved_gib
+            - predict(shape, workload_of_row(twin), with_fast_paths=False).reserved_gib)
 
 
 def _twin_key(row: dict) -> tuple:
