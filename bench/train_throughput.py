@@ -415,7 +415,8 @@ def make_row(args, ranks: list[dict], monitor: Monitor, wall: float, cpu: bool) 
         "kernel_ms_total": r0.get("kernel_ms_total"),
         "idle_ms": r0.get("idle_ms"),  # where the GPU waited on the host, by host op (profiled steps)
         "gc_ms": r0.get("gc_ms"), "gc_longest": r0.get("gc_longest"), "step_seconds": r0.get("step_seconds"),
-        "logging_steps": logging_steps(args),  # a log makes the host wait for the GPU (LOGGING_STEPS)
+        # a log makes the host wait for the GPU (LOGGING_STEPS); None: a row another script trained (qlora_check)
+        "logging_steps": logging_steps(args) if hasattr(args, "warmup") else None,
         "step_s": r0.get("step_s"),
         "tokens_per_step": r0.get("tokens_per_step"),
         "first_step_s": r0.get("first_step_s"),
