@@ -109,3 +109,15 @@ def test_quantized_experts_get_no_compiled_layers_by_default():
     # FP8 for the MLA projections beside the e4m3 experts: not measured, so not by default
     assert not m.fp8_on and m.speed_choices[1] == "FP8 off (not yet measured beside --quantize_experts; --fp8 true " \
         "to try)"
+
+
+def test_batches_reach_the_gpu_without_a_wait_where_they_are_pinned():
+    def non_blocking(machine, *extra):
+        options = read_options(["--model", "m", "--dataset", DATA, "--output_dir", "/nonexistent/out", *extra])
+        return settle(options, machine).training.accelerator_config.non_blocking
+
+    assert non_blocking(gpu(), "--lora")
+    assert not non_blocking(gpu(), "--lora", "--dataloader_pin_memory", "false")  # pageable: the copy waits anyway
+    cpu = Machine(gpu_names=(), gpu_memory_gib=(), bf16=False, gpu_capabilities=(), host_ram_gib=64,
+                  host_ram_available_gib=60, launch=Launch(world_size=1), packages=frozenset())
+    assert not non_blocking(cpu, "--lora")

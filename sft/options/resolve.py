@@ -122,6 +122,17 @@ def nan_filter_only_where_steps_are_skipped(o: Options, m: Machine) -> None:
         t.logging_nan_inf_filter = t.nan_policy == "skip"
 
 
+def batches_copied_without_wait(o: Options, m: Machine) -> None:
+    """On a GPU each batch goes to it from pinned host memory with a non-blocking copy (accelerate's `non_blocking`,
+    a public option of the Trainer's --accelerator_config): a blocking copy makes the host wait for all the GPU's
+    queued work (the previous step's backward and optimizer step) before it can issue the next forward, and the
+    GPU then idles until the host catches up. Only with --dataloader_pin_memory (the default), as accelerate
+    advises: from pageable memory the copy waits anyway."""
+    t = o.training
+    if m.cuda and t.dataloader_pin_memory:
+        t.accelerator_config.non_blocking = True
+
+
 def fast_paths_where_supported(o: Options, m: Machine) -> None:
     """--compile_layers auto and --fp8 auto (the defaults): on a GPU, each is on wherever the run's own checks for
     it pass (the checks a user who typed `true` would meet), else off, with the check's reason on the first
@@ -273,6 +284,7 @@ DERIVED: list[Derivation] = [
     sequence_parallel_slices_rows, fp8_training_pads_rows_to_16, tensor_parallel_saves_model_only, lora_skips_unused_parameter_search,
     compiled_layers_keep_liger_loss_only, liger_loss_on_labels, fsdp_checkpoints_activations,
     fsdp_reduce_scatters_each_micro_batch, our_rotation_keeps_checkpoints, nan_filter_only_where_steps_are_skipped,
+    batches_copied_without_wait,
 ]
 
 
