@@ -161,6 +161,10 @@ MATRIX += [
     # DeepSeek-V2-Lite (MoE, MLA; MFU on the active parameters): sdpa (MLA's value and key head sizes differ)
     Row("moe-lora", "lora", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
         args=("--lora_dropout", "0", "--attn_implementation", "sdpa"), vs="trl-moe-lora"),
+    # the same with the MoE layers compiled whole (issue 26 item 3's first lever; sft/speed/traced_param_lora.py)
+    Row("moe-lora-compile", "lora", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
+        args=("--lora_dropout", "0", "--attn_implementation", "sdpa", "--compile_layers", "true"), vs="trl-moe-lora",
+        timeout=420),
     Row("trl-moe-lora", "lora", peer="trl", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
         args=trl_args("sdpa", "bfloat16", 4, 2048)),
     Row("qlora-1", "qlora", micro_batch=4, args=("--lora_dropout", "0", *FLEX, *CKPT)),
@@ -340,8 +344,10 @@ GROUPS = {
     "recipes": ["recipe-coder-lora", "recipe-r1-lora", "recipe-v2-lite-lora"],
     # the next GPU session's rows: LoRA against TRL with the garbage collector frozen after the first step (issue 28
     # item 2; run 20261205T0550Z-lora2x had one slow step in each of our rows), then the 16k long rows (issue 27
-    # item 1). Also due there: bench/fp8_check.py's loss checks of quantize-experts-compile and of SFT_FP8_FAST_ACCUM
-    "next": ["trl-lora-best", "lora-best-default", "lora-best-default-fastaccum", "long-r1-16k", "long-llm-16k"],
+    # item 1), V2-Lite uncapped with compiled MoE layers (issue 26 item 3). Also due there: bench/fp8_check.py's loss
+    # checks of quantize-experts-compile and of SFT_FP8_FAST_ACCUM
+    "next": ["trl-lora-best", "lora-best-default", "lora-best-default-fastaccum", "moe-lora-compile", "long-r1-16k",
+             "long-llm-16k"],
     # --compile_layers beside the plain rows and TRL's best, same run (2026-12-01, evening)
     "compile": ["lora-best-fp8-compile", "lora-best-compile", "lora-best", "trl-lora-best", "lora-best-fp8"],
     # why lora-best-compile logged a lower loss with the same gradient norms: not Liger's in-layer kernels
