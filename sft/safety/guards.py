@@ -78,8 +78,9 @@ def fused_adam_skips_on(device_type: str) -> bool:
 
 def skips_on_device(optimizer, norm) -> torch.optim.Optimizer | None:
     """The torch optimizer (inside accelerate's wrapper) if it can take this step's verdict on the device: fused
-    Adam/AdamW (GradScaler's protocol: `_step_supports_amp_scaling`), the norm a plain tensor, the probe passed. Else None: the verdict is read on the host at once. On a CPU it changes nothing but the order (no
-    wait to save there), and runs the same code as on a GPU."""
+    Adam/AdamW (GradScaler's protocol: `_step_supports_amp_scaling`), the norm a plain tensor, the probe passed.
+    Else None: the verdict is read on the host at once. On a CPU it changes nothing but the order (no wait to save
+    there), and runs the same code as on a GPU."""
     inner = getattr(optimizer, "optimizer", optimizer)
     if type(norm) is not torch.Tensor or norm.device.type not in ("cuda", "cpu") or \
             not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
