@@ -756,7 +756,8 @@ def idle_by_host_op(prof, busy: list[tuple[float, float]], n: int = 12) -> dict[
     by: dict[str, float] = {}
     for s, e in gaps:
         mid = (s + e) / 2
-        around = [h for h in host[:bisect.bisect_right(starts, mid)][-4000:] if h[1] >= mid]
+        begun = bisect.bisect_right(starts, mid)
+        around = [h for h in host[max(0, begun - 4000):begun] if h[1] >= mid]  # the latest 4,000 begun
         outer = next((h[2] for h in around if h[3]), "(python)")
         inner = min(around, key=lambda h: h[1] - h[0])[2] if around else "(python)"
         key = outer if inner == outer else f"{outer} > {inner}"

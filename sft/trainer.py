@@ -109,7 +109,7 @@ class SFTTrainer(Trainer):
     def _track_num_input_tokens(self, inputs):
         count = inputs.get(NUM_INPUT_TOKENS) if isinstance(inputs, dict) else None
         if count is None or self.args.include_num_input_tokens_seen != "non_padding" or self.args.world_size > 1:
-            return super()._track_num_input_tokens(without_host_count(inputs))
+            return super()._track_num_input_tokens(inputs)  # it reads the token tensors only
         self.state.num_input_tokens_seen += count
 
     def _offloaded_activations(self, training: bool):
