@@ -83,5 +83,5 @@ def test_lora_target_modules_as_one_comma_separated_string(tmp_path):
     lora_args = parse_args(["--model", "m", "--dataset", "a.json", "--lora", "--lora_target_modules", "q_proj,v_proj",
                             "o_proj"])[2]
     assert lora_args.lora_target_modules == ["q_proj", "v_proj", "o_proj"]
-    assert parse_args(["--model", "m", "--dataset", "a.json", "--lora_target_modules", "all"])[2].lora_target_modules \
+    assert parse_args(["--model", "m", "--dataset", "a.json", "--lora", "--lora_target_modules", "all"])[2].lora_target_modules \
         == ["all-linear"]

@@ -221,6 +221,19 @@ def lora_rank_positive(o: Options, m: Machine) -> None:
         raise ConfigError(f"--lora_r {o.lora.lora_r}: the rank must be positive.")
 
 
+LORA_ONLY_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_experts")
+
+
+def lora_options_need_lora(o: Options, m: Machine) -> None:
+    """A LoRA option without --lora or --qlora would train every weight instead, in silence (TRL and
+    LLaMA-Factory ignore it too). A --lora of yours (a recipe's LoRA turned off by `--lora false`) says you meant it."""
+    given = [name for name in LORA_ONLY_OPTIONS if name in o.given]
+    if given and not (o.lora.lora or o.lora.qlora) and "lora" not in o.given:
+        names = ", ".join(f"--{name}" for name in given)
+        raise ConfigError(f"{names} only apply to a LoRA adapter, and this run fine-tunes every weight: add --lora "
+                          f"(or --qlora), or drop {names}.")
+
+
 def sizes_in_range(o: Options, m: Machine) -> None:
     """Else a traceback once the model has loaded, or a run that trains nothing."""
     t = o.training
@@ -636,8 +649,9 @@ def processes_name_one_run_directory(o: Options, m: Machine) -> None:
 Check = Callable[[Options, Machine], None]
 OPTION_CHECKS: list[Check] = [
     plan_value, dataset_given, data_option_values, evaluation_has_data, max_length_long_enough, dtype_name,
-    fp8_combinations, long_row_levers, quantized_experts_combinations, optimizer_arguments, lora_rank_positive, sizes_in_range, something_to_train, attention_name,
-    packing_attention, padding_positive, our_option_values,
+    fp8_combinations, long_row_levers, quantized_experts_combinations, optimizer_arguments, lora_rank_positive,
+    lora_options_need_lora, sizes_in_range, something_to_train, attention_name, packing_attention,
+    padding_positive, our_option_values,
 ]
 MACHINE_CHECKS: list[Check] = [
     partial_checkpointing, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
