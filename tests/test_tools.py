@@ -74,6 +74,30 @@ def test_chat_answers_one_prompt(trained_adapter, capsys):
     assert capsys.readouterr().out.strip()  # some reply, rendered with the training template
 
 
+def test_chat_thinking_opens_the_reply_with_think_where_the_template_has_that_switch(trained_adapter, capsys,
+                                                                                       monkeypatch):
+    """DeepSeek-V3.1's generation prompt ends `</think>` unless asked to think; --thinking asks. A template without
+    that switch is refused with one `error:` line before the model loads (it would be ignored in silence)."""
+    from sft.data.thinking_templates import DeepSeekV31
+
+    prompts = []
+    render = DeepSeekV31.text
+    monkeypatch.setattr(DeepSeekV31, "text", lambda self, *a, **k: prompts.append(render(self, *a, **k)) or prompts[-1])
+    for flags, opening in (([], "<｜Assistant｜></think>"), (["--thinking"], "<｜Assistant｜><think>")):
+        assert chat.main([str(trained_adapter), "--template", "deepseek_v31", *flags, "--prompt", "2+2?",
+                          "--max_new_tokens", "2"]) == 0
+        asked = [p for p in prompts if "2+2?" in p]  # not chat.reply_frame's probes
+        assert len(asked) == 1 and asked[0].endswith("<｜User｜>2+2?" + opening), asked
+        prompts.clear()
+
+    monkeypatch.setattr(chat, "load_model", lambda path: pytest.fail("the model loaded before the check"))
+    capsys.readouterr()
+    assert chat.main([str(trained_adapter), "--thinking", "--prompt", "2+2?"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --thinking: the chat template ") and "(--template auto)" in err, err
+    assert "templates with one: deepseek_v31" in err and "\n" not in err
+
+
 def test_chat_and_merge_say_what_a_directory_is_instead_of_a_traceback(trained_adapter, tiny_llama, tmp_path, capsys):
     """Each was a traceback (or argparse's usage block): one `error:` line, exit code 2, before anything loads."""
     import json

@@ -4,6 +4,7 @@ build on them, so the registry lives above both)."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 from sft.data.templates import (ASSISTANT, TEMPLATE_NAMES, Alpaca, DeepSeekCoder, DeepSeekV1, DeepSeekV3, Messages,
@@ -16,6 +17,9 @@ BUILTIN: dict[str, Callable[[str, str], Template]] = {
     t.name: t for t in (DeepSeekV1, DeepSeekCoder, DeepSeekV3, R1, R1Distill, R1DistillWithoutReasoning, Alpaca,
                         R1_0528, DeepSeekV31)
 }
+
+# The templates whose generation prompt can open a thinking reply (`text(..., thinking=True)`: V3.1's `<think>`).
+THINKING_TEMPLATES = tuple(name for name, t in BUILTIN.items() if "thinking" in inspect.signature(t.text).parameters)
 
 
 # Conversations on which a built-in template must render exactly as a model's own chat_template for `auto` to

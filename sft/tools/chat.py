@@ -5,7 +5,9 @@
 
 The saved tokenizer carries the chat template training used (sft/data/templates.py chat_template_for_saving), so the
 default `--template auto` renders prompts as training did. An answer cut at --max_new_tokens (no end-of-sequence
-token) is printed as it is, followed by a note on stderr.
+token) is printed as it is, followed by a note on stderr. `--thinking` opens the reply with `<think>` where the
+template has that switch (DeepSeek-V3.1's, whose prompt otherwise ends `</think>`): the answer printed is then the
+reasoning, `</think>` and the answer, and later turns see the answer alone, as the template shows them.
 """
 
 from __future__ import annotations
@@ -16,9 +18,15 @@ from pathlib import Path
 from sft.safety.run_dir import ADAPTER_CONFIG
 
 
-def load(path: Path):
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(path: Path):
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     from sft.model.loading import NO_HUB_KERNELS
 
@@ -30,7 +38,7 @@ def load(path: Path):
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, **NO_HUB_KERNELS)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    return model.to(device).eval(), AutoTokenizer.from_pretrained(path)
+    return model.to(device).eval()
 
 
 def reply_frame(template, eos: str) -> tuple[str, str]:
@@ -52,11 +60,12 @@ def reply_frame(template, eos: str) -> tuple[str, str]:
 
 
 def reply(model, tokenizer, template, messages: list[dict], max_new_tokens: int,
-          temperature: float) -> tuple[str, bool]:
-    """-> (answer, finished): finished when the model ended it with EOS, False when cut at max_new_tokens."""
+          temperature: float, thinking: bool = False) -> tuple[str, bool]:
+    """-> (answer, finished): finished when the model ended it with EOS, False when cut at max_new_tokens.
+    `thinking`: the prompt opens the reply with `<think>` (only for a template with that switch, THINKING_TEMPLATES)."""
     import torch
 
-    text = template.text(messages, add_generation_prompt=True)
+    text = template.text(messages, add_generation_prompt=True, **({"thinking": True} if thinking else {}))
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids.to(model.device)
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
@@ -71,7 +80,19 @@ def reply(model, tokenizer, template, messages: list[dict], max_new_tokens: int,
     return (answer.removesuffix(after) if finished else answer), finished
 
 
+def check_thinking_switch(template, asked: str) -> None:
+    """--thinking needs a template that can open a reply with `<think>`; any other would ignore it in silence."""
+    from sft.data.chat_templates import THINKING_TEMPLATES
+    from sft.errors import ConfigError
+
+    if template.name not in THINKING_TEMPLATES:
+        which = f"{template.name} (--template auto)" if asked == "auto" else template.name
+        raise ConfigError(f"--thinking: the chat template {which} has no thinking switch; templates with one: "
+                          f"{', '.join(THINKING_TEMPLATES)}. Drop --thinking, or chat with a model trained with one")
+
+
 def main(argv: list[str] | None = None, prog: str = "python -m sft.tools.chat") -> int:
+    from sft.data.chat_templates import THINKING_TEMPLATES
     from sft.data.templates import TEMPLATE_NAMES
 
     from sft.report.console import ToolParser
@@ -84,27 +105,34 @@ def main(argv: list[str] | None = None, prog: str = "python -m sft.tools.chat") 
                         help="auto: the saved tokenizer's chat template, which training set to its own")
     parser.add_argument("--max_new_tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--thinking", action="store_true",
+                        help="open each reply with <think> (templates with a thinking switch: "
+                             f"{', '.join(THINKING_TEMPLATES)}); without it their prompt ends </think>")
     args = parser.parse_args(argv)
     path = Path(args.model)
     from sft.tools.trained_dirs import check_trained_dir
     from sft.errors import UserFacingError
 
+    from sft.data.chat_templates import get_template
+
     try:
         check_trained_dir(path)
+        tokenizer = load_tokenizer(path)
+        template = get_template(args.template, tokenizer)
+        if args.thinking:
+            check_thinking_switch(template, args.template)
     except UserFacingError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
 
-    from sft.data.chat_templates import get_template
-
-    model, tokenizer = load(path)
-    template = get_template(args.template, tokenizer)
+    model = load_model(path)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     questions = [args.prompt] if args.prompt else iter(lambda: input("you> "), "")
     try:
         for question in questions:
             messages.append({"role": "user", "content": question})
-            answer, finished = reply(model, tokenizer, template, messages, args.max_new_tokens, args.temperature)
+            answer, finished = reply(model, tokenizer, template, messages, args.max_new_tokens, args.temperature,
+                                     args.thinking)
             messages.append({"role": "assistant", "content": answer})
             print(answer if args.prompt else f"model> {answer}", flush=True)
             if not finished:  # else a cut answer would look finished
