@@ -12,6 +12,7 @@ from conftest import DEEPSEEK_TOKENIZER, SHARED
 from sft.errors import DataError
 from sft.data.formats import messages_conversation
 from sft.data.chat_templates import BUILTIN, chat_template_for_saving, get_template
+from sft.data.templates import ALL_REASONING
 from sft.data.tokenization import tokenize_one
 
 CONVERSATIONS = [
@@ -57,7 +58,7 @@ def test_saved_tokenizer_renders_and_tokenizes_as_training(tmp_path, source, nam
         if trained["length"]:  # r1_distill_no_reasoning trains nothing of a reply that is all reasoning
             assert saved.apply_chat_template(messages, tokenize=True)["input_ids"] == trained["input_ids"]
         else:
-            assert name == "r1_distill_no_reasoning" and trained["status"] == "no trained tokens"
+            assert name == "r1_distill_no_reasoning" and trained["status"] == ALL_REASONING  # not a length cut
         for n, message in enumerate(messages, 1):  # every prompt at which the model answers
             if message["role"] == "user":
                 assert saved.apply_chat_template(messages[:n], tokenize=False, add_generation_prompt=True) == \

@@ -65,6 +65,33 @@ def test_a_reply_that_is_all_reasoning_is_not_trained_without_reasoning_and_coun
     assert tokenizer.decode(row["input_ids"]).startswith(official.removesuffix("<think>\n"))
 
 
+def test_a_conversation_whose_only_reply_is_all_reasoning_is_counted_as_that_not_as_a_length_cut():
+    """It trains nothing, so it is left out; the data summary counts it with the replies that are all reasoning,
+    and --show_masks says so, not "no trained tokens" as if --max_length had cut its replies."""
+    from sft.data.chat_templates import get_template
+    from sft.data.dataset import finish, show_masks, tokenize
+    from sft.data.templates import ALL_REASONING
+    from sft.data.tokenization import NOTHING_TRAINED
+    from sft.options.arguments import DataArguments
+
+    tokenizer = tokenizer_with(R1_DISTILL)
+    template = get_template("r1_distill_no_reasoning", tokenizer)
+    musing = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>\nOnly musing.\n</think>"}]
+    answered = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "<think>\nAdd.\n</think>\n\n4"}]
+    args = DataArguments(max_length=4096, show_masks=1)
+    conversations = [{"messages": musing, "source": "r1.jsonl:1"}, {"messages": answered, "source": "r1.jsonl:2"}]
+    kept, counts, lengths = finish(tokenize(conversations, args, tokenizer, template), args)
+    assert counts == {ALL_REASONING: 1, "ok": 1} and len(kept) == len(lengths) == 1
+    shown = show_masks(conversations[:1], args, tokenizer, template)
+    assert f"0 tokens, 0 trained ({ALL_REASONING})" in shown
+    assert f"(nothing kept: {ALL_REASONING}, and no other reply to train on; it is not trained)" in shown
+    # a reply cut away by --max_length is still said as such
+    cut = DataArguments(max_length=4, overlong="cut", show_masks=1)
+    assert finish(tokenize(conversations[1:], cut, tokenizer, template), cut)[1] == {NOTHING_TRAINED: 1}
+    assert "(nothing kept: no reply token is left to train on (e.g. --overlong cut kept its first 4 tokens" in \
+        show_masks(conversations[1:], cut, tokenizer, template)
+
+
 # LLaMA-Factory's alpaca template (hiyouga/LLaMA-Factory, src/llamafactory/data/template.py): its default_system is
 # the Stanford header, and without a format_system of its own register_template gives it the default formatter,
 # StringFormatter(slots=["{{content}}"]): a record's system text replaces the header, written as given.

@@ -26,7 +26,7 @@ from sft.data.dataset_info import sources
 from sft.data.formats import PREFERENCE, DataError, ReadOptions, ReadStats, read_conversations
 from sft.data.packing import pack_rows
 from sft.data.chat_templates import get_template
-from sft.data.tokenization import IGNORE, render_mask, tokenize_batch, tokenize_examples, tokenizer_facts
+from sft.data.tokenization import IGNORE, NOTHING_TRAINED, render_mask, tokenize_batch, tokenize_examples, tokenizer_facts
 
 PARALLEL_FROM = 4000  # conversations; below this, starting worker processes costs more than it saves
 # Conversations per map batch (one tokenizer call each). Each distinct word of a batch is tokenized once, and a
@@ -294,9 +294,11 @@ def why_empty(status: str, max_length: int) -> str:
     if status == "too long (dropped)":
         return (f"dropped as longer than --max_length {max_length} with no reply that fits; raise --max_length, or "
                 f"--overlong cut keeps its first {max_length} tokens")
-    if status == "no trained tokens":
-        return "no reply token is left to train on (e.g. every reply past --max_length); it is not trained"
-    return status
+    if status == NOTHING_TRAINED:
+        return (f"no reply token is left to train on (e.g. --overlong cut kept its first {max_length} tokens, all "
+                "before its first reply); it is not trained")
+    # A template's note as the status of an empty example: the template trains nothing of it, and says why.
+    return f"{status}, and no other reply to train on; it is not trained"
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m sft.data.dataset") -> int:

@@ -292,6 +292,9 @@ def strip_reasoning(content: str) -> str:
     return content.split("</think>")[-1].lstrip() if "</think>" in content else content
 
 
+ALL_REASONING = "replies that are all reasoning, not trained (r1_distill_no_reasoning)"  # its examples' status
+
+
 def all_reasoning(message: dict) -> bool:
     """An assistant reply whose answer is empty once its reasoning is removed (no calls)."""
     return (message["role"] == "assistant" and not message.get("tool_calls") and THINK_END in message["content"]
@@ -318,7 +321,7 @@ class R1DistillWithoutReasoning(R1Distill):
 
     def note(self, messages):
         if any(all_reasoning(m) for m in messages):
-            return "replies that are all reasoning, not trained (r1_distill_no_reasoning)"
+            return ALL_REASONING
         return None
 
     examples = Template.examples  # no turn shows reasoning, in training or at inference: one sequence

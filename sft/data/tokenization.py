@@ -29,7 +29,8 @@ from sft.data.formats import gc_paused
 from sft.data.templates import Segment, Template
 
 IGNORE = -100  # the label of a token that is not a target (the loss's ignore_index); every module imports it from here
-STATUSES = ("ok", "truncated at a turn boundary", "cut at --max_length", "too long (dropped)", "no trained tokens")
+NOTHING_TRAINED = "no trained tokens"
+STATUSES = ("ok", "truncated at a turn boundary", "cut at --max_length", "too long (dropped)", NOTHING_TRAINED)
 # Facts about a tokenizer, computed once: {tokenizer: {"size": len(tokenizer), name: value}} (rebuilt if tokens
 # are added). Weak keys: a tokenizer that is gone takes its entries with it.
 _FACTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -196,8 +197,11 @@ def _tokenize_batch(batch, tokenizer, template, max_length, train_on_prompt, ove
         done = i + 1
     pieces_ids.append(ids[token_offsets[done]:])
     pieces_labels.append(labels[token_offsets[done]:])
-    # A template's note on an example (a reply it leaves untrained, say) is its status where nothing else is.
-    statuses = [note if note and status == "ok" else status for status, note in zip(statuses, notes)]
+    # A template's note on an example (a reply it leaves untrained, say) is its status where nothing else is, and
+    # where the template itself trains nothing of it (a conversation whose only reply is all reasoning): the note
+    # says why, not a --max_length cut.
+    statuses = [note if note and (status == "ok" or status == NOTHING_TRAINED and not any(flags)) else status
+                for status, note, flags in zip(statuses, notes, trained_flags)]
     offsets = np.zeros(len(texts) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
     flat_ids = np.concatenate(pieces_ids).astype(np.int32)
@@ -365,7 +369,7 @@ def _mask_batch(runs, run_index, record_runs, seg_lengths, seg_flags, seg_start,
     alone = ~whole | (counts > max_length)
     empty = ~alone & (trained_counts == 0)
     keep = ~(alone | empty)
-    statuses = np.where(alone, None, np.where(empty, "no trained tokens", "ok")).tolist()
+    statuses = np.where(alone, None, np.where(empty, NOTHING_TRAINED, "ok")).tolist()
     lengths = np.where(keep, counts, 0)
     kept_tokens = keep[record]
     return flat[kept_tokens], labels[kept_tokens], lengths.tolist(), statuses
@@ -447,7 +451,7 @@ def _mask(ids: np.ndarray, starts: np.ndarray, bounds: np.ndarray, trained: list
         else:
             ids, labels, status = ids[:0], labels[:0], "too long (dropped)"
     if status != "too long (dropped)" and not (labels != IGNORE).any():
-        ids, labels, status = ids[:0], labels[:0], "no trained tokens"
+        ids, labels, status = ids[:0], labels[:0], NOTHING_TRAINED
     return ids, labels, status
 
 
