@@ -57,7 +57,7 @@ def test_lora_targets_survive_save_and_reload(tmp_path, model_type):
 # ---- presets per released model: identify, check_family, strategy, R1 without reasoning --------------------------
 
 from conftest import DEEPSEEK_TOKENIZER, needs_shared, tiny_config  # noqa: E402
-from sft.model.families import (VARIANTS, R1DistillWithoutReasoning, check_family, family_template, identify,  # noqa: E402
+from sft.model.families import (VARIANTS, R1DistillWithoutReasoning, check_family, identify,  # noqa: E402
                           parameter_count, strip_reasoning)
 from sft.plan.box import strategy  # noqa: E402
 
@@ -82,7 +82,7 @@ def tiny_tokenizer():
 def test_each_family_is_told_apart_by_its_config(model_type, vocab, name, template):
     config = tiny_config(model_type, vocab_size=vocab)
     variant = identify(config)
-    assert variant.name == name and variant.template == template == family_template(config)
+    assert variant.name == name and variant.template == template
     assert FAMILIES[model_type].lora_modules  # the LoRA targets come from the same table
 
 
@@ -116,6 +116,12 @@ def test_the_real_coder_tokenizer_and_config():
     # The base model's eos (<｜end▁of▁sentence｜>, id 32014) with the instruct template, which ends with <|EOT|>:
     base = AutoConfig.from_pretrained(DEEPSEEK_TOKENIZER, eos_token_id=32014)
     assert any("<|EOT|> (id 32021)" in w and "will not stop" in w for w in check_family(base, tokenizer, "auto"))
+    # A tokenizer without a chat template (a base model's): `auto` falls back to deepseek, and the run says that
+    # this family's chat models use deepseek_coder (docs/data.md, the `auto` row).
+    tokenizer.chat_template = None
+    assert any(w.startswith("--template auto (resolved to deepseek) on deepseek-coder (the tokenizer has no chat "
+                            "template): this family's chat models use --template deepseek_coder")
+               for w in check_family(config, tokenizer, "auto"))
 
 
 def test_wrong_template_warns_with_the_familys_own():
@@ -252,7 +258,7 @@ def test_r1_0528_qwen3_preset_and_v32_refused():
     from sft.model.families import refuse_unsupported
 
     config = tiny_config("qwen3", vocab_size=151936)
-    assert identify(config).name == "R1-0528-Qwen3" and family_template(config) == "r1_0528"
+    assert identify(config).name == "R1-0528-Qwen3" and identify(config).template == "r1_0528"
     assert FAMILIES["qwen3"].lora_modules == ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                                               "down_proj"]
     refuse_unsupported(config)  # nothing to refuse

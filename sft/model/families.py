@@ -298,15 +298,6 @@ def refuse_unsupported(config) -> None:
                           "train DeepSeek-V3.1 (--template deepseek_v31) or V3 instead.")
 
 
-def family_template(config, tokenizer=None) -> str:
-    """The template of this model's family (for `auto` when the tokenizer has no chat template)."""
-    variant = identify(config, tokenizer)
-    if variant:
-        return variant.template
-    family = family_of(getattr(config, "model_type", None))
-    return family.template if family else "deepseek"
-
-
 def parameter_count(config) -> int:
     """All parameters of the model the config describes, counted on a weightless (meta) copy."""
     import torch
