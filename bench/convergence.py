@@ -15,6 +15,8 @@ same batches in the same order, with the same LR schedule, in one process, one v
   fp8        fp32 weights, torchao float8 training (tensorwise) on every Linear but lm_head, bf16 autocast
   fp8rw      the same with the rowwise recipe
   fp8sr16    bf16 weights, adamw_bf16_sr, FP8 as sft/speed/fp8_training.py    --fp8 true (full), the default path
+  fp8sr4     bf16 weights, the planner's lowbit4 (torchao 4-bit AdamW, block 128, stochastic rounding), FP8 as
+             fp8sr16: the box's full plan (FSDP + lowbit4 + --fp8), here on one device and without compiled layers
 
 The optimizers are built as our trainer builds them: `sft.speed.lowbit.prepare_optimizer` (torchao patches), then
 `SFTTrainer.get_optimizer_cls_and_kwargs` (sft/trainer.py) and the Trainer's weight-decay grouping. A new optimizer is one entry in
@@ -31,6 +33,8 @@ the train and eval curves show it).
     python bench/convergence.py --prepare .cache/convergence       # copy data + tokenizer for a GPU machine
     python bench/convergence.py --data_dir .cache/convergence --run_id R --results bench/results.jsonl
     python bench/convergence.py --report R --png bench/convergence.png --update_md   # table, curves, RESULTS.md
+    python bench/convergence.py --report R1,R2,R3 --curves R1,R3 --png bench/convergence.png --update_md
+        # the tables of several runs; the curves of R1 and R3 (default: of every run named) in one figure
 """
 
 from __future__ import annotations
@@ -123,10 +127,21 @@ def torchao_adamw_sr(model, hp: Hyper):
                   weight_decay=hp.weight_decay, bf16_stochastic_round=True)
 
 
+def planned_optimizer(precision: str) -> OptimizerFactory:
+    """What the planner's full fine-tune `precision` trains with: its options in sft/parallel/strategies.py
+    PRECISION_OPTIONS (the ones its commands and the recipes give), built as `sft/train.py` builds them."""
+    def build(model, hp: Hyper):
+        from sft.parallel.strategies import PRECISION_OPTIONS
+
+        options = PRECISION_OPTIONS[precision]
+        return trainer_optimizer(options["optim"], options.get("optim_args"))(model, hp)
+    return build
+
+
 OPTIMIZERS: dict[str, OptimizerFactory] = {
     "adamw_torch_fused": trainer_optimizer("adamw_torch_fused"),
-    "adamw_torch_8bit+sr": trainer_optimizer("adamw_torch_8bit", "bf16_stochastic_round=True"),
-    "adamw_torch_4bit+sr": trainer_optimizer("adamw_torch_4bit", "bf16_stochastic_round=True,block_size=128"),
+    "adamw_torch_8bit+sr": planned_optimizer("lowbit8"),  # --optim_args bf16_stochastic_round=True
+    "adamw_torch_4bit+sr": planned_optimizer("lowbit4"),  # --optim_args bf16_stochastic_round=True,block_size=128
     "torchao_adamw_bf16+sr": torchao_adamw_sr,
     "adamw_bf16_sr": trainer_optimizer("adamw_bf16_sr"),  # ours: sft/speed/sr_adamw.py
 }
@@ -163,6 +178,7 @@ VARIANTS: dict[str, Variant] = {
     "fp8": Variant("float32", "adamw_torch_fused", "candidate", fp8="tensorwise"),
     "fp8rw": Variant("float32", "adamw_torch_fused", "candidate", fp8="rowwise"),
     "fp8sr16": Variant("bfloat16", "adamw_bf16_sr", "candidate", fp8="tensorwise"),
+    "fp8sr4": Variant("bfloat16", "adamw_torch_4bit+sr", "candidate", fp8="tensorwise"),
 }
 
 
@@ -401,33 +417,73 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: list[dict], path: Path) -> None:
+@dataclass
+class Curve:
+    row: dict  # the first run's row of this curve
+    ref: dict | None  # that run's reference row: the right panel's ratio is to it
+    runs: list[str]  # every run named whose row has this variant and this eval curve
+
+
+def curves(runs: list[list[dict]]) -> list[Curve]:
+    """One curve per variant and eval curve over the runs' rows: a row that an earlier run recorded identically
+    (the same variant, seed and steps give the same curve: ref in a run that reran it to compare against) is
+    drawn once, and its label names both runs."""
+    found: dict[tuple[str, str], Curve] = {}
+    for rows in runs:
+        ref = next((r for r in rows if r["role"] == "reference"), None)
+        for r in rows:
+            if not r["eval_curve"]:
+                continue
+            key = (r["variant"], json.dumps(r["eval_curve"]))
+            if key in found:
+                found[key].runs.append(r["run_id"])
+            else:
+                found[key] = Curve(r, ref, [r["run_id"]])
+    return list(found.values())
+
+
+def curves_text(runs: list[list[dict]], png: str) -> str:
+    """What RESULTS.md says under the tables: which runs the curves come from, and the ones drawn once."""
+    names = [rows[0]["run_id"] for rows in runs]
+    shared = [f"{c.row['variant']} ({', '.join(c.runs)})" for c in curves(runs) if len(c.runs) > 1]
+    text = f"The curves: run{'s' if len(names) > 1 else ''} {', '.join(names)}"
+    text += (f"; each variant against its own run's ref; the same curve in several runs is drawn once: "
+             f"{'; '.join(shared)}." if shared else ".")
+    return f"{text}\n\n![eval curves of {', '.join(names)}]({png})"
+
+
+def plot(runs: list[list[dict]], path: Path) -> None:
+    """The eval curves of every run in `runs` (each a run's rows) in one figure, and each against its run's ref."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(13, 5))
-    ref = next((r for r in rows if r["role"] == "reference"), None)
-    for i, r in enumerate(rows):
-        if not r["eval_curve"]:
-            continue
+    several = len(runs) > 1
+    drawn = curves(runs)
+    for i, c in enumerate(drawn):
+        r, ref = c.row, c.ref
         steps, losses = zip(*r["eval_curve"])
-        style = dict(color=f"C{i}", linestyle="--" if r["role"] in ("seed", "control") else "-", label=r["variant"])
+        label = f"{r['variant']} ({', '.join(c.runs)})" if several else r["variant"]
+        style = dict(color=f"C{i % 10}", linestyle="--" if r["role"] in ("seed", "control") else "-",
+                     marker="." if i >= 10 else None, label=label)
         left.plot(steps, losses, **style)
         if ref and r is not ref and len(r["eval_curve"]) == len(ref["eval_curve"]) > 1:
             right.plot(steps[1:], [a / b for (_, a), (_, b) in zip(r["eval_curve"][1:], ref["eval_curve"][1:])],
                        **style)
     left.set(xlabel="step", ylabel="eval loss (held-out)", title="eval loss", yscale="log")
     right.axhspan(1 - PASS_REL, 1 + PASS_REL, color="0.9", label="within 1%")
-    right.set(xlabel="step", ylabel="eval loss / ref's", title="against ref (fp32 masters, seed 0)")
-    last = [r["ratio_to_ref"] for r in rows if r.get("ratio_to_ref")]
+    right.set(xlabel="step", ylabel="eval loss / ref's", title="against ref (fp32 masters, its run's seed)")
+    last = [r["ratio_to_ref"] for rows in runs for r in rows if r.get("ratio_to_ref")]
     if last:
         right.set_ylim(min(0.97, min(last) - 0.01), max(1.03, max(last) + 0.01))
     for ax in (left, right):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.suptitle(f"convergence, run {rows[0]['run_id']} ({rows[0]['gpu']}, {rows[0]['params'] / 1e6:.1f}M params)")
+        ax.legend(fontsize=7 if several else 8)
+    first = runs[0][0]
+    fig.suptitle(f"convergence, run{'s' if several else ''} {', '.join(rows[0]['run_id'] for rows in runs)} "
+                 f"({first['gpu']}, {first['params'] / 1e6:.1f}M params)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -451,21 +507,28 @@ def run_rows(path: Path, run_id: str) -> list[dict]:
 
 
 def report(args) -> int:
-    """The table of each run named (comma-separated); the curves of the first."""
-    tables = []
-    for run_id in args.report.split(","):
+    """The table of each run named (comma-separated); the curves of those --curves names (default: all of them)
+    in one figure."""
+    names = [n for n in args.report.split(",") if n]
+    drawn = [n for n in args.curves.split(",") if n] if args.curves else names
+    if set(drawn) - set(names):
+        print(f"error: --curves {args.curves}: name only runs that --report names", file=sys.stderr)
+        return 1
+    runs = {}
+    for run_id in names:
         rows = run_rows(Path(args.results), run_id)
         if not rows:
             print(f"error: no convergence rows for run_id {run_id} in {args.results}", file=sys.stderr)
             return 1
         compare(rows)  # over every row of the run: a run split over several calls compares against its one ref
-        tables.append(table(rows))
-        if args.png and len(tables) == 1:
-            plot(rows, Path(args.png))
-    text = "\n\n".join(tables)
+        runs[run_id] = rows
+    text = "\n\n".join(table(rows) for rows in runs.values())
+    if args.png:
+        plot([runs[n] for n in drawn], Path(args.png))
+        text += "\n\n" + curves_text([runs[n] for n in drawn], Path(args.png).name)
     print(text)
     if args.update_md:
-        update_md(Path(args.results_md), text + (f"\n\n![eval curves]({Path(args.png).name})" if args.png else ""))
+        update_md(Path(args.results_md), text)
     return 0
 
 
@@ -524,6 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--results_md", type=Path, default=RESULTS_MD)
     p.add_argument("--png", help="write the curves here (after a run, or with --report)")
     p.add_argument("--report", metavar="RUN_ID[,RUN_ID]", help="print the tables of recorded runs (no training)")
+    p.add_argument("--curves", metavar="RUN_ID[,RUN_ID]", help="with --report and --png: draw these of its runs "
+                   "(default: every run it names)")
     p.add_argument("--update_md", action="store_true", help="with --report: put the table into RESULTS.md")
     args = p.parse_args(argv)
     if args.tokenizer is None:
@@ -588,7 +653,7 @@ def main(argv: list[str] | None = None) -> int:
     compare(earlier + rows)  # ref's row was written before the seed spread was known; --report recomputes it
     print(table(rows))
     if args.png:
-        plot(rows, Path(args.png))
+        plot([earlier + rows], Path(args.png))
     return 0 if all(r["pass"] for r in rows if r["role"] == "candidate") else 3
 
 

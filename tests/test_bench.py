@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -357,3 +359,56 @@ def test_kernel_table_adds_up_kernels_whose_cut_names_agree():
     long = "void at::native::(anonymous namespace)::multi_tensor_apply_kernel<at::native::(anonymous namespace)::"
     table = top_kernel_ms({long + "A": 30_000.0, long + "B": 5_000.0, "gemm": 20_000.0, "small": 1.0}, 2)
     assert table == {long[:80]: 35.0, "gemm": 20.0}
+
+
+RUN_ID = r"\d{8}T\d{4}Z[-\w]*"
+EARLIER = re.compile(rf"({RUN_ID}): ([\d,]+) against ([\d,]+), (\d+\.\d+)x")
+
+
+def _section_table(markdown: str, heading: str) -> list[list[str]]:
+    """The body rows (cells, stripped) of the first table under `heading`."""
+    section = markdown.split(f"\n{heading}\n", 1)[1].split("\n#", 1)[0]
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    return [[cell.strip() for cell in line.strip("|").split("|")] for line in lines[2:]]
+
+
+def _tok_s(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+def _half_up(value: float) -> int:
+    return math.floor(value + 0.5)
+
+
+def test_the_readme_speed_table_quotes_rows_of_results_jsonl():
+    """Every tok/s figure and ratio of the README's speed table is a row of bench/results.jsonl of the run the table
+    names: ours (peer ours) against TRL's row of the same run (peer trl, the one ours names in `vs`), the same
+    model, row length, method and micro-batch, the ratio theirs, each with its cold_cache and nvidia-smi memory
+    (a row said to be a cold first run has cold_cache true); and each run is in RESULTS.md's table of the docs'
+    numbers, named for the README."""
+    rows = [json.loads(line) for line in (REPO / "bench" / "results.jsonl").read_text().splitlines() if line.strip()]
+    docs_runs = [row for row in _section_table((REPO / "bench" / "RESULTS.md").read_text(),
+                                               "## The docs' numbers and their runs") if "README.md" in row[1]]
+    table = _section_table((REPO / "README.md").read_text(), "## Speed")
+    assert len(table) >= 2
+    for what, ours_cell, trl_cell, ratio_cell, run_cell in table:
+        quotes = [(re.match(RUN_ID, run_cell).group(0), re.match(r"[\d,]+", ours_cell).group(0),
+                   re.match(r"[\d,]+", trl_cell).group(0), re.fullmatch(r"(\d+\.\d+)x", ratio_cell).group(1))]
+        quotes += EARLIER.findall(run_cell)
+        row_text = " ".join((ours_cell, trl_cell, ratio_cell, run_cell))
+        assert sorted(re.findall(r"\d{1,3}(?:,\d{3})+", row_text)) == sorted(n for q in quotes for n in q[1:3])
+        assert sorted(re.findall(r"(\d+\.\d+)x", row_text)) == sorted(q[3] for q in quotes)  # no number unquoted
+        method = "lora" if what.startswith("LoRA") else "full"
+        micro_batch = int(re.search(r"micro-batch (\d+)", what).group(1))
+        for run_id, ours_tok_s, trl_tok_s, ratio in quotes:
+            of_run = [r for r in rows if r.get("run_id") == run_id and r.get("model") == "deepseek-llm-7b"
+                      and r.get("seq_len") == 2048 and r.get("method") == method and r.get("micro_batch") == micro_batch]
+            ours = [r for r in of_run if r["peer"] == "ours" and _half_up(r["real_tok_s"]) == _tok_s(ours_tok_s)]
+            trl = [r for r in of_run if r["peer"] == "trl" and _half_up(r["real_tok_s"]) == _tok_s(trl_tok_s)]
+            assert len(ours) == 1 and len(trl) == 1, (run_id, ours_tok_s, trl_tok_s)
+            assert ours[0]["vs"] == trl[0]["name"]
+            assert f"{ours[0]['real_tok_s'] / trl[0]['real_tok_s']:.2f}" == ratio
+            for row in ours + trl:
+                assert "cold_cache" in row and row["nvidia_smi_mem_gib"] > 0, row["name"]
+                assert row["cold_cache"] or "cold" not in what, row["name"]
+            assert any(run_id in runs for _, _, runs in docs_runs), f"{run_id} not in RESULTS.md's docs table"

@@ -74,13 +74,15 @@ def test_tiny_run_trains_and_reports(tmp_path, monkeypatch):
 @needs_shared
 def test_tiny_run_of_the_torchao_optimizers(tmp_path):
     """sr8, sr4 and sr16 train through sft.speed.lowbit's patches and the Trainer's lookup, from the same bf16 init."""
-    rows = run_tiny(tmp_path, "ref,sr8,sr4,sr16", subprocess_eager=True)
+    rows = run_tiny(tmp_path, "ref,sr8,sr4,sr16,fp8sr4", subprocess_eager=True)
     built = [r["optimizer_built"] for r in rows[1:]]
     assert built == ["torchao.optim.adam.AdamW8bit(bf16_stochastic_round=True, block_size=256)",
                      "torchao.optim.adam.AdamW4bit(bf16_stochastic_round=True, block_size=128)",
-                     "torchao.optim.adam._AdamW(bf16_stochastic_round=True, block_size=inf)"]  # unquantized
-    first = [r["eval_curve"][0] for r in rows[1:]]
+                     "torchao.optim.adam._AdamW(bf16_stochastic_round=True, block_size=inf)",  # unquantized
+                     "torchao.optim.adam.AdamW4bit(bf16_stochastic_round=True, block_size=128)"]
+    first = [r["eval_curve"][0] for r in rows[1:4]]
     assert first.count(first[0]) == 3  # the same bf16 init: they part only at the first update
+    assert rows[4]["fp8"] == "tensorwise" and rows[4]["weights"] == "bfloat16"  # the box's full plan, FP8 on CPU
     assert all(r["eval_curve"][-1][1] < r["eval_curve"][0][1] for r in rows)
 
 
@@ -106,6 +108,65 @@ def test_optimizers_are_the_ones_sft_builds():
     assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
     assert len(no_decay["params"]) == 2 * 2 + 1  # two norms per layer and the final norm
     assert {v.optimizer for v in convergence.VARIANTS.values()} <= set(convergence.OPTIMIZERS)
+
+
+def test_fp8sr4_trains_as_the_planners_full_plan_for_the_box():
+    """The planner's full fine-tune of deepseek-llm-7b on 3 x 24 GB runs lowbit4 with FP8 (FSDP, the compiled
+    layers); fp8sr4 is that on one device: the optimizer its options build, bf16 weights, every decoder Linear in
+    torchao's float8 training as --fp8 converts them, lm_head left in bf16."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+    from torchao.optim import AdamW4bit
+
+    from sft.parallel.strategies import PRECISION_OPTIONS
+    from sft.plan import planner as plan
+
+    best = plan.best_plan(plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], plan.Box(3, 24, host_ram_gib=64), "full"))
+    assert (best.w.strategy, best.w.setup.precision, best.w.fp8, best.w.compiled) == ("fsdp", "lowbit4", True, True)
+    variant = convergence.VARIANTS["fp8sr4"]
+    assert (variant.weights, variant.fp8) == ("bfloat16", "tensorwise")
+    model = convergence.build_model(convergence.SHAPES["tiny"], 64, variant, 0, "cpu")
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    assert sum(isinstance(m, Float8Linear) for m in linears) == len(linears) - 1 == 7 * 2  # 7 per layer, 2 layers
+    assert not isinstance(model.lm_head, Float8Linear) and model.lm_head.weight.dtype == torch.bfloat16
+    optimizer = convergence.OPTIMIZERS[variant.optimizer](model, convergence.Hyper(1e-3, 0.1, (0.9, 0.95), 1e-8))
+    assert PRECISION_OPTIONS["lowbit4"] == {"dtype": "bfloat16", "optim": "adamw_torch_4bit",
+                                           "optim_args": "bf16_stochastic_round=True,block_size=128"}
+    assert type(optimizer) is AdamW4bit and optimizer.bf16_stochastic_round and optimizer.block_size == 128
+
+
+def test_the_report_draws_several_runs_and_says_which(tmp_path):
+    """--report R1,R2 --curves: each run's table, the curves of the runs --curves names in one figure, a row that two
+    runs recorded alike drawn once, and RESULTS.md saying which runs the curves come from."""
+    def row(run_id, variant, role, curve, **extra):
+        fields = dict(bench="convergence", run_id=run_id, variant=variant, role=role, weights="float32",
+                      optimizer="adamw_torch_fused", fp8=None, final_eval_loss=curve[-1][1], eval_curve=curve,
+                      finite=True, date="d", commit="c", gpu="cpu", torch="t", torchao="a", params=10, steps=2,
+                      batch=1, seq_len=4, epochs=1.0, train_tokens=8, eval_tokens=4, eval_every=1, lr=0.1, warmup=0,
+                      compile=False, cold_cache=False)
+        return json.dumps({**fields, **extra})
+
+    ref, other = [[0, 4.0], [1, 3.0], [2, 2.0]], [[0, 4.0], [1, 3.1], [2, 2.01]]
+    results = tmp_path / "results.jsonl"
+    results.write_text("\n".join([row("A", "ref", "reference", ref), row("A", "sr8", "candidate", other),
+                                  row("P", "ref", "reference", other), row("B", "ref", "reference", ref),
+                                  row("B", "fp8sr4", "candidate", other, fp8="tensorwise")]) + "\n")
+    runs = [convergence.run_rows(results, r) for r in ("A", "B")]
+    drawn = convergence.curves(runs)
+    assert [(c.row["variant"], c.runs) for c in drawn] == [("ref", ["A", "B"]), ("sr8", ["A"]), ("fp8sr4", ["B"])]
+    assert drawn[2].ref["run_id"] == "B"  # against its own run's ref
+    md, png = tmp_path / "RESULTS.md", tmp_path / "convergence.png"
+    md.write_text(f"{convergence.MD_BEGIN}\n{convergence.MD_END}\n")
+    argv = ["--report", "A,P,B", "--results", str(results), "--png", str(png), "--update_md", "--results_md", str(md)]
+    assert convergence.main([*argv, "--curves", "A,B"]) == 0
+    text = md.read_text()
+    assert [line.split(":")[0] for line in text.splitlines() if line.startswith("run ")] == ["run A", "run P", "run B"]
+    assert "| fp8sr4 | candidate | float32 | adamw_torch_fused | tensorwise | 2.0100 | 1.0050 | yes |" in text
+    assert ("The curves: runs A, B; each variant against its own run's ref; the same curve in several runs is drawn "
+            "once: ref (A, B).\n\n![eval curves of A, B](convergence.png)") in text
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert convergence.main([*argv, "--curves", "A,C"]) == 1  # a run the report does not name
 
 
 def test_compare_marks_one_percent_against_ref_and_records_the_seed_spread():
