@@ -165,6 +165,13 @@ MATRIX += [
     Row("moe-lora-compile", "lora", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
         args=("--lora_dropout", "0", "--attn_implementation", "sdpa", "--compile_layers", "true"), vs="trl-moe-lora",
         timeout=420),
+    # issue 26 item 3's other levers, each beside moe-lora-compile: FP8 matmuls for MLA and the dense MLP, the loss in
+    # chunks (no Liger for MLA models: the whole logits otherwise), LoRA on the routed experts too
+    *[Row(f"moe-lora-compile-{name}", "lora", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
+          args=("--lora_dropout", "0", "--attn_implementation", "sdpa", "--compile_layers", "true", *lever),
+          vs="trl-moe-lora", timeout=420)
+      for name, lever in (("fp8", ("--fp8", "true")), ("chunked", ("--chunked_loss", "true")),
+                          ("experts", ("--lora_experts", "true")))],
     Row("trl-moe-lora", "lora", peer="trl", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
         args=trl_args("sdpa", "bfloat16", 4, 2048)),
     Row("qlora-1", "qlora", micro_batch=4, args=("--lora_dropout", "0", *FLEX, *CKPT)),
@@ -363,6 +370,9 @@ GROUPS = {
     # issue 27 item 1, one GPU held to 24 GiB (run with --fresh_cache: the first step's compile is the user's wait)
     "long": ["long-r1-4k", "long-r1-32k", "long-llm-4k", "long-llm-32k", "long-r1-16k", "long-llm-16k",
              "long-r1-32k-sdpa"],
+    # issue 26 item 3: V2-Lite's LoRA step uncapped, each lever beside the compiled row and TRL's, same run
+    "moe-levers": ["trl-moe-lora", "moe-lora-compile", "moe-lora-compile-fp8", "moe-lora-compile-chunked",
+                   "moe-lora-compile-experts"],
     "compile-full": ["full-sr16-compile", "full-sr16", "trl-full", "lora-1-fp8-compile", "lora-1-compile", "lora-1"],
     # bench/run_matrix.sh's groups
     "lora": ["lora-1", "lora-ddp"], "lora-ckpt": ["lora-1-ckpt", "lora-ddp-ckpt"],
