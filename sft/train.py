@@ -30,7 +30,7 @@ import torch
 from transformers import set_seed
 
 from sft.report.callbacks import RunOverview, ThroughputCallback, flops_per_token, peak_flops
-from sft.report.progress import LastStepLogged
+from sft.report.progress import FirstStepWait, LastStepLogged, what_compiles
 from sft.safety.checkpoints import (CompleteRunCheck, ReachedEnd, check_resume_matches, checkpoint_callback,
                              complete_run_message, newest_complete, out_of_space, resolve_resume, run_is_finished,
                              save_final)
@@ -212,6 +212,8 @@ def train(run: Run, seams: Seams) -> int:
         overview,  # the first screen (rank 0)
         ThroughputCallback(flops_per_token(model, lora_args.lora), peak_flops()),  # real tok/s, MFU, memory
         LastStepLogged(),  # a run shorter than --logging_steps still logs its loss
+        FirstStepWait(what_compiles(model_args.attn_implementation, model_args.compile_layers_on,
+                                    training_args.torch_compile)),  # the first step's wait, said where it compiles
         FreezeLongLivedObjects(),  # after the first step: no full garbage collection walks the compiled graphs
         *seams.callbacks,
         checkpoint_callback(verifier),  # verified, complete-marked, rotated checkpoints

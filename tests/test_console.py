@@ -188,6 +188,37 @@ def test_the_progress_callback_prints_lines_and_no_eval_bar_when_piped(capsys, m
     assert capsys.readouterr().out.splitlines() == ["step 3/9: eval loss 1.5", "step 3/9: loss 2, lr 1.00e-04"]
 
 
+def test_the_first_steps_wait_is_said_where_it_compiles_and_logged_once(capsys, monkeypatch):
+    """A first step that compiles (flex_attention at 16k tokens: minutes) looked like a hung run: one line says
+    what compiled and how long it took; every run logs `first_step_seconds` with its first log, once."""
+    from sft.report import progress
+    from sft.report.progress import FirstStepWait, what_compiles
+
+    assert what_compiles("sdpa", False, False) == []
+    compiles = what_compiles("flex_attention", True, False)
+    assert compiles == ["the decoder layers (--compile_layers)", "flex_attention"]
+    clock = iter([100.0, 144.25])
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: next(clock))
+    state = SimpleNamespace(is_world_process_zero=True)
+    wait = FirstStepWait(compiles)
+    wait.on_train_begin(None, state, None)
+    wait.on_step_end(None, state, None)
+    wait.on_step_end(None, state, None)  # later steps: nothing more
+    assert capsys.readouterr().out.splitlines() == [
+        "first step: 44.2 s, the decoder layers (--compile_layers) and flex_attention compiled for these row "
+        "shapes (cached for later runs; a new --max_length compiles again)"]
+    logs, later = {"loss": 2.0}, {"loss": 1.9}
+    wait.on_log(None, state, None, logs={"eval_loss": 1.0})  # not a training log: waits for one
+    wait.on_log(None, state, None, logs=logs)
+    wait.on_log(None, state, None, logs=later)
+    assert logs["first_step_seconds"] == 44.25 and "first_step_seconds" not in later
+    quiet = FirstStepWait([])  # nothing compiles: logged, not said
+    clock = iter([0.0, 0.5])
+    quiet.on_train_begin(None, state, None)
+    quiet.on_step_end(None, state, None)
+    assert capsys.readouterr().out == ""
+
+
 def test_filters_drop_only_the_known_messages(capsys):
     """Each filter is narrow: the known message goes, another message of the same logger still shows."""
     from sft.report.console import quiet_imports
@@ -274,6 +305,8 @@ def test_a_run_shows_the_overview_and_the_next_commands_and_no_noise(tmp_path, t
     assert "Training on 1 process(es) (no parallelism) on CPU" in result.stdout, result.stdout
     assert "checkpoints  every 50 steps (the last 2 kept)" in result.stdout  # ours keeps the limit the Trainer lacks
     assert "LoRA r=16:" in result.stdout and "1 optimizer step (--max_steps)" in result.stdout
+    assert "first step:" not in result.stdout  # sdpa, no compiled layers: nothing compiles, nothing said
+    assert "first_step_seconds" in (out / "trainer_log.jsonl").read_text()
     merge = "deepseek-sft merge" if shutil.which("deepseek-sft") else "python -m sft.tools.merge"
     assert f"{merge} {out} {out}-merged" in result.stdout, result.stdout
     assert not [line for line in result.stderr.splitlines() if any(word in line for word in NOISE)], result.stderr

@@ -10,7 +10,9 @@ these subclasses in the Trainer's place (sft/trainer.py).
 from __future__ import annotations
 
 import sys
+import time
 
+from tqdm.auto import tqdm
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback
 
 
@@ -67,3 +69,40 @@ class LastStepLogged(TrainerCallback):
         if state.global_step >= state.max_steps and str(getattr(args.logging_strategy, "value",
                                                                 args.logging_strategy)) != "no":
             control.should_log = True
+
+
+class FirstStepWait(TrainerCallback):
+    """The first step's seconds, the user's wait before training runs at speed: where kernels compile at the first
+    step (`compiles`: flex_attention's, the compiled layers'), at a new row length too: 37-45 s at 32k tokens on an
+    empty cache on an H200 (bench/RESULTS.md, `first_step_s`). Said once on the console
+    where something compiles, and logged as `first_step_seconds` with the next log (trainer_log.jsonl,
+    TensorBoard) in every run."""
+
+    def __init__(self, compiles: list[str]):
+        self.compiles = compiles
+        self.began: float | None = None
+        self.seconds: float | None = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.began, self.seconds = time.perf_counter(), None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.seconds is not None or self.began is None:
+            return
+        self.seconds = time.perf_counter() - self.began
+        if self.compiles and state.is_world_process_zero:
+            tqdm.write(f"first step: {self.seconds:.1f} s, {' and '.join(self.compiles)} compiled for these row "
+                       f"shapes (cached for later runs; a new --max_length compiles again)", file=sys.stdout)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs is not None and self.seconds is not None and "loss" in logs and self.began is not None:
+            logs["first_step_seconds"] = round(self.seconds, 2)
+            self.began = None  # logged once
+
+
+def what_compiles(attn_implementation: str, compile_layers: bool, torch_compile: bool) -> list[str]:
+    """What compiles its kernels at the first step, in the words of the first-step line (FP8's casts compile
+    inside the compiled layers)."""
+    return [name for name, on in (("the whole model (--torch_compile)", torch_compile),
+                                  ("the decoder layers (--compile_layers)", compile_layers and not torch_compile),
+                                  ("flex_attention", attn_implementation == "flex_attention")) if on]
