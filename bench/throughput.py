@@ -293,6 +293,13 @@ MATRIX += [
                 *(("--offload_activations", "true") if n > 16384 else ())))
       for short, model in (("r1", "r1-distill-qwen-7b"), ("llm", "deepseek-llm-7b"))
       for n in (4096, 16384, 32768)],
+    # long-r1-32k as the planner and recipes/r1-distill-qwen-7b-long.yaml run it: --fp8 and --compile_layers at auto
+    # (on where the GPU allows; the bench turns them off unless a row names them), the compiled layers tracing the
+    # tiled MLP (sft/speed/tiled_mlp.py). Its first step's compile at 32k is part of the user's wait. Not measured yet
+    Row("long-r1-32k-default", "lora", model="r1-distill-qwen-7b", seq_len=32768, warmup=2, steps=3, profile_steps=0,
+        repeat_data=1, long_docs=True, timeout=600,
+        args=(*LIGER, "--lora_dropout", "0", *FLEX, *CKPT, "--mlp_tile_tokens", "4096", "--offload_activations", "true",
+              "--fp8", "auto", "--compile_layers", "auto")),
     # the same 32k row with sdpa: no compile per shape, a dense [L, L] mask (its padding is a document of its own)
     Row("long-r1-32k-sdpa", "lora", model="r1-distill-qwen-7b", seq_len=32768, warmup=2, steps=3, profile_steps=0,
         repeat_data=1, long_docs=True, timeout=420, args=(*LIGER, "--lora_dropout", "0", "--attn_implementation",
@@ -354,7 +361,7 @@ GROUPS = {
     # item 1), V2-Lite uncapped with compiled MoE layers (issue 26 item 3). Also due there: bench/fp8_check.py's loss
     # checks of quantize-experts-compile and of SFT_FP8_FAST_ACCUM
     "next": ["trl-lora-best", "lora-best-default", "lora-best-default-fastaccum", "moe-lora-compile", "long-r1-16k",
-             "long-llm-16k"],
+             "long-llm-16k", "long-r1-32k-default"],
     # --compile_layers beside the plain rows and TRL's best, same run (2026-12-01, evening)
     "compile": ["lora-best-fp8-compile", "lora-best-compile", "lora-best", "trl-lora-best", "lora-best-fp8"],
     # why lora-best-compile logged a lower loss with the same gradient norms: not Liger's in-layer kernels
@@ -369,7 +376,7 @@ GROUPS = {
     "lora2x": ["trl-lora-best", "lora-best-default", "lora-best-default-fastaccum"],
     # issue 27 item 1, one GPU held to 24 GiB (run with --fresh_cache: the first step's compile is the user's wait)
     "long": ["long-r1-4k", "long-r1-32k", "long-llm-4k", "long-llm-32k", "long-r1-16k", "long-llm-16k",
-             "long-r1-32k-sdpa"],
+             "long-r1-32k-sdpa", "long-r1-32k-default"],
     # issue 26 item 3: V2-Lite's LoRA step uncapped, each lever beside the compiled row and TRL's, same run
     "moe-levers": ["trl-moe-lora", "moe-lora-compile", "moe-lora-compile-fp8", "moe-lora-compile-chunked",
                    "moe-lora-compile-experts"],

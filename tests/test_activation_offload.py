@@ -56,6 +56,39 @@ def test_a_checkpointed_lora_model_gets_the_same_loss_and_gradients_bit_for_bit(
     assert [already for _, already in offload.unpacked] == [False] + [True] * (len(positions) - 1)
 
 
+@pytest.mark.slow  # inductor compiles the layer on 2 CPU cores: about a minute with an empty cache
+def test_compiled_layers_with_tiled_mlps_and_offloaded_checkpoints_give_the_plain_gradients():
+    """The long-row plan as the planner and recipes/r1-distill-qwen-7b-long.yaml run it (--compile_layers auto is on
+    on GPUs): each checkpointed decoder layer compiled in place (sft/speed/regional_compile.py, the MLP tiled inside
+    it: sft/speed/tiled_mlp.py) under the offloading hooks. The layers compile to one graph without a break (a
+    break under checkpointing runs the whole layer eagerly) and give the plain model's loss and gradients."""
+    from torch._dynamo.utils import counters
+
+    from sft.speed.regional_compile import compile_decoder_layers
+    from sft.speed.tiled_mlp import tile_mlps
+
+    ids = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(1))
+    want_loss, want = loss_and_grads(tiny_lora_llama(True), ids)
+    model = tiny_lora_llama(True)
+    assert tile_mlps(model, 32) == (3, 0)  # before compiling, as sft/model/loading.py orders them
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_decoder_layers(model) == 3
+    offload = Logged(HostCopies(), device_type="cpu", min_bytes=10_000)
+    model.train()
+    with offload:
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    assert not counters["graph_break"], list(counters["graph_break"])
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert offload.unpacked and offload.copies.to_host_count == offload.copies.to_device_count >= 3
+    got = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    assert loss.item() == pytest.approx(want_loss, rel=1e-6)
+    assert got.keys() == want.keys()
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_each_checkpoint_comes_back_before_the_backward_asks_for_it():
     """A chain of sin: each saves its input; the backward unpacks them last first, and each unpack starts the copy
     of the one saved before it, so only the first comes back on demand."""

@@ -195,6 +195,22 @@ def test_the_expert_parallel_row_runs_beside_the_resident_plan_in_the_two_gpu_gr
     assert (REPO / "accelerate_configs" / "autoep.yaml").is_file()
 
 
+def test_the_32k_row_runs_again_with_the_fast_paths_the_planner_and_the_recipe_leave_on():
+    """Issue 27: long-r1-32k as users run it, --fp8 and --compile_layers at auto (the bench's rows turn them off
+    unless they name them), in the long-row group beside its reference and in the next GPU session's."""
+    from sft.options.recipe import load_recipe
+
+    plain, default = throughput.ROWS["long-r1-32k"], throughput.ROWS["long-r1-32k-default"]
+    assert default.args == (*plain.args, "--fp8", "auto", "--compile_layers", "auto")
+    assert (default.model, default.seq_len, default.micro_batch, default.long_docs, default.mem_cap_gib) == \
+        (plain.model, plain.seq_len, plain.micro_batch, plain.long_docs, plain.mem_cap_gib)
+    recipe = dict(zip(*[iter(load_recipe(str(REPO / "recipes" / "r1-distill-qwen-7b-long.yaml")))] * 2))
+    assert "--fp8" not in recipe and "--compile_layers" not in recipe  # the recipe leaves them at auto
+    for option in ("--mlp_tile_tokens", "--offload_activations", "--attn_implementation", "--use_liger_kernel"):
+        assert default.args[default.args.index(option) + 1] == recipe[option], option
+    assert default.name in throughput.GROUPS["long"] and default.name in throughput.GROUPS["next"]
+
+
 def test_a_row_becomes_the_one_row_command_with_its_optimizer(tmp_path):
     args = throughput.parse(["--run_id", "r", "--out", str(tmp_path), "--mem_cap_gib", "22", "--fresh_cache"])
     row = throughput.ROWS["full-sr"]

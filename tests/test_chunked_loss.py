@@ -60,7 +60,7 @@ def trainer_loss_and_grads(model, batch: dict, output_dir, loss_fn=chunked_causa
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("model_type", ["llama", "deepseek_v2"])
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3"])
 @pytest.mark.parametrize("num_items", [None, 40])
 def test_same_loss_and_gradients_as_the_models_own(model_type, num_items, monkeypatch, tmp_path):
     import sft.speed.chunked_loss

@@ -264,3 +264,30 @@ def test_r1_0528_qwen3_preset_and_v32_refused():
     refuse_unsupported(config)  # nothing to refuse
     with pytest.raises(ConfigError, match="^DeepSeek-V3.2 \\(model_type deepseek_v32\\) is not supported"):
         refuse_unsupported(tiny_config("deepseek_v32"))
+
+
+def test_v32_is_refused_by_the_data_tool_and_the_planner_with_trainings_error(tmp_path, capsys):
+    """`deepseek-sft data` and `deepseek-sft plan --model <dir>` on a DeepSeek-V3.2 directory (a config and a
+    tokenizer: neither loads weights) stop with training's one error line, not data in another family's layout or a
+    plan that training then refuses."""
+    import json
+
+    from sft.data.dataset import main as data_main
+    from sft.errors import ConfigError
+    from sft.model.families import refuse_unsupported
+    from sft.plan.planner import main as plan_main
+
+    v32 = tmp_path / "v32"
+    tiny_config("deepseek_v32").save_pretrained(v32)
+    tiny_tokenizer().save_pretrained(v32)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": "hello"}]}) + "\n")
+    with pytest.raises(ConfigError) as refused:
+        refuse_unsupported(tiny_config("deepseek_v32"))
+    expected = f"error: {refused.value}\n"
+    capsys.readouterr()
+    assert data_main(["--model", str(v32), "--dataset", str(data), "--dataset_cache_dir", str(tmp_path / "cache")]) == 2
+    assert capsys.readouterr().err == expected
+    assert plan_main(["--model", str(v32)]) == 2
+    assert capsys.readouterr().err == expected

@@ -24,6 +24,31 @@ def tiny_lora_llama(checkpointing: bool):
     return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]))
 
 
+def tiny_lora_model(model_type: str, checkpointing: bool):
+    """A 3-layer model of a family we train, with LoRA on the family's default targets as training attaches it
+    (sft/model/loading.py attach_lora: DeepSeek MoE's MLP weights as target_parameters), its B matrices random so
+    that every LoRA weight has a gradient to compare; llama: tiny_lora_llama."""
+    if model_type == "llama":
+        return tiny_lora_llama(checkpointing)
+    from transformers import AutoModelForCausalLM
+
+    from conftest import tiny_config
+    from sft.model.loading import attach_lora
+    from sft.options.arguments import LoraArguments
+
+    torch.manual_seed(0)
+    config = tiny_config(model_type, vocab_size=256, num_hidden_layers=3, intermediate_size=160)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = attach_lora(model, LoraArguments(lora=True, lora_r=4, lora_dropout=0.0), checkpointing)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.02)
+    return model
+
+
 def loss_and_grads(model, ids):
     model.train()
     loss = model(input_ids=ids, labels=ids).loss
@@ -31,16 +56,21 @@ def loss_and_grads(model, ids):
     return loss.item(), {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3"])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_a_tiled_mlp_gives_the_whole_mlps_loss_and_gradients_and_keeps_its_names(checkpointing):
+def test_a_tiled_mlp_gives_the_whole_mlps_loss_and_gradients_and_keeps_its_names(checkpointing, model_type):
+    """Every family we train: the dense MLPs tiled (DeepSeek MoE: its first, dense layer; the MoE blocks whole)."""
     from sft.speed.tiled_mlp import tile_mlps
 
     ids = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(1))  # 100 = 6 x 16 + 4
-    plain = tiny_lora_llama(checkpointing)
-    tiled = tiny_lora_llama(checkpointing)
+    plain = tiny_lora_model(model_type, checkpointing)
+    tiled = tiny_lora_model(model_type, checkpointing)
     keys = tiled.state_dict().keys()
-    assert tile_mlps(tiled, 16) == (3, 0)
-    assert type(tiled.base_model.model.model.layers[0].mlp).__name__ == "TiledLlamaMLP"
+    dense = getattr(tiled.config, "first_k_dense_replace", None) or 3
+    mlp = tiled.base_model.model.model.layers[0].mlp
+    whole = type(mlp).__name__
+    assert tile_mlps(tiled, 16) == (dense, 3 - dense)
+    assert type(mlp).__name__ == f"Tiled{whole}" and whole.endswith("MLP")
     assert tiled.state_dict().keys() == keys
     want_loss, want = loss_and_grads(plain, ids)
     got_loss, got = loss_and_grads(tiled, ids)

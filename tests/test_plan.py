@@ -76,11 +76,11 @@ def test_builtin_shapes_match_a_meta_model():
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    for name in ("deepseek-coder-1.3b", "deepseek-v2-lite"):
+    for name in ("deepseek-coder-1.3b", "deepseek-v2-lite", "deepseek-r1-0528-qwen3-8b"):
         s = plan.SHAPES[name]
         kw = dict(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
                   num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
-                  tie_word_embeddings=s.tied)
+                  tie_word_embeddings=s.tied, **({"head_dim": s.head_dim} if s.head_dim else {}))
         if s.moe:
             kw.update(kv_lora_rank=s.kv_lora_rank, q_lora_rank=s.q_lora_rank, qk_nope_head_dim=s.qk_nope,
                       qk_rope_head_dim=s.qk_rope, v_head_dim=s.v_head, n_routed_experts=s.routed_experts,
@@ -497,7 +497,7 @@ def test_host_ram_is_read_without_torch(tmp_path, monkeypatch):
     assert host_ram_gib({}, str(tmp_path / "absent")) is None
 
 
-def test_commands_name_the_models_hub_ids(tmp_path):
+def test_commands_name_the_models_hub_ids(tmp_path, capsys):
     """A family name trains its base model, a released name its own model (with deepseek-ai/, in its case), a hub id
     or directory itself; every hub id the planner names is a released model (sft/model/families.py)."""
     from sft.model.families import VARIANTS
@@ -514,12 +514,18 @@ def test_commands_name_the_models_hub_ids(tmp_path):
                        ("deepseek-llm-7b-chat", "deepseek-ai/deepseek-llm-7b-chat"),
                        ("deepseek-coder-6.7b-instruct", "deepseek-ai/deepseek-coder-6.7b-instruct"),
                        ("deepseek-r1-distill-qwen-7b", "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"),
+                       ("deepseek-r1-0528-qwen3-8b", "deepseek-ai/DeepSeek-R1-0528-Qwen3-8B"),
+                       ("r1-0528-qwen3-8b", "deepseek-ai/DeepSeek-R1-0528-Qwen3-8B"),
                        ("deepseek-ai/DeepSeek-V2-Lite-Chat", "deepseek-ai/DeepSeek-V2-Lite-Chat"),
                        (str(tmp_path), str(tmp_path))]:
         assert plan.hub_id(typed) == hub, typed
         assert plan.resolve_shape(hub if typed != str(tmp_path) else "deepseek-llm-7b")  # the shape is known
     out = run_planner("--model", "DeepSeek-V2-Lite", "--lora", "--host_ram", "128")
     assert out.returncode == 0 and "--model deepseek-ai/DeepSeek-V2-Lite " in out.stdout
+    capsys.readouterr()
+    for typed in ("deepseek-r1-0528-qwen3-8b", "r1-0528-qwen3-8b"):  # a qwen3 model (sft/model/families.py)
+        assert plan.main(["--model", typed, "--lora", "--host_ram", "128"]) == 0
+        assert "--model deepseek-ai/DeepSeek-R1-0528-Qwen3-8B " in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("model, method, gpus", [

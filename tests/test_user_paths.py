@@ -411,6 +411,31 @@ def test_other_trainers_names_map_to_ours(tmp_path, capsys):
     assert training_args.num_train_epochs == 2
 
 
+def test_the_planners_model_names_train_their_hub_ids(tmp_path, monkeypatch, capsys):
+    """--model as `deepseek-sft plan` takes it, in either spelling (sft/names.py), from the command line, a recipe or
+    another trainer's option name, loads the hub id the planner's command names, with a note; a local directory of
+    that name wins, and a hub id or any other name stays as typed (was: passed to from_pretrained as typed)."""
+    from sft.plan.planner import hub_id
+
+    monkeypatch.chdir(tmp_path)
+    r1 = "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"
+    recipe = tmp_path / "r1.yaml"
+    recipe.write_text(f"model: r1-distill-qwen-7b\ndataset: {DATA}\n")
+    for argv in (["--model", "r1-distill-qwen-7b"], ["--model", "deepseek-r1-distill-qwen-7b"],
+                 ["--model_name_or_path", "DeepSeek-R1-Distill-Qwen-7B"], ["--config", str(recipe)]):
+        model_args, *_ = parse_args([*argv, "--dataset", DATA], data_only=True)
+        assert model_args.model == r1, argv
+        assert f"is short for {r1} (the name `deepseek-sft plan` takes): using --model {r1}" in capsys.readouterr().err
+    model_args, *_ = parse_args(["--model", "r1-0528-qwen3-8b", "--dataset", DATA], data_only=True)
+    assert model_args.model == "deepseek-ai/DeepSeek-R1-0528-Qwen3-8B" == hub_id("r1-0528-qwen3-8b")  # the plan's
+    capsys.readouterr()
+    (tmp_path / "r1-distill-qwen-7b").mkdir()
+    for typed in ("r1-distill-qwen-7b", r1, "m"):
+        model_args, *_ = parse_args(["--model", typed, "--dataset", DATA], data_only=True)
+        assert model_args.model == typed
+    assert "is short for" not in capsys.readouterr().err
+
+
 def test_bad_values_and_unknown_names_are_one_line():
     with pytest.raises(ConfigError) as bad:
         parse_args(["--max_steps", "ten"])

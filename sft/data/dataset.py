@@ -319,8 +319,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m sft.data.dataset"
             argv += ["--show_masks", str(SHOWN)]
         model_args, data_args, _, training_args = parse_args(argv, data_only=True, help_command=f"{prog} --help")
         conversations = read_datasets(data_args, training_args.seed)
-        from sft.model.loading import load_tokenizer
+        from sft.model.families import refuse_unsupported
+        from sft.model.loading import load_config, load_tokenizer
 
+        refuse_unsupported(load_config(model_args))  # DeepSeek-V3.2: training's error, not data in another layout
         tokenizer = load_tokenizer(model_args)
         _, _, summary = prepare(data_args, tokenizer, conversations)
     except UserFacingError as e:  # bad options, data, a model that cannot be found

@@ -21,7 +21,7 @@ from transformers import TrainingArguments
 from sft.configs import DEMO_DATA
 from sft.errors import ConfigError, NeedsHardware
 from sft.machine import Machine, launch
-from sft.options.argv import (COMMON_TRAINING, Parser, apply_aliases, help_requested, short_help,
+from sft.options.argv import (COMMON_TRAINING, Parser, apply_aliases, help_requested, model_hub_id, short_help,
                               split_names, unknown_options_message)
 from sft.options.command import help_command as training_help_command
 from sft.options.checks import CHECKS, MACHINE_CHECKS, NEW_RUN_DIR, OPTION_CHECKS, Check, Options, check_options
@@ -447,6 +447,7 @@ def read_options(argv: list[str] | None = None, data_only: bool = False, help_co
         raise recipe_error(parser, recipes) or ConfigError(unknown_options_message(unknown, parser,
                                                                                    our_option_names()))
     model_args, data_args, lora_args, training_args = parsed
+    model_args.model = model_hub_id(model_args.model)  # the planner's short names: what every step after reads
     return Options.of(model_args, data_args, lora_args, training_args, frozenset(given), problems)
 
 

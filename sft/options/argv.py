@@ -16,6 +16,7 @@ from transformers import HfArgumentParser
 
 from sft.errors import ConfigError
 from sft.machine import is_first_process
+from sft.names import hub_id
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,16 @@ def apply_aliases(argv: list[str]) -> list[str]:
         _note(f"--{name} is {alias.where}'s name for --{alias.ours}: using --{alias.ours} {' '.join(values)}".rstrip()
               + (f" ({alias.note})" if alias.note else ""))
     return out
+
+
+def model_hub_id(model: str) -> str:
+    """--model as the planner names it (`r1-distill-qwen-7b`, `deepseek-llm-7b-chat`: sft/names.py) -> the hub id
+    it means, with a one-line note, as --template takes LLaMA-Factory's names; a local directory of that name, a
+    hub id or any other name stays as given."""
+    hub = hub_id(model)
+    if hub != model:
+        _note(f"--model {model} is short for {hub} (the name `deepseek-sft plan` takes): using --model {hub}")
+    return hub
 
 
 def _note(text: str) -> None:

@@ -49,7 +49,7 @@ from typing import NamedTuple
 from sft.report.console import ToolParser
 from sft.options.recipe import load_recipe
 from sft.configs import RECIPES
-from sft.names import known_as
+from sft.names import RELEASES, hub_id, known_as
 from sft.machine import GIB, GPU_KINDS, Machine, gpu_kind, host_ram_gib as this_host_ram
 from sft.model.nf4_layout import dequantize_peak_bytes
 from sft.parallel.strategies import NF4_BYTES, PRECISION_OPTIONS, REPO, STRATEGIES, Setup, StateBytes
@@ -264,8 +264,10 @@ def _dense(name, model_type, h, i, layers, heads, kv, vocab, **kw) -> Shape:
 
 # Checked: deepseek-coder-6.7b against its config.json in ../shared/tokenizers/deepseek-coder-6.7b-instruct;
 # deepseek-llm-7b and deepseek-coder-1.3b as bench/train_throughput.py builds them (the measured rows' shapes);
-# DeepSeek-V2-Lite against a copy of its config.json quoted in a public test suite. The R1-Distill shapes are
-# the published config.json values as we know them, NOT checked here (a local config.json overrides).
+# DeepSeek-V2-Lite against a copy of its config.json quoted in a public test suite. The R1-Distill shapes and
+# R1-0528-Qwen3-8B's (Qwen3-8B's) are the published config.json values as we know them, NOT checked here (a local
+# config.json overrides). Qwen3's per-head q/k RMSNorm weights (2 x head_dim a layer, 9,216 of 8.2B parameters) and
+# the inputs they keep are not counted.
 SHAPES: dict[str, Shape] = {s.name: s for s in [
     _dense("deepseek-llm-7b", "llama", 4096, 11008, 30, 32, 32, 102400, checked="bench shape"),
     _dense("deepseek-llm-67b", "llama", 8192, 22016, 95, 64, 8, 102400, checked="not checked"),
@@ -279,25 +281,13 @@ SHAPES: dict[str, Shape] = {s.name: s for s in [
            checked="not checked"),
     _dense("deepseek-r1-distill-llama-8b", "llama", 4096, 14336, 32, 32, 8, 128256, checked="not checked"),
     _dense("deepseek-r1-distill-llama-70b", "llama", 8192, 28672, 80, 64, 8, 128256, checked="not checked"),
+    _dense("deepseek-r1-0528-qwen3-8b", "qwen3", 4096, 12288, 36, 32, 8, 151936, head_dim=128,
+           checked="not checked"),
     Shape("deepseek-v2-lite", "deepseek_v2", 2048, 10944, 27, 16, 16, 102400, kv_lora_rank=512, q_lora_rank=None,
           qk_nope=128, qk_rope=64, v_head=128, routed_experts=64, shared_experts=2, experts_per_token=6,
           moe_intermediate=1408, first_dense=1, checked="config.json copy (third party)"),
 ]}
-# The released models of each built-in shape, as hub ids (each one in sft/model/families.py VARIANTS; a test keeps
-# them so): the first is what a family name trains, the base model where there is one, as a recipe's fine-tune
-# starts from; a released name typed in any case, with or without `deepseek-ai/`, trains that model.
-RELEASES: dict[str, tuple[str, ...]] = {
-    "deepseek-llm-7b": ("deepseek-ai/deepseek-llm-7b-base", "deepseek-ai/deepseek-llm-7b-chat"),
-    "deepseek-llm-67b": ("deepseek-ai/deepseek-llm-67b-base", "deepseek-ai/deepseek-llm-67b-chat"),
-    "deepseek-coder-6.7b": ("deepseek-ai/deepseek-coder-6.7b-base", "deepseek-ai/deepseek-coder-6.7b-instruct"),
-    "deepseek-coder-1.3b": ("deepseek-ai/deepseek-coder-1.3b-base", "deepseek-ai/deepseek-coder-1.3b-instruct"),
-    "deepseek-r1-distill-qwen-1.5b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-1.5B",),
-    "deepseek-r1-distill-qwen-7b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-7B",),
-    "deepseek-r1-distill-qwen-14b": ("deepseek-ai/DeepSeek-R1-Distill-Qwen-14B",),
-    "deepseek-r1-distill-llama-8b": ("deepseek-ai/DeepSeek-R1-Distill-Llama-8B",),
-    "deepseek-r1-distill-llama-70b": ("deepseek-ai/DeepSeek-R1-Distill-Llama-70B",),
-    "deepseek-v2-lite": ("deepseek-ai/DeepSeek-V2-Lite", "deepseek-ai/DeepSeek-V2-Lite-Chat"),
-}
+# RELEASES: the released models of each built-in shape, as hub ids (sft/names.py, where training reads them too).
 ALIASES = {hub.rsplit("/", 1)[1].lower(): name for name, hubs in RELEASES.items() for hub in hubs}  # -> the shape
 
 
@@ -308,19 +298,12 @@ def shape_name(model: str) -> str | None:
     return known_as(key, SHAPES) or ALIASES.get(key)
 
 
-def hub_id(model: str) -> str:
-    """What a plan's command passes to --model: a local directory or a hub id (`owner/name`) as given; a released
-    name without its owner, in any case, as its hub id; a family name as its base model's hub id (RELEASES)."""
-    if "/" in model or Path(model).expanduser().is_dir():
-        return model
-    key = known_as(model, RELEASES) or model.lower()
-    if key in RELEASES:
-        return RELEASES[key][0]
-    return next((hub for hubs in RELEASES.values() for hub in hubs if hub.rsplit("/", 1)[1].lower() == key), model)
-
-
 def shape_from_config(config, name: str) -> Shape:
-    """A Shape from a transformers config (a local config.json)."""
+    """A Shape from a transformers config (a local config.json); a model that training refuses (DeepSeek-V3.2) is
+    refused here with training's own error, so that no plan recommends a run that cannot start."""
+    from sft.model.families import refuse_unsupported
+
+    refuse_unsupported(config)
     get = lambda k, d=None: getattr(config, k, d)  # noqa: E731
     heads = get("num_attention_heads")
     return Shape(name=name, model_type=get("model_type", "?"), hidden=get("hidden_size"),
@@ -354,11 +337,12 @@ def resolve_shape(model: str) -> Shape:
         try:
             from transformers import AutoConfig
 
-            return shape_from_config(AutoConfig.from_pretrained(model), key)
+            config = AutoConfig.from_pretrained(model)
         except Exception as e:  # noqa: BLE001  (offline, unknown, gated...)
             raise ConfigError(f"--model {model}: no built-in shape and its config.json could not be read "
                               f"({type(e).__name__}). Give a local directory, or one of: "
                               f"{', '.join(SHAPES)}.") from None
+        return shape_from_config(config, key)  # outside the try: its own refusal is no unreadable config
     raise ConfigError(f"--model {model}: not a directory, hub id or known family; known: {', '.join(SHAPES)}.")
 
 
@@ -1818,8 +1802,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--all", action="store_true", help="list every plan, not the first 20")
     p.add_argument("--check", action="store_true", help="predicted vs measured for bench/results.jsonl rows")
     p.add_argument("--markdown", action="store_true", help="with --check: the markdown table of RESULTS.md")
-    p.add_argument("--write_snapshot", action="store_true", help="after new bench rows: refit the plans' numbers "
-                   "(sft/plan/fitted.json; a checkout only)")
+    p.add_argument("--write_snapshot", action="store_true", help="after new bench rows: refit sft/plan/fitted.json")
     return p
 
 

@@ -16,7 +16,6 @@ adds a balance loss over the sequence, which tiles would split.
 from __future__ import annotations
 
 import functools
-import types
 
 import torch
 from torch import nn
@@ -42,10 +41,16 @@ def tile_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Te
 class TilingForward:
     """The tiled class's `forward`: a data descriptor, so it wins over a forward bound into the instance's
     __dict__ afterwards (Liger's `_bind_method_to_module` binds its SwiGLU that way, after we tile: a plain method
-    would then be shadowed and the MLP run whole), and tile_forward runs that bound forward per tile."""
+    would then be shadowed and the MLP run whole), and tile_forward runs that bound forward per tile.
+
+    It hands out `functools.partial(tile_forward, module)`, not a bound method: dynamo cannot trace the call of
+    `types.MethodType` (a graph break, "Unsupported function call"): under activation checkpointing, as long rows
+    run, a graph break runs the whole decoder layer eagerly, so --compile_layers compiled nothing beside
+    --mlp_tile_tokens (without checkpointing, the layer in pieces around the MLP). A partial traces
+    (tests/test_activation_offload.py)."""
 
     def __get__(self, module, owner=None):
-        return self if module is None else types.MethodType(tile_forward, module)
+        return self if module is None else functools.partial(tile_forward, module)
 
     def __set__(self, module, forward) -> None:  # `module.forward = f`: kept for tile_forward to run per tile
         module.__dict__["forward"] = forward
