@@ -144,6 +144,7 @@ def train(run: Run, seams: Seams) -> int:
 
     resume = on_main_process(take_output_dir)  # a checkpoint, or None; never overwrites or mixes runs
     resolve_model_path(model_args.model)  # a missing directory or unreachable hub id: seconds, not a minute
+    refuse_unsupported(load_config(model_args))  # DeepSeek-V3.2: one error, on every rank, before any data work
     if seams.model_factory is None:  # pickled weights: how to convert them, before any data work (a factory
         check_safetensors_weights(model_args.model)  # builds its own weights)
     check_tensor_parallel(model_args, training_args.world_size, resume)  # the model's heads; the checkpoint's TP
@@ -160,7 +161,6 @@ def train(run: Run, seams: Seams) -> int:
     # A resume onto another model or other data stops here, before tokenizing or any model; a new run records its own
     on_main_process(lambda: keep_record(resume, training_args.output_dir,
                                         this_run(model_args, data_args, lora_args, data_hash), run.argv))
-    refuse_unsupported(load_config(model_args))  # DeepSeek-V3.2: one error, on every rank, before any data work
     if is_first_process():  # a template, EOS or RoPE scaling that this DeepSeek family does not use
         for warning in check_family(load_config(model_args), tokenizer, data_args.template,
                                     model_args.trust_remote_code):

@@ -56,7 +56,7 @@ def test_lora_targets_survive_save_and_reload(tmp_path, model_type):
 
 # ---- presets per released model: identify, check_family, strategy, R1 without reasoning --------------------------
 
-from conftest import DEEPSEEK_TOKENIZER, needs_shared, tiny_config  # noqa: E402
+from conftest import DEEPSEEK_TOKENIZER, needs_shared, run_train, tiny_config  # noqa: E402
 from sft.model.families import (VARIANTS, R1DistillWithoutReasoning, check_family, identify,  # noqa: E402
                           parameter_count, strip_reasoning)
 from sft.plan.box import strategy  # noqa: E402
@@ -291,3 +291,8 @@ def test_v32_is_refused_by_the_data_tool_and_the_planner_with_trainings_error(tm
     assert capsys.readouterr().err == expected
     assert plan_main(["--model", str(v32)]) == 2
     assert capsys.readouterr().err == expected
+    # training: the same line, before the data is read or the run's record is written into --output_dir
+    out = tmp_path / "out"
+    trained = run_train(["--model", str(v32), "--dataset", str(data), "--output_dir", str(out)])
+    assert trained.returncode == 2 and trained.stderr == expected, trained.stderr
+    assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
