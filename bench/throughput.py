@@ -222,6 +222,11 @@ MATRIX += [
     Row("lora-best-default-fastaccum", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
         args=(*LIGER, "--lora_dropout", "0", *FLEX, "--fp8", "auto", "--compile_layers", "auto"),
         env=(("SFT_FP8_FAST_ACCUM", "1"),), vs="trl-lora-best", timeout=420),
+    # the same with the loss in torch chunks instead of Liger's fused loss, whose forward reads its labelled-token
+    # count back from the GPU (`.item()`): the step with no host wait but the logs (issue 28 item 2)
+    Row("lora-best-default-chunked", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
+        args=("--chunked_loss", "true", "--lora_dropout", "0", *FLEX, "--fp8", "auto", "--compile_layers", "auto"),
+        vs="trl-lora-best", timeout=420),
     # ... and the box's LoRA plan on one 24 GiB card (lora-1's options) with them
     Row("lora-1-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--compile_layers", "true"), timeout=420),
     Row("lora-1-fp8-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--fp8", "true", "--compile_layers", "true"),
@@ -360,8 +365,8 @@ GROUPS = {
     # item 2; run 20261205T0550Z-lora2x had one slow step in each of our rows), then the 16k long rows (issue 27
     # item 1), V2-Lite uncapped with compiled MoE layers (issue 26 item 3). Also due there: bench/fp8_check.py's loss
     # checks of quantize-experts-compile and of SFT_FP8_FAST_ACCUM
-    "next": ["trl-lora-best", "lora-best-default", "lora-best-default-fastaccum", "moe-lora-compile", "long-r1-16k",
-             "long-llm-16k", "long-r1-32k-default"],
+    "next": ["trl-lora-best", "lora-best-default", "lora-best-default-fastaccum", "lora-best-default-chunked",
+             "moe-lora-compile", "long-r1-16k", "long-llm-16k", "long-r1-32k-default"],
     # --compile_layers beside the plain rows and TRL's best, same run (2026-12-01, evening)
     "compile": ["lora-best-fp8-compile", "lora-best-compile", "lora-best", "trl-lora-best", "lora-best-fp8"],
     # why lora-best-compile logged a lower loss with the same gradient norms: not Liger's in-layer kernels
@@ -372,8 +377,9 @@ GROUPS = {
                  "lora-best-fp8-compile-eagerround"],
     "defaults": ["trl-lora-best", "lora-best-default"],
     # issue 28 item 2 (LoRA >= 2.0x TRL): the step without host waits (the NaN guard's verdict on the GPU, the token
-    # count from the collator, no NaN filter), and the FP8 forward's fast accumulation, beside TRL's best
-    "lora2x": ["trl-lora-best", "lora-best-default", "lora-best-default-fastaccum"],
+    # count, the labelled positions and the packed documents from the collator, no NaN filter), and the FP8 forward's
+    # fast accumulation, beside TRL's best; with the loss in torch chunks: no wait left in the step (Liger's `.item()`)
+    "lora2x": ["trl-lora-best", "lora-best-default", "lora-best-default-fastaccum", "lora-best-default-chunked"],
     # issue 27 item 1, one GPU held to 24 GiB (run with --fresh_cache: the first step's compile is the user's wait)
     "long": ["long-r1-4k", "long-r1-32k", "long-llm-4k", "long-llm-32k", "long-r1-16k", "long-llm-16k",
              "long-r1-32k-sdpa", "long-r1-32k-default"],

@@ -537,7 +537,8 @@ def worker(spec: dict, train_argv: list[str]) -> int:
         import sft.train
 
         factory = None if spec["weights"] else random_init
-        code = sft.train.main(train_argv, callbacks=[clock], model_factory=factory, save=False)
+        code = sft.train.main(train_argv, callbacks=[clock], model_factory=factory, save=False,
+                              on_trainer=clock.count_with)
     sft.parallel.distributed.end_process_group()
     return code
 
@@ -620,9 +621,20 @@ def _bench_callback(spec: dict, rank: int):
             self.prof = None
             self.prof_t0 = 0.0
             self.comm = None
+            self.trainer = None  # ours: each rank's host count, summed over ranks once at the end
+
+        def count_with(self, trainer) -> None:
+            self.trainer = trainer
+
+        def tokens_now(self, state) -> tuple[int, bool]:
+            """-> (the count, whether it is this rank's only). Our SFTTrainer sums its ranks' counts into the state
+            only when a log or a checkpoint reads it (between them the state holds the last log's count): the
+            clock takes this rank's own count each step instead. TRL's Trainer sums them each micro-batch."""
+            local = getattr(self.trainer, "tokens_on_this_rank", None)
+            return (local, True) if local is not None else (state.num_input_tokens_seen, False)
 
         def on_train_begin(self, args, state, control, **kwargs):
-            self.mark, self.seen = time.perf_counter(), state.num_input_tokens_seen
+            self.mark, self.seen = time.perf_counter(), self.tokens_now(state)[0]
             self.gc_pauses: list[tuple[int, int, float]] = []  # (step under way, generation, ms) of each collection
             self.gc_started = 0.0
             gc.callbacks.append(self._gc_timer)
@@ -637,9 +649,9 @@ def _bench_callback(spec: dict, rank: int):
         def on_step_end(self, args, state, control, model=None, **kwargs):
             now = time.perf_counter()
             same_batch = getattr(model, "tp_size", None) or 1  # TP ranks count one batch tp_size times
-            self.steps.append((state.global_step, (state.num_input_tokens_seen - self.seen) / same_batch,
-                               now - self.mark))
-            self.seen, self.mark = state.num_input_tokens_seen, now
+            seen = self.tokens_now(state)[0]
+            self.steps.append((state.global_step, (seen - self.seen) / same_batch, now - self.mark))
+            self.seen, self.mark = seen, now
             if profile_steps and rank == 0 and state.global_step == warmup + steps:
                 self._start_profile()
             elif self.prof is not None and state.global_step == warmup + steps + profile_steps:
@@ -679,6 +691,8 @@ def _bench_callback(spec: dict, rank: int):
             measured = [(tokens, seconds) for step, tokens, seconds in self.steps if warmup < step <= warmup + steps]
             in_measured = [(step, gen, ms) for step, gen, ms in self.gc_pauses if warmup < step <= warmup + steps]
             tokens, seconds = sum(t for t, _ in measured), sum(s for _, s in measured)
+            if self.tokens_now(state)[1]:  # this rank's: every rank's, as the Trainer's count gives them
+                tokens = summed_over_ranks(tokens)
             cuda = torch.cuda.is_available()
             result = {"rank": rank, "measured_steps": len(measured),
                       "real_tok_s": tokens / seconds if seconds else 0.0,
@@ -701,6 +715,19 @@ def _bench_callback(spec: dict, rank: int):
             Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(result))
 
     return BenchClock
+
+
+def summed_over_ranks(value: float) -> float:
+    """`value` summed over the processes (every rank calls it: at train end, after the measured steps)."""
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    total = torch.tensor(float(value), dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return float(total)
 
 
 def gpu_identity() -> dict:

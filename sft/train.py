@@ -51,6 +51,7 @@ from sft.safety.guards import LossSpikeLogger, NonFiniteGuard
 from sft.safety.interrupts import (SIGTERM_MARK, end_with_launcher, exit_code, ignore_further_interrupts,
                                    launcher_gone, leave_now, signal_name, stop_on_sigterm, tell_user)
 from sft.speed.gc_freeze import FreezeLongLivedObjects
+from sft.speed.packed_mask import builds_packed_mask
 from sft.speed.lowbit import prepare_optimizer
 from sft.model.families import check_family, refuse_unsupported
 from sft.model.loading import (PartialCheckpointing, check_lora_targets, check_safetensors_weights, load_config,
@@ -77,6 +78,7 @@ class Seams:
     callbacks: list
     model_factory: Callable | None = None
     save: bool = True
+    on_trainer: Callable | None = None
 
 
 class Run:
@@ -90,12 +92,13 @@ class Run:
 
 
 def main(argv: list[str] | None = None, callbacks: list | None = None, model_factory: Callable | None = None,
-         save: bool = True) -> int:
+         save: bool = True, on_trainer: Callable | None = None) -> int:
     """Train; -> exit code (0: done, or nothing to do; 2: bad options, data or model; 1: training stopped;
     130/143: Ctrl-C/SIGTERM). The seams for callers other than the command line (bench/throughput.py, tests), so
     that none replaces this module's names: `callbacks`, extra Trainer callbacks; `model_factory`, called instead of
     AutoModelForCausalLM.from_pretrained with its arguments (e.g. random weights from the config); `save=False`:
-    no final save (a benchmark times training only)."""
+    no final save (a benchmark times training only); `on_trainer`, called with the trainer once built (the bench's
+    clock reads each rank's token count from it)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv and not _debug_value_follows(argv)
     argv = [a for a in argv if a != "--debug"] if debug else argv
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None, model_fac
     end_with_launcher()  # a worker never outlives its launcher
     stop_on_sigterm()
     try:
-        return train(run, Seams(list(callbacks or []), model_factory, save))
+        return train(run, Seams(list(callbacks or []), model_factory, save, on_trainer))
     except UserFacingError as e:
         if debug:
             raise
@@ -228,14 +231,20 @@ def train(run: Run, seams: Seams) -> int:
         EvalPerplexity(),  # eval_perplexity = exp(eval_loss)
         RunRecord(),  # last: trainer_log.jsonl as it goes; loss.png and all_results.json at the end (rank 0)
     ]
+    sequence_parallel = training_args.sequence_parallel > 1
     run.trainer = trainer = trainer_class(
         model=model,
         args=training_args,
         train_dataset=train_data,
         eval_dataset=eval_data,
         data_collator=Collator(tokenizer.pad_token_id, data_args.pad_to_multiple_of,
-                               positions=training_args.sequence_parallel > 1,  # DeepSpeed slices rows by them
-                               counts_tokens=True),  # on the host: SFTTrainer reads the count without a wait
+                               positions=sequence_parallel,  # DeepSpeed slices rows by them
+                               # made on the host, so that the step does not wait for the GPU to learn them:
+                               counts_tokens=True,  # the real tokens' count (tokens/s, MFU)
+                               # the labelled tokens' places (the labelled-token loss; DeepSpeed's SP slices rows)
+                               labelled_positions=labelled_token_loss is not None and not sequence_parallel,
+                               # packed rows' documents, their mask built from them (sft/speed/packed_mask.py)
+                               document_ids=builds_packed_mask(model.config) and not sequence_parallel),
         processing_class=tokenizer,
         callbacks=callbacks,
         labelled_token_loss=labelled_token_loss,  # None: the model's own loss
@@ -245,6 +254,8 @@ def train(run: Run, seams: Seams) -> int:
     # The Trainer copies args.use_cache (False) onto the config it saves: give the model back the base's value (the
     # Collator turns the cache off in every training forward, where it would let packed documents attend to each other).
     model.config.use_cache = use_cache
+    if seams.on_trainer is not None:
+        seams.on_trainer(trainer)
 
     try:
         trainer.train(resume_from_checkpoint=resume)

@@ -19,7 +19,14 @@ order of what happens in a step is the Trainer's own, held by code:
 - `_track_num_input_tokens`: the real-token count (tokens/s, MFU) from the collator's count made on the host
   (sft/data/packing.py NUM_INPUT_TOKENS) instead of a count on the GPU read back with `.item()`, which made the host
   wait for each micro-batch's backward and left the GPU idle while it then issued the optimizer step and the next
-  forward. One process only: across processes the Trainer's gathered count stays.
+  forward. Across processes each rank keeps its count on the host and one all-reduce sums them when a log or a
+  checkpoint reads it (`sum_tokens_over_ranks`, from `log` and `_save_checkpoint`), where the Trainer gathered and
+  read back each micro-batch's count. A callback reading `state.num_input_tokens_seen` between logs sees the count
+  of the last log (bench/train_throughput.py's clock reads `tokens_on_this_rank` instead, summed once at the end).
+- `compute_loss` and `prediction_step` (`model_inputs`): the collator's host-made keys leave the batch before the
+  model sees it; packed rows get their block-diagonal mask built from the collator's documents
+  (sft/speed/packed_mask.py) instead of transformers finding them (a host wait at each forward), and the
+  labelled-token loss picks its tokens at the collator's positions instead of by a boolean mask (another).
 - `get_optimizer_cls_and_kwargs`: builds `adamw_bf16_sr` and gives torchao's low-bit AdamW its `--optim_args` as
   numbers.
 - `create_scheduler`: the Trainer's schedule, as a scheduler whose resume keeps this run's schedule (the rule:
@@ -44,14 +51,15 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import PrinterCallback, ProgressCallback, Trainer
 from transformers.integrations import TensorBoardCallback
 
-from sft.data.packing import NUM_INPUT_TOKENS
+from sft.data.packing import COLLATOR_KEYS, DOCUMENT_IDS, LABELLED_POSITIONS, NUM_INPUT_TOKENS
 from sft.data.tokenization import IGNORE
 from sft.model.moe import RouterBalance
 from sft.report.progress import ConsolePrinter, ConsoleProgress
 from sft.safety.guards import NonFiniteGuard
-from sft.safety.private_names import CLIP_GRAD_NORM, GET_GRAD_NORM, TRACK_NUM_INPUT_TOKENS, expect
+from sft.safety.private_names import CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPOINT, TRACK_NUM_INPUT_TOKENS, expect
 from sft.speed.activation_offload import OffloadedActivations
 from sft.speed.chunked_loss import LossFn
+from sft.speed.packed_mask import builds_packed_mask, packed_causal_mask
 from sft.speed.sequence_parallel_loss import mean_over_slices, sequence_parallel_group
 from sft.speed.lowbit import LOW_BIT_OPTIMIZERS, SR_ADAMW
 from sft.speed.sr_adamw import AdamWBf16SR, optim_arg_pairs, optimizer_kwargs
@@ -61,7 +69,7 @@ class SFTTrainer(Trainer):
     """`Trainer(...)` plus: `labelled_token_loss` (a LossFn, or None for the model's own loss), `balance` (the MoE
     routers' RouterBalance, or None), `guard` (the NonFiniteGuard among the callbacks, or None)."""
 
-    overridden = (CLIP_GRAD_NORM, GET_GRAD_NORM, TRACK_NUM_INPUT_TOKENS)
+    overridden = (CLIP_GRAD_NORM, GET_GRAD_NORM, TRACK_NUM_INPUT_TOKENS, SAVE_CHECKPOINT)
 
     @classmethod
     def check_overrides(cls) -> None:
@@ -76,6 +84,10 @@ class SFTTrainer(Trainer):
         self.labelled_token_loss = labelled_token_loss
         self.balance = balance
         self.guard = guard
+        # This rank's real tokens of this session by the collator's host count (None: the Trainer counts), and how
+        # many of them are in state.num_input_tokens_seen
+        self.tokens_on_this_rank: int | None = None
+        self.tokens_summed = 0
         # Read once (after the Trainer's own set-up, Liger's forward included): whether the forward can keep the
         # logits of one position only while the labelled-token loss projects the rest.
         self.keeps_one_logit = "logits_to_keep" in inspect.signature(_causal_lm(self.model).forward).parameters
@@ -88,29 +100,63 @@ class SFTTrainer(Trainer):
     # ---- the loss ----------------------------------------------------------------------------------------------
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        inputs = without_host_count(inputs)
+        positions = inputs.get(LABELLED_POSITIONS) if isinstance(inputs, dict) else None
+        batch, inputs = without_collator_keys(inputs), self.model_inputs(inputs)
         training = model.training
         capture = self.balance.capture() if training and self.balance else contextlib.nullcontext()
         with capture, self._offloaded_activations(training):
             if training and "shift_labels" in inputs:  # --sequence_parallel: a labelled_token_loss is set
                 loss, outputs = self._slice_loss_from_hidden_states(model, inputs)
             elif training and self.labelled_token_loss is not None and "labels" in inputs:
-                loss, outputs = self._loss_from_hidden_states(model, inputs, num_items_in_batch)
+                loss, outputs = self._loss_from_hidden_states(model, inputs, num_items_in_batch, positions)
             else:
                 loss, outputs = super().compute_loss(model, inputs, return_outputs=True,
                                                      num_items_in_batch=num_items_in_batch)
         if training and self.balance:
-            loss = self._with_balance_loss(loss, inputs, num_items_in_batch)
+            loss = self._with_balance_loss(loss, batch, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     def prediction_step(self, model, inputs, *args, **kwargs):
-        return super().prediction_step(model, without_host_count(inputs), *args, **kwargs)
+        return super().prediction_step(model, self.model_inputs(inputs), *args, **kwargs)
+
+    def model_inputs(self, inputs):
+        """The batch as the model takes it: without the collator's host-made keys (sft/data/packing.py), and with
+        packed rows' mask built from their documents where the model's attention takes one (sft/speed/
+        packed_mask.py); elsewhere their position_ids let transformers find the documents itself."""
+        documents = inputs.get(DOCUMENT_IDS) if isinstance(inputs, dict) else None
+        inputs = without_collator_keys(inputs)
+        config = _causal_lm(self.model).config
+        if documents is not None and builds_packed_mask(config):
+            inputs["attention_mask"] = packed_causal_mask(config, documents,
+                                                          self.model.get_input_embeddings().weight.dtype)
+        return inputs
 
     def _track_num_input_tokens(self, inputs):
         count = inputs.get(NUM_INPUT_TOKENS) if isinstance(inputs, dict) else None
-        if count is None or self.args.include_num_input_tokens_seen != "non_padding" or self.args.world_size > 1:
+        # --sequence_parallel's batches (shift_labels) are slices, each holding its whole rows' count: the Trainer
+        # counts those
+        if count is None or self.args.include_num_input_tokens_seen != "non_padding" or "shift_labels" in inputs:
             return super()._track_num_input_tokens(inputs)  # it reads the token tensors only
-        self.state.num_input_tokens_seen += count
+        self.tokens_on_this_rank = (self.tokens_on_this_rank or 0) + count
+
+    def sum_tokens_over_ranks(self) -> None:
+        """This rank's host count since the last sum joins `state.num_input_tokens_seen`: with several processes,
+        summed over them by one all-reduce, where the Trainer gathered each micro-batch's count and read it back
+        (a wait for the GPU per micro-batch). Called where the count is read: each log (evaluation's and the
+        final metrics' included) and each checkpoint (trainer_state.json), which every rank reaches together."""
+        local = (self.tokens_on_this_rank or 0) - self.tokens_summed
+        self.tokens_summed += local
+        if self.args.world_size > 1 and self.args.include_num_input_tokens_seen == "non_padding":
+            local = int(self.accelerator.reduce(torch.tensor(local, device=self.args.device), reduction="sum"))
+        self.state.num_input_tokens_seen += local
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        self.sum_tokens_over_ranks()
+        super().log(logs, start_time)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        self.sum_tokens_over_ranks()
+        super()._save_checkpoint(model, trial)
 
     def _offloaded_activations(self, training: bool):
         """--offload_activations: what the forward saves for the backward outside the checkpointed layers (their
@@ -125,11 +171,12 @@ class SFTTrainer(Trainer):
         """The saved-tensor hooks of one training forward (a subclass may copy otherwise: the CPU tests do)."""
         return OffloadedActivations()
 
-    def _loss_from_hidden_states(self, model, inputs: dict, num_items_in_batch):
+    def _loss_from_hidden_states(self, model, inputs: dict, num_items_in_batch, positions=None):
         """The causal-LM loss of the labelled tokens from the last hidden states: the model runs without its
         labels (so it builds no loss over whole logits) and keeps the logits of one position only. Scaled as the
         Trainer scales a model's own loss: over `num_items_in_batch` where the model takes it, times the processes
-        where tokens are averaged across devices."""
+        where tokens are averaged across devices. `positions`: the collator's LABELLED_POSITIONS, which pick the
+        labelled tokens without a wait for the GPU."""
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         causal_lm = _causal_lm(self.accelerator.unwrap_model(model))
@@ -141,7 +188,8 @@ class SFTTrainer(Trainer):
         # Under the mixed precision the model's forward ran in (accelerate wraps only the forward): the norm's
         # output meets the lm_head there, as it would inside the model.
         with self.accelerator.autocast():
-            loss = self.labelled_token_loss(last.hidden_state, causal_lm.lm_head, labels, items)
+            where = {} if positions is None else {"positions": positions}
+            loss = self.labelled_token_loss(last.hidden_state, causal_lm.lm_head, labels, items, **where)
         if self.args.average_tokens_across_devices and items is not None:  # as Trainer.compute_loss does
             loss = loss * (self.accelerator.num_processes // self.get_tp_size())
         return loss, outputs
@@ -161,7 +209,7 @@ class SFTTrainer(Trainer):
             outputs = model(**inputs)
         with self.accelerator.autocast():
             loss_sum = self.labelled_token_loss(last.hidden_state, causal_lm.lm_head, targets, 1, shifted=True)
-        labelled = int((targets != IGNORE).sum())
+        labelled = (targets != IGNORE).sum()  # summed over the slices on the GPU: never read on the host
         stage = self.accelerator.state.deepspeed_plugin.zero_stage
         return mean_over_slices(loss_sum, labelled, sequence_parallel_group(), stage), outputs
 
@@ -269,10 +317,10 @@ class last_hidden_state_of(contextlib.AbstractContextManager):
             raise RuntimeError(f"{type(self.decoder).__name__} ran no forward: no last hidden state for the loss")
 
 
-def without_host_count(inputs):
-    """The batch as the model takes it: without the collator's token count."""
-    if isinstance(inputs, dict) and NUM_INPUT_TOKENS in inputs:
-        return {k: v for k, v in inputs.items() if k != NUM_INPUT_TOKENS}
+def without_collator_keys(inputs):
+    """The batch without the collator's host-made keys (its token count, labelled positions, documents)."""
+    if isinstance(inputs, dict) and any(key in inputs for key in COLLATOR_KEYS):
+        return {k: v for k, v in inputs.items() if k not in COLLATOR_KEYS}
     return inputs
 
 

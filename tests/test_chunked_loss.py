@@ -60,9 +60,18 @@ def trainer_loss_and_grads(model, batch: dict, output_dir, loss_fn=chunked_causa
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def with_positions(batch: dict) -> dict:
+    """The batch with the collator's labelled positions (sft/data/packing.py LABELLED_POSITIONS)."""
+    from sft.data.packing import LABELLED_POSITIONS, labelled_positions
+
+    return {**batch, LABELLED_POSITIONS: labelled_positions(batch["labels"])}
+
+
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3"])
 @pytest.mark.parametrize("num_items", [None, 40])
-def test_same_loss_and_gradients_as_the_models_own(model_type, num_items, monkeypatch, tmp_path):
+@pytest.mark.parametrize("positions", [False, True], ids=["mask", "positions"])
+def test_same_loss_and_gradients_as_the_models_own(model_type, num_items, positions, monkeypatch, tmp_path):
+    """The labelled tokens picked by their mask, or at the collator's positions (index_select: no host wait)."""
     import sft.speed.chunked_loss
 
     monkeypatch.setattr(sft.speed.chunked_loss, "CHUNK_TOKENS", 7)  # several chunks, the last one short
@@ -70,7 +79,8 @@ def test_same_loss_and_gradients_as_the_models_own(model_type, num_items, monkey
     batch = packed_batch(model.config.vocab_size)
     extra = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
     expected, expected_grads = loss_and_grads(model, batch, **extra)
-    got, grads = trainer_loss_and_grads(model, batch, tmp_path, num_items_in_batch=extra.get("num_items_in_batch"))
+    got, grads = trainer_loss_and_grads(model, with_positions(batch) if positions else batch, tmp_path,
+                                        num_items_in_batch=extra.get("num_items_in_batch"))
     assert got == pytest.approx(expected.item(), rel=1e-5)
     assert grads.keys() == expected_grads.keys() and "lm_head.weight" in grads
     for name, grad in grads.items():
@@ -156,12 +166,14 @@ def liger_reference(monkeypatch):
 
 
 @pytest.mark.parametrize("num_items", [None, 40])
-def test_liger_loss_on_the_labelled_tokens_is_the_models_own(num_items, liger_reference, tmp_path):
+@pytest.mark.parametrize("positions", [False, True], ids=["mask", "positions"])
+def test_liger_loss_on_the_labelled_tokens_is_the_models_own(num_items, positions, liger_reference, tmp_path):
     model = tiny("llama")
     batch = packed_batch(model.config.vocab_size)
     extra = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
     expected, expected_grads = loss_and_grads(model, batch, **extra)
-    got, grads = trainer_loss_and_grads(model, batch, tmp_path, liger_causal_lm_loss, extra.get("num_items_in_batch"))
+    got, grads = trainer_loss_and_grads(model, with_positions(batch) if positions else batch, tmp_path,
+                                        liger_causal_lm_loss, extra.get("num_items_in_batch"))
     labelled = int((torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[..., 1:] != -100).sum())
     assert liger_reference == [labelled] and labelled < batch["labels"].numel()  # prompts and padding left out
     assert got == pytest.approx(expected.item(), rel=1e-5)

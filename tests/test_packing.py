@@ -1,5 +1,7 @@
 """Packing: best-fit decreasing, position_ids restarting per document, and no attention or label across documents:
-the loss and every gradient of a packed batch equal the per-document computation (fp32) for each model family."""
+the loss and every gradient of a packed batch equal the per-document computation (fp32) for each model family, both
+where transformers finds the documents from position_ids and where SFTTrainer builds the mask from the collator's
+documents and picks the labelled tokens at the collator's positions (no host wait: tests/test_host_syncs.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import random
 import pytest
 
 from conftest import save_tiny_model
-from sft.data.packing import Collator, best_fit_decreasing, pack_rows
+from sft.data.packing import DOCUMENT_IDS, LABELLED_POSITIONS, Collator, best_fit_decreasing, pack_rows
 from sft.data.tokenization import IGNORE
 
 
@@ -84,6 +86,65 @@ def test_collator_restarts_positions_per_document_and_pads_as_its_own_document()
     assert fixed["labels"].tolist() == [[IGNORE, 2, 3, 4, 5, IGNORE, IGNORE, IGNORE]]
 
 
+def test_collator_numbers_documents_and_labelled_positions_on_the_host():
+    rows = [{"input_ids": [1, 2, 3, 4, 5], "labels": [IGNORE, 2, 3, IGNORE, 5], "seq_lengths": [3, 2]},
+            {"input_ids": [6, 7], "labels": [IGNORE, 7], "seq_lengths": [2]}]
+    batch = Collator(pad_token_id=0, labelled_positions=True, document_ids=True)(rows)
+    assert batch[DOCUMENT_IDS].tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 1, 1]]  # the padding: a document of its own
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]
+    # flat places t (row x 5 + t) whose next token has a label: row 0's targets 2, 3, 5; row 1's 7
+    assert batch[LABELLED_POSITIONS].tolist() == [0, 1, 3, 5]
+    # every row one document filling it: nothing to mask but the causal order, and the positions are 0..n-1
+    whole = Collator(pad_token_id=0, document_ids=True)([{"input_ids": [1, 2, 3], "labels": [1, 2, 3],
+                                                          "seq_lengths": [3]}])
+    assert DOCUMENT_IDS not in whole and "position_ids" not in whole
+    assert DOCUMENT_IDS not in Collator(pad_token_id=0)(rows)  # asked for only
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager", pytest.param("flex_attention", marks=pytest.mark.slow)])
+def test_the_mask_from_the_documents_is_the_one_transformers_finds(attn):
+    """sft/speed/packed_mask.py builds, from the collator's documents, the mask transformers builds when it finds
+    the documents from position_ids (flex attention: the same BlockMask blocks and mask function)."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.masking_utils import create_causal_mask
+
+    from sft.speed.packed_mask import builds_packed_mask, packed_causal_mask
+
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1)
+    config._attn_implementation = attn
+    assert builds_packed_mask(config)
+    rows = [{"input_ids": list(range(1, 100)), "labels": list(range(1, 100)), "seq_lengths": [40, 1, 58]},
+            {"input_ids": list(range(1, 60)), "labels": list(range(1, 60)), "seq_lengths": [59]}]
+    batch = Collator(0, pad_to_multiple_of=128, document_ids=True)(rows)
+    embeddings = torch.zeros(2, 128, 16)
+    theirs = create_causal_mask(config, embeddings, None, None, position_ids=batch["position_ids"])
+    ours = packed_causal_mask(config, batch[DOCUMENT_IDS], embeddings.dtype)
+    if attn == "flex_attention":
+        from torch.nn.attention.flex_attention import create_mask
+
+        assert torch.equal(ours.to_dense(), theirs.to_dense())
+        theirs, ours = (create_mask(m.mask_mod, 2, 1, 128, 128, device="cpu") for m in (theirs, ours))
+    assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
+    allowed = ours if ours.dtype == torch.bool else ours == 0  # eager: 0 where attended, the dtype's min elsewhere
+    # row 0: documents 0-39, 40, 41-98, then the padding; row 1: 0-58, the padding
+    assert allowed[0, 0, 45, 41] and not allowed[0, 0, 45, 40] and not allowed[0, 0, 45, 10]
+    assert allowed[1, 0, 58, 0] and not allowed[1, 0, 60, 58] and not allowed[0, 0, 40, 39]
+
+
+def test_models_with_sliding_windows_or_flash_attention_keep_transformers_own_mask():
+    from transformers import LlamaConfig, Qwen2Config
+
+    from sft.speed.packed_mask import builds_packed_mask
+
+    flash = LlamaConfig()
+    flash._attn_implementation = "flash_attention_2"
+    sliding = Qwen2Config(use_sliding_window=True, sliding_window=16, max_window_layers=0, num_hidden_layers=2)
+    sliding._attn_implementation = "sdpa"
+    assert not builds_packed_mask(flash) and not builds_packed_mask(sliding)
+
+
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     return {t: save_tiny_model(tmp_path_factory.mktemp(t), t) for t in
@@ -101,9 +162,10 @@ def documents(vocab: int, seed: int = 0):
     return docs
 
 
+@pytest.mark.parametrize("path", ["position_ids", "collator's documents"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "deepseek_v2", "deepseek_v3"])
-def test_packed_loss_and_gradients_equal_per_document(tiny_models, model_type, attn):
+def test_packed_loss_and_gradients_equal_per_document(tiny_models, model_type, attn, path, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -115,9 +177,12 @@ def test_packed_loss_and_gradients_equal_per_document(tiny_models, model_type, a
     table = pack_rows([d[0] for d in docs], [d[1] for d in docs], 40)
     rows = table.to_pylist()
     assert len(rows) >= 2 and any(len(r["seq_lengths"]) > 1 for r in rows)
-    batch = Collator(pad_token_id=0)(rows)  # two or more packed rows, padded: a real training batch
-
-    packed = model(**batch).loss  # as the Trainer calls it: the batch itself turns the cache off
+    if path == "position_ids":
+        batch = Collator(pad_token_id=0)(rows)  # two or more packed rows, padded: a real training batch
+        packed = model(**batch).loss  # as the Trainer calls it: the batch itself turns the cache off
+    else:
+        batch = Collator(pad_token_id=0, labelled_positions=True, document_ids=True)(rows)
+        packed = sft_trainer(model, tmp_path).compute_loss(model, batch)  # its mask, its labelled-token loss
     packed.backward()
     packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
@@ -130,6 +195,20 @@ def test_packed_loss_and_gradients_equal_per_document(tiny_models, model_type, a
         count += n
     per_document = total / count
     assert_same_loss_and_gradients(model, packed, packed_grads, per_document)
+
+
+def sft_trainer(model, tmp_path):
+    """SFTTrainer with the labelled-token loss (--chunked_loss's) on CPU: the path that builds the packed mask from
+    the collator's documents and picks the labelled tokens at the collator's positions."""
+    from transformers import TrainingArguments
+
+    from sft.speed.chunked_loss import chunked_causal_lm_loss
+    from sft.speed.packed_mask import builds_packed_mask
+    from sft.trainer import SFTTrainer
+
+    assert builds_packed_mask(model.config)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], disable_tqdm=True)
+    return SFTTrainer(model=model, args=args, labelled_token_loss=chunked_causal_lm_loss)
 
 
 def assert_same_loss_and_gradients(model, packed, packed_grads: dict, per_document) -> None:

@@ -3,10 +3,11 @@
 Packing puts several documents in one row of at most `max_length` tokens (best-fit decreasing). Documents are
 kept apart by `position_ids` that restart at 0 for each one, with no attention_mask: transformers then builds a
 block-diagonal causal mask (eager/sdpa/flex) or runs varlen kernels (flash attention), so no token attends
-across documents. That only holds when the forward pass creates no KV cache: every batch carries
-`use_cache=False` (the model's config keeps the base's value, which a saved model should have), and any forward of
-our own must pass it too. Each document's first label is already -100 (sft/data/tokenization.py), so no target crosses
-a document boundary either.
+across documents. Under eager/sdpa/flex SFTTrainer builds that mask itself from the collator's DOCUMENT_IDS
+(sft/speed/packed_mask.py: the same mask, without transformers' wait for the GPU to find the documents). That
+only holds when the forward pass creates no KV cache: every batch carries `use_cache=False` (the model's config
+keeps the base's value, which a saved model should have), and any forward of our own must pass it too. Each
+document's first label is already -100 (sft/data/tokenization.py), so no target crosses a document boundary either.
 """
 
 from __future__ import annotations
@@ -92,9 +93,26 @@ def position_ids_for(seq_lengths: list[int]) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in seq_lengths]) if seq_lengths else torch.zeros(0, dtype=torch.long)
 
 
-# A batch's key for its non-padding token count, a Python int (the model's forward does not take it: SFTTrainer
-# takes it out before the forward)
+# The batch's keys that SFTTrainer takes out before the forward (the model does not take them), each made here on
+# the host so that the step never waits for the GPU to learn it:
+# its non-padding token count, a Python int
 NUM_INPUT_TOKENS = "num_input_tokens"
+# the labelled tokens' places in the shifted (rows x length) layout: flat int64 indices p = row * length + t of
+# the positions t whose next token has a label (the loss picks them with index_select: its size is known on the host)
+LABELLED_POSITIONS = "labelled_positions"
+# each token's document in its row (rows x length; the padding is one more document): the block-diagonal causal
+# mask is built from them (sft/speed/packed_mask.py) instead of transformers finding the documents from
+# position_ids, which reads a GPU tensor on the host at every forward
+DOCUMENT_IDS = "document_ids"
+COLLATOR_KEYS = (NUM_INPUT_TOKENS, LABELLED_POSITIONS, DOCUMENT_IDS)
+
+
+def labelled_positions(labels: torch.Tensor) -> torch.Tensor:
+    """LABELLED_POSITIONS of a batch's labels (rows x length): the flat places whose next token has a label."""
+    import torch
+
+    targets = torch.nn.functional.pad(labels, (0, 1), value=IGNORE)[:, 1:].reshape(-1)
+    return (targets != IGNORE).nonzero().squeeze(1)
 
 
 @dataclass
@@ -103,12 +121,18 @@ class Collator:
     their padding forms one more document of its own, whose labels are all ignored. `positions`: rows of one
     conversation get them too, as a pack of one (sequence parallelism: DeepSpeed slices each row and gathers the
     positions back, and drops any attention mask). `counts_tokens`: the batch also holds its non-padding token
-    count as a Python int under NUM_INPUT_TOKENS, for SFTTrainer (a plain Trainer would hand it to the model)."""
+    count as a Python int under NUM_INPUT_TOKENS, for SFTTrainer (a plain Trainer would hand it to the model).
+    `labelled_positions`: the labelled tokens' places under LABELLED_POSITIONS (SFTTrainer's labelled-token loss).
+    `document_ids`: packed rows' documents under DOCUMENT_IDS (SFTTrainer builds their mask); where every row is
+    one document without padding there is nothing to mask but the causal order, and the batch holds neither them
+    nor position_ids (the model's own positions are the same 0..length-1)."""
 
     pad_token_id: int
     pad_to_multiple_of: int | None = None
     positions: bool = False
     counts_tokens: bool = False
+    labelled_positions: bool = False
+    document_ids: bool = False
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor | bool | int]:
         import torch
@@ -125,14 +149,25 @@ class Collator:
             batch["position_ids"] = torch.zeros((len(rows), longest), dtype=torch.long)
         else:
             batch["attention_mask"] = torch.zeros((len(rows), longest), dtype=torch.long)
+        documents = [] if packed and self.document_ids else None
         for i, row in enumerate(rows):
             n = len(row["input_ids"])
             batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"])
             batch["labels"][i, :n] = torch.as_tensor(row["labels"])
             if packed:
-                batch["position_ids"][i] = position_ids_for(list(row.get("seq_lengths", [n])) + [longest - n])
+                lengths = [length for length in list(row.get("seq_lengths", [n])) + [longest - n] if length]
+                batch["position_ids"][i] = position_ids_for(lengths)
+                if documents is not None:
+                    documents.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)))
             else:
                 batch["attention_mask"][i, :n] = 1
+        if documents is not None:
+            if any(int(row[-1]) for row in documents):  # a row of two documents or more (its padding counts)
+                batch[DOCUMENT_IDS] = torch.stack(documents)
+            else:
+                del batch["position_ids"]
+        if self.labelled_positions:
+            batch[LABELLED_POSITIONS] = labelled_positions(batch["labels"])
         # A cache breaks the packed mask (and serves no purpose in training): off in every training and eval forward
         # whatever config.use_cache says (the Trainer hands the batch to model(**batch) as it is).
         batch["use_cache"] = False

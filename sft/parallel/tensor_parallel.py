@@ -25,8 +25,7 @@ import torch
 
 from sft.errors import ConfigError
 from sft.machine import is_first_process
-from sft.safety.private_names import (GET_OUTPUT_DIR, LOAD_FROM_CHECKPOINT, LOAD_OPTIMIZER, SAVE_CHECKPOINT,
-                                      SAVE_RNG_STATE)
+from sft.safety.private_names import GET_OUTPUT_DIR, LOAD_FROM_CHECKPOINT, LOAD_OPTIMIZER, SAVE_RNG_STATE
 from sft.safety.run_dir import SCHEDULER_FILE, TP_STATE_DIR, TP_STATE_INFO, checkpoint_dir
 from sft.trainer import SFTTrainer
 
@@ -137,7 +136,7 @@ class TensorParallelTrainer(SFTTrainer):
     from them. The Trainer still writes the weights (consolidated safetensors), trainer_state.json and the rotation;
     `save_only_model` stays set, as it requires for such a model, so its own optimizer saving never runs."""
 
-    overridden = (*SFTTrainer.overridden, SAVE_CHECKPOINT, LOAD_FROM_CHECKPOINT, LOAD_OPTIMIZER, GET_OUTPUT_DIR,
+    overridden = (*SFTTrainer.overridden, LOAD_FROM_CHECKPOINT, LOAD_OPTIMIZER, GET_OUTPUT_DIR,
                   SAVE_RNG_STATE)
 
     def _save_checkpoint(self, model, trial) -> None:

@@ -52,7 +52,8 @@ GET_GRAD_NORM = PrivateName("transformers", TRAINER, "Trainer._get_grad_norm", (
 TRACK_NUM_INPUT_TOKENS = PrivateName("transformers", TRAINER, "Trainer._track_num_input_tokens", ("self", "inputs"),
                                      TESTED_TRANSFORMERS, "the token count made on the host (no wait for the GPU)")
 SAVE_CHECKPOINT = PrivateName("transformers", TRAINER, "Trainer._save_checkpoint", ("self", "model", "trial"),
-                              TESTED_TRANSFORMERS, "tensor-parallel checkpoints that resume")
+                              TESTED_TRANSFORMERS,
+                              "the token count summed over ranks before trainer_state.json; tensor-parallel checkpoints")
 LOAD_FROM_CHECKPOINT = PrivateName("transformers", TRAINER, "Trainer._load_from_checkpoint",
                                    ("self", "resume_from_checkpoint", "model"), TESTED_TRANSFORMERS,
                                    "tensor-parallel checkpoints that resume")

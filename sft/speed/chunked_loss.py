@@ -37,19 +37,26 @@ from sft.data.tokenization import IGNORE
 CHUNK_TOKENS = 1024  # one chunk's fp32 logits: 0.4 GB at a 102,400-token vocabulary
 
 
-# (hidden, lm_head, labels, num_items_in_batch, shifted=False) -> loss; `shifted`: the labels are already each
-# position's next-token target (sequence parallelism's `shift_labels`: a slice's last target is the next slice's first)
+# (hidden, lm_head, labels, num_items_in_batch, shifted=False, positions=None) -> loss; `shifted`: the labels are
+# already each position's next-token target (sequence parallelism's `shift_labels`: a slice's last target is the next
+# slice's first); `positions`: where those targets are labelled, as the collator found them on the host
+# (sft/data/packing.py LABELLED_POSITIONS)
 LossFn = Callable[..., torch.Tensor]
 
 
-def labelled_tokens(hidden: torch.Tensor, labels: torch.Tensor,
-                    shifted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def labelled_tokens(hidden: torch.Tensor, labels: torch.Tensor, shifted: bool = False,
+                    positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The hidden states whose next token has a label, and those labels (labels shifted by one unless `shifted`,
-    -100 left out)."""
+    -100 left out). With the collator's `positions` they are picked by index_select, whose size the host knows;
+    without, by a boolean mask, whose result's size the host must read from the GPU (a wait per micro-batch)."""
     targets = labels if shifted else F.pad(labels, (0, 1), value=IGNORE)[..., 1:]
     targets = targets.reshape(-1).to(hidden.device)
+    states = hidden.reshape(-1, hidden.shape[-1])
+    if positions is not None:
+        positions = positions.to(hidden.device)
+        return states.index_select(0, positions), targets.index_select(0, positions)
     keep = targets != IGNORE
-    return hidden.reshape(-1, hidden.shape[-1])[keep], targets[keep]
+    return states[keep], targets[keep]
 
 
 def per_item(total: torch.Tensor, count: int, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
@@ -70,13 +77,13 @@ def no_label_loss(hidden: torch.Tensor) -> torch.Tensor:
 def chunked_causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor,
                            num_items_in_batch: torch.Tensor | int | None = None,
                            chunk_tokens: int = CHUNK_TOKENS, shifted: bool = False,
-                           zero3_frozen_head: bool = False) -> torch.Tensor:
+                           zero3_frozen_head: bool = False, positions: torch.Tensor | None = None) -> torch.Tensor:
     """transformers' ForCausalLMLoss (shift, ignore -100, sum / num_items_in_batch or mean) without whole logits.
     `zero3_frozen_head`: the lm_head is a frozen ZeRO-3 partitioned module (LoRA under ZeRO-3 on several
     processes); its weight is gathered once for the whole loss instead of by the module's hooks at every chunk and
     at every chunk's recomputation, which the processes would run different numbers of times (their labelled tokens
     differ: seen hanging on 2 CPU ranks) and which a recomputation in the backward finds partitioned (shape [0])."""
-    states, targets = labelled_tokens(hidden, labels, shifted)
+    states, targets = labelled_tokens(hidden, labels, shifted, positions)
     # (under ZeRO-3 every process gathers, labels or not: the gather is collective)
     with gathered_head(lm_head) if zero3_frozen_head else contextlib.nullcontext(lm_head) as head:
         if targets.numel() == 0:
@@ -106,12 +113,15 @@ def _chunk_loss(lm_head: torch.nn.Module, states: torch.Tensor, targets: torch.T
 
 
 def liger_causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor,
-                         num_items_in_batch: torch.Tensor | int | None = None, shifted: bool = False) -> torch.Tensor:
+                         num_items_in_batch: torch.Tensor | int | None = None, shifted: bool = False,
+                         positions: torch.Tensor | None = None) -> torch.Tensor:
     """The same loss through Liger's fused linear cross-entropy (its Triton kernels: GPU only), which projects the
-    labelled tokens a chunk at a time and computes their gradient in the forward."""
+    labelled tokens a chunk at a time and computes their gradient in the forward. Liger reads a count back from the
+    GPU itself (`.item()` in its forward, liger-kernel 0.8.5): `positions` spare the wait of the labelled tokens'
+    mask, not that one."""
     from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-    states, targets = labelled_tokens(hidden, labels, shifted)
+    states, targets = labelled_tokens(hidden, labels, shifted, positions)
     if targets.numel() == 0:
         return no_label_loss(hidden)
     chunks = liger_chunk_mem_const(targets.numel(), *lm_head.weight.shape[::-1])

@@ -13,7 +13,7 @@ def sequence_parallel_group():
     return parallel_state_sp.get_sequence_parallel_group()
 
 
-def mean_over_slices(loss_sum: torch.Tensor, labelled: int, group, zero_stage: int) -> torch.Tensor:
+def mean_over_slices(loss_sum: torch.Tensor, labelled: torch.Tensor | int, group, zero_stage: int) -> torch.Tensor:
     """The row's mean loss from each rank's summed loss over its slice's `labelled` tokens (each rank's mean
     weighted by its count, as the Trainer's own SP loss weighs them), with the gradient of that mean as one GPU
     training the whole rows would get it.
@@ -28,7 +28,7 @@ def mean_over_slices(loss_sum: torch.Tensor, labelled: int, group, zero_stage: i
     import torch.distributed.nn.functional as distributed
 
     total = distributed.all_reduce(loss_sum.float(), group=group)
-    count = torch.tensor(float(labelled), device=loss_sum.device)
+    count = torch.as_tensor(labelled, device=loss_sum.device).float()  # a tensor stays on the GPU: no wait
     dist.all_reduce(count, group=group)
     mean = total / count.clamp(min=1)
     if zero_stage >= 3:
