@@ -129,6 +129,36 @@ def save_tiny_model(path: Path, model_type: str = "llama", tokenizer_dir: Path |
     return path
 
 
+def peak_host_growth(setup: str, load: str, *argv: str) -> int:
+    """Bytes the peak RSS (VmHWM) of a fresh Python process grows by while it runs `load`, from its RSS after `setup`
+    (imports: not counted); both code that reads `argv` as sys.argv[1:]. One thread, and glibc's malloc given a fixed
+    mmap threshold: with its default, dynamic one, freed working buffers under 32 MB stay in the heap, fragmented,
+    and blur what is compared."""
+    import json
+    import textwrap
+
+    code = "import json, sys\n" + textwrap.dedent(setup) + \
+        "\ndef status(field):  # kB\n" \
+        "    return next(int(l.split()[1]) for l in open('/proc/self/status') if l.startswith(field + ':'))\n" \
+        "before = status('VmRSS')\n" + textwrap.dedent(load) + \
+        "\nprint(json.dumps({'peak_growth': (status('VmHWM') - before) * 1024}))\n"
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "1048576"}
+    done = subprocess.run([sys.executable, "-c", code, *argv], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])["peak_growth"]
+
+
+def loading_peaks(path: Path, imports: str, quantize_after: str, load_new: str) -> dict[str, int]:
+    """peak_host_growth of loading the bf16 checkpoint at `path` two ways, each in a process of its own: "old",
+    from_pretrained whole then `quantize_after` (code on `model`), and "new", `load_new` (code that sets `model`).
+    Both see `path`, `config` (its AutoConfig), torch, AutoModelForCausalLM and `imports`."""
+    setup = "import torch\nfrom transformers import AutoConfig, AutoModelForCausalLM\n" + imports + \
+        "\npath = sys.argv[1]\nconfig = AutoConfig.from_pretrained(path)\n"
+    whole = "model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, use_safetensors=True)\n"
+    return {"old": peak_host_growth(setup, whole + quantize_after, str(path)),
+            "new": peak_host_growth(setup, load_new, str(path))}
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")

@@ -5,15 +5,11 @@ from_pretrained followed by quantize_base_nf4, without the whole bf16 model in h
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import pytest
 import torch
 
-from conftest import REPO, tiny_config
+from conftest import loading_peaks, tiny_config
 
 NF4_PARTS = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")
 
@@ -189,25 +185,10 @@ def test_load_model_under_fsdp_reads_weight_by_weight(tmp_path, monkeypatch, cap
     assert "quantized after loading" in out
 
 
-PEAK_WORKER = textwrap.dedent("""
-    import json, sys, torch, torchao.quantization
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from sft.model.nf4_base import quantize_base_nf4
-    from sft.model.nf4_loading import load_nf4_model
-
-    def status(field):  # kB
-        return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field + ":"))
-
-    path, how = sys.argv[1], sys.argv[2]
-    config = AutoConfig.from_pretrained(path)
-    before = status("VmRSS")
-    if how == "old":
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, use_safetensors=True)
-        quantize_base_nf4(model, 3)
-    else:
-        model = load_nf4_model(path, config, torch.bfloat16, 3)
-    print(json.dumps({"peak_growth": (status("VmHWM") - before) * 1024}))
-""")
+PEAK_IMPORTS = ("import torchao.quantization\nfrom sft.model.nf4_base import quantize_base_nf4\n"
+                "from sft.model.nf4_loading import load_nf4_model")
+PEAK_QUANTIZE_AFTER = "quantize_base_nf4(model, 3)"
+PEAK_LOAD_NEW = "model = load_nf4_model(path, config, torch.bfloat16, 3)"
 
 
 @pytest.mark.slow
@@ -225,12 +206,6 @@ def test_reading_weight_by_weight_holds_less_host_ram(tmp_path):
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="40MB")
     checkpoint = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "1048576"}
-    growth = {}
-    for how in ("old", "new"):
-        done = subprocess.run([sys.executable, "-c", PEAK_WORKER, str(tmp_path), how], env=env, capture_output=True,
-                              text=True, timeout=600)
-        assert done.returncode == 0, done.stderr[-3000:]
-        growth[how] = json.loads(done.stdout.strip().splitlines()[-1])["peak_growth"]
+    growth = loading_peaks(tmp_path, PEAK_IMPORTS, PEAK_QUANTIZE_AFTER, PEAK_LOAD_NEW)
     assert growth["old"] > checkpoint, (growth, checkpoint)  # every page of the checkpoint was held at once
     assert growth["new"] < growth["old"], (growth, checkpoint)

@@ -147,6 +147,7 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
     qlora = qlora_requested(lora_args)
     nf4_for_fsdp = qlora and machine().launch.fsdp  # the base as NF4 bytes (sft/model/nf4_base.py)
     model = load_nf4_for_fsdp(model_args, lora_args) if nf4_for_fsdp and model_factory is None else None
+    experts_on_load = experts_quantization(model_args) if model_factory is None else {}
     if model is None:  # not read weight by weight: loaded whole
         model = (model_factory or AutoModelForCausalLM.from_pretrained)(
             resolve_model_path(model_args.model),
@@ -157,11 +158,12 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
             **NO_HUB_KERNELS,
             **tensor_parallel(model_args),
             **quantization(model_args, lora_args),
+            **experts_on_load,
         )
     if model_args.quantize_experts == "fp8":  # before LoRA: the routed experts are the frozen base's
         from sft.model.quantized_experts import apply_quantized_experts
 
-        apply_quantized_experts(model)
+        apply_quantized_experts(model, quantized_on_load=bool(experts_on_load))
     report_zero3_partitioning(model)
     mark_moe_leaves(model)  # ZeRO-3: each MoE block one leaf (before the Trainer builds the engine)
     if nf4_for_fsdp and not nf4_settings(model):  # loaded whole (a model factory, or not read weight by weight)
@@ -194,6 +196,17 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
         if is_first_process():
             print(f"Compiled: {compiled} decoder layers (torch.compile in place; the first step compiles)", flush=True)
     return model
+
+
+def experts_quantization(model_args: ModelArguments) -> dict:
+    """--quantize_experts fp8: from_pretrained's arguments that quantize the routed experts as the checkpoint is read
+    (sft/model/experts_on_load.py), so that no process holds the whole bf16 base in host RAM."""
+    if model_args.quantize_experts != "fp8":
+        return {}
+    from sft.model.experts_on_load import on_load_config
+    from sft.model.quantized_experts import quantization_device
+
+    return on_load_config(load_config(model_args), quantization_device())
 
 
 # ---- QLoRA: a LoRA adapter on a base quantized to 4 bits as it loads (bitsandbytes NF4) ----------------------

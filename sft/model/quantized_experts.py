@@ -117,29 +117,44 @@ def fused_experts(model: nn.Module) -> list[nn.Module]:
             if all(isinstance(getattr(m, w, None), nn.Parameter) and getattr(m, w).dim() == 3 for w in WEIGHTS)]
 
 
+def hold_quantized(module: nn.Module, quantized: dict[str, tuple[torch.Tensor, torch.Tensor]],
+                   compute_dtype: torch.dtype) -> None:
+    """Make `module` (a fused experts module whose WEIGHTS parameters were taken out) hold `quantized` ({name: (e4m3,
+    scales)}) and read its weights back in `compute_dtype`: the layout both ways of quantizing give."""
+    module.compute_dtype = compute_dtype
+    module.__class__ = _quantized_class(type(module))
+    for name, (q, scale) in quantized.items():
+        module.register_parameter(f"{name}_e4m3", nn.Parameter(q, requires_grad=False))
+        setattr(module, f"{name}_scale", scale)  # an attribute, not a buffer: DDP would broadcast buffers
+
+
 def quantize_experts(model: nn.Module, device: torch.device | None = None) -> int:
     """Hold every routed experts module of `model` in e4m3, quantized on `device` (default: where it is); -> how
-    many modules. The experts must be frozen (a LoRA run's base)."""
+    many modules. The experts must be frozen (a LoRA run's base). A model loaded whole; from a checkpoint,
+    sft/model/experts_on_load.py quantizes them as they are read, to the same bits."""
     experts = fused_experts(model)
     for module in experts:
         weights = {name: module._parameters.pop(name) for name in WEIGHTS}
-        module.compute_dtype = weights["gate_up_proj"].dtype
-        module.__class__ = _quantized_class(type(module))
-        for name, weight in weights.items():
-            q, scale = quantize_rows(weight.detach().to(device or weight.device))
-            module.register_parameter(f"{name}_e4m3", nn.Parameter(q, requires_grad=False))
-            setattr(module, f"{name}_scale", scale)  # an attribute, not a buffer: DDP would broadcast buffers
-            del weight
+        quantized = {name: quantize_rows(w.detach().to(device or w.device)) for name, w in weights.items()}
+        hold_quantized(module, quantized, weights["gate_up_proj"].dtype)
     return len(experts)
 
 
-def apply_quantized_experts(model: nn.Module) -> None:
-    """The hook sft/model/loading.py calls under --quantize_experts fp8, before LoRA attaches: quantize on this
-    process's GPU where there is one (seconds there, minutes on the CPU), and say what was done."""
+def quantization_device() -> torch.device | None:
+    """Where --quantize_experts quantizes: this process's GPU where there is one (seconds there, minutes on the
+    CPU); the e4m3 experts stay there."""
+    return torch.device("cuda", launch().local_rank) if torch.cuda.is_available() else None
+
+
+def apply_quantized_experts(model: nn.Module, quantized_on_load: bool = False) -> None:
+    """The hook sft/model/loading.py calls under --quantize_experts fp8, before LoRA attaches: quantize (unless the
+    experts were quantized as the checkpoint loaded: `quantized_on_load`), and say what was done."""
     from sft.errors import ConfigError
 
-    device = torch.device("cuda", launch().local_rank) if torch.cuda.is_available() else None
-    count = quantize_experts(model, device)
+    if quantized_on_load:
+        count = sum(isinstance(m, QuantizedExperts) for m in model.modules())
+    else:
+        count = quantize_experts(model, quantization_device())
     if not count:
         raise ConfigError("--quantize_experts fp8: this model has no routed experts (DeepSeek-V2/V3 MoE layers); "
                           "drop the option.")

@@ -104,6 +104,14 @@ DDP_IGNORE = PrivateName("torch", "torch.nn.parallel", "DistributedDataParallel.
 CONVERSION_MAPPING = PrivateName("transformers", "transformers.conversion_mapping", "get_model_conversion_mapping",
                                  ("model", "key_mapping", "hf_quantizer", "add_legacy"), TESTED_TRANSFORMERS,
                                  "--qlora under FSDP: which checkpoints can be read weight by weight")
+# Overridden: the hooks an HfQuantizer subclass implements (transformers' documented way to write a quantizer, under
+# underscored names); --quantize_experts fp8 quantizes the routed experts as they load (sft/model/experts_on_load.py).
+QUANTIZER_BEFORE_LOADING = PrivateName("transformers", "transformers.quantizers.base",
+                                       "HfQuantizer._process_model_before_weight_loading", ("self", "model"),
+                                       TESTED_TRANSFORMERS, "--quantize_experts fp8: the experts quantized as they load")
+QUANTIZER_AFTER_LOADING = PrivateName("transformers", "transformers.quantizers.base",
+                                      "HfQuantizer._process_model_after_weight_loading", ("self", "model"),
+                                      TESTED_TRANSFORMERS, "--quantize_experts fp8: the experts quantized as they load")
 
 # Read, not patched: --offload_activations (sft/speed/activation_offload.py) checks saved tensors' versions itself
 # (autograd does not once saved-tensor hooks are set) and leaves parameters' views on the GPU.
@@ -117,7 +125,8 @@ PRIVATE_NAMES = (CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPOINT, LOAD_FROM_CHECK
                  PEFT_INPUT_CAST, ACCELERATE_ORIGINAL_FORWARD, TORCHAO_ADAM_LOAD,
                  TORCHAO_SUBCLASS_ZEROS, TORCHAO_SINGLE_PARAM_ADAM, DTENSOR_CACHE_KEY, DUCK_SHAPE,
                  SKIP_SIDE_EFFECTS_IN_RECOMPUTE, HF_DEEPSPEED_CONFIG, FSDP_STATE, DDP_IGNORE, CONVERSION_MAPPING,
-                 TENSOR_VERSION, TENSOR_BASE, TRACK_NUM_INPUT_TOKENS)
+                 TENSOR_VERSION, TENSOR_BASE, TRACK_NUM_INPUT_TOKENS, QUANTIZER_BEFORE_LOADING,
+                 QUANTIZER_AFTER_LOADING)
 
 
 @functools.cache  # read once per process: a library's version does not change under a running process
