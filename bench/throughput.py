@@ -383,9 +383,11 @@ GROUPS = {
     # issue 27 item 1, one GPU held to 24 GiB (run with --fresh_cache: the first step's compile is the user's wait)
     "long": ["long-r1-4k", "long-r1-32k", "long-llm-4k", "long-llm-32k", "long-r1-16k", "long-llm-16k",
              "long-r1-32k-sdpa", "long-r1-32k-default"],
-    # issue 26 item 3: V2-Lite's LoRA step uncapped, each lever beside the compiled row and TRL's, same run
+    # issue 26 item 3: V2-Lite's LoRA step uncapped, each lever beside the compiled row and TRL's, same run; and the
+    # eager row, whose profiled step's idle_ms says what the balance loss's host waits cost (58.9 ms in run
+    # 20261205T0515Z-next, with them)
     "moe-levers": ["trl-moe-lora", "moe-lora-compile", "moe-lora-compile-fp8", "moe-lora-compile-chunked",
-                   "moe-lora-compile-experts"],
+                   "moe-lora-compile-experts", "moe-lora"],
     "compile-full": ["full-sr16-compile", "full-sr16", "trl-full", "lora-1-fp8-compile", "lora-1-compile", "lora-1"],
     # bench/run_matrix.sh's groups
     "lora": ["lora-1", "lora-ddp"], "lora-ckpt": ["lora-1-ckpt", "lora-ddp-ckpt"],

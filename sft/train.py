@@ -244,7 +244,9 @@ def train(run: Run, seams: Seams) -> int:
                                # the labelled tokens' places (the labelled-token loss; DeepSpeed's SP slices rows)
                                labelled_positions=labelled_token_loss is not None and not sequence_parallel,
                                # packed rows' documents, their mask built from them (sft/speed/packed_mask.py)
-                               document_ids=builds_packed_mask(model.config) and not sequence_parallel),
+                               document_ids=builds_packed_mask(model.config) and not sequence_parallel,
+                               # the real tokens and their sequences (MoE: the balance loss and the expert load)
+                               token_sequences=balance is not None and not sequence_parallel),
         processing_class=tokenizer,
         callbacks=callbacks,
         labelled_token_loss=labelled_token_loss,  # None: the model's own loss

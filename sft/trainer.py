@@ -26,7 +26,8 @@ order of what happens in a step is the Trainer's own, held by code:
 - `compute_loss` and `prediction_step` (`model_inputs`): the collator's host-made keys leave the batch before the
   model sees it; packed rows get their block-diagonal mask built from the collator's documents
   (sft/speed/packed_mask.py) instead of transformers finding them (a host wait at each forward), and the
-  labelled-token loss picks its tokens at the collator's positions instead of by a boolean mask (another).
+  labelled-token loss picks its tokens at the collator's positions instead of by a boolean mask (another); the MoE
+  balance loss takes the real tokens and their sequences from the collator too (sft/model/moe.py).
 - `get_optimizer_cls_and_kwargs`: builds `adamw_bf16_sr` and gives torchao's low-bit AdamW its `--optim_args` as
   numbers.
 - `create_scheduler`: the Trainer's schedule, as a scheduler whose resume keeps this run's schedule (the rule:
@@ -101,7 +102,8 @@ class SFTTrainer(Trainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         positions = inputs.get(LABELLED_POSITIONS) if isinstance(inputs, dict) else None
-        batch, inputs = without_collator_keys(inputs), self.model_inputs(inputs)
+        batch = inputs  # the collator's keys kept: the balance loss reads its token groups there
+        inputs = self.model_inputs(inputs)
         training = model.training
         capture = self.balance.capture() if training and self.balance else contextlib.nullcontext()
         with capture, self._offloaded_activations(training):

@@ -2,11 +2,18 @@
 that run on CPU; docs/speed.md (Host waits) says which remain elsewhere.
 
 A host wait is an op whose result's value or size the host must read from the device before it can go on: a
-tensor read as a Python number (`.item()`, `bool(t)`, `int(t)`: aten._local_scalar_dense) or a boolean-mask index
-(aten.index with a bool index, aten.nonzero, masked_select). On a GPU each makes the host wait until the queue
-drains, and the GPU then idles while the host issues what follows. A TorchDispatchMode counts them here on CPU,
-where the same ops run. Liger's fused loss (`--use_liger_kernel`, GPU only: its Triton kernels) cannot run here;
+tensor read as a Python number (`.item()`, `bool(t)`, `int(t)`: aten._local_scalar_dense), a boolean-mask index
+(aten.index with a bool index, aten.nonzero, masked_select), or an op whose CUDA kernel sizes its result from the
+data (torch.unique, bincount, repeat_interleave without output_size). On a GPU each makes the host wait until the
+queue drains, and the GPU then idles while the host issues what follows. A TorchDispatchMode counts them here on
+CPU, where the same ops run. It sees the ops that Python and the dispatcher call, not what a CUDA kernel's own C++
+does inside one op: docs/speed.md (Host waits) names the waits of that kind that remain in a MoE step (torch's
+grouped_mm off Hopper). Liger's fused loss (`--use_liger_kernel`, GPU only: its Triton kernels) cannot run here;
 it reads its labelled-token count with `.item()` in its own forward, which these tests do not see.
+
+The MoE micro-batch (a tiny deepseek_v2 with the default LoRA, the balance loss on, transformers' default
+grouped_mm experts) has none either: the balance loss takes the real tokens and their sequences from the collator,
+and the load statistics are read on the host only when a log asks for them.
 
 Also: the real-token count under DDP (two gloo processes) is summed across ranks only when a log or a checkpoint
 reads it, and equals the Trainer's own count at every log and in the checkpoint.
@@ -31,6 +38,10 @@ from conftest import tiny_config
 
 REPO = Path(__file__).resolve().parents[1]
 BOOLEAN_RESULT_SIZE = (torch.ops.aten.nonzero.default, torch.ops.aten.masked_select.default)
+# sized from the data on CUDA: unique's output; bincount reads the input's largest value to size its result
+DATA_SIZED_RESULT = (torch.ops.aten._unique2.default, torch.ops.aten.unique_dim.default,
+                     torch.ops.aten.unique_consecutive.default, torch.ops.aten._unique.default,
+                     torch.ops.aten.bincount.default)
 
 
 class HostWaits(TorchDispatchMode):
@@ -45,7 +56,9 @@ class HostWaits(TorchDispatchMode):
         kwargs = kwargs or {}
         boolean_index = func is torch.ops.aten.index.Tensor and any(
             index is not None and index.dtype == torch.bool for index in args[1])
-        if func is torch.ops.aten._local_scalar_dense.default or boolean_index or func in BOOLEAN_RESULT_SIZE:
+        unsized_repeat = func is torch.ops.aten.repeat_interleave.Tensor and kwargs.get("output_size") is None
+        if func is torch.ops.aten._local_scalar_dense.default or boolean_index or unsized_repeat or \
+                func in BOOLEAN_RESULT_SIZE or func in DATA_SIZED_RESULT:
             self.seen[(str(func), where())] += 1
         return func(*args, **kwargs)
 
@@ -114,6 +127,110 @@ def test_without_the_host_made_keys_the_waits_are_there(tmp_path):
         places[(op, Path(frame.split(":")[0]).name)] += n
     assert places == {("aten._local_scalar_dense.default", "masking_utils.py"): 1,
                       ("aten.index.Tensor", "chunked_loss.py"): 2}, dict(waits)
+
+
+# ---- a MoE micro-batch: tiny DeepSeek-V2, LoRA, the routers' balance loss ---------------------------------------
+
+def moe_lora_trainer(tmp_path, loss, experts_implementation: str = "grouped_mm"):
+    """A tiny deepseek_v2 (two MoE layers) with the default MoE LoRA (MLA, the dense MLP, the shared experts) and
+    the balance loss on, in SFTTrainer as sft/train.py builds it."""
+    from transformers import AutoModelForCausalLM, TrainingArguments
+
+    from sft.model.loading import attach_lora
+    from sft.model.moe import install_moe
+    from sft.options.arguments import LoraArguments
+    from sft.trainer import SFTTrainer
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("deepseek_v2", vocab_size=128, num_hidden_layers=3),
+                                             attn_implementation="sdpa", dtype=torch.float32,
+                                             experts_implementation=experts_implementation)
+    model = attach_lora(model, LoraArguments(lora=True, lora_r=4, lora_dropout=0.0), gradient_checkpointing=False)
+    balance = install_moe(model, coefficient=0.01, pad_token_id=0)
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], disable_tqdm=True)
+    trainer = SFTTrainer(model=model, args=args, labelled_token_loss=loss, balance=balance)
+    trainer.create_optimizer_and_scheduler(num_training_steps=1)
+    trainer.current_gradient_accumulation_steps = 1
+    return trainer
+
+
+def moe_batch(**options) -> dict:
+    return packed_batch(labelled_positions=True, document_ids=True, **options)
+
+
+def waits_by_file(waits: Counter) -> dict:
+    places = Counter()
+    for (op, frame), n in waits.items():
+        places[(op, Path(frame.split(":")[0]).name)] += n
+    return dict(places)
+
+
+@pytest.mark.parametrize("loss", ["chunked", "model's own"])
+def test_a_moe_lora_micro_batch_leaves_the_host_free(tmp_path, loss):
+    """With the collator's token groups, two MoE micro-batches' forward, balance loss and backward never wait for
+    the device; the load statistics are read once, at the log (MoeLoadLogger.on_log), not per micro-batch."""
+    from types import SimpleNamespace
+
+    from sft.model.moe import MoeLoadLogger
+    from sft.speed.chunked_loss import chunked_causal_lm_loss
+
+    trainer = moe_lora_trainer(tmp_path, chunked_causal_lm_loss if loss == "chunked" else None)
+    batch = moe_batch(token_sequences=True)
+    with HostWaits() as waits:
+        for _ in range(2):
+            trainer.training_step(trainer.model, batch, None)
+    assert not waits.seen, f"host waits left: {dict(waits.seen)}"
+    # What the window kept is still on the device, as tensors: the log reads it (`tolist`, which the counter does
+    # not see: a copy to the host, outside the dispatcher) and restarts the window.
+    balance = trainer.balance
+    assert balance.micro_batches == 2 and all(isinstance(v, torch.Tensor) for v in
+                                              (balance.counts, balance.loss_sum, balance.balance_sum))
+    logs = {"loss": 1.0}
+    args = SimpleNamespace(device=torch.device("cpu"), output_dir=str(tmp_path), process_index=0)
+    MoeLoadLogger(balance).on_log(args, SimpleNamespace(global_step=1), None, logs=logs)
+    assert logs["moe/aux_loss"] > 0 and logs["moe/balance"] > 0 and balance.micro_batches == 0
+
+
+def test_without_the_token_groups_the_moe_waits_are_there(tmp_path):
+    """The counter sees the waits that the collator's token groups remove: the balance loss finding the real tokens
+    and their sequences in the batch (a boolean index and torch.unique) and picking them (nonzero, once for all
+    layers: each layer's boolean index before)."""
+    trainer = moe_lora_trainer(tmp_path, None)
+    waits = waits_by_file(waits_in_training_step(trainer, moe_batch()))
+    assert waits == {("aten.index.Tensor", "moe.py"): 1, ("aten._unique2.default", "moe.py"): 1,
+                     ("aten.nonzero.default", "moe.py"): 1}, waits
+
+
+def test_training_a_moe_model_batches_the_token_groups(tmp_path, capsys):
+    """sft/train.py on a MoE model asks the collator for the token groups (a balance is in use): the batches the
+    Trainer hands its steps carry them, and the balance loss ran (`moe/aux_loss` logged)."""
+    import sft.train
+    from conftest import save_tiny_model
+    from sft.data.packing import REAL_TOKENS, SEQUENCE_COUNT
+
+    trainers = []
+    code = sft.train.main(["--model", str(save_tiny_model(tmp_path / "v2", "deepseek_v2")), "--dataset",
+                           str(REPO / "data" / "alpaca_demo.json"), "--max_samples", "16", "--max_length", "64",
+                           "--packing", "true", "--lora", "true", "--max_steps", "1", "--logging_steps", "1",
+                           "--report_to", "none", "--save_strategy", "no", "--output_dir", str(tmp_path / "out"),
+                           "--dataset_cache_dir", str(tmp_path / "cache")], save=False, on_trainer=trainers.append)
+    assert code == 0, capsys.readouterr().err[-2000:]
+    trainer = trainers[0]
+    assert trainer.data_collator.token_sequences and trainer.balance is not None
+    batch = next(iter(trainer.get_train_dataloader()))
+    assert batch[REAL_TOKENS].numel() > 0 and batch[SEQUENCE_COUNT] > 1  # packed: several documents
+    log = [json.loads(line) for line in (tmp_path / "out" / "trainer_log.jsonl").read_text().splitlines()]
+    assert any(row.get("moe/aux_loss", 0) > 0 for row in log), log
+
+
+def test_transformers_eager_experts_wait_where_docs_say(tmp_path):
+    """transformers' eager experts loop (`experts_implementation="eager"`, not the default grouped_mm) waits in
+    modeling_deepseek_v2.py: the experts hit (nonzero), each expert's index compared on the host, and each
+    expert's tokens (torch.where: nonzero); docs/speed.md names the lines. The grouped_mm default has none here."""
+    trainer = moe_lora_trainer(tmp_path, None, experts_implementation="eager")
+    waits = waits_by_file(waits_in_training_step(trainer, moe_batch(token_sequences=True)))
+    assert set(waits) == {("aten.nonzero.default", "modeling_deepseek_v2.py"),
+                          ("aten._local_scalar_dense.default", "modeling_deepseek_v2.py")}, waits
 
 
 # ---- the real-token count under DDP: two gloo processes ----------------------------------------------------------

@@ -14,7 +14,8 @@ import torch
 from conftest import save_tiny_model, tensorboard_scalars, tiny_config
 from sft.model.moe import (DEFAULT_COEFFICIENT, MoeLoadLogger, RouterBalance, balance_loss,
                      default_coefficient, install_moe, mark_moe_leaves, moe_blocks, token_groups)
-from sft.data.packing import Collator, pack_rows
+from sft.data.packing import (REAL_TOKENS, SEQUENCE_COUNT, TOKEN_SEQUENCES, COLLATOR_KEYS, Collator,
+                              pack_rows)
 from sft.data.tokenization import IGNORE
 from test_packing import assert_same_loss_and_gradients, documents
 
@@ -131,6 +132,103 @@ def test_token_groups_leave_out_padding_and_split_documents():
     real, sequence, count = token_groups(plain, pad_token_id=0)
     assert real.tolist() == [True, True, True, True, False, False] and sequence.tolist() == [0, 0, 0, 1]
     assert count == 2
+
+
+BATCH_KINDS = ["padded", "packed", "single document"]
+
+
+def batch_of(kind: str, vocab: int, **collator_options) -> dict:
+    """One batch of each layout the collator makes: rows padded with an attention_mask; packed rows (several
+    documents, padding tails); one document alone (no padding: neither attention_mask nor position_ids)."""
+    docs = documents(vocab)
+    if kind == "padded":
+        rows = [{"input_ids": ids, "labels": labels} for ids, labels in docs[:4]]
+    elif kind == "packed":
+        rows = pack_rows([d[0] for d in docs], [d[1] for d in docs], 40).to_pylist()
+    else:
+        rows = pack_rows([docs[0][0]], [docs[0][1]], 40).to_pylist()
+        collator_options = {**collator_options, "document_ids": True}  # one document: no position_ids kept
+    return Collator(pad_token_id=0, **collator_options)(rows)
+
+
+@pytest.mark.parametrize("options", [{}, {"pad_to_multiple_of": 16}, {"positions": True}], ids=str)
+@pytest.mark.parametrize("kind", BATCH_KINDS)
+def test_collated_token_groups_are_the_ones_found_in_the_batch(kind, options):
+    """The collator's host-made REAL_TOKENS / TOKEN_SEQUENCES / SEQUENCE_COUNT say what token_groups finds on the
+    device: the real tokens (as flat indices), each one's sequence, the count."""
+    batch = batch_of(kind, 128, token_sequences=True, **options)
+    real, sequence, count = token_groups(batch, pad_token_id=0)
+    assert batch[REAL_TOKENS].tolist() == real.nonzero().squeeze(1).tolist()
+    assert batch[TOKEN_SEQUENCES].tolist() == sequence.tolist()
+    assert batch[SEQUENCE_COUNT] == count and isinstance(batch[SEQUENCE_COUNT], int)
+    assert count == {"padded": 4, "packed": 6, "single document": 1}[kind]
+    assert set(COLLATOR_KEYS) >= {REAL_TOKENS, TOKEN_SEQUENCES, SEQUENCE_COUNT}  # SFTTrainer takes them out
+    assert REAL_TOKENS not in batch_of(kind, 128, **options)  # only where asked (a MoE balance in use)
+
+
+def previous_balance(outputs, batch: dict, per_sequence: bool, num_experts: int, sigmoid: bool):
+    """The balance loss and the per-layer tokens per expert as sft/model/moe.py computed them before the collator's
+    token groups (commit 53a7c51), kept here as the reference: token_groups' boolean mask picking each layer's router
+    outputs, torch.bincount for the tokens per sequence and per expert."""
+    real, sequence, sequences = token_groups(batch, pad_token_id=0)
+    if not per_sequence:
+        sequence, sequences = torch.zeros_like(sequence), min(sequences, 1)
+    total, layer_counts = 0.0, []
+    for logits, chosen in outputs:
+        logits, chosen = logits[real], chosen[real]
+        scores = logits.float().sigmoid() if sigmoid else logits.float().softmax(dim=-1)
+        if sigmoid:
+            scores = scores / scores.sum(dim=-1, keepdim=True)
+        tokens = torch.bincount(sequence, minlength=sequences).clamp(min=1).to(scores.dtype)[:, None]
+        probability = scores.new_zeros(sequences, num_experts).index_add_(0, sequence, scores) / tokens
+        with torch.no_grad():
+            slots = (sequence[:, None] * num_experts + chosen).flatten()
+            counts = torch.bincount(slots, minlength=sequences * num_experts).view(sequences, num_experts)
+            fraction = counts.to(scores.dtype) * num_experts / (chosen.shape[1] * tokens)
+        total = total + (fraction * probability).sum(dim=1).mean()
+        layer_counts.append(counts.sum(dim=0))
+    return total, torch.stack(layer_counts)
+
+
+def balance_of_one_forward(model, balance: RouterBalance, forward_batch: dict, loss_batch: dict):
+    """One forward under capture: -> (the routers' outputs [(logits, chosen)] per MoE layer, RouterBalance.loss of
+    `loss_batch`, the window's counts [layers, experts])."""
+    outputs = []
+    hooks = [block.gate.register_forward_hook(lambda m, a, o: outputs.append((o[0], o[2])))
+             for _, block in moe_blocks(model)]
+    balance.reset()
+    with balance.capture():
+        model(**forward_batch)
+    for hook in hooks:
+        hook.remove()
+    return outputs, balance.loss(loss_batch), balance.counts
+
+
+@pytest.mark.parametrize("kind", BATCH_KINDS)
+@pytest.mark.parametrize("model_type", MOE)
+def test_collated_token_groups_give_the_previous_loss_gradients_and_counts(model_type, kind):
+    """With the collator's token groups (no host wait: index_select, index_add_ into sizes known on the host) the
+    balance loss, its gradient w.r.t. every MoE layer's router logits and the tokens per expert are bit for bit
+    the previous implementation's (boolean masks, torch.unique, bincount), per sequence and pooled, with V2's
+    softmax and V3's sigmoid scores; and so is the fallback without the keys (evaluation, other callers)."""
+    model = tiny_moe(model_type)
+    batch = batch_of(kind, model.config.vocab_size, token_sequences=True)
+    plain = {k: v for k, v in batch.items() if k not in COLLATOR_KEYS}
+    balance = install_moe(model, coefficient=1.0, pad_token_id=0)
+    assert balance.sigmoid == (model_type == "deepseek_v3")
+    for per_sequence in (True, False):
+        balance.per_sequence = per_sequence
+        for loss_batch in (batch, plain):  # the collator's keys; found in the batch (the fallback)
+            outputs, ours, counts = balance_of_one_forward(model, balance, plain, loss_batch)
+            reference, reference_counts = previous_balance(outputs, plain, per_sequence, balance.num_experts,
+                                                           balance.sigmoid)
+            logits = [o[0] for o in outputs]
+            assert len(logits) == 2 and torch.equal(ours, reference)
+            for got, expected in zip(torch.autograd.grad(ours, logits, retain_graph=True),
+                                     torch.autograd.grad(reference, logits)):
+                assert torch.equal(got, expected) and got.abs().sum() > 0
+            assert torch.equal(counts, reference_counts)
+            assert int(counts.sum()) == int(batch[REAL_TOKENS].numel()) * model.config.num_experts_per_tok * 2
 
 
 @pytest.mark.parametrize("model_type", MOE)
@@ -330,7 +428,8 @@ def test_zero3_marks_moe_blocks_as_leaves(monkeypatch):
 
 @pytest.mark.slow
 def test_training_logs_moe_numbers_to_tensorboard(tmp_path, monkeypatch):
-    """A real Trainer run: the balance loss trains, the numbers reach TensorBoard's event files."""
+    """A real Trainer run (its batches with the collator's token groups): the balance loss trains, the numbers reach
+    TensorBoard's event files."""
     from transformers import AutoModelForCausalLM, TrainingArguments
 
     from sft.trainer import SFTTrainer
@@ -344,8 +443,9 @@ def test_training_logs_moe_numbers_to_tensorboard(tmp_path, monkeypatch):
                              per_device_train_batch_size=2, max_steps=4, logging_steps=2, save_strategy="no",
                              remove_unused_columns=False, learning_rate=1e-3)
     balance = install_moe(model, pad_token_id=0)
-    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, data_collator=Collator(pad_token_id=0),
-                         callbacks=[MoeLoadLogger(balance)], balance=balance)  # TensorBoard after ours
+    trainer = SFTTrainer(model=model, args=args, train_dataset=rows, callbacks=[MoeLoadLogger(balance)],
+                         data_collator=Collator(pad_token_id=0, token_sequences=True),  # as sft/train.py's for MoE
+                         balance=balance)  # TensorBoard after ours
     trainer.train()
     assert len(tensorboard_scalars(tmp_path / "tb", "train/moe/aux_loss")) == 2
     assert len(tensorboard_scalars(tmp_path / "tb", "train/moe/load_imbalance/layer_1")) == 2

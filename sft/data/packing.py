@@ -104,7 +104,14 @@ LABELLED_POSITIONS = "labelled_positions"
 # mask is built from them (sft/speed/packed_mask.py) instead of transformers finding the documents from
 # position_ids, which reads a GPU tensor on the host at every forward
 DOCUMENT_IDS = "document_ids"
-COLLATOR_KEYS = (NUM_INPUT_TOKENS, LABELLED_POSITIONS, DOCUMENT_IDS)
+# the MoE balance loss's token groups (sft/model/moe.py), where it would find them with a boolean mask and
+# torch.unique (two waits) and pick each MoE layer's router outputs with that mask (one more per layer): the real
+# (not padding) tokens' flat int64 indices p = row * length + t, in order; each one's sequence number 0..S-1 (a
+# padded batch's rows, a packed batch's documents, numbered over the batch in order); and S, a Python int
+REAL_TOKENS = "real_tokens"
+TOKEN_SEQUENCES = "token_sequences"
+SEQUENCE_COUNT = "sequence_count"
+COLLATOR_KEYS = (NUM_INPUT_TOKENS, LABELLED_POSITIONS, DOCUMENT_IDS, REAL_TOKENS, TOKEN_SEQUENCES, SEQUENCE_COUNT)
 
 
 def labelled_positions(labels: torch.Tensor) -> torch.Tensor:
@@ -113,6 +120,18 @@ def labelled_positions(labels: torch.Tensor) -> torch.Tensor:
 
     targets = torch.nn.functional.pad(labels, (0, 1), value=IGNORE)[:, 1:].reshape(-1)
     return (targets != IGNORE).nonzero().squeeze(1)
+
+
+def token_sequences(documents: list[list[int]], length: int) -> dict[str, torch.Tensor | int]:
+    """REAL_TOKENS, TOKEN_SEQUENCES and SEQUENCE_COUNT of a batch whose row i (`length` wide) starts with the real
+    documents of lengths `documents[i]` (no empty one), its padding after them."""
+    import torch
+
+    rows = [torch.arange(i * length, i * length + sum(docs)) for i, docs in enumerate(documents)]
+    lengths = torch.tensor([n for docs in documents for n in docs], dtype=torch.long)
+    return {REAL_TOKENS: torch.cat(rows) if rows else torch.zeros(0, dtype=torch.long),
+            TOKEN_SEQUENCES: torch.repeat_interleave(torch.arange(len(lengths)), lengths),
+            SEQUENCE_COUNT: len(lengths)}
 
 
 @dataclass
@@ -125,7 +144,9 @@ class Collator:
     `labelled_positions`: the labelled tokens' places under LABELLED_POSITIONS (SFTTrainer's labelled-token loss).
     `document_ids`: packed rows' documents under DOCUMENT_IDS (SFTTrainer builds their mask); where every row is
     one document without padding there is nothing to mask but the causal order, and the batch holds neither them
-    nor position_ids (the model's own positions are the same 0..length-1)."""
+    nor position_ids (the model's own positions are the same 0..length-1). `token_sequences`: the real tokens and
+    their sequences (a padded row, a packed document) under REAL_TOKENS, TOKEN_SEQUENCES and SEQUENCE_COUNT (the MoE
+    balance loss, sft/model/moe.py)."""
 
     pad_token_id: int
     pad_to_multiple_of: int | None = None
@@ -133,6 +154,7 @@ class Collator:
     counts_tokens: bool = False
     labelled_positions: bool = False
     document_ids: bool = False
+    token_sequences: bool = False
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor | bool | int]:
         import torch
@@ -150,10 +172,12 @@ class Collator:
         else:
             batch["attention_mask"] = torch.zeros((len(rows), longest), dtype=torch.long)
         documents = [] if packed and self.document_ids else None
+        real_documents = []  # each row's real documents' lengths (a padded row: one)
         for i, row in enumerate(rows):
             n = len(row["input_ids"])
             batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"])
             batch["labels"][i, :n] = torch.as_tensor(row["labels"])
+            real_documents.append([length for length in (row.get("seq_lengths", [n]) if packed else [n]) if length])
             if packed:
                 lengths = [length for length in list(row.get("seq_lengths", [n])) + [longest - n] if length]
                 batch["position_ids"][i] = position_ids_for(lengths)
@@ -168,6 +192,8 @@ class Collator:
                 del batch["position_ids"]
         if self.labelled_positions:
             batch[LABELLED_POSITIONS] = labelled_positions(batch["labels"])
+        if self.token_sequences:
+            batch.update(token_sequences(real_documents, longest))
         # A cache breaks the packed mask (and serves no purpose in training): off in every training and eval forward
         # whatever config.use_cache says (the Trainer hands the batch to model(**batch) as it is).
         batch["use_cache"] = False

@@ -29,10 +29,16 @@ pre-training tokens, and a fine-tune that moved it would change routing outside 
 
 How it is wired: forward hooks on each MoE block's router keep (logits, chosen experts) of one training forward
 (`RouterBalance.capture`); after the forward the loss is computed from them and added to the Trainer's loss
-(SFTTrainer.compute_loss, sft/trainer.py). The hooks do nothing outside `capture`, so evaluation, and
+(SFTTrainer.compute_loss, sft/trainer.py). Which tokens are real and each one's sequence come from the collator,
+worked out on the host (sft/data/packing.py REAL_TOKENS, TOKEN_SEQUENCES, SEQUENCE_COUNT), and the loss picks and
+counts with index_select and index_add_ into sizes the host knows: finding them on the device (token_groups: a
+boolean mask, torch.unique), picking with a boolean mask per layer and counting with bincount each made the host wait
+for the GPU, the first of them for the whole forward. Batches without those keys (evaluation, other callers) still
+take token_groups' way, with the same results. The hooks do nothing outside `capture`, so evaluation, and
 the recomputation of activation checkpointing in backward, cost nothing and count nothing. Only the models that
 have DeepSeek MoE routers get hooks at all (`install_moe` returns None for dense models). Statistics since the
-last log are running sums (one [layers, experts] count tensor), never kept tensors; `MoeLoadLogger` adds them to the
+last log are running sums on the device (one [layers, experts] count tensor), never kept tensors, read on the host only
+when a log asks for them; `MoeLoadLogger` adds them to the
 Trainer's logs (hence TensorBoard) and appends each window's per-expert counts to `<output_dir>/moe_load.jsonl`.
 
 Remote code (`--trust_remote_code`) brings DeepSeek's own MoE classes, whose V2 gate already adds its balance loss in
@@ -49,6 +55,7 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback
 
+from sft.data.packing import REAL_TOKENS, SEQUENCE_COUNT, TOKEN_SEQUENCES
 from sft.data.tokenization import IGNORE
 from sft.machine import is_first_process
 from sft.safety.run_dir import MOE_LOAD
@@ -150,19 +157,40 @@ def token_groups(inputs: dict, pad_token_id: int | None) -> tuple[torch.Tensor, 
     return real, sequence, len(found)
 
 
+def collated_token_groups(inputs: dict, pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """token_groups' answer with the real tokens as flat indices: from the collator's host-made keys
+    (sft/data/packing.py REAL_TOKENS, TOKEN_SEQUENCES, SEQUENCE_COUNT) where the batch has them, which costs no
+    wait for the device; else found from the batch (evaluation, callers with their own batches), which waits.
+    The two agree but where a packed row ends with a real document made only of pad ids with no label: the collator
+    knows it is real, token_groups takes it for the row's padding."""
+    if REAL_TOKENS in inputs:
+        return inputs[REAL_TOKENS], inputs[TOKEN_SEQUENCES], inputs[SEQUENCE_COUNT]
+    real, sequence, sequences = token_groups(inputs, pad_token_id)
+    return real.nonzero().squeeze(1), sequence, sequences
+
+
+def tokens_per_group(groups: torch.Tensor, size: int) -> torch.Tensor:
+    """torch.bincount(groups, minlength=size) for groups in 0..size-1, without its wait: on CUDA bincount reads
+    the input's largest value on the host to size its result; here the size is known."""
+    return torch.zeros(size, dtype=torch.long, device=groups.device).index_add_(0, groups, torch.ones_like(groups))
+
+
 def balance_loss(logits: torch.Tensor, chosen: torch.Tensor, sequence: torch.Tensor, sequences: int,
-                 num_experts: int, sigmoid: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 num_experts: int, sigmoid: bool, tokens: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer: mean over sequences of sum_i f_i * P_i (module docstring), and the tokens per expert.
-    `logits` [T, E] and `chosen` [T, K] of the real tokens only, `sequence` [T] numbered 0..sequences-1."""
+    `logits` [T, E] and `chosen` [T, K] of the real tokens only, `sequence` [T] numbered 0..sequences-1;
+    `tokens` [S]: the tokens of each sequence (tokens_per_group(sequence, sequences): the same for every layer)."""
     top_k = chosen.shape[1]
     scores = logits.float().sigmoid() if sigmoid else logits.float().softmax(dim=-1)
     if sigmoid:
         scores = scores / scores.sum(dim=-1, keepdim=True)
-    per_sequence = torch.bincount(sequence, minlength=sequences).clamp(min=1).to(scores.dtype)[:, None]  # [S, 1]
+    tokens = tokens_per_group(sequence, sequences) if tokens is None else tokens
+    per_sequence = tokens.clamp(min=1).to(scores.dtype)[:, None]  # [S, 1]
     probability = scores.new_zeros(sequences, num_experts).index_add_(0, sequence, scores) / per_sequence
     with torch.no_grad():
         slots = (sequence[:, None] * num_experts + chosen).flatten()
-        counts = torch.bincount(slots, minlength=sequences * num_experts).view(sequences, num_experts)
+        counts = tokens_per_group(slots, sequences * num_experts).view(sequences, num_experts)
         fraction = counts.to(scores.dtype) * num_experts / (top_k * per_sequence)
     loss = (fraction * probability).sum(dim=1).mean() if sequences else scores.sum() * 0
     return loss, counts.sum(dim=0)
@@ -270,16 +298,19 @@ class RouterBalance:
         captured = self._taken()
         if not captured:
             return None
-        real, sequence, sequences = token_groups(inputs, self.pad_token_id)
+        real, sequence, sequences = collated_token_groups(inputs, self.pad_token_id)
         if not self.per_sequence:
             sequence, sequences = torch.zeros_like(sequence), min(sequences, 1)
+        tokens = tokens_per_group(sequence, sequences)
         total, layer_counts = 0.0, []
         with torch.set_grad_enabled(self.coefficient > 0 and torch.is_grad_enabled()):
             for index in range(len(self.blocks)):
                 logits, chosen = captured[index]
-                real_here = real.to(logits.device)
-                loss, counts = balance_loss(logits[real_here], chosen[real_here], sequence.to(logits.device),
-                                            sequences, self.num_experts, self.sigmoid)
+                here = logits.device  # each layer's own under a model split over devices (`.to` of the same: no copy)
+                real_here = real.to(here)  # picked by index_select: a boolean mask's result size waits for the device
+                loss, counts = balance_loss(logits.index_select(0, real_here), chosen.index_select(0, real_here),
+                                            sequence.to(here), sequences, self.num_experts, self.sigmoid,
+                                            tokens.to(here))
                 total = total + loss
                 layer_counts.append(counts)
         counts = torch.stack([c.to(layer_counts[0].device) for c in layer_counts])
