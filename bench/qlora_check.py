@@ -12,13 +12,16 @@ at --mem_cap_gib (24 GB cards); with 2 GPUs visible also `--qlora` under acceler
 `--fsdp two` (2 GPUs) also under accelerate_configs/fsdp.yaml: the base as torchao's NF4 bytes (sft/model/nf4_base.py),
 past the refusal that this check lifts (SFT_FSDP_QLORA_CHECK=1), its start-of-training byte round trip said in the
 log (bench/fsdp_qlora_bytes.py shows the failure it replaces, and the NF4 bytes, on one GPU). The FSDP check, one
-command on 2 GPUs after `--prepare`: python bench/qlora_check.py --run_id R --fsdp two --skip_single
+command on 2 GPUs after `--prepare`: python bench/qlora_check.py --run_id R --fsdp two --skip_single; or in a
+two-GPU session, `bench/gpu_session.sh RUN BUDGET --rows issue30` (or `--rows fsdp-qlora-check`: bench/throughput.py
+SCRIPTS), where the carried wheels hold no bitsandbytes: the DDP run is then left out, the FSDP run needs torchao only.
 Numbers per run, as bench/train_throughput.py measures them (its callback, monitor and row): real tok/s over
 the steps after --warmup, loss first/last (must fall), peak reserved/allocated memory, nvidia-smi's peak. Then
 the QLoRA adapter: saved and verified by the run (training_complete.json), reloaded with plain peft onto the
-4-bit base (as trained) and onto the UNQUANTIZED base (what users load), merged with `python -m sft.tools.merge`
-(fp32, onto the unquantized base), and the merged model's logits compared with the adapter's on the
-unquantized base (equal up to rounding) and on the 4-bit base (the quantization error).
+4-bit base (as trained: bitsandbytes', or the FSDP run's NF4 bytes) and onto the UNQUANTIZED base (what users
+load), merged with `python -m sft.tools.merge` (fp32, onto the unquantized base), and the merged model's logits
+compared with the adapter's on the unquantized base (equal up to rounding) and on the 4-bit base (the quantization
+error).
 
 Data and tokenizer: .benchdata/alpaca_sample.json and .benchdata/tokenizer when present (what a GPU machine gets
 carried), else ../shared/datasets/alpaca_sample.json and ../shared/tokenizers/deepseek-coder-6.7b-instruct.
@@ -58,6 +61,7 @@ WHEELS = REPO / ".whl-qlora"
 WHEEL_NAMES = ("bitsandbytes", "transformers", "accelerate", "peft", "datasets", "dill", "multiprocess",
                "huggingface_hub", "httpx2", "httpcore2", "truststore", "torchao")  # torchao: FSDP's NF4 base
 STARTED = time.monotonic()
+BNB = importlib.util.find_spec("bitsandbytes") is not None  # the DDP and one-GPU QLoRA runs need it; FSDP's does not
 
 
 def log(message: str) -> None:
@@ -273,8 +277,11 @@ def relative(a, b) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
-def adapter_checks(args, name: str, adapter: Path, model: Path, quantized: bool) -> dict:
-    """-> numbers for the row. Each model is loaded, used and freed in turn."""
+def adapter_checks(args, name: str, adapter: Path, model: Path, quantized: bool,
+                   nf4_shards: int | None = None) -> dict:
+    """-> numbers for the row. Each model is loaded, used and freed in turn. `nf4_shards`: the adapter was trained
+    under FSDP on torchao's NF4 base laid out for that many ranks (sft/model/nf4_base.py), which is reloaded so;
+    else the 4-bit base is bitsandbytes'."""
     import torch
     from peft import AutoPeftModelForCausalLM, PeftModel
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -306,9 +313,17 @@ def adapter_checks(args, name: str, adapter: Path, model: Path, quantized: bool)
     found["adapter_effect_rel"] = round(relative(full, plain), 5)
     if quantized:
         dtype = torch.bfloat16 if cuda else torch.float32
-        config = BitsAndBytesConfig(**qlora_quantization_kwargs(dtype, dtype, fsdp=False))
-        base = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, quantization_config=config,
-                                                    device_map=device)
+        if nf4_shards:  # the NF4 bytes the FSDP run trained on, read weight by weight as the run did
+            from transformers import AutoConfig
+
+            from sft.model.nf4_loading import load_nf4_model
+
+            base = load_nf4_model(str(model), AutoConfig.from_pretrained(model), dtype, nf4_shards,
+                                  device=torch.device("cuda", 0) if cuda else None)
+        else:
+            config = BitsAndBytesConfig(**qlora_quantization_kwargs(dtype, dtype, fsdp=False))
+            base = AutoModelForCausalLM.from_pretrained(model, dtype=dtype, quantization_config=config,
+                                                        device_map=device)
         on_4bit = logits_of(PeftModel.from_pretrained(base, adapter))
         free(base)
         found["unquantized_vs_4bit_rel"] = round(relative(full, on_4bit), 5)
@@ -342,10 +357,7 @@ def adapter_checks(args, name: str, adapter: Path, model: Path, quantized: bool)
 
 # ---- main ---------------------------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--worker"]:
-        return worker(json.loads(argv[1]), argv[argv.index("--") + 1:])
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--run_id", default=dt.datetime.now(dt.timezone.utc).strftime("%Y%m%dT%H%MZ-qlora"))
     p.add_argument("--shape", default="1.3b", choices=sorted(SHAPES))
@@ -372,6 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu_smoke", action="store_true", help="the plumbing on a CPU: tiny shape, --lora only, "
                                                             "9 steps of 256 tokens, no cap (no bitsandbytes run)")
     p.add_argument("--prepare", action="store_true", help="here, before a GPU call: .benchdata, .whl-qlora")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"]:
+        return worker(json.loads(argv[1]), argv[argv.index("--") + 1:])
+    p = parser()
     args = p.parse_args(argv)
     if args.prepare:
         return prepare()
@@ -405,22 +425,25 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(row)
     sharded = []
     if not args.cpu_smoke:
-        sharded += [("qlora-ddp-2", "ddp", 2)] if gpus >= 2 else []
+        if gpus >= 2 and not BNB:  # bench/gpu_session.sh's wheels (.whl) carry no bitsandbytes
+            log("DDP+QLoRA skipped: bitsandbytes is not installed (the FSDP run needs torchao only)")
+        sharded += [("qlora-ddp-2", "ddp", 2)] if gpus >= 2 and BNB else []
         sharded += [("qlora-fsdp-2", "fsdp", 2)] if args.fsdp == "two" and gpus >= 2 else []
     for name, strategy, processes in sharded:
         row = run(args, f"{args.shape}-{name}", model, True, strategy=strategy, gpus=processes)
         if row:
             rows.append(row)
-    if not sharded and not args.cpu_smoke:
+    if gpus < 2 and not args.cpu_smoke:
         log(f"DDP+QLoRA skipped: {gpus} GPU visible (it needs 2)")
 
     # The adapter afterwards. A CPU smoke checks its LoRA adapter the same way, on a 4-bit base too when
     # bitsandbytes (its CPU backend) is importable.
-    smoke_4bit = args.cpu_smoke and importlib.util.find_spec("bitsandbytes") is not None
+    smoke_4bit = args.cpu_smoke and BNB
     for row in rows:
         if row["method"] == "qlora" or args.cpu_smoke:
+            nf4_shards = row["n_gpus"] if row["method"] == "qlora" and row["strategy"] == "fsdp" else None
             row.update(adapter_checks(args, row["name"], args.workdir / row["name"] / "output", model,
-                                      quantized=row["method"] == "qlora" or smoke_4bit))
+                                      quantized=row["method"] == "qlora" or smoke_4bit, nf4_shards=nf4_shards))
     lora = next((r for r in rows if r["method"] == "lora"), None)
     for row in rows:
         if lora and row is not lora and lora["real_tok_s"]:

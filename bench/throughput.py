@@ -14,6 +14,8 @@ one after the other in this process's boot, each within what is left of --budget
 (the inductor and Triton compile caches were empty when it started; --fresh_cache gives every row a new empty
 one), `nvidia_smi_mem_gib` (NVML's peak of the GPUs its ranks ran on), the GPU name and count, the memory cap,
 the commit and --run_id. The table at the end (bench/report.py) gives each of our rows its ratio to its TRL row.
+A group may also name a check script of its own (SCRIPTS: bench/qlora_check.py's FSDP run, bench/fsdp_qlora_bytes.py):
+it runs after the rows, in the time the budget keeps for it, and says PASS/FAIL; its rows go to --results too.
 
 Data: the 2,000 Alpaca records of ../shared/datasets/alpaca_sample.json (beside the checkout) and the
 DeepSeek-Coder tokenizer of ../shared/tokenizers/deepseek-coder-6.7b-instruct, else --data_dir (alpaca_sample.json
@@ -24,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -341,6 +345,35 @@ MATRIX += [
 ROWS = {row.name: row for row in MATRIX}
 assert len(ROWS) == len(MATRIX), "row names must be unique"
 
+
+@dataclass(frozen=True)
+class Script:
+    """A check of its own in a group, not a throughput row: `python3 <argv>`, with {run_id}, {results}, {out}, {data}
+    and {tokenizer} filled in, stopped after `seconds` (which the budget keeps for it from the rows before it)."""
+
+    name: str
+    argv: tuple[str, ...]
+    n_gpus: int = 1
+    seconds: int = 300
+    needs: tuple[str, ...] = ()  # the optional packages it imports
+
+    def command(self, **fields: str) -> list[str]:
+        return [sys.executable, *(word.format(**fields) for word in self.argv)]
+
+
+SCRIPTS = {script.name: script for script in [
+    # issue 26 item 4: --qlora under FSDP on 2 GPUs through sft/train.py, past the refusal that this check lifts
+    # (bitsandbytes' DDP run beside it only where bitsandbytes is installed: the session's .whl has none)
+    Script("fsdp-qlora-check", ("bench/qlora_check.py", "--run_id", "{run_id}", "--fsdp", "two", "--skip_single",
+                                "--timeout", "300", "--data", "{data}", "--tokenizer", "{tokenizer}",
+                                "--results", "{results}", "--workdir", "{out}/fsdp-qlora-check",
+                                "--out", "{out}/fsdp-qlora-check/out"), n_gpus=2, seconds=480, needs=("torchao",)),
+    # issue 26 item 4's byte check on one GPU: FSDP2's copies of the NF4 bytes, two ranks on one GPU
+    Script("fsdp-qlora-bytes", ("bench/fsdp_qlora_bytes.py", "--run_id", "{run_id}", "--results", "{results}"),
+           n_gpus=1, seconds=240, needs=("torchao",)),
+]}
+assert not set(SCRIPTS) & set(ROWS), "script and row names must differ"
+
 GROUPS = {
     # one H200, about 8 minutes of GPU time: LoRA and the full fine-tune against TRL, and the 24 GiB-capped LoRA row
     "h200": ["lora-best", "trl-lora-best", "full-sr", "trl-full", "lora-1"],
@@ -354,9 +387,10 @@ GROUPS = {
     # issue 30's rows that exist (2026-12-03), on nvidia-h200-x2, each rank held to 24 GiB, with --fresh_cache:
     # the LoRA plan with FP8 and compiled layers under DDP beside its one-GPU row; the full plan (FSDP2, FP8) beside
     # the same plan in bf16 and the peers' ZeRO-3 offload recipe; V2-Lite's plan of today (ZeRO-3 over 2 cards)
+    # and (issue 26 item 4) the FSDP QLoRA check, bench/qlora_check.py --fsdp two, which lifts its refusal
     "issue30": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit-fp8", "full-fsdp-4bit", "peer-mb1",
                 "moe-lora-resident-1-mb4", "moe-lora-resident-ddp", "moe-lora-autoep-ddp", "moe-lora-z3-2",
-                "long-r1-32k", "long-r1-64k-sp2"],
+                "long-r1-32k", "long-r1-64k-sp2", "fsdp-qlora-check"],
     # issue 15 on two or three GPUs held to 24 GiB: the LoRA plan's DDP scaling, the full plan on a fresh machine
     # against the peers' offload recipe (run with --fresh_cache)
     "box": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit-fp8", "full-fsdp-4bit", "peer-mb1"],
@@ -367,6 +401,8 @@ GROUPS = {
     # checks of quantize-experts-compile and of SFT_FP8_FAST_ACCUM
     "next": ["trl-lora-best", "lora-best-default", "lora-best-default-fastaccum", "lora-best-default-chunked",
              "moe-lora-compile", "long-r1-16k", "long-llm-16k", "long-r1-32k-default"],
+    # issue 26 item 4's one-GPU byte check (never run yet): FSDP2's copy and all-gather of the NF4 bytes, bit for bit
+    "qlora-bytes": ["fsdp-qlora-bytes"],
     # --compile_layers beside the plain rows and TRL's best, same run (2026-12-01, evening)
     "compile": ["lora-best-fp8-compile", "lora-best-compile", "lora-best", "trl-lora-best", "lora-best-fp8"],
     # why lora-best-compile logged a lower loss with the same gradient norms: not Liger's in-layer kernels
@@ -406,14 +442,14 @@ def fail(message: str):
     sys.exit(2)
 
 
-def select(spec: str) -> list[Row]:
-    """Row and group names, comma- or space-separated, in order, each row once."""
+def select(spec: str) -> list[Row | Script]:
+    """Row, script and group names, comma- or space-separated, in order, each once."""
     names: list[str] = []
     for word in spec.replace(",", " ").split():
-        if word not in ROWS and word not in GROUPS:
+        if word not in ROWS and word not in SCRIPTS and word not in GROUPS:
             fail(f"--rows: no row or group named {word!r} (python bench/throughput.py --list)")
         names += [n for n in GROUPS.get(word, [word]) if n not in names]
-    return [ROWS[n] for n in names]
+    return [ROWS.get(n) or SCRIPTS[n] for n in names]
 
 
 def needs(row: Row) -> list[str]:
@@ -428,8 +464,13 @@ def needs(row: Row) -> list[str]:
     ) if needed]
 
 
-def why_not(row: Row, gpus: int) -> str | None:
-    """Why this machine cannot run the row, or None."""
+def why_not(row: Row | Script, gpus: int) -> str | None:
+    """Why this machine cannot run the row (or script), or None."""
+    if isinstance(row, Script):
+        missing = [m for m in row.needs if find_spec(m) is None]
+        return (f"not installed: {', '.join(missing)}" if missing else
+                "needs a GPU" if not gpus else f"needs {row.n_gpus} GPUs, {gpus} visible" if row.n_gpus > gpus
+                else None)
     missing = [m for m in needs(row) if find_spec(m) is None]
     if missing:
         return f"not installed: {', '.join(missing)}"
@@ -542,8 +583,32 @@ def list_rows() -> None:
         words = " ".join(shlex.quote(w) for w in row.args + row.optim)
         print(f"{row.name:28} {row.peer:20} {row.method:5} {row.strategy:13} gpus {row.n_gpus or 'all'} "
               f"mb {row.micro_batch}x{row.grad_accum} cap {row.mem_cap_gib or '-'} {row.model}: {words}")
+    for script in SCRIPTS.values():
+        print(f"{script.name:28} {'script':20} gpus {script.n_gpus} at most {script.seconds} s: "
+              f"{shlex.join(script.argv)}")
     for group, names in GROUPS.items():
         print(f"group {group}: {' '.join(names)}")
+
+
+def run_script(script: Script, command: list[str], out: Path, timeout: float) -> bool:
+    """Run a group's check script, its output in OUT/<name>.log; print its PASS/FAIL lines. -> it passed."""
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / f"{script.name}.log"
+    print(f"[throughput] {script.name}: {shlex.join(command[1:])} (at most {timeout:.0f} s)", flush=True)
+    started = time.monotonic()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(command, cwd=REPO, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its launched ranks with it
+            proc.wait()
+            rc = "timeout"
+    for line in log.read_text(errors="replace").splitlines():
+        if line.startswith(("PASS", "FAIL")):
+            print(f"[throughput] {script.name}: {line[:300]}", flush=True)
+    print(f"[throughput] {script.name}: exit {rc} after {time.monotonic() - started:.0f} s ({log})", flush=True)
+    return rc == 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -561,12 +626,21 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.budget_s
     print(f"run_id {args.run_id}: {len(rows)} rows, {gpus} GPU(s) visible, data {data}, out {args.out}", flush=True)
     not_run = []
-    for row in rows:
-        left = deadline - time.monotonic() - 10
-        reason = why_not(row, gpus) or ("budget spent" if left < 60 else None)
+    runnable = {row.name for row in rows if why_not(row, gpus) is None}
+    for i, row in enumerate(rows):
+        kept = sum(s.seconds for s in rows[i + 1:] if isinstance(s, Script) and s.name in runnable)  # for the scripts
+        left = deadline - time.monotonic() - 10 - kept
+        reason = why_not(row, gpus) or ("budget spent" if left < (row.seconds if isinstance(row, Script) else 60)
+                                        else None)
         if reason:
             print(f"[throughput] {row.name}: not run ({reason})", flush=True)
             not_run.append(f"{row.name} ({reason})")
+            runnable.discard(row.name)
+            continue
+        if isinstance(row, Script):
+            fields = dict(run_id=args.run_id, results=args.results, out=args.out, data=data, tokenizer=tokenizer)
+            if not run_script(row, row.command(**{k: str(v) for k, v in fields.items()}), Path(args.out), left):
+                not_run.append(f"{row.name} (failed)")
             continue
         n = row.n_gpus or args.num_processes or max(gpus, 1)
         row_data = long_data(row, n, data, tokenizer, Path(args.out)) if row.long_docs else data
@@ -574,7 +648,8 @@ def main(argv: list[str] | None = None) -> int:
         step.train_args_text = shlex.join(row.args + row.optim)
         if one.run_row(step, list(row.args + row.optim), dict(row.env)) is None:
             not_run.append(f"{row.name} (failed)")
-    results = [r for r in report.load(Path(args.results)) if r.get("run_id") == args.run_id]
+    results = [r for r in report.load(Path(args.results)) if r.get("run_id") == args.run_id
+               and r.get("real_tok_s") is not None]  # the throughput rows (a byte check's row has none)
     if results:
         print(report.table(results), flush=True)
     for line in report.ratios(results):

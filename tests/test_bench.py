@@ -428,3 +428,77 @@ def test_the_readme_speed_table_quotes_rows_of_results_jsonl():
                 assert "cold_cache" in row and row["nvidia_smi_mem_gib"] > 0, row["name"]
                 assert row["cold_cache"] or "cold" not in what, row["name"]
             assert any(run_id in runs for _, _, runs in docs_runs), f"{run_id} not in RESULTS.md's docs table"
+
+
+def test_the_fsdp_qlora_checks_run_in_their_gpu_sessions(tmp_path, monkeypatch):
+    """Issue 26 item 4: `bench/gpu_session.sh RUN BUDGET --rows issue30` runs bench/qlora_check.py --fsdp two (the
+    check that lifts the FSDP QLoRA refusal) on its two GPUs, and group `next` the one-GPU byte check,
+    bench/fsdp_qlora_bytes.py: each a script of its group, its command what that script's own parser reads."""
+    import fsdp_qlora_bytes
+    import qlora_check
+
+    check, byte_check = throughput.SCRIPTS["fsdp-qlora-check"], throughput.SCRIPTS["fsdp-qlora-bytes"]
+    assert check in throughput.select("issue30") and byte_check in throughput.select("qlora-bytes")
+    assert throughput.select("fsdp-qlora-check") == [check]
+    fields = dict(run_id="R", results=str(tmp_path / "results.jsonl"), out=str(tmp_path / "bench"), data="d.json",
+                  tokenizer="tok")
+    command = check.command(**fields)
+    assert command[:2] == [sys.executable, "bench/qlora_check.py"] and (REPO / command[1]).is_file()
+    args = qlora_check.parser().parse_args(command[2:])
+    assert (args.run_id, args.fsdp, args.skip_single, str(args.results)) == ("R", "two", True, fields["results"])
+    assert str(args.workdir).startswith(fields["out"]) and str(args.data) == "d.json"
+    command = byte_check.command(**fields)
+    assert command[1] == "bench/fsdp_qlora_bytes.py" and (REPO / command[1]).is_file()
+    args = fsdp_qlora_bytes.parser().parse_args(command[2:])
+    assert (args.run_id, str(args.results), args.worker) == ("R", fields["results"], False)
+    monkeypatch.setattr(throughput, "find_spec", lambda name: object())  # no bitsandbytes asked: the FSDP run's own
+    assert throughput.why_not(check, 1) == "needs 2 GPUs, 1 visible" and throughput.why_not(check, 2) is None
+    assert throughput.why_not(byte_check, 0) == "needs a GPU" and throughput.why_not(byte_check, 1) is None
+    assert check.needs == byte_check.needs == ("torchao",)
+
+
+def test_a_group_script_says_its_pass_and_fail_lines_and_is_stopped_at_its_time(tmp_path, capsys):
+    code = "print('PASS a: fine'); print('noise'); print('FAIL b: broken'); raise SystemExit(1)"
+    script = throughput.Script("probe", ("-c", code))
+    assert not throughput.run_script(script, script.command(), tmp_path, timeout=60)
+    out = capsys.readouterr().out
+    assert "[throughput] probe: PASS a: fine" in out and "[throughput] probe: FAIL b: broken" in out
+    assert "probe: noise" not in out and "[throughput] probe: exit 1 after" in out  # only its PASS/FAIL lines
+    assert (tmp_path / "probe.log").read_text().splitlines()[1] == "noise"
+    sleeper = throughput.Script("sleeper", ("-c", "import time; print('PASS started', flush=True); time.sleep(60)"))
+    assert not throughput.run_script(sleeper, sleeper.command(), tmp_path, timeout=3)
+    assert "[throughput] sleeper: exit timeout after" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_qlora_check_reloads_an_fsdp_adapter_on_the_nf4_base_it_trained_on(tmp_path):
+    """bench/qlora_check.py's adapter checks of its FSDP run, on a CPU: the adapter trained on the NF4 base (laid out
+    for 2 ranks) reloads with plain peft on that NF4 base, on the unquantized base, and merges; no bitsandbytes."""
+    import torch
+    from transformers import AutoConfig
+
+    import qlora_check
+    from conftest import save_tiny_model
+    from gpu_strategy_checks import RESULTS
+    from sft.model.loading import attach_lora
+    from sft.model.nf4_loading import load_nf4_model
+    from sft.options.arguments import LoraArguments
+
+    base = save_tiny_model(tmp_path / "base", "llama")
+    model = load_nf4_model(str(base), AutoConfig.from_pretrained(base), torch.float32, 2)
+    torch.manual_seed(0)
+    model = attach_lora(model, LoraArguments(lora=True, lora_r=4, lora_dropout=0.0), False)
+    for name, p in model.named_parameters():  # B != 0: the adapter changes the logits
+        if "lora_B" in name:
+            p.data.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
+    model.save_pretrained(tmp_path / "adapter")
+    data = tmp_path / "data.json"
+    data.write_text(json.dumps([{"instruction": "Say hello", "input": "", "output": "Hello there, friend."}] * 2))
+    args = qlora_check.parser().parse_args(["--data", str(data), "--tokenizer", str(base), "--workdir",
+                                            str(tmp_path / "w")])
+    RESULTS.clear()
+    found = qlora_check.adapter_checks(args, "nf4", tmp_path / "adapter", base, quantized=True, nf4_shards=2)
+    checks = {r["check"]: r["ok"] for r in RESULTS}
+    assert checks == {"nf4/reload_4bit_base": True, "nf4/reload_unquantized_base": True, "nf4/merge": True,
+                      "nf4/merged_equals_adapter_on_unquantized_base": True}, RESULTS
+    assert 0 < found["unquantized_vs_4bit_rel"] < found["adapter_effect_rel"], found

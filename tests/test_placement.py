@@ -57,6 +57,31 @@ def test_a_dense_model_on_a_machine_without_gpus_is_not_worth_a_line():
     assert worth_saying({("GPU", "the rest", "4-bit"): 1})  # a quantized base
 
 
+def test_an_nf4_base_is_counted_as_its_4bit_bytes_not_as_bfloat16():
+    """--qlora under FSDP holds the base as torchao's NF4Tensor, which says bfloat16 at 2 bytes a value: the held line
+    counts its inner tensors (packed values, block scales, factors) as "4-bit NF4" at their own bytes, so a 67B/70B
+    run prints its `held` line and, on GPUs, its end-of-run predicted-against-measured memory line."""
+    from test_qlora_fsdp import tiny_nf4_model
+
+    from sft.report.placement import held_text, holdings, size, worth_saying
+
+    model = tiny_nf4_model(shards=2)
+    nf4 = [p for p in model.parameters() if type(p).__name__ == "NF4Tensor"]
+    assert len(nf4) == 14
+    inner = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")  # torchao 0.18
+    packed = sum(getattr(p, name).numel() * getattr(p, name).element_size() for p in nf4 for name in inner)
+    assert packed < 0.3 * sum(p.numel() * p.element_size() for p in nf4)  # ~0.53 byte a value, not 2
+    others = [t for t in (*model.parameters(), *model.buffers()) if type(t).__name__ != "NF4Tensor"]
+    held = holdings(model)
+    assert held[("host", "the rest", "4-bit NF4")] == packed
+    assert held[("host", "the rest", "bfloat16")] == sum(t.numel() * t.element_size() for t in others
+                                                         if not t.requires_grad and t.dtype == torch.bfloat16)
+    assert held[("host", "LoRA adapter", "float32")] == sum(p.numel() * 4 for p in model.parameters()
+                                                            if p.requires_grad)
+    assert worth_saying(held)  # a quantized base
+    assert held_text(held).startswith(f"host RAM (no GPU): the rest {size(packed)} 4-bit NF4, the rest ")
+
+
 def test_the_first_screen_shows_held_and_memory_only_when_given():
     from sft.report.console import run_overview
 

@@ -1,11 +1,12 @@
 """FSDP + QLoRA verified saves: when the reload check of a sharded LoRA adapter fails, the error says which side
 differs (the saved file, the in-memory forward, the ranks, or the reloaded 4-bit base), so that one GPU run tells
 the cause. The helpers run in one process; the whole check over raw FSDP2 (`fully_shard`) on 2 gloo ranks of a
-tiny llama with a bitsandbytes 4-bit base (bf16 storage, as under FSDP) runs on bitsandbytes' CPU backend."""
+tiny llama with the NF4 base --qlora holds under FSDP (sft/model/nf4_base.py). bitsandbytes' bf16-storage layout
+for FSDP is no longer loaded by any run (sft/model/loading.py quantization() skips bitsandbytes under FSDP, and
+fsdp_qlora_problem refuses its layers): its save test went with it."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -18,11 +19,6 @@ import torch
 
 from conftest import REPO, save_tiny_model
 from sft.safety.verify import adapter_note, gathered_trainable, ranks_note, repeat_note, tensors_note
-
-needs_bnb = pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None,
-                               reason='bitsandbytes is not installed (pip install -e ".[qlora]"); its CPU backend '
-                                      'runs this test')
-
 
 def test_notes_name_the_side_that_differs(tmp_path):
     from safetensors.torch import save_file
@@ -47,50 +43,73 @@ def test_gathered_trainable_is_the_adapter_unsharded():
     assert list(gathered_trainable(layer)) == ["weight"]
 
 
-WORKER = textwrap.dedent("""
+def test_the_4bit_base_note_compares_every_nf4_byte():
+    """The diagnosis' 4-bit base: every inner tensor of each NF4Linear's NF4Tensor as bytes, under the plain base's
+    names (peft's base_layer level dropped), so that one changed byte of the reloaded base is named."""
+    from sft.safety.verify import gathered_4bit_base
+
+    trained = gathered_4bit_base(tiny_nf4_model(shards=2).get_base_model())
+    assert len(trained) == 14 * 5 and not any("base_layer" in k for k in trained)  # 5 inner tensors (torchao 0.18)
+    assert "model.layers.0.self_attn.q_proj.weight.quantized_data" in trained
+    reloaded = gathered_4bit_base(tiny_nf4_model(shards=2).get_base_model())  # the same weights quantized again
+    assert tensors_note(trained, reloaded, "x") == "is the trained one (70 tensors of x, equal bit for bit)"
+    key = "model.layers.1.mlp.down_proj.weight.scaler_mean"
+    bits, dtype = reloaded[key]
+    reloaded[key] = (bits ^ 1, dtype)  # one bit of a bf16 factor
+    assert tensors_note(trained, reloaded, "x").startswith(f"DIFFERS from the trained one: 1 of 70 tensors of x "
+                                                           f"differ (first: {key})")
+
+
+SAVE_WORKER = textwrap.dedent("""
     import json, os, sys, torch, torch.distributed as dist
+    from accelerate import PartialState
     from safetensors.torch import load_file, save_file
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
     from torch.distributed.fsdp import fully_shard
-    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
-    from sft.options.arguments import LoraArguments
+    from transformers import AutoConfig
     from sft.errors import SaveMismatchError
-    from sft.model.loading import attach_lora, qlora_quantization_kwargs
+    from sft.model.loading import attach_lora
+    from sft.model.nf4_loading import load_nf4_model
+    from sft.options.arguments import LoraArguments
+    from sft.parallel.fsdp import qlora_policy
     from sft.safety.verify import SaveVerifier, quantization_of
 
     base, out = sys.argv[1], sys.argv[2]
-    dist.init_process_group("gloo")
+    dist.init_process_group("gloo")  # env://
+    # accelerate's state as the Trainer makes it under --use_cpu: without cpu=True, on a machine without GPUs it
+    # counts 1 process whatever WORLD_SIZE says, its broadcasts do nothing and each rank verifies alone
+    PartialState(cpu=True)
     rank = dist.get_rank()
-    config = BitsAndBytesConfig(**qlora_quantization_kwargs(torch.bfloat16, torch.bfloat16, fsdp=True))
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16, quantization_config=config,
-                                                 device_map={"": "cpu"})
-    for module in model.modules():  # bitsandbytes' CPU inference repacking rewrites the module's quant_state in
-        if hasattr(module, "support_avx512bf16_for_cpu"):  # place: under FSDP every later forward is then wrong
-            module.support_avx512bf16_for_cpu = False
+    model = load_nf4_model(base, AutoConfig.from_pretrained(base), torch.bfloat16, shards=2)  # as --qlora loads it
     torch.manual_seed(0)
     model = attach_lora(model, LoraArguments(lora=True, lora_r=4, lora_dropout=0.0), False)
     for name, p in model.named_parameters():  # B != 0: the adapter changes the logits
         if "lora_B" in name:
             p.data.normal_(0, 0.5, generator=torch.Generator().manual_seed(len(name)))
-    for module in list(model.modules()):
-        if type(module).__name__ == "LlamaDecoderLayer":
-            fully_shard(module)
-    fully_shard(model)
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mp_policy=qlora_policy())
+    fully_shard(model, mp_policy=qlora_policy())
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if rank == 0:
         model.save_pretrained(out, state_dict=state)
     dist.barrier()
+    found = {"rank": rank, "processes": PartialState().num_processes, "quantization": quantization_of(model)}
     verifier = SaveVerifier(base, True, lora_in_place=False, quantization=quantization_of(model))
+
+    def checked():
+        try:
+            verifier.check(model, out)
+            return None
+        except SaveMismatchError as e:
+            return str(e)
+
+    found["right"] = checked()
     if rank == 0:  # a wrong adapter: lora_B zeroed in the file
         path = os.path.join(out, "adapter_model.safetensors")
         save_file({k: v * 0 if "lora_B" in k else v for k, v in load_file(path).items()}, path)
     dist.barrier()
-    try:
-        verifier.check(model, out)
-        message = None
-    except SaveMismatchError as e:
-        message = str(e)
-    print(json.dumps({"rank": rank, "message": message}), flush=True)
+    found["zeroed"] = checked()
+    print(json.dumps(found), flush=True)
     dist.barrier()  # no rank leaves while another still works
     from sft.parallel.distributed import exit_process
     exit_process(0)  # gloo's threads can abort the interpreter's teardown of a finished run (seen in CI: -6)
@@ -103,25 +122,44 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@needs_bnb
-@pytest.mark.slow
-def test_sharded_qlora_check_names_the_adapter_file(tmp_path):
-    base = save_tiny_model(tmp_path / "base", "llama")
-    port = str(free_port())
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
-           "MASTER_PORT": port, "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "HF_HUB_OFFLINE": "1"}
-    workers = [subprocess.Popen([sys.executable, "-c", WORKER, str(base), str(tmp_path / "adapter")],
-                                env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
-    outputs = [w.communicate(timeout=600)[0] for w in workers]
-    assert [w.returncode for w in workers] == [0, 0], outputs
+def two_ranks_env() -> dict[str, str]:
+    """A launcher's environment for 2 ranks on this machine (rank variables added per process), read by torch's
+    env:// rendezvous and by accelerate's PartialState (made with cpu=True, as under --use_cpu)."""
+    return {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "HF_HUB_OFFLINE": "1"}
+
+
+def run_two_ranks(code: str, *args: str, timeout: int = 600) -> list[dict]:
+    """`code` on 2 gloo ranks; -> each rank's JSON line (the one that starts with {"rank")."""
+    env = two_ranks_env()
+    workers = [subprocess.Popen([sys.executable, "-c", code, *args], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in (0, 1)]
+    outputs = [w.communicate(timeout=timeout)[0] for w in workers]
+    assert [w.returncode for w in workers] == [0, 0], [out[-4000:] for out in outputs]
     found = [json.loads(line) for out in outputs for line in out.splitlines() if line.startswith('{"rank"')]
-    assert len(found) == 2 and found[0]["message"] == found[1]["message"], outputs  # every rank raises the same
-    message = found[0]["message"]
+    assert [f["rank"] for f in found] == [0, 1], [out[-4000:] for out in outputs]
+    return found
+
+
+@pytest.mark.slow
+def test_sharded_nf4_qlora_check_passes_the_adapter_and_names_a_wrong_file(tmp_path):
+    """The verified save of --qlora under FSDP (the step that failed on 2 H200s) on 2 gloo ranks: the NF4 base read
+    weight by weight (load_nf4_model), sharded by FSDP2 with qlora_policy, the adapter saved from the gathered state
+    dict and checked by SaveVerifier with the NF4 settings (the base reloaded as NF4 for the same 2 shards). The
+    right adapter passes on every rank; one with lora_B zeroed fails on every rank, and the diagnosis names the
+    file as the side that differs and the reloaded 4-bit base (its NF4 bytes) as the trained one."""
+    base = save_tiny_model(tmp_path / "base", "llama")
+    found = run_two_ranks(SAVE_WORKER, str(base), str(tmp_path / "adapter"))
+    assert [f["processes"] for f in found] == [2, 2], found  # else accelerate's broadcast is a no-op: ranks disagree
+    assert found[0]["quantization"]["quant_method"] == "torchao_nf4" and found[0]["quantization"]["shards"] == 2
+    assert [f["right"] for f in found] == [None, None], found
+    message = found[0]["zeroed"]
+    assert message is not None and found[1]["zeroed"] == message, found  # every rank raises the same
     assert "does not reproduce the trained model" in message
     assert "the saved adapter DIFFERS from the trained LoRA weights" in message, message
     assert "the in-memory forward is repeatable" in message and "agree on every rank" in message, message
     assert "the reloaded 4-bit base is the trained one" in message, message
+    assert "tensors of 4-bit weights and quantization constants, equal bit for bit" in message, message
 
 
 CANONICALIZING = """
@@ -388,3 +426,84 @@ def test_nf4_base_under_fsdp2_moves_bytes_only(tmp_path):
         assert found["loss_equal"] and found["logits_max_diff"] == 0.0, found
         assert found["grads_differ"] == [] and found["bytes_differ"] == [], found
         assert found["corrupted"] and found["corrupted"].startswith("packed 4-bit bytes changed"), found
+
+
+ACCELERATE_WORKER = textwrap.dedent("""
+    import contextlib, io, json, sys, torch
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from accelerate.utils import FullyShardedDataParallelPlugin, fsdp2_prepare_model
+    sys.path.insert(0, sys.argv[1])
+    from test_qlora_fsdp import tiny_nf4_model
+    from sft.machine import Launch
+    from sft.parallel.fsdp import fsdp_callbacks
+    from sft.report.placement import holdings
+
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")  # the Trainer's, under --use_cpu: 2 gloo ranks
+    # accelerate_configs/fsdp.yaml's plugin, set on accelerate's state as AcceleratorState does on GPUs only (on a
+    # machine without them it is MULTI_CPU: no fsdp_plugin, and Accelerator.prepare would wrap the model in DDP)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+                                            reshard_after_forward=True, state_dict_type="SHARDED_STATE_DICT",
+                                            cpu_ram_efficient_loading=True, sync_module_states=True)
+    AcceleratorState().fsdp_plugin = plugin
+    callbacks = fsdp_callbacks(Launch(world_size=2, local_world_size=2, launched=True, fsdp=True), qlora=True)
+    found = {"rank": accelerator.process_index, "callbacks": [type(c).__name__ for c in callbacks]}
+    for callback in callbacks:  # the Trainer calls on_init_end once its Accelerator exists
+        callback.on_init_end(None, None, None)
+    policy = plugin.mixed_precision_policy
+    found["policy"] = [str(policy.param_dtype), str(policy.reduce_dtype), plugin.cpu_ram_efficient_loading]
+
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    def step(model):
+        out = model(input_ids=ids, labels=ids, use_cache=False)
+        out.loss.backward()
+        grads = {n.replace("_checkpoint_wrapped_module.", ""): (p.grad.full_tensor() if hasattr(p.grad, "full_tensor")
+                 else p.grad) for n, p in model.named_parameters() if p.requires_grad}
+        return out.loss.detach(), out.logits.detach(), grads
+
+    reference = tiny_nf4_model(shards=2)
+    whole = holdings(reference)[("host", "the rest", "4-bit NF4")]
+    shard = sum(getattr(p, k).numel() * getattr(p, k).element_size() // (2 if k in ("quantized_data",
+                "quantized_scalers", "quantization_factor") else 1)  # sharded on dim 0; the rest on every rank
+                for p in reference.parameters() if type(p).__name__ == "NF4Tensor"
+                for k in ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4"))
+    loss, logits, grads = step(reference)
+    model = fsdp2_prepare_model(accelerator, tiny_nf4_model(shards=2))  # accelerate's FSDP2 preparation
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        for callback in callbacks:  # raises where the bytes do not round-trip FSDP2's all-gather
+            callback.on_train_begin(None, None, None, model=model)
+    found["printed"] = printed.getvalue()
+    found["units"] = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
+    found["held"] = [holdings(model)[("host", "the rest", "4-bit NF4")], shard, whole]
+    loss2, logits2, grads2 = step(model)
+    found["loss_equal"] = bool(torch.equal(loss, loss2))
+    found["logits_max_diff"] = (logits - logits2).abs().max().item()
+    found["grads"] = [len(grads), sorted(grads) == sorted(grads2),
+                      max((grads[n] - grads2[n]).abs().max().item() for n in grads)]
+    print(json.dumps(found), flush=True)
+    torch.distributed.barrier()  # no rank leaves while another still works
+    from sft.parallel.distributed import exit_process
+    exit_process(0)  # gloo's threads can abort the interpreter's teardown of a finished run (seen in CI: -6)
+""")
+
+
+@pytest.mark.slow
+def test_accelerates_fsdp2_preparation_of_the_nf4_base_with_our_callback():
+    """--qlora under FSDP as the Trainer prepares it, on 2 gloo ranks: FourBitWeightsGatheredAsBytes sets its policy
+    on accelerate's FSDP plugin (on_init_end), accelerate's own fsdp2_prepare_model shards the NF4 model as
+    accelerate_configs/fsdp.yaml says (a unit per decoder layer, the embedding and the tail apart), and the
+    callback's start-of-training probe (on_train_begin) passes and says so. Then the held line counts this rank's
+    share of the NF4 bytes, and a step gives the unsharded model's loss and logits bit for bit. accelerate takes its
+    FSDP path on GPUs only (docs/strategies.md, QLoRA): the plugin is set on its state as it does there."""
+    found = run_two_ranks(ACCELERATE_WORKER, str(REPO / "tests"))
+    for rank in found:
+        assert rank["callbacks"] == ["EmbeddingBackwardWithoutAllGather", "FourBitWeightsGatheredAsBytes"], rank
+        assert rank["policy"] == ["None", "torch.float32", False], rank
+        assert rank["units"] >= 4, rank  # 2 decoder layers, the embedding, the tail and the root
+        held, shard, whole = rank["held"]
+        assert held == shard and held < 0.6 * whole, rank  # each rank holds half the packed bytes
+        assert rank["loss_equal"] and rank["logits_max_diff"] == 0.0, rank
+        assert rank["grads"] == [28, True, 0.0], rank  # every LoRA gradient, bit for bit
+    assert "round-tripped FSDP2's copy and all-gather bit for bit on the run's 2 ranks" in found[0]["printed"]
+    assert found[1]["printed"] == ""  # the main process says it

@@ -6,6 +6,9 @@ Counted from the model as the Trainer placed it (on_train_begin): each parameter
 DeepSpeed ZeRO-3 partition's, an FSDP2 DTensor's local shard), in bytes per GPU, grouped by what it is: the LoRA
 adapter (what trains), the MoE routed experts (transformers 5's fused 3-D expert weights, or their e4m3 form under
 --quantize_experts with its row scales, or this rank's share under DeepSpeed AutoEP), and the rest of the base.
+A base held as torchao's NF4Tensor (--qlora under FSDP, sft/model/nf4_base.py) reports dtype bfloat16 at 2 bytes a
+value; what it holds is its inner tensors (packed uint8 values, int8 block scales, a few bf16 factors), counted as
+"4-bit NF4" at their own bytes.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch import nn
 GIB = 2**30
 QUANTIZED = {torch.float8_e4m3fn, torch.float8_e5m2, torch.uint8, torch.int8}  # e4m3 experts, 4-bit/8-bit bytes
 QUANTIZED_NAMES = {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2", torch.uint8: "4-bit", torch.int8: "int8"}
+NF4 = "4-bit NF4"  # torchao's NF4Tensor: its inner tensors together
 EXPERT_LAYOUTS = (("gate_up_proj", "down_proj"),  # transformers 5's fused routed experts, [experts, out, in] each
                   ("w1", "w2", "w3"))  # DeepSpeed AutoEP's grouped experts: this rank's share of them
 
@@ -40,8 +44,25 @@ def _storage(t: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else t
 
 
+def _is_nf4(t: torch.Tensor) -> bool:
+    """torchao's NF4Tensor, read by name (no torchao import for a report): a wrapper subclass whose own dtype and
+    element size are its dequantized form's, not what it holds."""
+    return type(t).__name__ == "NF4Tensor" and hasattr(t, "__tensor_flatten__")
+
+
 def _dtype_name(t: torch.Tensor) -> str:
+    if _is_nf4(t):
+        return NF4
     return QUANTIZED_NAMES.get(t.dtype) or str(t.dtype).removeprefix("torch.")
+
+
+def _bytes(t: torch.Tensor) -> int:
+    """The bytes `t` holds: an NF4Tensor's inner tensors (torch's __tensor_flatten__ protocol names them: in torchao
+    0.18 quantized_data, scaler_mean, quantization_factor, quantized_scalers, nf4), else numel x element size."""
+    if _is_nf4(t):
+        names, _ = t.__tensor_flatten__()
+        return sum(_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
 
 
 def holdings(model: nn.Module) -> dict[tuple[str, str, str], int]:
@@ -59,7 +80,7 @@ def holdings(model: nn.Module) -> dict[tuple[str, str, str], int]:
             local = _storage(t)
             place = "GPU" if local.device.type not in ("cpu", "meta") else "host"
             kind = "scales" if experts and key.endswith("_scale") else _dtype_name(local)
-            held[(place, part, kind)] += local.numel() * local.element_size()
+            held[(place, part, kind)] += _bytes(local)
     return dict(held)
 
 
@@ -70,7 +91,8 @@ def size(n: int) -> str:
 def worth_saying(held: dict[tuple[str, str, str], int]) -> bool:
     """MoE runs, quantized bases and offloaded parameters: where what is held where is not obvious."""
     offloaded = {place for place, _, _ in held} == {"GPU", "host"}  # on a machine without GPUs all is host
-    return offloaded or any(part == "routed experts" or dtype in QUANTIZED_NAMES.values() for _, part, dtype in held)
+    quantized = {*QUANTIZED_NAMES.values(), NF4}
+    return offloaded or any(part == "routed experts" or dtype in quantized for _, part, dtype in held)
 
 
 def held_text(held: dict[tuple[str, str, str], int]) -> str:

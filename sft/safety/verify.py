@@ -29,7 +29,7 @@ import torch
 
 from sft.errors import SaveMismatchError
 from sft.machine import GIB, is_first_process
-from sft.model.nf4_base import QUANT_METHOD
+from sft.model.nf4_base import QUANT_METHOD, NF4Linear
 from sft.model.moe import expert_parallel_layers
 from sft.safety.run_dir import ADAPTER_WEIGHTS
 from sft.safety.private_names import ACCELERATE_ORIGINAL_FORWARD, expect
@@ -337,21 +337,20 @@ def gathered_trainable(model) -> dict[str, torch.Tensor]:
 
 
 def gathered_4bit_base(base) -> dict[str, tuple[torch.Tensor, torch.dtype]]:
-    """bitsandbytes 4-bit layers: their packed weight bytes and quantization constants, whole, on CPU (a collective
-    under FSDP2). The constants live on the module (`quant_state`): FSDP2's parameters lose the Params4bit's."""
+    """The 4-bit base's NF4 layers (NF4Linear: --qlora under FSDP, the only 4-bit base a sharded run holds; a
+    bitsandbytes base under FSDP is refused before the first step, sft/parallel/fsdp.py fsdp_qlora_problem): each
+    inner tensor of its NF4Tensor (packed values, block scales, factors; torch's __tensor_flatten__ names them) as
+    bytes, whole, on CPU. A collective under FSDP2 (every rank calls it, in one order)."""
     found = {}
     for name, module in base.named_modules():
-        state = getattr(module, "quant_state", None)
-        weight = getattr(module, "weight", None)
-        if state is None or weight is None or not hasattr(state, "absmax"):
+        if not isinstance(module, NF4Linear):
             continue
         name = name.replace(".base_layer", "")  # peft's wrapper: the reloaded plain base has no such level
-        found[f"{name}.weight"] = (_full(weight).contiguous().view(torch.uint8).cpu(), weight.dtype)
-        for key in ("absmax", "offset", "code"):  # the nested constants: absmax of absmax and its code
-            for owner, prefix in ((state, ""), (getattr(state, "state2", None), "state2.")):
-                value = getattr(owner, key, None)
-                if isinstance(value, torch.Tensor):
-                    found[f"{name}.weight.{prefix}{key}"] = (value.detach().float().cpu(), value.dtype)
+        weight = _full(module.weight)  # FSDP2: the NF4Tensor all-gathered through its own hooks
+        inner, _ = weight.__tensor_flatten__()
+        for key in inner:
+            value = getattr(weight, key)
+            found[f"{name}.weight.{key}"] = (value.reshape(-1).contiguous().view(torch.uint8).cpu(), value.dtype)
     return found
 
 
