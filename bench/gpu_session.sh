@@ -8,7 +8,7 @@
 #                                                               # options, in what is left of the budget
 #   BENCH_LIGER=1 skips the Liger probe; BENCH_COMMIT names the commit where the tree has no git.
 # A group may name check scripts (bench/throughput.py SCRIPTS): issue30's bench/qlora_check.py --fsdp two (2 GPUs,
-# the FSDP QLoRA check), next's bench/fsdp_qlora_bytes.py (1 GPU). throughput.py runs them after the rows, in the
+# the FSDP QLoRA check), qlora-bytes' bench/fsdp_qlora_bytes.py (1 GPU). throughput.py runs them after the rows, in the
 # time it keeps for them from --budget_s; their PASS/FAIL lines show below, their logs go into logs.tgz and their
 # rows into results.jsonl. One alone: --rows fsdp-qlora-check.
 set -uo pipefail
