@@ -79,6 +79,9 @@ class Launch:
     fp8_fast_accum: bool = False                  # SFT_FP8_FAST_ACCUM=1: --fp8's forward matmuls accumulate fast
     peft_input_cast: bool = False                 # SFT_PEFT_INPUT_CAST=1: keep peft's input casts (bench rows)
     fp8_on_cpu: bool = False                      # SFT_FP8_ON_CPU=1: --fp8 on torch's CPU FP8 matmul (slow; tests)
+    # FSDP_CPU_RAM_EFFICIENT_LOADING (accelerate launch, from its config): the weights loaded on rank 0 only and
+    # broadcast into the sharded model (--qlora turns it off later: sft/parallel/fsdp.py hand_over_to_fsdp)
+    fsdp_ram_efficient_loading: bool = False
     # HTTPS_PROXY, https_proxy, ALL_PROXY or all_proxy is set (only whether: a proxy URL may hold a password)
     hub_proxied: bool = False
     xdg_cache_home: str | None = None             # XDG_CACHE_HOME (unset: ~/.cache): where the tiny model is built
@@ -155,6 +158,7 @@ def read_launch(env: Mapping[str, str] | None = None) -> Launch:
                   rank=int(env.get("RANK", "0")), local_rank=int(env.get("LOCAL_RANK", "0")),
                   launched="LOCAL_RANK" in env or "ACCELERATE_DYNAMO_BACKEND" in env,
                   fsdp=_true(env.get("ACCELERATE_USE_FSDP")),
+                  fsdp_ram_efficient_loading=_true(env.get("FSDP_CPU_RAM_EFFICIENT_LOADING")),
                   zero_stage=env.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") or zero_stage_in(
                       env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")),
                   offload=offload, deepspeed_config_file=env.get("ACCELERATE_DEEPSPEED_CONFIG_FILE"),

@@ -28,6 +28,9 @@ order of what happens in a step is the Trainer's own, held by code:
   (sft/speed/packed_mask.py) instead of transformers finding them (a host wait at each forward), and the
   labelled-token loss picks its tokens at the collator's positions instead of by a boolean mask (another); the MoE
   balance loss takes the real tokens and their sequences from the collator too (sft/model/moe.py).
+- FSDP2 with FP8 all-gather (a full fine-tune under `--fp8`, tensorwise scales): the weights' FP8 scales computed
+  right after each optimizer step, in one all-reduce (sft/speed/fp8_training.py `Float8ScalesAfterStep`, added
+  here because it belongs to how this model is sharded, as the progress callbacks belong to the Trainer's).
 - `get_optimizer_cls_and_kwargs`: builds `adamw_bf16_sr` and gives torchao's low-bit AdamW its `--optim_args` as
   numbers.
 - `create_scheduler`: the Trainer's schedule, as a scheduler whose resume keeps this run's schedule (the rule:
@@ -61,6 +64,7 @@ from sft.safety.private_names import CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPO
 from sft.speed.activation_offload import OffloadedActivations
 from sft.speed.chunked_loss import LossFn
 from sft.speed.packed_mask import builds_packed_mask, packed_causal_mask
+from sft.speed.fp8_training import Float8ScalesAfterStep, gathers_in_fp8
 from sft.speed.sequence_parallel_loss import mean_over_slices, sequence_parallel_group
 from sft.speed.lowbit import LOW_BIT_OPTIMIZERS, SR_ADAMW
 from sft.speed.sr_adamw import AdamWBf16SR, optim_arg_pairs, optimizer_kwargs
@@ -97,6 +101,8 @@ class SFTTrainer(Trainer):
         for library, ours in ((ProgressCallback, ConsoleProgress), (PrinterCallback, ConsolePrinter)):
             if self.pop_callback(library):  # the one the Trainer chose (--disable_tqdm), in our form
                 self.add_callback(ours)
+        if gathers_in_fp8(self.model):  # FSDP2's FP8 all-gather: the weights' scales after each optimizer step
+            self.add_callback(Float8ScalesAfterStep)
 
     # ---- the loss ----------------------------------------------------------------------------------------------
 

@@ -9,12 +9,14 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import TrainerCallback
 
 from conftest import REPO, tensorboard_scalars
 from sft.safety.checkpoints import checkpoint_dirs, is_complete, newest_complete
 from sft.safety.run_dir import FINAL_MARKER
 from sft.safety.guards import LossSpikeLogger, NonFiniteError, NonFiniteGuard
+from sft.speed.sr_adamw import AdamWBf16SR
 
 
 def run_args(model: Path, output_dir: Path, cache: Path, *extra: str) -> list[str]:
@@ -118,13 +120,22 @@ def test_the_check_reads_the_clippings_norm_and_else_the_gradients():
     guard.on_pre_optimizer_step(args, state, None, model=model)
 
 
+def fused_adamw(params):
+    return torch.optim.AdamW(params, lr=0.1, fused=True)
+
+
+def adamw_bf16_sr(params):
+    return AdamWBf16SR(params, lr=0.1)
+
+
+@pytest.mark.parametrize("make_optimizer", [fused_adamw, adamw_bf16_sr])
 @pytest.mark.parametrize("policy", ["stop", "skip"])
-def test_a_fused_adamw_takes_the_verdict_without_a_wait_and_the_bad_step_changes_nothing(policy):
-    """With torch's fused AdamW the guard reads no norm on the host before the step: the optimizer gets the verdict
-    (GradScaler's found_inf) and leaves weights, moments and step count alone on a bad step; the verdict is read
-    before the next step (stop: the run ends there) and before any save or log."""
+def test_an_optimizer_takes_the_verdict_without_a_wait_and_the_bad_step_changes_nothing(policy, make_optimizer):
+    """With torch's fused AdamW or adamw_bf16_sr the guard reads no norm on the host before the step: the optimizer
+    gets the verdict (GradScaler's found_inf) and leaves weights, moments and step count alone on a bad step; the
+    verdict is read before the next step (stop: the run ends there) and before any save or log."""
     model = torch.nn.Linear(2, 2)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1, fused=True)
+    optimizer = make_optimizer(model.parameters())
     guard = NonFiniteGuard(policy, lambda: None, "")
     args = SimpleNamespace(fp16=False)
     control = SimpleNamespace(should_save=False, should_log=False, should_evaluate=False, should_training_stop=False)
@@ -154,6 +165,54 @@ def test_a_fused_adamw_takes_the_verdict_without_a_wait_and_the_bad_step_changes
     step(3, 1.0)
     assert guard.skipped == 1 and [v.step for v in guard.pending] == [3]  # step 3: read before the next
     assert float(optimizer.state[model.weight]["step"]) == 2  # steps 1 and 3
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the reads of a tensor's value by the host (`.item()`, `bool()`, `float()`: aten._local_scalar_dense),
+    each a wait for the GPU's queue there."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += func is torch.ops.aten._local_scalar_dense.default
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("make_optimizer, reads_on_host", [
+    (adamw_bf16_sr, False),  # the full fine-tune's optimizer: the clipping, the guard and the step, no read
+    (lambda params: torch.optim.AdamW(params, foreach=False), True),  # the guard reads the norm, AdamW its steps
+])
+def test_a_guarded_step_reads_nothing_on_the_host_where_the_optimizer_takes_the_verdict(make_optimizer, reads_on_host):
+    """A whole guarded step as SFTTrainer runs it (clipping, the norm handed to the guard, the guard, the step, its
+    end), counted for host reads: none with adamw_bf16_sr (folded clipping, found_inf, step counts and bias
+    corrections on the device); torch's single-tensor AdamW, which takes no found_inf, shows that they are counted."""
+    model = torch.nn.Linear(8, 8).to(torch.bfloat16)
+    optimizer = make_optimizer(list(model.parameters()))
+    guard = NonFiniteGuard("skip", lambda: None, "")
+    args = SimpleNamespace(fp16=False)
+    control = SimpleNamespace(should_save=False, should_log=False, should_evaluate=False, should_training_stop=False)
+    for number in (1, 2):
+        state = SimpleNamespace(global_step=number - 1, max_steps=10)
+        for p in model.parameters():
+            p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(number)).to(p.dtype)
+        with HostReads() as reads:
+            if isinstance(optimizer, AdamWBf16SR):
+                norm = optimizer.clip_gradients(list(model.parameters()), 1.0)
+            else:
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            guard.saw_norm(norm)
+            guard.on_pre_optimizer_step(args, state, control, model=model, optimizer=optimizer)
+            optimizer.step()
+            guard.on_optimizer_step(args, state, control)
+            state.global_step = number
+            guard.on_step_end(args, state, control)
+        assert (reads.count > 0) == reads_on_host, (number, reads.count)
+        control.should_log = True  # a log follows: the verdict is read (outside the count)
+        guard.on_step_end(args, state, control)
+        control.should_log = False
+    assert float(optimizer.state[model.weight]["step"]) == 2 and guard.skipped == 0
 
 
 def test_a_bad_step_is_read_before_a_checkpoint_is_written():

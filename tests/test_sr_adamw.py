@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 
-from sft.speed.sr_adamw import AdamWBf16SR, as_int32, hash32, key_of, round_to_bf16
+from sft.speed.sr_adamw import AdamWBf16SR, adamw_update, as_int32, hash32, key_of, round_to_bf16, step_keys
 
 
 @pytest.fixture(autouse=True)
@@ -37,6 +37,13 @@ def test_hash_on_int32_tensors_gives_the_bits_of_the_python_hash():
     got = hash32(torch.tensor([as_int32(v) for v in values], dtype=torch.int32))
     assert got.dtype == torch.int32
     assert got.tolist() == [as_int32(hash32(v)) for v in values]
+
+
+def test_keys_made_on_the_device_are_the_hosts():
+    """The step counts live on the device, so the random bits' keys are made there: the same bits as key_of."""
+    steps, indexes = [1, 2, 7, 1000, 2**31 - 1], [0, 5, 272, 2**20, 3]
+    got = step_keys(11, torch.tensor(steps, dtype=torch.int32), torch.tensor(indexes, dtype=torch.int32))
+    assert got.tolist() == [[as_int32(key_of(11, s, i, which)) for which in (0, 1)] for s, i in zip(steps, indexes)]
 
 
 def test_stochastic_rounding_is_unbiased_and_lands_on_a_neighbour():
@@ -121,6 +128,89 @@ def test_matches_fp32_adamw_up_to_rounding(weight_decay):
     assert (ours != reference.bfloat16().float()).any()  # not rounding to nearest
 
 
+def host_computed_step(params, states, steps, groups, seed, clip=None):
+    """The update as adamw_bf16_sr computed it before its step counts moved to the device: bias corrections in
+    double on the host, keys by key_of, one adamw_update per parameter. `states`: [exp_avg, exp_avg_sq] per
+    parameter (updated in place); `steps`: the host's step counts (advanced here); `groups`: (lr, betas,
+    weight_decay, eps) per parameter."""
+    for index, (p, (exp_avg, exp_avg_sq), (lr, (beta1, beta2), weight_decay, eps)) in \
+            enumerate(zip(params, states, groups)):
+        steps[index] += 1
+        step = steps[index]
+        hyper = torch.tensor([1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1 ** step),
+                              math.sqrt(1 - beta2 ** step), eps, 1.0], dtype=torch.float32)
+        if clip is not None:
+            hyper[7] = clip
+        keys = torch.tensor([*(as_int32(key_of(seed, step, index, which)) for which in (0, 1)), 0, index],
+                            dtype=torch.int32)
+        adamw_update(p.detach().view(-1), p.grad.view(-1), exp_avg.view(-1), exp_avg_sq.view(-1), hyper, keys,
+                     torch.zeros(()))
+
+
+@pytest.mark.parametrize("state_dtype", ["bfloat16", "float32"])
+def test_found_inf_skips_the_step_on_the_device_and_zero_steps_as_the_host_computed_update(state_dtype):
+    """GradScaler's protocol (the NaN guard's verdict): with found_inf = 1 the step changes no weight, no state and
+    no step count, even with NaN gradients; with found_inf = 0, or none, the update equals the one whose bias
+    corrections and keys the host computed (before the step counts moved to the device) bit for bit: two groups
+    (their own rate, betas and weight decay), bf16 and fp32 weights, a clipping coefficient, a rate changing
+    every step, a skipped step in between (the host's count does not advance there either)."""
+    shapes, dtypes = [(64, 48), (33,), (16, 16)], [torch.bfloat16, torch.bfloat16, torch.float32]
+    generator = torch.Generator().manual_seed(0)
+    start = [torch.randn(s, generator=generator).to(d) for s, d in zip(shapes, dtypes)]
+    grads = [[torch.randn(s, generator=generator).to(d) for s, d in zip(shapes, dtypes)] for _ in range(6)]
+    params = [torch.nn.Parameter(t.clone()) for t in start]
+    optimizer = AdamWBf16SR([{"params": params[:2]},
+                             {"params": params[2:], "lr": 3e-3, "betas": (0.8, 0.99), "weight_decay": 0.0}],
+                            lr=1e-2, weight_decay=0.1, state_dtype=state_dtype, seed=5)
+    reference = [t.clone() for t in start]
+    for r, g in zip(reference, grads[0]):
+        r.grad = g
+    reference_states = [[torch.zeros_like(t, dtype=getattr(torch, state_dtype)) for _ in range(2)] for t in start]
+    host_steps = [0, 0, 0]
+    for number, step_grads in enumerate(grads):
+        skipped = number == 3
+        rates = (1e-2 / (number + 1), 3e-3 / (number + 1))
+        for group, rate in zip(optimizer.param_groups, rates):
+            group["lr"] = rate
+        for p, r, g in zip(params, reference, step_grads):
+            p.grad = torch.full_like(g, math.nan) if skipped else g.clone()
+            r.grad = g.clone()
+        before = [p.detach().clone() for p in params]
+        states_before = [{k: v.clone() for k, v in optimizer.state[p].items()} for p in params]
+        clip = torch.tensor(0.5) if number == 2 else None
+        optimizer.clip_coefficient = clip
+        if skipped or number % 2:  # found_inf handed over (0 or 1); else none at all
+            optimizer.found_inf = torch.tensor(1.0 if skipped else 0.0)
+        optimizer.step()
+        optimizer.__dict__.pop("found_inf", None)
+        if skipped:
+            assert all(torch.equal(a, b) for a, b in zip(before, params))
+            assert all(torch.equal(states_before[i][k], optimizer.state[p][k]) for i, p in enumerate(params)
+                       for k in ("step", "exp_avg", "exp_avg_sq"))
+            continue
+        groups = [(rates[0], (0.9, 0.999), 0.1, 1e-8)] * 2 + [(rates[1], (0.8, 0.99), 0.0, 1e-8)]
+        host_computed_step(reference, reference_states, host_steps, groups, seed=5, clip=clip)
+        assert all(torch.equal(p.detach(), r) for p, r in zip(params, reference)), number
+        assert all(torch.equal(optimizer.state[p]["exp_avg_sq"], s[1]) for p, s in zip(params, reference_states))
+    assert [float(optimizer.state[p]["step"]) for p in params] == host_steps == [5, 5, 5]
+
+
+def test_a_scaled_gradient_is_divided_by_grad_scale():
+    """GradScaler hands fp16's still-scaled gradients over with `grad_scale`: the update divides them (a power of
+    two: exactly the update of the unscaled gradients)."""
+    def run(scale):
+        p = torch.nn.Parameter(torch.linspace(-1, 1, 300))
+        optimizer = AdamWBf16SR([p], lr=1e-2)
+        for step in range(2):
+            p.grad = torch.randn(300, generator=torch.Generator().manual_seed(step)) * scale
+            if scale != 1:
+                optimizer.grad_scale = torch.tensor(float(scale))
+            optimizer.step()
+        return p.detach()
+
+    assert torch.equal(run(1), run(1024)) and not torch.equal(run(1), torch.linspace(-1, 1, 300))
+
+
 def test_same_draws_on_every_replica_and_a_different_draw_each_step():
     """DDP replicas must stay identical: the rounding depends on (seed, step, parameter, element), not on the
     process. And each step draws anew (or the same element would round the same way every step: biased)."""
@@ -146,21 +236,29 @@ def test_same_draws_on_every_replica_and_a_different_draw_each_step():
 
 @pytest.mark.slow
 def test_compiled_update_equals_eager_bit_for_bit():
-    """The GPU path (torch.compile, one graph for all lengths) against the eager one: the same hash, the same
-    arithmetic, so the same bits. Default (bf16) states; 30-40 s on 2 cores (inductor's C++ compiles)."""
-    shapes = [(64, 48), (256,), (33, 16)]
+    """The GPU path (torch.compile, one graph for all lengths; parameters of the same dtypes updated in groups,
+    here of 2: two groups and one alone among the bf16 weights, an fp32 one alone in between) against the eager one:
+    the same hash, the same arithmetic, the same skip of a found_inf step, so the same bits. Default (bf16) states;
+    40-60 s on 2 cores (inductor's C++ compiles)."""
+    shapes = [(64, 48), (256,), (24,), (33, 16), (40,), (8, 8)]
+    dtypes = [torch.bfloat16, torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16]
 
     def run(compile):
         generator = torch.Generator().manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(s, generator=generator).bfloat16()) for s in shapes]
+        params = [torch.nn.Parameter(torch.randn(s, generator=generator).to(d)) for s, d in zip(shapes, dtypes)]
         optimizer = AdamWBf16SR(params, lr=1e-2, weight_decay=0.1, compile=compile)
-        for _ in range(2):
+        optimizer.group_size = 2
+        for step in range(3):
             for p in params:
-                p.grad = torch.randn(p.shape, generator=generator).bfloat16()
+                p.grad = torch.randn(p.shape, generator=generator).to(p.dtype)
+            optimizer.found_inf = torch.tensor(float(step == 1))  # the middle step skipped, on the device
             optimizer.step()
-        return params + [optimizer.state[p]["exp_avg_sq"] for p in params]
+        return params + [optimizer.state[p][k] for p in params for k in ("exp_avg_sq", "step")]
+
+    from sft.speed import sr_adamw
 
     assert all(torch.equal(a, b) for a, b in zip(run(False), run(True)))
+    assert sr_adamw.adamw_update_group in sr_adamw._compiled  # the groups went through their compiled call
 
 
 def test_optim_name_parses_and_the_trainer_builds_it(tmp_path):

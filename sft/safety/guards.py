@@ -17,12 +17,12 @@ Loss spikes are judged per logged value (the mean over `--logging_steps`).
 
 Without a wait on the GPU where the optimizer allows it. Reading the norm on the host (`.item()`) makes the host wait
 for the whole backward every step, and the GPU then idles while the host issues the optimizer step and the next
-forward. torch's fused Adam/AdamW (`adamw_torch_fused`, transformers' default) takes the verdict on the GPU
-instead, as torch's GradScaler hands it over: `found_inf` set on the optimizer, and its kernel leaves every weight,
-moment and step count as they were where it is 1. Then the verdict is read on the host later, once it is there
+forward. torch's fused Adam/AdamW (`adamw_torch_fused`, transformers' default) and ours (`--optim adamw_bf16_sr`,
+the full fine-tune's) take the verdict on the GPU instead, as torch's GradScaler hands it over: `found_inf` set on
+the optimizer, and its kernel leaves every weight, moment and step count as they were where it is 1. Then the verdict is read on the host later, once it is there
 (a non-blocking copy and an event): before the next optimizer step, and with a wait before any checkpoint, log or
 evaluation and at the end of training. `stop` still ends the run with no weight changed by the bad step; the
-message comes one step later at most. Whether the installed torch does skip so is checked once per device, on a
+message comes one step later at most. Whether the installed torch's fused kernel does skip so is checked once per device, on a
 one-element optimizer, before it is relied on (`skips_on_device`); elsewhere the verdict is read at once, as before.
 """
 
@@ -78,12 +78,17 @@ def fused_adam_skips_on(device_type: str) -> bool:
 
 def skips_on_device(optimizer, norm) -> torch.optim.Optimizer | None:
     """The torch optimizer (inside accelerate's wrapper) if it can take this step's verdict on the device: fused
-    Adam/AdamW (GradScaler's protocol: `_step_supports_amp_scaling`), the norm a plain tensor, the probe passed.
+    Adam/AdamW (GradScaler's protocol: `_step_supports_amp_scaling`) with the probe passed, or an optimizer of
+    ours that says it skips so (`skips_on_found_inf`: `--optim adamw_bf16_sr`, held to it by
+    tests/test_sr_adamw.py), the norm a plain tensor.
     Else None: the verdict is read on the host at once. On a CPU it changes nothing but the order (no wait to save
     there), and runs the same code as on a GPU."""
     inner = getattr(optimizer, "optimizer", optimizer)
-    if type(norm) is not torch.Tensor or norm.device.type not in ("cuda", "cpu") or \
-            not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+    if type(norm) is not torch.Tensor or norm.device.type not in ("cuda", "cpu"):
+        return None
+    if getattr(type(inner), "skips_on_found_inf", False):  # ours, by its own code (no probe: its tests hold it)
+        return inner
+    if not isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
         return None
     if not getattr(inner, "_step_supports_amp_scaling", False) or not all(g.get("fused") for g in inner.param_groups):
         return None
