@@ -147,9 +147,9 @@ def train(run: Run, seams: Seams) -> int:
 
     resume = on_main_process(take_output_dir)  # a checkpoint, or None; never overwrites or mixes runs
     resolve_model_path(model_args.model)  # a missing directory or unreachable hub id: seconds, not a minute
-    refuse_unsupported(load_config(model_args))  # DeepSeek-V3.2: one error, on every rank, before any data work
     if seams.model_factory is None:  # pickled weights: how to convert them, before any data work (a factory
         check_safetensors_weights(model_args.model)  # builds its own weights)
+    refuse_unsupported(load_config(model_args))  # DeepSeek-V3.2: one error, on every rank, before any data work
     check_tensor_parallel(model_args, training_args.world_size, resume)  # the model's heads; the checkpoint's TP
     if training_args.sequence_parallel > 1:  # heads that divide; no MLA
         check_sequence_parallel(load_config(model_args), training_args.sequence_parallel)

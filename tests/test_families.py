@@ -291,7 +291,11 @@ def test_v32_is_refused_by_the_data_tool_and_the_planner_with_trainings_error(tm
     assert capsys.readouterr().err == expected
     assert plan_main(["--model", str(v32)]) == 2
     assert capsys.readouterr().err == expected
-    # training: the same line, before the data is read or the run's record is written into --output_dir
+    # training: the same line, before the data is read or the run's record is written into --output_dir (a weights
+    # file as a real checkpoint has one: a directory without weights is told so first)
+    from safetensors.torch import save_file
+
+    save_file({}, str(v32 / "model.safetensors"))
     out = tmp_path / "out"
     trained = run_train(["--model", str(v32), "--dataset", str(data), "--output_dir", str(out)])
     assert trained.returncode == 2 and trained.stderr == expected, trained.stderr
