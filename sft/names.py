@@ -13,7 +13,7 @@ from pathlib import Path
 
 PREFIX = "deepseek-"
 
-# The released models of each of the planner's built-in shapes (sft/plan/planner.py SHAPES, same keys), as hub ids
+# The released models of each of the planner's built-in shapes (sft/plan/shapes.py SHAPES, same keys), as hub ids
 # (each one in sft/model/families.py VARIANTS; tests keep both so): the first is what a short name trains, the base
 # model where there is one, as a recipe's fine-tune starts from; a released name typed in any case, with or
 # without `deepseek-ai/`, trains that model.

@@ -120,9 +120,10 @@ def test_fp8sr4_trains_as_the_planners_full_plan_for_the_box():
     from torchao.optim import AdamW4bit
 
     from sft.parallel.strategies import PRECISION_OPTIONS
-    from sft.plan import planner as plan
+    from sft.plan.plans import Box, best_plan, enumerate_plans
+    from sft.plan.shapes import SHAPES
 
-    best = plan.best_plan(plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], plan.Box(3, 24, host_ram_gib=64), "full"))
+    best = best_plan(enumerate_plans(SHAPES["deepseek-llm-7b"], Box(3, 24, host_ram_gib=64), "full"))
     assert (best.w.strategy, best.w.setup.precision, best.w.fp8, best.w.compiled) == ("fsdp", "lowbit4", True, True)
     variant = convergence.VARIANTS["fp8sr4"]
     assert (variant.weights, variant.fp8) == ("bfloat16", "tensorwise")

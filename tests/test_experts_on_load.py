@@ -162,7 +162,7 @@ def test_quantizing_as_it_loads_holds_less_host_ram(tmp_path):
     tests/test_nf4_loading.py's twin of this test (conftest.loading_peaks)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from sft.plan.planner import shape_from_config
+    from sft.plan.shapes import shape_from_config
     from sft.plan.resident import load_host_bytes
 
     config = tiny_config("deepseek_v2", vocab_size=1024, hidden_size=512, intermediate_size=1024,

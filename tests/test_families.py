@@ -190,14 +190,15 @@ def test_strategy_is_the_planners_choice():
     host RAM included; a config that the planner has no built-in shape for is read through its config (no weights)."""
     from transformers import AutoConfig
 
-    from sft.plan import planner as plan
+    from sft.plan.plans import Box, best_plan, enumerate_plans
+    from sft.plan.shapes import SHAPES
     from sft.plan.box import recommended_strategy
     from sft.parallel.strategies import STRATEGIES
 
     for name in ("deepseek-llm-7b", "deepseek-v2-lite"):  # the resident plan is opt-in (--quantize_experts)
-        plans = plan.enumerate_plans(plan.SHAPES[name], plan.Box(3, 24, 512.0), "lora")
-        best = plan.best_plan([p for p in plans if not p.w.resident])
-        assert strategy(plan.SHAPES[name], True).config == STRATEGIES[best.w.strategy].accelerate_config
+        plans = enumerate_plans(SHAPES[name], Box(3, 24, 512.0), "lora")
+        best = best_plan([p for p in plans if not p.w.resident])
+        assert strategy(SHAPES[name], True).config == STRATEGIES[best.w.strategy].accelerate_config
     small_host = strategy("deepseek-llm-67b", True, host_ram_gib=128)
     assert small_host.config is None and "host RAM > 128" in small_host.why
     v3 = recommended_strategy(AutoConfig.for_model("deepseek_v3"), lora=True)  # 671B

@@ -22,7 +22,14 @@ from sft.configs import ACCELERATE_CONFIGS, CONFIGS, DEMO_DATA, RECIPES, shipped
 from sft.errors import ConfigError
 from sft.options.arguments import DEMO, read_options
 from sft.parallel.strategies import STRATEGIES
-from sft.plan import planner as plan
+from sft.plan import planner, rows, speed
+from sft.plan.planner import main
+from sft.plan.plans import Box, best_plan, enumerate_plans
+from sft.plan.refit import fitted_numbers
+from sft.plan.rows import RESULTS
+from sft.plan.shapes import SHAPES, resolve_shape
+from sft.plan.snapshot import FITTED, SNAPSHOT_COMMAND
+from sft.plan.speed import routed_expert_cost
 
 LINKS = {"accelerate_configs": "sft/configs/accelerate_configs", "ds_configs": "sft/configs/ds_configs",
          "recipes": "sft/configs/recipes", "data/alpaca_demo.json": "sft/data/demo/alpaca_demo.json",
@@ -35,34 +42,35 @@ PLAN = ["plan", "--model", "deepseek-llm-7b", "--gpus", "3", "--gpu_mem", "24", 
 
 
 def test_the_snapshot_is_what_the_planner_fits_from_the_bench_rows_today():
-    snapshot = json.loads(plan.FITTED.read_text())
-    fitted = json.loads(json.dumps(plan.fitted_numbers()))
+    snapshot = json.loads(FITTED.read_text())
+    fitted = json.loads(json.dumps(fitted_numbers()))
     assert snapshot == fitted, (f"sft/plan/fitted.json is not what the planner fits from bench/results.jsonl: run "
-                                f"`{plan.SNAPSHOT_COMMAND}` and commit sft/plan/fitted.json")
+                                f"`{SNAPSHOT_COMMAND}` and commit sft/plan/fitted.json")
 
 
 def test_a_new_bench_row_changes_the_fit(tmp_path):
     """The check above can fail: one more measured row moves the numbers the plans read."""
-    rows = [json.loads(x) for x in plan.RESULTS.read_text().splitlines() if x.strip()]
+    rows = [json.loads(x) for x in RESULTS.read_text().splitlines() if x.strip()]
     ddp = next(r for r in rows if r.get("name") == "lora-ddp")
     results = tmp_path / "results.jsonl"
     results.write_text("".join(json.dumps(r) + "\n" for r in [*rows, {**ddp, "name": "new", "mfu": 0.9}]))
-    assert plan.fitted_numbers(results) != plan.fitted_numbers()
+    assert fitted_numbers(results) != fitted_numbers()
 
 
 def test_plans_read_the_snapshot_not_the_bench_rows(monkeypatch):
     def no_rows(*_):
         raise AssertionError("a plan read bench/results.jsonl")
 
-    shape = plan.resolve_shape("deepseek-llm-7b")
-    before = plan.best_plan(plan.enumerate_plans(shape, plan.Box(3, 24), "lora", 2048))
-    monkeypatch.setattr(plan, "bench_rows", no_rows)
-    monkeypatch.setattr(plan, "measured_rows", no_rows)
-    after = plan.best_plan(plan.enumerate_plans(shape, plan.Box(3, 24), "lora", 2048))
+    shape = resolve_shape("deepseek-llm-7b")
+    before = best_plan(enumerate_plans(shape, Box(3, 24), "lora", 2048))
+    for module in (rows, speed):  # the rows module, and the speed model that reads rows from it
+        monkeypatch.setattr(module, "bench_rows", no_rows)
+        monkeypatch.setattr(module, "measured_rows", no_rows)
+    after = best_plan(enumerate_plans(shape, Box(3, 24), "lora", 2048))
     assert (after.w, after.tok_s, after.tok_s_source) == (before.w, before.tok_s, before.tok_s_source)
     assert after.w.strategy == "ddp"
-    moe = plan.SHAPES["deepseek-v2-lite"]
-    assert plan.routed_expert_cost(moe)[0] > 1  # its bench/moe_layer.py row, from the snapshot
+    moe = SHAPES["deepseek-v2-lite"]
+    assert routed_expert_cost(moe)[0] > 1  # its bench/moe_layer.py row, from the snapshot
 
 
 def test_the_repository_paths_are_links_to_the_shipped_files():
@@ -136,9 +144,9 @@ def test_an_unknown_config_is_one_error_line_naming_the_shipped_ones(capsys, tmp
 
 
 def test_check_and_write_snapshot_need_the_bench_rows(capsys, monkeypatch, tmp_path):
-    monkeypatch.setattr(plan, "RESULTS", tmp_path / "results.jsonl")  # as in a wheel install
+    monkeypatch.setattr(planner, "RESULTS", tmp_path / "results.jsonl")  # as in a wheel install
     for flag in ("--check", "--write_snapshot"):
-        assert plan.main([flag]) == 2
+        assert main([flag]) == 2
         assert capsys.readouterr().err == (f"error: {flag} reads bench/results.jsonl, which only a clone of the "
                                            f"repository has: run it there.\n")
 

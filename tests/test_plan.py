@@ -11,11 +11,28 @@ from types import SimpleNamespace
 
 import pytest
 
-from sft.plan import planner as plan
-from sft.plan.long_rows import Levers
+from sft.plan import planner, snapshot
+from sft.configs import RECIPES
+from sft.machine import GIB, GPU_KINDS
+from sft.names import RELEASES, hub_id
+from sft.parallel.strategies import REPO
+from sft.plan.bench_check import check_rows, check_table
+from sft.plan.long_rows import is_long, long_row_flops_per_token
+from sft.plan.memory import CALIBRATION, fast_path_bytes, fsdp_adapter_buffers, predict, whole_layer_activations
+from sft.plan.plan_text import command, kernels_text
+from sft.plan.planner import (NOT_PLANNED, main, nothing_planned_line, options_of, planned_options,
+                              prediction_line)
+from sft.plan.plans import (AWAITED_CHECK, HEADROOM, MARGIN_GIB, Box, awaiting_plan, best_plan, enumerate_plans,
+                            kernels, ranked, recommended, safe, shown_gib, split_plan)
+from sft.plan.refit import fitted_numbers
+from sft.plan.rows import RESULTS, measured_rows, option_value, row_shape, workload_of_row
+from sft.plan.shapes import SHAPES, resolve_shape
+from sft.plan.snapshot import fitted
+from sft.plan.speed import mfu_reference, routed_expert_cost, tokens_per_second
+from sft.plan.workload import Levers, Workload
 from sft.parallel.strategies import STRATEGIES, Setup
 
-BOX = plan.Box(gpus=3, gpu_mem_gib=24)
+BOX = Box(gpus=3, gpu_mem_gib=24)
 
 
 def test_strategy_table_entries_point_at_real_files():
@@ -36,30 +53,30 @@ def test_state_bytes_full_fine_tune_fp32_masters():
 
 
 def test_7b_lora_on_three_24gb_cards_ddp_with_checkpointing():
-    shape = plan.resolve_shape("deepseek-ai/deepseek-llm-7b-base")
-    plans = plan.enumerate_plans(shape, BOX, "lora", 2048)
+    shape = resolve_shape("deepseek-ai/deepseek-llm-7b-base")
+    plans = enumerate_plans(shape, BOX, "lora", 2048)
     ddp_ckpt = {p.w.micro_batch: p for p in plans if p.w.strategy == "ddp" and p.w.checkpointing}
     assert all(ddp_ckpt[mb].fits for mb in (2, 4))
-    best = plan.best_plan(plans)
+    best = best_plan(plans)
     assert best.w.strategy == "ddp" and best.w.checkpointing and best.w.micro_batch in (2, 4)
-    cmd = plan.command(best, "deepseek-ai/deepseek-llm-7b-base", BOX)
+    cmd = command(best, "deepseek-ai/deepseek-llm-7b-base", BOX)
     assert cmd.startswith("accelerate launch -q --config_file accelerate_configs/ddp.yaml sft/train.py")
     assert "--lora" in cmd and "--activation_checkpointing" in cmd
 
 
 def test_7b_full_fp32_masters_fits_only_with_offload():
-    shape = plan.resolve_shape("deepseek-llm-7b")
-    plans = [p for p in plan.enumerate_plans(shape, BOX, "full", 2048) if p.w.setup.precision == "fp32_master"]
+    shape = resolve_shape("deepseek-llm-7b")
+    plans = [p for p in enumerate_plans(shape, BOX, "full", 2048) if p.w.setup.precision == "fp32_master"]
     fitting = {p.w.strategy for p in plans if p.fits}
     assert fitting == {"zero3_offload"}
     why = next(p for p in plans if p.w.strategy == "fsdp").why_not
     assert "GiB per card" in why
-    small_host = plan.enumerate_plans(shape, plan.Box(3, 24, host_ram_gib=64), "full", 2048)
+    small_host = enumerate_plans(shape, Box(3, 24, host_ram_gib=64), "full", 2048)
     assert not any(p.fits for p in small_host if p.w.strategy == "zero3_offload")
 
 
 def test_local_config_dir(tiny_llama):
-    shape = plan.resolve_shape(str(tiny_llama))
+    shape = resolve_shape(str(tiny_llama))
     assert shape.layers == 2 and shape.hidden == 64 and shape.checked == "config.json"
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -67,7 +84,7 @@ def test_local_config_dir(tiny_llama):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny_llama))
     assert shape.params() == sum(p.numel() for p in model.parameters())
-    best = plan.best_plan(plan.enumerate_plans(shape, BOX, "full", 256))
+    best = best_plan(enumerate_plans(shape, BOX, "full", 256))
     assert best is not None and best.fits
 
 
@@ -77,7 +94,7 @@ def test_builtin_shapes_match_a_meta_model():
     from transformers import AutoConfig, AutoModelForCausalLM
 
     for name in ("deepseek-coder-1.3b", "deepseek-v2-lite", "deepseek-r1-0528-qwen3-8b"):
-        s = plan.SHAPES[name]
+        s = SHAPES[name]
         kw = dict(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
                   num_hidden_layers=s.layers, num_attention_heads=s.heads, num_key_value_heads=s.kv_heads,
                   tie_word_embeddings=s.tied, **({"head_dim": s.head_dim} if s.head_dim else {}))
@@ -94,7 +111,7 @@ def test_builtin_shapes_match_a_meta_model():
 
 def test_every_measured_row_within_10_percent():
     """Predicted against measured peak GPU memory for every bench row (so the table cannot rot)."""
-    results = plan.check_rows()
+    results = check_rows()
     assert len(results) >= 30
     for x in results:
         assert abs(x["err_reserved"]) <= 0.10, (x["name"], x["run_id"], x["pred_reserved"], x["reserved"])
@@ -114,7 +131,7 @@ def test_planned_options_leave_given_options_alone(tiny_llama):
     data = SimpleNamespace(max_length=2048)
     training = SimpleNamespace(per_device_train_batch_size=1, activation_checkpointing=False,
                                use_liger_kernel=False)
-    done, chosen = plan.planned_options(model, lora, data, training, m, given={"attn_implementation"})
+    done, chosen = planned_options(model, lora, data, training, m, given={"attn_implementation"})
     assert chosen.w.strategy == "ddp"
     assert (model.attn_implementation, training.activation_checkpointing) == ("sdpa", False)  # the planner sets none
     with_planned(Options(model, data, lora, training), done)  # train.py's step after planning
@@ -131,7 +148,7 @@ def test_plan_auto_is_applied_after_parsing_and_checked_like_the_users_options()
     box = Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * 3, gpu_memory_gib=(23.99,) * 3, bf16=True,
                   host_ram_gib=128, launch=Launch(world_size=3, local_world_size=3, launched=True),
                   packages=frozenset({"liger_kernel"}))
-    data = str(plan.REPO / "data" / "alpaca_demo.json")
+    data = str(REPO / "data" / "alpaca_demo.json")
     options, planned = final_options(["--model", "deepseek-llm-7b", "--dataset", data, "--output_dir",
                                       "/nonexistent/out", "--lora", "--lora_dropout", "0.1", "--plan", "auto"], box)
     assert planned.plan.w.strategy == "ddp" and "lora_dropout" not in planned.options  # given: the user's wins
@@ -166,7 +183,7 @@ def test_plan_auto_through_the_command_line():
     from sft.options.arguments import parse_args
     from sft.train import final_options
 
-    data = str(plan.REPO / "data" / "alpaca_demo.json")
+    data = str(REPO / "data" / "alpaca_demo.json")
     options, planned = final_options(["--model", "m", "--dataset", data, "--plan", "auto"])
     assert planned == ({}, None)  # this CPU machine: nothing to plan
     assert not machine().cuda and not hasattr(options.training, "planned")  # the plan is its own value
@@ -179,10 +196,10 @@ def test_plan_auto_that_sets_nothing_says_why():
     from sft.machine import Machine
 
     cpu = Machine(gpu_names=(), gpu_memory_gib=(), bf16=False, host_ram_gib=32, host_ram_available_gib=30)
-    assert "no CUDA GPU" in plan.nothing_planned_line("deepseek-llm-7b", False, cpu)
+    assert "no CUDA GPU" in nothing_planned_line("deepseek-llm-7b", False, cpu)
     small = Machine(gpu_names=("NVIDIA GeForce GTX 1080",) * 3, gpu_memory_gib=(8.0,) * 3, bf16=False, host_ram_gib=16,
                     host_ram_available_gib=12)
-    line = plan.nothing_planned_line("deepseek-llm-7b", True, small)
+    line = nothing_planned_line("deepseek-llm-7b", True, small)
     assert "no plan fits 3 x 8 GiB" in line and "python -m sft.plan.planner --model deepseek-llm-7b --gpus 3 --gpu_mem 8 --lora" in line
 
 
@@ -191,10 +208,10 @@ def test_host_ram_of_the_offload_and_resident_rows_within_10_percent():
     decides something: the offload plans, and the resident plans (--quantize_experts fp8: every process loads the
     base). The resident rows measured before the experts were quantized as they load held the whole bf16 base in
     host RAM (resident.LOADED_WHOLE): they are left out, not fitted to; each of them held more than the new loading
-    is predicted to. Other rows are not checked (planner.host_checked says why)."""
+    is predicted to. Other rows are not checked (bench_check.host_checked says why)."""
     from sft.plan import resident
 
-    rows = plan.check_rows()
+    rows = check_rows()
     checked = [x for x in rows if x["host_checked"]]
     assert len([x for x in checked if x["offload"]]) >= 3
     for x in checked:
@@ -212,26 +229,26 @@ def test_the_resident_plans_count_each_process_loading_its_base():
     on the host, beside the planner's per-process overhead: V2-Lite's by hand."""
     from sft.plan import resident
 
-    v2 = plan.SHAPES["deepseek-v2-lite"]
+    v2 = SHAPES["deepseek-v2-lite"]
     experts = 26 * 64 * 3 * 2048 * 1408  # MoE layers x routed experts x (gate, up, down) x hidden x moe_intermediate
     in_flight = 3 * 2 * 64 * 2 * 1408 * 2048
     assert resident.load_host_bytes(v2) == 2 * (v2.params() - experts) + in_flight
     assert resident.load_host_bytes(v2, experts_on_host=True) == \
         resident.load_host_bytes(v2) + experts + 4 * 26 * 64 * (2 * 1408 + 2048)
-    assert 4 < resident.load_host_bytes(v2) / plan.GIB < 5  # against 29 GiB for the whole bf16 base
+    assert 4 < resident.load_host_bytes(v2) / GIB < 5  # against 29 GiB for the whole bf16 base
     for gpus in (1, 2, 3):
-        plans = [p for p in plan.enumerate_plans(v2, plan.Box(gpus, 24, host_ram_gib=512), "lora", 2048)
+        plans = [p for p in enumerate_plans(v2, Box(gpus, 24, host_ram_gib=512), "lora", 2048)
                  if p.w.resident]
         assert plans and max(p.w.world for p in plans) == gpus  # DDP: one process per GPU
         for p in plans:
-            want = (8 + 4 * p.w.world) + p.w.world * resident.load_host_bytes(v2) / plan.GIB
+            want = (8 + 4 * p.w.world) + p.w.world * resident.load_host_bytes(v2) / GIB
             assert p.prediction.host_gib == pytest.approx(want), (gpus, p.w.strategy)
 
 
 def test_deepseek_v2_lite_shape():
     """V2-Lite (MLA, 64 routed + 2 shared experts, 6 per token, layer 0 dense): 15.7B parameters, 2.4B active per
     token (the matmuls' parameters, lm_head included)."""
-    s = plan.resolve_shape("deepseek-ai/DeepSeek-V2-Lite-Chat")
+    s = resolve_shape("deepseek-ai/DeepSeek-V2-Lite-Chat")
     assert (s.hidden, s.layers, s.heads, s.kv_lora_rank, s.q_lora_rank, s.qk_nope, s.qk_rope, s.v_head) == \
         (2048, 27, 16, 512, None, 128, 64, 128)
     assert (s.routed_experts, s.shared_experts, s.experts_per_token, s.moe_intermediate, s.intermediate,
@@ -247,7 +264,7 @@ def test_deepseek_v2_lite_lora_count_is_what_training_attaches(tmp_path):
     from sft.options.arguments import LoraArguments, ModelArguments
     from sft.parallel.distributed import count_parameters
 
-    s = plan.SHAPES["deepseek-v2-lite"]
+    s = SHAPES["deepseek-v2-lite"]
     DeepseekV2Config(vocab_size=s.vocab, hidden_size=s.hidden, intermediate_size=s.intermediate,
                      moe_intermediate_size=s.moe_intermediate, num_hidden_layers=s.layers, num_attention_heads=s.heads,
                      num_key_value_heads=s.kv_heads, n_shared_experts=s.shared_experts,
@@ -266,17 +283,17 @@ def test_deepseek_v2_lite_lora_count_is_what_training_attaches(tmp_path):
 ])
 def test_deepseek_v2_lite_lora_on_24gb_cards(gpus, fitting):
     """Its bf16 base (the resident plans, experts in e4m3, are tested below)."""
-    shape = plan.SHAPES["deepseek-v2-lite"]
-    plans = [p for p in plan.enumerate_plans(shape, plan.Box(gpus, 24, host_ram_gib=128), "lora", 2048)
+    shape = SHAPES["deepseek-v2-lite"]
+    plans = [p for p in enumerate_plans(shape, Box(gpus, 24, host_ram_gib=128), "lora", 2048)
              if not p.w.resident]
     assert {p.w.strategy for p in plans if p.fits} == fitting
     assert not any(p.fits for p in plans if p.w.strategy in ("ddp", "zero2", "single_gpu"))  # a whole base per card
-    best = plan.best_plan(plans)
+    best = best_plan(plans)
     assert best.w.strategy in fitting and best.w.strategy != "autoep"  # its speed is not measured
     # tok/s on ACTIVE parameters (4 x 2.45B per token), the routed experts at their measured cost against dense
-    cost, why = plan.routed_expert_cost(shape)
+    cost, why = routed_expert_cost(shape)
     assert cost > 1 and "bench/moe_layer.py" in why and cost - 1 < 1  # 1.79 on the H200 (bench/RESULTS.md)
-    mfu, _ = plan.mfu_reference(best.w.strategy, "lora", best.w.checkpointing, model=shape.name)
+    mfu, _ = mfu_reference(best.w.strategy, "lora", best.w.checkpointing, model=shape.name)
     active = shape.matmul_params() + (cost - 1) * shape.routed_active_params()
     assert best.tok_s == pytest.approx(mfu * 165e12 * gpus / (4 * active))
     assert active < shape.params() / 4
@@ -286,41 +303,41 @@ def test_resident_plan_is_recommended_for_v2_lite_lora_on_one_24gb_card():
     """--quantize_experts fp8 (sft/plan/resident.py): the routed experts in e4m3 plus their row scales, the rest of the
     base in bf16, one MoE layer's experts dequantized at a time: V2-Lite's base on one 24 GB card, far faster than
     streaming it from host RAM (ZeRO-3 offload), so recommended where it fits."""
-    shape = plan.SHAPES["deepseek-v2-lite"]
-    box = plan.Box(1, 24, host_ram_gib=128)
-    plans = plan.enumerate_plans(shape, box, "lora", 2048)
+    shape = SHAPES["deepseek-v2-lite"]
+    box = Box(1, 24, host_ram_gib=128)
+    plans = enumerate_plans(shape, box, "lora", 2048)
     resident = [p for p in plans if p.w.resident]
     assert resident and all((p.w.strategy, p.w.checkpointing, p.w.chunked_loss) == ("single_gpu", True, True)
                             for p in resident)
     assert any(p.roomy for p in resident)
-    best = plan.best_plan(plans)
-    offload = plan.best_plan([p for p in plans if p.w.strategy == "zero3_offload"])
+    best = best_plan(plans)
+    offload = best_plan([p for p in plans if p.w.strategy == "zero3_offload"])
     assert best.w.resident and offload is not None and best.tok_s > 5 * offload.tok_s
-    cmd = plan.command(best, "deepseek-v2-lite", box)
+    cmd = command(best, "deepseek-v2-lite", box)
     assert cmd.startswith("accelerate launch -q --config_file accelerate_configs/single_gpu.yaml sft/train.py")
     assert "--lora" in cmd and "--quantize_experts fp8 --activation_checkpointing true --chunked_loss" in cmd
-    assert plan.options_of(best)["quantize_experts"] == "fp8" and plan.options_of(best)["activation_checkpointing"]
+    assert options_of(best)["quantize_experts"] == "fp8" and options_of(best)["activation_checkpointing"]
     # weights: the bf16 base less 1 byte a routed expert weight, plus 4 bytes a row; the transient: one layer's
     experts = 26 * 64 * 3 * 2048 * 1408
-    bf16 = plan.predict(shape, dataclasses.replace(best.w, resident=False)).parts["weights"]
+    bf16 = predict(shape, dataclasses.replace(best.w, resident=False)).parts["weights"]
     assert bf16 - best.prediction.parts["weights"] == pytest.approx(
-        (experts - 4 * 26 * 64 * (2 * 1408 + 2048)) / plan.GIB)
+        (experts - 4 * 26 * 64 * (2 * 1408 + 2048)) / GIB)
     assert best.prediction.parts["dequantized_experts"] == pytest.approx(
-        plan.CALIBRATION["dequantized_copies"] * 2 * experts / 26 / plan.GIB)
+        CALIBRATION["dequantized_copies"] * 2 * experts / 26 / GIB)
     # DDP: one replica per card, never a sharded strategy
-    three = plan.enumerate_plans(shape, plan.Box(3, 24, host_ram_gib=128), "lora", 2048)
+    three = enumerate_plans(shape, Box(3, 24, host_ram_gib=128), "lora", 2048)
     assert {p.w.strategy for p in three if p.w.resident} == {"single_gpu", "ddp"}
-    assert (plan.best_plan(three).w.strategy, plan.best_plan(three).w.resident) == ("ddp", True)
+    assert (best_plan(three).w.strategy, best_plan(three).w.resident) == ("ddp", True)
 
 
 def test_resident_plan_only_for_lora_of_routed_experts_with_checkpointing():
-    v2, box = plan.SHAPES["deepseek-v2-lite"], plan.Box(2, 24, host_ram_gib=512)
-    assert not any(p.w.resident for p in plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], box, "lora", 2048))
+    v2, box = SHAPES["deepseek-v2-lite"], Box(2, 24, host_ram_gib=512)
+    assert not any(p.w.resident for p in enumerate_plans(SHAPES["deepseek-llm-7b"], box, "lora", 2048))
     for method in ("full", "qlora"):
-        assert not any(p.w.resident for p in plan.enumerate_plans(v2, box, method, 2048)), method
+        assert not any(p.w.resident for p in enumerate_plans(v2, box, method, 2048)), method
     no_experts = dataclasses.replace(v2, routed_experts=0)
-    assert not any(p.w.resident for p in plan.enumerate_plans(no_experts, box, "lora", 2048))
-    lora = plan.enumerate_plans(v2, box, "lora", 2048)
+    assert not any(p.w.resident for p in enumerate_plans(no_experts, box, "lora", 2048))
+    lora = enumerate_plans(v2, box, "lora", 2048)
     resident = [p for p in lora if p.w.resident]
     assert resident and all(p.w.checkpointing and p.w.strategy in ("single_gpu", "ddp") for p in resident)
 
@@ -328,11 +345,11 @@ def test_resident_plan_only_for_lora_of_routed_experts_with_checkpointing():
 def test_resident_row_is_predicted_within_the_memory_models_error():
     """moe-lora-resident-1 (one H200 held to 24 GiB, micro-batch 8): 23.3 GiB allocated, 24.68 by nvidia-smi; the
     same run held to 22.25 GiB ran out of memory at micro-batch 8."""
-    rows = [x for x in plan.check_rows() if x["run_id"] == "20261204T2105Z-resident"]
+    rows = [x for x in check_rows() if x["run_id"] == "20261204T2105Z-resident"]
     assert len(rows) == 1 and rows[0]["resident"]
     x = rows[0]
-    assert abs(x["pred_allocated"] / x["allocated"] - 1) <= plan.HEADROOM and x["pred_allocated"] > 22.25
-    assert abs(x["err_smi"]) <= 0.065 and abs(x["err_reserved"]) <= plan.HEADROOM
+    assert abs(x["pred_allocated"] / x["allocated"] - 1) <= HEADROOM and x["pred_allocated"] > 22.25
+    assert abs(x["err_smi"]) <= 0.065 and abs(x["err_reserved"]) <= HEADROOM
 
 
 def test_compiled_layers_of_a_resident_plan_are_fitted_on_its_eager_twin():
@@ -340,46 +357,46 @@ def test_compiled_layers_of_a_resident_plan_are_fitted_on_its_eager_twin():
     20261205T0515Z-next, against moe-lora-resident-1-mb4 of 0235Z: 19.96 against 20.82 GiB reserved), where a dense
     LoRA's compiled layers hold more: the resident kind has its own fit, counted in one MoE layer's dequantized
     experts, which the dense rows' share does not read; the row is predicted within the memory model's error."""
-    results = {(x["name"], x["run_id"]): x for x in plan.check_rows()}
+    results = {(x["name"], x["run_id"]): x for x in check_rows()}
     compiled = results[("moe-lora-resident-1-mb4-compile", "20261205T0515Z-next")]
     eager = results[("moe-lora-resident-1-mb4", "20261205T0235Z-next")]
     assert (compiled["fast"], compiled["resident"]) == ("compiled", True)
-    assert abs(compiled["err_reserved"]) <= plan.HEADROOM and abs(compiled["err_smi"]) <= 0.065
+    assert abs(compiled["err_reserved"]) <= HEADROOM and abs(compiled["err_smi"]) <= 0.065
     moved = compiled["pred_reserved"] - eager["pred_reserved"]
     assert moved == pytest.approx(compiled["reserved"] - eager["reserved"], abs=0.01) and moved < 0
-    table = plan.fitted()["fast_path_memory"]
+    table = fitted()["fast_path_memory"]
     share, why = table["resident"]["compiled"]
     assert share < 0 and "moe-lora-resident-1-mb4-compile" in why and "dequantized experts" in why
     assert "resident" not in table["lora"]["compiled"][1] and "fp8" not in table["resident"]
     # a resident plan with FP8 (no resident row ran with it) takes LoRA's share of its activations
-    shape = plan.SHAPES["deepseek-v2-lite"]
-    w = plan.Workload("single_gpu", Setup("lora"), 1, 4, 2048, True, fused_loss=False, chunked_loss=True,
+    shape = SHAPES["deepseek-v2-lite"]
+    w = Workload("single_gpu", Setup("lora"), 1, 4, 2048, True, fused_loss=False, chunked_loss=True,
                       resident=True)
     fp8 = dataclasses.replace(w, fp8=True)
-    assert plan.fast_path_bytes(shape, fp8) == pytest.approx(
-        table["lora"]["fp8"][0] * plan.whole_layer_activations(shape, fp8))
-    assert plan.fast_path_bytes(shape, dataclasses.replace(w, compiled=True)) == pytest.approx(
+    assert fast_path_bytes(shape, fp8) == pytest.approx(
+        table["lora"]["fp8"][0] * whole_layer_activations(shape, fp8))
+    assert fast_path_bytes(shape, dataclasses.replace(w, compiled=True)) == pytest.approx(
         share * 2 * 64 * 3 * 2048 * 1408)
 
 
 def test_resident_speed_is_read_from_its_own_rows():
     """The resident rows speak for resident plans only (the dequantization is their own work), at today's speed
     (the eager dequantization's row is left out), counted so that the measured configuration predicts its tok/s."""
-    shape = plan.SHAPES["deepseek-v2-lite"]
-    mfu, why = plan.mfu_reference("single_gpu", "lora", True, model=shape.name, resident_experts=True)
+    shape = SHAPES["deepseek-v2-lite"]
+    mfu, why = mfu_reference("single_gpu", "lora", True, model=shape.name, resident_experts=True)
     assert "moe-lora-resident-1" in why and "--quantize_experts fp8" in why
-    assert (mfu, why) == plan.mfu_reference("single_gpu", "lora", True, plan.RESULTS, shape.name,
+    assert (mfu, why) == mfu_reference("single_gpu", "lora", True, RESULTS, shape.name,
                                             resident_experts=True)
-    _, plain = plan.mfu_reference("single_gpu", "lora", True, model=shape.name)
+    _, plain = mfu_reference("single_gpu", "lora", True, model=shape.name)
     assert "resident" not in plain
     # the median of the eager rows at today's speed predicts each measured configuration within 8% (2040Z's 10,694
     # had the eager dequantization): one MFU per kind of plan, and micro-batches 4 to 8 moved it by 7% either way;
     # the compiled layers' one row predicts itself (runs 20261204T2105Z-resident, 20261205T0235Z-next, 0515Z-next)
     for micro_batch, compiled, measured in ((8, False, 12273), (4, False, 11386), (6, False, 13182),
                                             (4, True, 16922)):
-        w = plan.Workload("single_gpu", Setup("lora"), 1, micro_batch, 2048, True, fused_loss=False,
+        w = Workload("single_gpu", Setup("lora"), 1, micro_batch, 2048, True, fused_loss=False,
                           chunked_loss=True, resident=True, compiled=compiled)
-        tok_s, _ = plan.tokens_per_second(shape, w, plan.GPU_KINDS["H200"].peak_flops)
+        tok_s, _ = tokens_per_second(shape, w, GPU_KINDS["H200"].peak_flops)
         assert tok_s == pytest.approx(measured, rel=0.08 if not compiled else 0.01), (micro_batch, compiled)
 
 
@@ -393,14 +410,14 @@ def test_resident_loss_chunk_is_the_chunked_loss():
 def test_moe_lora_keeps_a_weight_per_layer_without_checkpointing():
     """peft's parameter-targeted LoRA (the MoE MLP weights) materialises W + BA per layer in forward: all layers'
     without checkpointing, one recomputed layer's with it; dense models keep none."""
-    v2, dense = plan.SHAPES["deepseek-v2-lite"], plan.SHAPES["deepseek-llm-7b"]
+    v2, dense = SHAPES["deepseek-v2-lite"], SHAPES["deepseek-llm-7b"]
 
     def weights(shape, ckpt):
-        w = plan.Workload("fsdp", Setup("lora"), 3, 1, 2048, ckpt)
-        return plan.predict(shape, w).parts["lora_weights"]
+        w = Workload("fsdp", Setup("lora"), 3, 1, 2048, ckpt)
+        return predict(shape, w).parts["lora_weights"]
 
     per_layer = [v2.parameter_lora_bytes(i) for i in range(v2.layers)]
-    assert weights(v2, False) * plan.GIB == sum(per_layer) and weights(v2, True) * plan.GIB == max(per_layer)
+    assert weights(v2, False) * GIB == sum(per_layer) and weights(v2, True) * GIB == max(per_layer)
     assert per_layer[0] == 2 * 3 * 2048 * 10944 and per_layer[1] == 2 * 3 * 2048 * 2 * 1408
     assert weights(dense, False) == weights(dense, True) == 0
 
@@ -417,21 +434,21 @@ def test_checkpointing_off_is_estimated_from_checkpointed_rows_by_the_recomputed
             "train_args": "--activation_checkpointing true --attn_implementation flex_attention"}
     rows.write_text("\n".join(json.dumps({**base, "name": m, "method": m}) for m in ("lora", "full")) + "\n")
     for method, factor in (("lora", 6 / 4), ("full", 8 / 6)):
-        on, _ = plan.mfu_reference("single_gpu", method, True, path=rows)
-        off, why = plan.mfu_reference("single_gpu", method, False, path=rows)
+        on, _ = mfu_reference("single_gpu", method, True, path=rows)
+        off, why = mfu_reference("single_gpu", method, False, path=rows)
         assert on == pytest.approx(0.3) and off == pytest.approx(0.3 * factor) and "recomputation" in why
 
 
 def test_mla_plans_count_the_logits_they_materialise():
-    """MLA models get no Liger (plan.kernels), so their plans hold the whole logits: measured on two H200s held to
+    """MLA models get no Liger (kernels), so their plans hold the whole logits: measured on two H200s held to
     24 GiB, DeepSeek-V2-Lite LoRA under ZeRO-3 at micro-batch 4 ran out of memory in its first backward (3.1 GiB of
     logits asked for), where a plan counting Liger's fused loss had it fit; at micro-batch 1 it trained."""
-    shape = plan.SHAPES["deepseek-v2-lite"]
-    plans = plan.enumerate_plans(shape, plan.Box(2, 24, host_ram_gib=128), "lora", 2048)
+    shape = SHAPES["deepseek-v2-lite"]
+    plans = enumerate_plans(shape, Box(2, 24, host_ram_gib=128), "lora", 2048)
     assert not any(p.w.fused_loss for p in plans)
     zero3 = {(p.w.micro_batch, p.w.checkpointing): p.fits for p in plans if p.w.strategy == "zero3"}
     assert zero3[(4, True)] is False and zero3[(1, True)] is True
-    dense = plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], plan.Box(2, 24), "lora", 2048)
+    dense = enumerate_plans(SHAPES["deepseek-llm-7b"], Box(2, 24), "lora", 2048)
     assert all(p.w.fused_loss for p in dense if p.w.strategy != "tp")
 
 
@@ -447,11 +464,11 @@ def test_an_unmeasured_sharded_plan_is_bounded_by_the_models_own_sharded_row(tmp
                  mfu=0.011, train_args="--config /elsewhere/recipes/deepseek-v2-lite-lora.yaml")]
     results = tmp_path / "results.jsonl"
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    zero3, why = plan.mfu_reference("zero3", "lora", True, results, model="deepseek-v2-lite")
+    zero3, why = mfu_reference("zero3", "lora", True, results, model="deepseek-v2-lite")
     assert zero3 == pytest.approx(0.011) and "recipe-v2-lite-lora" in why and "no row with" not in why
-    offload, why = plan.mfu_reference("zero3_offload", "lora", True, results, model="deepseek-v2-lite")
+    offload, why = mfu_reference("zero3_offload", "lora", True, results, model="deepseek-v2-lite")
     assert offload == pytest.approx(0.011) and "at most" in why
-    dense, _ = plan.mfu_reference("zero3_offload", "lora", True, results, model="deepseek-llm-7b")
+    dense, _ = mfu_reference("zero3_offload", "lora", True, results, model="deepseek-llm-7b")
     assert dense == pytest.approx(0.043)
 
 
@@ -461,23 +478,23 @@ def test_a_plan_keeps_a_margin_and_equal_speed_goes_to_headroom():
     """7B full fine-tune on 3 x 24 GB: the 8-bit AdamW plan at micro-batch 8 (24.5 GiB by nvidia-smi on a 23.99 GiB
     card) is tight, never "yes" nor recommended; of the plans of one estimated speed, the one with room for the
     memory model's worst error (4-bit AdamW, 20.6 GiB) is."""
-    shape = plan.SHAPES["deepseek-llm-7b"]
-    box = plan.Box(3, 24, host_ram_gib=128)
-    plans = plan.enumerate_plans(shape, box, "full", 2048)
-    best = plan.best_plan(plans)
-    assert best.prediction.smi_gib <= box.card_gib - plan.MARGIN_GIB
+    shape = SHAPES["deepseek-llm-7b"]
+    box = Box(3, 24, host_ram_gib=128)
+    plans = enumerate_plans(shape, box, "full", 2048)
+    best = best_plan(plans)
+    assert best.prediction.smi_gib <= box.card_gib - MARGIN_GIB
     edge = next(p for p in plans if (p.w.setup.precision, p.w.micro_batch, p.w.checkpointing) == ("lowbit8", 8, True))
     assert edge.prediction.smi_gib > box.card_gib - 1 and edge.fits and not edge.roomy
     assert edge.mark().startswith("tight") and edge.tok_s == pytest.approx(best.tok_s)
     assert (best.w.strategy, best.w.setup.precision, best.w.checkpointing) == ("fsdp", "lowbit4", True)
-    assert round(plan.shown_gib(best), 1) == 20.6 and plan.safe(best)
+    assert round(shown_gib(best), 1) == 20.6 and safe(best)
     for model, method in (("deepseek-llm-7b", "lora"), ("deepseek-coder-1.3b", "full"), ("deepseek-v2-lite", "lora"),
                           ("deepseek-r1-distill-qwen-14b", "lora"), ("deepseek-r1-distill-llama-8b", "full")):
         for gpus in (1, 2, 3):
-            box = plan.Box(gpus, 24, host_ram_gib=512)
-            plans = plan.enumerate_plans(plan.SHAPES[model], box, method, 2048)
+            box = Box(gpus, 24, host_ram_gib=512)
+            plans = enumerate_plans(SHAPES[model], box, method, 2048)
             assert all(p.prediction.smi_gib <= box.card_gib - 1 for p in plans if p.mark() == "yes"), (model, gpus)
-            best = plan.best_plan(plans)
+            best = best_plan(plans)
             assert best is None or best.prediction.smi_gib <= box.card_gib - 1, (model, method, gpus)
     out = run_planner("--model", "deepseek-llm-7b", "--gpus", "3", "--gpu_mem", "24")
     assert out.returncode == 0 and "--per_device_train_batch_size 4 " in out.stdout
@@ -486,11 +503,11 @@ def test_a_plan_keeps_a_margin_and_equal_speed_goes_to_headroom():
 
 def test_nothing_at_the_edge_is_recommended():
     """A box where every plan is tight: nothing is recommended, and the closest plan says it is tight."""
-    plans = plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], plan.Box(1, 24, host_ram_gib=64), "lora", 2048,
+    plans = enumerate_plans(SHAPES["deepseek-llm-7b"], Box(1, 24, host_ram_gib=64), "lora", 2048,
                                  micro_batches=(8,))
     ckpt_off = [p for p in plans if not p.w.checkpointing and p.w.strategy == "single_gpu"]
-    assert plan.best_plan([p for p in plans if p.w.strategy == "single_gpu"]) is not None  # checkpointing on fits
-    assert ckpt_off and plan.best_plan(ckpt_off) is None
+    assert best_plan([p for p in plans if p.w.strategy == "single_gpu"]) is not None  # checkpointing on fits
+    assert ckpt_off and best_plan(ckpt_off) is None
     out = run_planner("--model", "deepseek-r1-distill-qwen-14b", "--lora", "--gpus", "2", "--micro_batch", "4",
                       host_ram="32")
     assert out.returncode == 1 and "Recommended" not in out.stdout and "Nothing fits with 1 GiB" in out.stdout
@@ -505,8 +522,8 @@ def test_host_ram_is_this_machines_or_unknown(monkeypatch, capsys):
     assert out.stdout.splitlines()[-1] == "With more host RAM: zero3_offload, micro-batch 4: needs 475 GiB host RAM > 64"
     out = run_planner("--model", "deepseek-v2-lite", "--gpus", "3", "--host_ram", "512", host_ram="64")
     assert out.returncode == 0 and "475 of 512 GiB host RAM" in out.stdout
-    monkeypatch.setattr(plan, "this_host_ram", lambda: None)
-    assert plan.main(["--model", "deepseek-v2-lite", "--gpus", "3"]) == 0
+    monkeypatch.setattr(planner, "this_host_ram", lambda: None)
+    assert main(["--model", "deepseek-v2-lite", "--gpus", "3"]) == 0
     printed = capsys.readouterr().out
     assert "host RAM: unknown (give --host_ram)" in printed.splitlines()[0]
     offload = [line for line in printed.splitlines() if line.startswith("zero3_offload")]
@@ -535,8 +552,8 @@ def test_commands_name_the_models_hub_ids(tmp_path, capsys):
     from sft.model.families import VARIANTS
 
     released = {m for v in VARIANTS for m in v.models}
-    assert {hub for hubs in plan.RELEASES.values() for hub in hubs} <= released
-    assert set(plan.RELEASES) == set(plan.SHAPES)
+    assert {hub for hubs in RELEASES.values() for hub in hubs} <= released
+    assert set(RELEASES) == set(SHAPES)
     for typed, hub in [("deepseek-llm-7b", "deepseek-ai/deepseek-llm-7b-base"),
                        ("deepseek-coder-6.7b", "deepseek-ai/deepseek-coder-6.7b-base"),
                        ("deepseek-coder-1.3b", "deepseek-ai/deepseek-coder-1.3b-base"),
@@ -550,13 +567,13 @@ def test_commands_name_the_models_hub_ids(tmp_path, capsys):
                        ("r1-0528-qwen3-8b", "deepseek-ai/DeepSeek-R1-0528-Qwen3-8B"),
                        ("deepseek-ai/DeepSeek-V2-Lite-Chat", "deepseek-ai/DeepSeek-V2-Lite-Chat"),
                        (str(tmp_path), str(tmp_path))]:
-        assert plan.hub_id(typed) == hub, typed
-        assert plan.resolve_shape(hub if typed != str(tmp_path) else "deepseek-llm-7b")  # the shape is known
+        assert hub_id(typed) == hub, typed
+        assert resolve_shape(hub if typed != str(tmp_path) else "deepseek-llm-7b")  # the shape is known
     out = run_planner("--model", "DeepSeek-V2-Lite", "--lora", "--host_ram", "128")
     assert out.returncode == 0 and "--model deepseek-ai/DeepSeek-V2-Lite " in out.stdout
     capsys.readouterr()
     for typed in ("deepseek-r1-0528-qwen3-8b", "r1-0528-qwen3-8b"):  # a qwen3 model (sft/model/families.py)
-        assert plan.main(["--model", typed, "--lora", "--host_ram", "128"]) == 0
+        assert main(["--model", typed, "--lora", "--host_ram", "128"]) == 0
         assert "--model deepseek-ai/DeepSeek-R1-0528-Qwen3-8B " in capsys.readouterr().out
 
 
@@ -578,7 +595,7 @@ def test_the_recommended_command_runs_as_printed(model, method, gpus):
     flags = {"full": [], "lora": ["--lora"], "qlora": ["--qlora"]}[method]
     printed = io.StringIO()
     with redirect_stdout(printed):
-        assert plan.main(["--model", model, "--gpus", str(gpus), "--host_ram", "512", *flags]) == 0
+        assert main(["--model", model, "--gpus", str(gpus), "--host_ram", "512", *flags]) == 0
     header, *_ = printed.getvalue().splitlines()
     line = re.search(r"^Recommended: (.+)$", printed.getvalue(), re.M).group(1)
     words = shlex.split(line)
@@ -588,7 +605,7 @@ def test_the_recommended_command_runs_as_printed(model, method, gpus):
     kernels = re.search(r"tokens(?: x \d+ micro-batches per step)?, (.+)$", header).group(1)
     assert kernels.startswith(attention + (" + Liger" if liger else ", no Liger")), header  # others: in brackets
     args = words[words.index("sft/train.py") + 1:]
-    args[args.index("--dataset") + 1] = str(plan.REPO / "data" / "alpaca_demo.json")
+    args[args.index("--dataset") + 1] = str(REPO / "data" / "alpaca_demo.json")
     # what this CPU machine refuses at parsing (--bf16 without bf16 hardware, Liger not installed, QLoRA without
     # CUDA): parsed off, then set back for the checks against the box
     gpu_only = {"--bf16", "--use_liger_kernel", "--qlora"}
@@ -623,16 +640,16 @@ def test_qlora_rows_are_lora_rows_never_full_fine_tune_rows(tmp_path):
             {**base, "name": "f", "method": "full", "mfu": 0.3, "train_args": "--activation_checkpointing false"}]
     results = tmp_path / "results.jsonl"
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    full, why = plan.mfu_reference("ddp", "full", True, results)
+    full, why = mfu_reference("ddp", "full", True, results)
     assert "q" not in why.split("(")[1].split(")")[0].split(", ") and full == pytest.approx(0.3 * 6 / 8)
-    lora, why = plan.mfu_reference("ddp", "lora", True, results)
+    lora, why = mfu_reference("ddp", "lora", True, results)
     assert lora == pytest.approx(0.05) and "(q)" in why
-    for table in plan.fitted()["mfu"].values():  # the snapshot of bench/results.jsonl
+    for table in fitted()["mfu"].values():  # the snapshot of bench/results.jsonl
         for key, (_, why) in table.items():
             assert " full " not in key or "qlora" not in why, (key, why)
 
 
-@pytest.mark.parametrize("recipe", sorted((plan.REPO / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
+@pytest.mark.parametrize("recipe", sorted((REPO / "recipes").glob("*.yaml")), ids=lambda p: p.stem)
 def test_each_recipe_is_the_planners_plan_for_its_micro_batch(recipe):
     """Asked for a recipe's micro-batch and accumulation on its box (3 x 24 GB), the planner recommends its
     strategy, precision, checkpointing and long-row levers (r1-distill-qwen-7b-long: the MLP tile and offloaded
@@ -651,17 +668,17 @@ def test_each_recipe_is_the_planners_plan_for_its_micro_batch(recipe):
     config = re.search(r"--config_file (accelerate_configs/\S+)", text).group(1)
     method = "qlora" if options.get("qlora") else "lora" if options.get("lora") else "full"
     mb, accumulation = options.get("per_device_train_batch_size", 1), options.get("gradient_accumulation_steps", 1)
-    shape = plan.resolve_shape(options["model"])
+    shape = resolve_shape(options["model"])
     # FSDP + QLoRA: every rank holds the NF4 base in host RAM as it loads (a 67B: 125 GiB for 3 processes)
-    box = plan.Box(3, 24, host_ram_gib=192 if method == "qlora" else 64)
-    plans = plan.enumerate_plans(shape, box, method, options.get("max_length", 2048), (mb,),
+    box = Box(3, 24, host_ram_gib=192 if method == "qlora" else 64)
+    plans = enumerate_plans(shape, box, method, options.get("max_length", 2048), (mb,),
                                  options.get("lora_r", 16), accumulation)
     # a resident plan changes the model the adapter trains against: the plan of a recipe that asks for it (as
     # --plan auto plans), else of one that does not
     size = options.get("sequence_parallel", 1)
     kind = [p for p in plans if p.w.resident == (options.get("quantize_experts") == "fp8")
             and p.w.sequence_parallel == size]
-    best = plan.best_plan(kind) or plan.awaiting_plan(kind)  # a recipe the run refuses today: the plan that awaits
+    best = best_plan(kind) or awaiting_plan(kind)  # a recipe the run refuses today: the plan that awaits
     precision = next((k for k, v in PRECISION_OPTIONS.items() if v and v["optim"] == options.get("optim")),
                      "fp32_master")
     levers = Levers(options.get("mlp_tile_tokens", 0), bool(options.get("offload_activations")))
@@ -670,13 +687,13 @@ def test_each_recipe_is_the_planners_plan_for_its_micro_batch(recipe):
     skip = options.get("activation_checkpointing_skip_layers", 0)
     processes = int(re.search(r"--num_processes (\d+)", text).group(1)) if "--num_processes" in text else 3
     assert (best.w.world, best.w.sequence_parallel) == (processes, size)
-    own = plan.predict(shape, plan.Workload(best.w.strategy, Setup(method, precision), processes, mb, best.w.seq_len,
+    own = predict(shape, Workload(best.w.strategy, Setup(method, precision), processes, mb, best.w.seq_len,
                                             best.w.checkpointing, skip, bool(options.get("use_liger_kernel")),
                                             grad_accum=accumulation, fp8=best.w.fp8, compiled=best.w.compiled,
                                             mlp_tile_tokens=levers.mlp_tile_tokens,
                                             offload_activations=levers.offload_activations,
                                             chunked_loss=size > 1, sequence_parallel=size))
-    assert own.smi_gib <= box.card_gib - plan.MARGIN_GIB, recipe.name
+    assert own.smi_gib <= box.card_gib - MARGIN_GIB, recipe.name
     if levers.label:  # its header quotes the planner's prediction for it
         assert f"{own.smi_gib:.1f} GiB per GPU by nvidia-smi" in text, own.smi_gib
     if method == "full":
@@ -693,15 +710,15 @@ def test_plan_auto_plans_the_users_accumulation():
     model = SimpleNamespace(model="deepseek-llm-7b")
     lora = SimpleNamespace(lora=False, qlora=False, lora_r=16)
     training = SimpleNamespace(per_device_train_batch_size=1, gradient_accumulation_steps=8)
-    _, chosen = plan.planned_options(model, lora, SimpleNamespace(max_length=2048), training, m)
+    _, chosen = planned_options(model, lora, SimpleNamespace(max_length=2048), training, m)
     assert chosen.w.grad_accum == 8 and chosen.w.strategy == "fsdp" and chosen.roomy
 
 
 def test_the_header_names_each_strategys_kernels():
-    dense, mla = plan.SHAPES["deepseek-coder-1.3b"], plan.SHAPES["deepseek-v2-lite"]
-    assert plan.kernels_text(dense, ["ddp", "fsdp"]) == "flex_attention + Liger"
-    assert plan.kernels_text(dense, ["ddp", "tp", "fsdp"]) == "flex_attention + Liger (tp: sdpa, no Liger)"
-    assert plan.kernels_text(mla, ["zero3_offload", "zero3"]) == "sdpa, no Liger"
+    dense, mla = SHAPES["deepseek-coder-1.3b"], SHAPES["deepseek-v2-lite"]
+    assert kernels_text(dense, ["ddp", "fsdp"]) == "flex_attention + Liger"
+    assert kernels_text(dense, ["ddp", "tp", "fsdp"]) == "flex_attention + Liger (tp: sdpa, no Liger)"
+    assert kernels_text(mla, ["zero3_offload", "zero3"]) == "sdpa, no Liger"
 
 
 # ---- issue 28: a plan runs with the fast paths its run gets (--fp8 / --compile_layers auto), and predicts them
@@ -710,11 +727,11 @@ def test_a_lora_plan_on_the_default_box_runs_fp8_and_the_compiled_layers_and_cou
     """3 x RTX 4090 (compute capability 8.9): the run's own rule turns both on under DDP, so the plan is predicted
     with them: the compiled layers' memory on top (fitted on their bench rows), the MFU of the rows that ran with
     both; the command needs no option for them, and the header and the recommendation say so."""
-    shape = plan.SHAPES["deepseek-llm-7b"]
-    plans = plan.enumerate_plans(shape, BOX, "lora", 2048)
-    best = plan.best_plan(plans)
+    shape = SHAPES["deepseek-llm-7b"]
+    plans = enumerate_plans(shape, BOX, "lora", 2048)
+    best = best_plan(plans)
     assert (best.w.strategy, best.w.fast) == ("ddp", "fp8+compiled")
-    plain = plan.predict(shape, plan.Workload("ddp", Setup("lora"), 3, best.w.micro_batch, 2048, best.w.checkpointing))
+    plain = predict(shape, Workload("ddp", Setup("lora"), 3, best.w.micro_batch, 2048, best.w.checkpointing))
     # the compiled layers' share is counted against layers without Liger's kernels (Liger keeps only its loss beside
     # them): negative, yet the plan holds more than its eager twin with Liger, as the bench rows measured
     assert best.prediction.parts["fast_paths"] != 0 and best.prediction.smi_gib > plain.smi_gib
@@ -731,8 +748,8 @@ def test_a_lora_plan_on_the_default_box_runs_fp8_and_the_compiled_layers_and_cou
 
 
 def test_an_rtx_3090_box_gets_the_compiled_layers_and_no_fp8_and_says_why():
-    plans = plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], plan.Box(3, 24, gpu="RTX 3090"), "lora", 2048)
-    best = plan.best_plan(plans)
+    plans = enumerate_plans(SHAPES["deepseek-llm-7b"], Box(3, 24, gpu="RTX 3090"), "lora", 2048)
+    best = best_plan(plans)
     assert best.w.compiled and not best.w.fp8 and not any(p.w.fp8 for p in plans)
     assert "lora-1-compile" in best.tok_s_source
     out = run_planner("--model", "deepseek-llm-7b", "--lora", "--gpu", "RTX 3090")
@@ -747,13 +764,13 @@ def test_an_rtx_3090_box_gets_the_compiled_layers_and_no_fp8_and_says_why():
 def test_the_fast_paths_memory_is_fitted_on_their_bench_rows_and_checked_there():
     """Each fast path adds a share of the whole layers' activations, fitted on the rows that ran with it against
     their twins without it; its rows are in the check table, within the memory model's worst error (HEADROOM)."""
-    results = {x["name"]: x for x in plan.check_rows()}
+    results = {x["name"]: x for x in check_rows()}
     for name, fast in [("lora-best-compile", "compiled"), ("lora-best-fp8-compile", "fp8+compiled"),
                        ("lora-1-compile", "compiled"), ("lora-1-fp8-compile", "fp8+compiled"),
                        ("full-sr16-compile", "compiled"), ("full-fp8", "fp8+compiled")]:
         assert results[name]["fast"] == fast, name
-        assert abs(results[name]["err_reserved"]) <= plan.HEADROOM, name
-    table = plan.fitted()["fast_path_memory"]
+        assert abs(results[name]["err_reserved"]) <= HEADROOM, name
+    table = fitted()["fast_path_memory"]
     # FP8 activations; the compiled layers' shares are counted against layers without Liger's kernels (Liger keeps only
     # its loss beside them): what they add over an eager twin with Liger is checked below, as measured
     assert table["lora"]["fp8"][0] > 0 > table["full"]["fp8"][0]
@@ -778,10 +795,10 @@ def test_the_mfu_of_fast_plans_is_their_rows_or_says_it_is_not(tmp_path):
             {**base, "name": "fsdp-plain", "mfu": 0.2, "strategy": "fsdp", "n_gpus": 2}]
     results = tmp_path / "results.jsonl"
     results.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    mfu, why = plan.mfu_reference("ddp", "lora", True, results, fast="fp8+compiled")
+    mfu, why = mfu_reference("ddp", "lora", True, results, fast="fp8+compiled")
     assert mfu == pytest.approx(0.65) and "(auto, both)" in why  # auto on an H200: both; INVALID rows left out
-    assert plan.mfu_reference("ddp", "lora", True, results) == (0.4, "median MFU 40.0% of 1 rows (plain)")
-    mfu, why = plan.mfu_reference("fsdp", "lora", True, results, fast="compiled")  # no FSDP row with them
+    assert mfu_reference("ddp", "lora", True, results) == (0.4, "median MFU 40.0% of 1 rows (plain)")
+    mfu, why = mfu_reference("fsdp", "lora", True, results, fast="compiled")  # no FSDP row with them
     assert mfu == pytest.approx(0.2) and why.endswith("no row of this kind with compiled layers: the rows without them")
 
 
@@ -792,20 +809,20 @@ def test_the_plans_command_runs_with_the_fast_paths_it_was_planned_with():
     from sft.options.resolve import resolve_defaults
     from sft.plan.fast_paths import Asked
 
-    data = str(plan.REPO / "data" / "alpaca_demo.json")
+    data = str(REPO / "data" / "alpaca_demo.json")
     for gpu in ("RTX 4090", "RTX 3090"):
-        box = plan.Box(3, 24, host_ram_gib=512, gpu=gpu)
+        box = Box(3, 24, host_ram_gib=512, gpu=gpu)
         for method, asked in [("lora", Asked()), ("full", Asked()), ("qlora", Asked()), ("lora", Asked(fp8="false")),
                               ("full", Asked(compile_layers="false"))]:
-            plans = plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], box, method, 2048, (1,), asked=asked)
+            plans = enumerate_plans(SHAPES["deepseek-llm-7b"], box, method, 2048, (1,), asked=asked)
             for p in {q.w.strategy: q for q in plans if q.fits}.values():
-                words = shlex_words(plan.command(p, "deepseek-llm-7b", box))
+                words = shlex_words(command(p, "deepseek-llm-7b", box))
                 given = [w for w in words if w.startswith("--fp8") or w.startswith("--compile_layers")]
                 flags = {"lora": ["--lora"], "qlora": ["--qlora"], "full": []}[method]
                 extra = words[words.index(given[0]):words.index(given[0]) + 2] if given else []
                 options = read_options(["--model", "m", "--dataset", data, "--output_dir", "/nonexistent/out",
                                         *flags, *extra])
-                machine = plan.dataclasses.replace(box.described(), launch=STRATEGIES[p.w.strategy].launch(p.w.world))
+                machine = dataclasses.replace(box.described(), launch=STRATEGIES[p.w.strategy].launch(p.w.world))
                 if p.w.strategy == "tp":
                     options.model.tp_size = p.w.world
                 model = resolve_defaults(options, machine).model
@@ -825,10 +842,10 @@ def test_an_explicit_fast_path_is_passed_and_a_strategy_that_refuses_it_does_not
         "  compiled layers on (the default), FP8 off (--fp8 false)"
     from sft.plan.fast_paths import Asked
 
-    plans = plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], BOX, "lora", 2048, asked=Asked(fp8="true"))
+    plans = enumerate_plans(SHAPES["deepseek-llm-7b"], BOX, "lora", 2048, asked=Asked(fp8="true"))
     zero3 = [p for p in plans if p.w.strategy == "zero3"]
     assert zero3 and not any(p.fits for p in zero3) and all("--fp8 with DeepSpeed ZeRO-3" in p.why_not for p in zero3)
-    assert plan.best_plan(plans).w.fp8
+    assert best_plan(plans).w.fp8
 
 
 def test_plan_auto_predicts_the_fast_paths_of_this_machine():
@@ -841,13 +858,13 @@ def test_plan_auto_predicts_the_fast_paths_of_this_machine():
     model = SimpleNamespace(model="deepseek-llm-7b", fp8="auto", compile_layers="auto")
     lora = SimpleNamespace(lora=True, qlora=False, lora_r=16)
     training = SimpleNamespace(per_device_train_batch_size=1, torch_compile=False)
-    _, chosen = plan.planned_options(model, lora, SimpleNamespace(max_length=2048), training, m)
-    assert chosen.w.fast == "fp8+compiled" and "FP8 + compiled layers: predicted" in plan.prediction_line(chosen)
-    probe = plan.dataclasses.replace(m, fp8_probe_error="torch cannot run a rowwise-scaled FP8 matmul here")
-    _, chosen = plan.planned_options(model, lora, SimpleNamespace(max_length=2048), training, probe)
+    _, chosen = planned_options(model, lora, SimpleNamespace(max_length=2048), training, m)
+    assert chosen.w.fast == "fp8+compiled" and "FP8 + compiled layers: predicted" in prediction_line(chosen)
+    probe = dataclasses.replace(m, fp8_probe_error="torch cannot run a rowwise-scaled FP8 matmul here")
+    _, chosen = planned_options(model, lora, SimpleNamespace(max_length=2048), training, probe)
     assert chosen.w.fast == "compiled"  # this machine's own FP8 probe, as the run reads it
     model.compile_layers = "false"
-    _, chosen = plan.planned_options(model, lora, SimpleNamespace(max_length=2048), training, m)
+    _, chosen = planned_options(model, lora, SimpleNamespace(max_length=2048), training, m)
     assert chosen.w.fast == "fp8"
 
 
@@ -860,33 +877,33 @@ LONG_ROWS = {"long-r1-4k", "long-r1-32k", "long-llm-4k", "long-llm-32k"}
 def test_the_long_rows_are_predicted_with_their_levers():
     """The 32k rows ran with the MLP tiled and the checkpoints in host RAM: the planner reads both from their
     options and predicts their GPU memory and host RAM (both within 10%: the two tests above check every row)."""
-    checked = {x["name"]: x for x in plan.check_rows() if x["run_id"] == "20261203T1918Z-long"}
+    checked = {x["name"]: x for x in check_rows() if x["run_id"] == "20261203T1918Z-long"}
     assert set(checked) == LONG_ROWS
     assert {n: x["levers"] for n, x in checked.items()} == {"long-r1-4k": "", "long-r1-32k": "tile+offload",
                                                              "long-llm-4k": "", "long-llm-32k": "tile+offload"}
     for name in ("long-r1-32k", "long-llm-32k"):
         assert checked[name]["offload"] and abs(checked[name]["err_host"]) <= 0.10, checked[name]
     # without the levers, the same 32k row is predicted over its 24 GiB cap: they are what makes it fit
-    row = next(r for r in plan.measured_rows() if r["name"] == "long-r1-32k")
-    bare = dataclasses.replace(plan.workload_of_row(row), mlp_tile_tokens=0, offload_activations=False)
-    assert plan.predict(plan.SHAPES[R1], bare).reserved_gib > 24
+    row = next(r for r in measured_rows() if r["name"] == "long-r1-32k")
+    bare = dataclasses.replace(workload_of_row(row), mlp_tile_tokens=0, offload_activations=False)
+    assert predict(SHAPES[R1], bare).reserved_gib > 24
 
 
 def test_a_plan_of_long_rows_takes_the_levers_it_needs_and_says_so():
-    shape = plan.SHAPES[R1]
-    box = plan.Box(3, 24, host_ram_gib=128)
-    levers = {n: plan.best_plan(plan.enumerate_plans(shape, box, "lora", n)).w.levers.label
+    shape = SHAPES[R1]
+    box = Box(3, 24, host_ram_gib=128)
+    levers = {n: best_plan(enumerate_plans(shape, box, "lora", n)).w.levers.label
               for n in (2048, 4096, 32768)}
     assert levers[2048] == levers[4096] == ""  # short rows: none
     assert levers[32768] == "tile+offload"
-    best = plan.best_plan(plan.enumerate_plans(shape, box, "lora", 32768))
-    cmd = plan.command(best, R1, box)
+    best = best_plan(enumerate_plans(shape, box, "lora", 32768))
+    cmd = command(best, R1, box)
     assert "--max_length 32768" in cmd and cmd.endswith("--activation_checkpointing --mlp_tile_tokens 4096 "
                                                         "--offload_activations")
-    assert best.prediction.host_gib > plan.predict(shape, dataclasses.replace(best.w, offload_activations=False)).host_gib
+    assert best.prediction.host_gib > predict(shape, dataclasses.replace(best.w, offload_activations=False)).host_gib
     # each lever only where it is needed: the same plan with one lever fewer does not keep the card's margin
     for fewer in (dataclasses.replace(best.w, mlp_tile_tokens=0), dataclasses.replace(best.w, offload_activations=False)):
-        assert plan.predict(shape, fewer).smi_gib > box.card_gib - plan.MARGIN_GIB
+        assert predict(shape, fewer).smi_gib > box.card_gib - MARGIN_GIB
 
 
 @pytest.mark.parametrize("length", [8192, 16384, 32768, 65536, 131072])
@@ -894,29 +911,29 @@ def test_no_long_plan_at_or_over_the_card_is_recommended(length):
     """Long or short, a recommended plan leaves the card its margin (nvidia-smi by the prediction), or there is
     none and the planner says so."""
     for model in (R1, "deepseek-llm-7b"):
-        plans = plan.enumerate_plans(plan.SHAPES[model], plan.Box(3, 24, host_ram_gib=128), "lora", length)
-        best = plan.best_plan(plans)
+        plans = enumerate_plans(SHAPES[model], Box(3, 24, host_ram_gib=128), "lora", length)
+        best = best_plan(plans)
         if best is not None:
-            assert best.prediction.smi_gib <= plan.Box(3, 24).card_gib - plan.MARGIN_GIB, (model, length)
-        assert all(p.w.levers.label == "" for p in plans if not plan.is_long(length))
+            assert best.prediction.smi_gib <= Box(3, 24).card_gib - MARGIN_GIB, (model, length)
+        assert all(p.w.levers.label == "" for p in plans if not is_long(length))
 
 
 def test_long_plans_read_the_long_rows_speed_with_their_attention():
     """A long plan's MFU comes from the rows of one long conversation each, counted with their attention (which
     at 32k tokens costs what a packed short row's does not): predicted for the measured 32k rows on their H200,
     within 10%, naming those rows. The short kinds never read a long row."""
-    for row in (r for r in plan.measured_rows() if r["name"] in ("long-r1-32k", "long-llm-32k")):
-        shape, w = plan.row_shape(row), plan.workload_of_row(row)
-        tok_s, why = plan.tokens_per_second(shape, w, 790e12)
+    for row in (r for r in measured_rows() if r["name"] in ("long-r1-32k", "long-llm-32k")):
+        shape, w = row_shape(row), workload_of_row(row)
+        tok_s, why = tokens_per_second(shape, w, 790e12)
         assert abs(tok_s / row["real_tok_s"] - 1) <= 0.10, (row["name"], tok_s, row["real_tok_s"])
         assert row["name"] in why and "attention FLOPs counted" in why
-    for table in plan.fitted()["mfu"].values():
+    for table in fitted()["mfu"].values():
         for key, (_, why) in table.items():
             assert key.endswith(" long") or "long-" not in why, (key, why)
     # the same MFU read for short rows would promise 32k rows far more than was measured
-    row = next(r for r in plan.measured_rows() if r["name"] == "long-r1-32k")
-    short, _ = plan.mfu_reference("single_gpu", "lora", True, model=R1)
-    assert short * 790e12 / (4 * plan.SHAPES[R1].matmul_params()) > 1.5 * row["real_tok_s"]
+    row = next(r for r in measured_rows() if r["name"] == "long-r1-32k")
+    short, _ = mfu_reference("single_gpu", "lora", True, model=R1)
+    assert short * 790e12 / (4 * SHAPES[R1].matmul_params()) > 1.5 * row["real_tok_s"]
 
 
 def test_plan_auto_sets_the_long_row_levers_and_keeps_the_users():
@@ -929,11 +946,11 @@ def test_plan_auto_sets_the_long_row_levers_and_keeps_the_users():
     training = SimpleNamespace(per_device_train_batch_size=1, gradient_accumulation_steps=1,
                                activation_checkpointing=False, offload_activations=False)
     data = SimpleNamespace(max_length=32768)
-    options, chosen = plan.planned_options(model, lora, data, training, m)
+    options, chosen = planned_options(model, lora, data, training, m)
     assert options["mlp_tile_tokens"] == 4096 and options["offload_activations"] is True and chosen.roomy
     # the user's --mlp_tile_tokens wins, and the plan is predicted with it: at 16k, no offloading is then needed
     model.mlp_tile_tokens = 4096
-    options, chosen = plan.planned_options(model, lora, SimpleNamespace(max_length=16384), training, m,
+    options, chosen = planned_options(model, lora, SimpleNamespace(max_length=16384), training, m,
                                            given={"mlp_tile_tokens"})
     assert "mlp_tile_tokens" not in options and options["offload_activations"] is False
     assert chosen.w.levers == Levers(4096, False) and chosen.roomy
@@ -947,23 +964,23 @@ def test_one_name_per_model_either_spelling_is_accepted(capsys):
     from sft.configs import shipped_recipe
     from sft.options.recipe import load_recipe
 
-    assert plan.resolve_shape("r1-distill-qwen-7b") is plan.resolve_shape(R1) is plan.SHAPES[R1]
-    assert plan.hub_id("r1-distill-qwen-7b") == plan.hub_id(R1) == "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"
+    assert resolve_shape("r1-distill-qwen-7b") is resolve_shape(R1) is SHAPES[R1]
+    assert hub_id("r1-distill-qwen-7b") == hub_id(R1) == "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"
     for name in ("r1-distill-qwen-7b-long", "deepseek-r1-distill-qwen-7b-long.yaml",
                  "recipes/deepseek-r1-distill-qwen-7b-long.yaml"):
-        assert shipped_recipe(name) == plan.RECIPES / "r1-distill-qwen-7b-long.yaml", name
+        assert shipped_recipe(name) == RECIPES / "r1-distill-qwen-7b-long.yaml", name
     assert load_recipe("deepseek-r1-distill-qwen-7b-lora") == load_recipe("r1-distill-qwen-7b-lora")
-    assert plan.mfu_reference("ddp", "lora", True, model="r1-distill-qwen-7b") == \
-        plan.mfu_reference("ddp", "lora", True, model=R1)
-    assert R1 in plan.fitted()["mfu"] and "r1-distill-qwen-7b" not in plan.fitted()["mfu"]
+    assert mfu_reference("ddp", "lora", True, model="r1-distill-qwen-7b") == \
+        mfu_reference("ddp", "lora", True, model=R1)
+    assert R1 in fitted()["mfu"] and "r1-distill-qwen-7b" not in fitted()["mfu"]
     for name in ("r1-distill-qwen-7b", R1):
-        assert plan.main(["--model", name, "--lora", "--max_length", "32768", "--host_ram", "128"]) == 0
+        assert main(["--model", name, "--lora", "--max_length", "32768", "--host_ram", "128"]) == 0
         assert "--mlp_tile_tokens 4096 --offload_activations" in capsys.readouterr().out
-    sys.path.insert(0, str(plan.REPO / "bench"))
+    sys.path.insert(0, str(REPO / "bench"))
     try:
         bench = importlib.import_module("train_throughput")
     finally:
-        sys.path.remove(str(plan.REPO / "bench"))
+        sys.path.remove(str(REPO / "bench"))
     assert bench.bench_model(R1) == bench.bench_model("r1-distill-qwen-7b") == "r1-distill-qwen-7b"
 
 
@@ -982,38 +999,38 @@ def test_67b_and_70b_qlora_plan_is_its_recipe_and_awaits_its_check(model, capsys
     from sft.options.recipe import load_recipe
 
     recipe = load_recipe(str(RECIPES / BIG_QLORA[model]))
-    value = lambda name: plan._arg(recipe, f"--{name}")  # noqa: E731
+    value = lambda name: option_value(recipe, f"--{name}")  # noqa: E731
     length, mb, accumulation = value("max_length"), value("per_device_train_batch_size"), \
         value("gradient_accumulation_steps")
-    assert plan.main(["--model", model, "--qlora", "--gpus", "3", "--gpu_mem", "24", "--host_ram", "512",
+    assert main(["--model", model, "--qlora", "--gpus", "3", "--gpu_mem", "24", "--host_ram", "512",
                       "--max_length", length, "--gradient_accumulation_steps", accumulation]) == 1
     out = capsys.readouterr().out
     assert "Recommended:" not in out
     line = next(x for x in out.splitlines() if x.startswith("Fits, but refused until"))
-    assert plan.AWAITED_CHECK in line and "--config_file accelerate_configs/fsdp.yaml" in line
+    assert AWAITED_CHECK in line and "--config_file accelerate_configs/fsdp.yaml" in line
     assert f"--per_device_train_batch_size {mb} " in line and f"--max_length {length} " in line
     assert f"--gradient_accumulation_steps {accumulation} " in line and line.endswith("--activation_checkpointing")
     assert "the run today: error: --qlora under FSDP: not enabled until its check passes" in out
     assert value("qlora") == "true" and value("activation_checkpointing") == "true"
     for name in ("attn_implementation", "use_liger_kernel"):
-        assert value(name) == str(plan.kernels("fsdp", plan.SHAPES[model])[name]).lower()
-    box = plan.Box(3, 24.0, 512.0)
-    waiting = plan.awaiting_plan(plan.enumerate_plans(plan.SHAPES[model], box, "qlora", int(length), (1, 2, 4, 8),
+        assert value(name) == str(kernels("fsdp", SHAPES[model])[name]).lower()
+    box = Box(3, 24.0, 512.0)
+    waiting = awaiting_plan(enumerate_plans(SHAPES[model], box, "qlora", int(length), (1, 2, 4, 8),
                                                       grad_accum=int(accumulation)))
     assert waiting.w.strategy == "fsdp" and waiting.w.micro_batch == int(mb) and waiting.w.checkpointing
-    assert waiting.prediction.smi_gib <= box.card_gib - plan.MARGIN_GIB and waiting.awaits
+    assert waiting.prediction.smi_gib <= box.card_gib - MARGIN_GIB and waiting.awaits
     assert str(round(waiting.prediction.smi_gib, 1)) in (RECIPES / BIG_QLORA[model]).read_text()  # its header
 
 
 def test_refused_plans_are_never_recommended_nor_planned():
     """A plan the run refuses today (FSDP + QLoRA) is not best_plan, which `--plan auto` applies; on the 7B the
     DDP QLoRA plan, which runs, is recommended."""
-    plans = plan.enumerate_plans(plan.SHAPES["deepseek-llm-67b"], plan.Box(3, 24.0, 512.0), "qlora")
-    assert plan.best_plan(plans) is None and plan.awaiting_plan(plans).w.strategy == "fsdp"
+    plans = enumerate_plans(SHAPES["deepseek-llm-67b"], Box(3, 24.0, 512.0), "qlora")
+    assert best_plan(plans) is None and awaiting_plan(plans).w.strategy == "fsdp"
     assert all("refused until" in p.mark() for p in plans if p.w.strategy == "fsdp" and p.fits)
-    seven = plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], plan.Box(3, 24.0, 512.0), "qlora")
-    assert plan.best_plan(seven).w.strategy == "ddp" and plan.awaiting_plan(seven) is not None
-    assert plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], BOX, "lora")[0].awaits is None
+    seven = enumerate_plans(SHAPES["deepseek-llm-7b"], Box(3, 24.0, 512.0), "qlora")
+    assert best_plan(seven).w.strategy == "ddp" and awaiting_plan(seven) is not None
+    assert enumerate_plans(SHAPES["deepseek-llm-7b"], BOX, "lora")[0].awaits is None
 
 
 def test_fsdp_qlora_memory_counts_the_4bit_base_as_it_moves():
@@ -1024,28 +1041,28 @@ def test_fsdp_qlora_memory_counts_the_4bit_base_as_it_moves():
     from sft.model.nf4_layout import dequantize_peak_bytes
     from sft.parallel.strategies import NF4_BYTES
 
-    shape = plan.SHAPES["deepseek-llm-67b"]
-    qlora, lora = (plan.Workload("fsdp", Setup(m), 3, 1, 2048, True) for m in ("qlora", "lora"))
-    transient, gathered = plan.fsdp_adapter_buffers(shape, qlora)
+    shape = SHAPES["deepseek-llm-67b"]
+    qlora, lora = (Workload("fsdp", Setup(m), 3, 1, 2048, True) for m in ("qlora", "lora"))
+    transient, gathered = fsdp_adapter_buffers(shape, qlora)
     layer = shape.layer_params(0) - 2 * shape.hidden
     assert 2 * layer * NF4_BYTES < gathered == 2 * (shape.vocab * shape.hidden + shape.hidden)  # the tail's moment
     assert transient == gathered  # the layers' moment is smaller: 2 NF4 layers + one dequantized MLP weight
     assert 2 * layer * NF4_BYTES + dequantize_peak_bytes(22016, 8192, 3) < transient
     assert dequantize_peak_bytes(22016, 8192, 3) < 2 * 2 * 22016 * 8192  # pieces: not torchao's 7x of the whole
-    assert plan.fsdp_adapter_buffers(shape, lora)[0] == 2 * (2 * layer + 2 * 2 * shape.hidden
+    assert fsdp_adapter_buffers(shape, lora)[0] == 2 * (2 * layer + 2 * 2 * shape.hidden
                                                               + shape.lora_params(16) / shape.layers * 2)
-    p = plan.predict(shape, qlora)
-    assert p.parts["weights"] * plan.GIB == pytest.approx((shape.linear_params() * NF4_BYTES + (
+    p = predict(shape, qlora)
+    assert p.parts["weights"] * GIB == pytest.approx((shape.linear_params() * NF4_BYTES + (
         shape.params() - shape.linear_params()) * 2 + shape.lora_params(16) * 4) / 3)
-    assert p.parts["cache"] == pytest.approx(plan.CALIBRATION["cache_per_gathered"]["fsdp"] * gathered / plan.GIB)
+    assert p.parts["cache"] == pytest.approx(CALIBRATION["cache_per_gathered"]["fsdp"] * gathered / GIB)
     # each rank: the NF4 base, the rest in bf16, the largest linear (the MLP's 22016 x 8192) in flight in bf16
     assert p.host_gib == pytest.approx(20 + 3 * (shape.linear_params() * NF4_BYTES + (
-        shape.params() - shape.linear_params()) * 2 + 22016 * 8192 * 2) / plan.GIB)
-    seventy = plan.SHAPES["deepseek-r1-distill-llama-70b"]
-    assert (round(p.host_gib), round(plan.predict(seventy, qlora).host_gib)) == (125, 132)  # as docs/planner.md says
+        shape.params() - shape.linear_params()) * 2 + 22016 * 8192 * 2) / GIB)
+    seventy = SHAPES["deepseek-r1-distill-llama-70b"]
+    assert (round(p.host_gib), round(predict(seventy, qlora).host_gib)) == (125, 132)  # as docs/planner.md says
     assert seventy.params() == pytest.approx(70.55e9, rel=1e-3)
-    plans = plan.enumerate_plans(seventy, plan.Box(3, 24.0, 512.0), "qlora")
-    assert plan.awaiting_plan(plans) is None and plan.best_plan(plans) is None
+    plans = enumerate_plans(seventy, Box(3, 24.0, 512.0), "qlora")
+    assert awaiting_plan(plans) is None and best_plan(plans) is None
 
 
 def test_the_autoep_plan_holds_its_share_of_the_experts_and_is_never_recommended_unmeasured():
@@ -1054,45 +1071,45 @@ def test_the_autoep_plan_holds_its_share_of_the_experts_and_is_never_recommended
     resident plan's MFU and says it is not measured: listed, never recommended, whatever its estimate."""
     from sft.plan import expert_parallel
 
-    shape = plan.SHAPES["deepseek-v2-lite"]
-    plans = plan.enumerate_plans(shape, plan.Box(2, 24, host_ram_gib=128), "lora", 2048, (4,))
+    shape = SHAPES["deepseek-v2-lite"]
+    plans = enumerate_plans(shape, Box(2, 24, host_ram_gib=128), "lora", 2048, (4,))
     autoep = next(p for p in plans if p.w.strategy == "autoep" and p.w.checkpointing)
     assert autoep.w.world == 2 and autoep.w.chunked_loss  # no Liger for MLA: the loss in chunks, as its bench row
     expert_bytes = 26 * 64 * 3 * 2048 * 1408 * 2  # 28.8 GB of bf16 routed experts
     assert expert_parallel.experts_elsewhere(shape) == expert_bytes / 2
-    weights = autoep.prediction.parts["weights"] * plan.GIB
+    weights = autoep.prediction.parts["weights"] * GIB
     assert weights == pytest.approx(shape.params() * 2 - expert_bytes / 2 + shape.lora_params(16) * 2)
     assert autoep.fits and autoep.speed_unmeasured and "not recommended: speed not measured" in autoep.mark()
     assert "AutoEP's speed is not measured yet (bench row moe-lora-autoep-ddp" in autoep.tok_s_source
-    assert not plan.recommended(autoep) and plan.best_plan(plans).w.strategy != "autoep"
-    faster = plan.dataclasses.replace(autoep, tok_s=autoep.tok_s * 100)  # an estimate far above every other plan
-    assert plan.best_plan([faster, *plans]) is plan.best_plan(plans)
-    assert plan.ranked([faster, *plans])[0] is not faster
-    command = plan.command(autoep, "deepseek-v2-lite", plan.Box(2, 24))
-    assert "--config_file accelerate_configs/autoep.yaml --num_processes 2" in command
-    assert command.endswith("--activation_checkpointing --chunked_loss") and "--quantize_experts" not in command
+    assert not recommended(autoep) and best_plan(plans).w.strategy != "autoep"
+    faster = dataclasses.replace(autoep, tok_s=autoep.tok_s * 100)  # an estimate far above every other plan
+    assert best_plan([faster, *plans]) is best_plan(plans)
+    assert ranked([faster, *plans])[0] is not faster
+    line = command(autoep, "deepseek-v2-lite", Box(2, 24))
+    assert "--config_file accelerate_configs/autoep.yaml --num_processes 2" in line
+    assert line.endswith("--activation_checkpointing --chunked_loss") and "--quantize_experts" not in line
     # its command runs as printed: parsed with the DeepSpeed JSON its accelerate config names, checked on its box
     import shlex
 
     from sft.machine import Launch, Machine
     from sft.options.arguments import parse_args, validate_setup
 
-    args = shlex.split(command.replace("data.jsonl", str(plan.REPO / "data" / "alpaca_demo.json")))
+    args = shlex.split(line.replace("data.jsonl", str(REPO / "data" / "alpaca_demo.json")))
     args = [a for a in args[args.index("sft/train.py") + 1:] if a != "--bf16"]  # no bf16 on this CPU: set below
-    parsed = parse_args([*args, "--deepspeed", str(plan.REPO / "ds_configs" / "autoep.json"), "--output_dir",
+    parsed = parse_args([*args, "--deepspeed", str(REPO / "ds_configs" / "autoep.json"), "--output_dir",
                          "/nonexistent/out"])
     parsed[3].bf16 = True
     box = Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * 2, gpu_memory_gib=(23.99,) * 2, bf16=True,
                   host_ram_gib=128, host_ram_available_gib=120, launch=STRATEGIES["autoep"].launch(2))
     validate_setup(*parsed, machine=box)
-    dense = plan.enumerate_plans(plan.SHAPES["deepseek-llm-7b"], plan.Box(2, 24, host_ram_gib=128), "lora", 2048)
+    dense = enumerate_plans(SHAPES["deepseek-llm-7b"], Box(2, 24, host_ram_gib=128), "lora", 2048)
     assert not any(p.w.strategy == "autoep" for p in dense)  # a model without routed experts has no such plan
 
 
 # ---- issue 27 item 3: --sequence_parallel N planned (sft/plan/sequence_parallel.py), its speed not measured
 
 def sp_plans(gpus: int = 3, length: int = 65536, model: str = R1) -> list:
-    return plan.enumerate_plans(plan.SHAPES[model], plan.Box(gpus, 24, host_ram_gib=128), "lora", length)
+    return enumerate_plans(SHAPES[model], Box(gpus, 24, host_ram_gib=128), "lora", length)
 
 
 def test_the_sp_plan_holds_a_slice_through_the_layers_and_the_whole_row_at_attention():
@@ -1102,25 +1119,25 @@ def test_the_sp_plan_holds_a_slice_through_the_layers_and_the_whole_row_at_atten
     divide by N or N by them; no MLA model."""
     from sft.plan import sequence_parallel
 
-    shape = plan.SHAPES[R1]
+    shape = SHAPES[R1]
     assert sequence_parallel.sizes(shape, 3) == [2] and sequence_parallel.sizes(shape, 4) == [2, 4]  # 28 heads, 4 kv
-    assert sequence_parallel.sizes(plan.SHAPES["deepseek-r1-distill-qwen-1.5b"], 3) == [2]  # 12 heads, 2 kv: not 3
-    assert sequence_parallel.sizes(plan.SHAPES["deepseek-v2-lite"], 3) == []
-    split = plan.split_plan(sp_plans())
+    assert sequence_parallel.sizes(SHAPES["deepseek-r1-distill-qwen-1.5b"], 3) == [2]  # 12 heads, 2 kv: not 3
+    assert sequence_parallel.sizes(SHAPES["deepseek-v2-lite"], 3) == []
+    split = split_plan(sp_plans())
     w = split.w
     assert (w.strategy, w.world, w.sequence_parallel, w.slice_len, w.chunked_loss, w.fused_loss) == \
         ("zero3", 2, 2, 32768, True, False)
     assert sequence_parallel.processes(3, 2) == 2 and sequence_parallel.processes(4, 2) == 4
     parts = split.prediction.parts
-    whole = plan.predict(shape, dataclasses.replace(w, world=3, sequence_parallel=1))
+    whole = predict(shape, dataclasses.replace(w, world=3, sequence_parallel=1))
     assert parts["weights"] * 2 == pytest.approx(whole.parts["weights"] * 3)  # the base over 2 processes, not 3
     attention = 4 * 65536 * 14 * 128 * 2  # bytes: q, k, v and the output of the gathered row, 14 heads each
-    assert parts["sequence_parallel_attention"] * plan.GIB == pytest.approx(3 * attention)  # + the all-to-alls
-    slice_row = plan.predict(shape, dataclasses.replace(w, seq_len=32768, sequence_parallel=1))
+    assert parts["sequence_parallel_attention"] * GIB == pytest.approx(3 * attention)  # + the all-to-alls
+    slice_row = predict(shape, dataclasses.replace(w, seq_len=32768, sequence_parallel=1))
     assert parts["activations"] - parts["sequence_parallel_attention"] == pytest.approx(
         slice_row.parts["activations"])
     assert parts["offloaded_activations"] == pytest.approx(slice_row.parts["offloaded_activations"])
-    assert parts["activations"] < 0.5 * plan.predict(shape, dataclasses.replace(w, chunked_loss=False)).parts[
+    assert parts["activations"] < 0.5 * predict(shape, dataclasses.replace(w, chunked_loss=False)).parts[
         "activations"]  # no whole logits: the loss in chunks
     assert not any(p.w.sequence_parallel > 1 for p in sp_plans(length=4096))  # short rows are not split
     assert not any(p.w.sequence_parallel > 1 for p in sp_plans(model="deepseek-v2-lite"))
@@ -1131,23 +1148,23 @@ def test_an_sp_plan_is_recommended_only_where_no_measured_plan_fits():
     margin it is never recommended, however fast its estimate, and the planner prints it as the other way; where no
     measured plan fits, it is the recommendation, saying its speed is not measured. Never at or over the card."""
     plans = sp_plans()
-    split, best = plan.split_plan(plans), plan.best_plan(plans)
-    assert split.speed_unmeasured and not plan.recommended(split) and split.last_resort and split.roomy
+    split, best = split_plan(plans), best_plan(plans)
+    assert split.speed_unmeasured and not recommended(split) and split.last_resort and split.roomy
     assert "sequence parallelism's speed is not measured yet (bench row long-r1-64k-sp2" in split.tok_s_source
     assert "recommended only where no measured plan fits" in split.mark()
     assert best.w.sequence_parallel == 1 and not best.speed_unmeasured
     faster = dataclasses.replace(split, tok_s=split.tok_s * 100)
-    assert plan.best_plan([faster, *plans]) is best
+    assert best_plan([faster, *plans]) is best
     unmeasured_only = [p for p in plans if not p.ready]
-    assert plan.best_plan(unmeasured_only) is split
-    others = plan.best_plan([p for p in unmeasured_only if p is not split and p.w.sequence_parallel > 1])
+    assert best_plan(unmeasured_only) is split
+    others = best_plan([p for p in unmeasured_only if p is not split and p.w.sequence_parallel > 1])
     assert others is None or others.last_resort  # the next SP plan, where one fits with its margin
     for gpus in (2, 3, 4):
         for length in (8192, 32768, 65536, 131072):
             found = sp_plans(gpus, length)
-            for chosen in (plan.best_plan(found), plan.split_plan(found),
-                           plan.best_plan([p for p in found if p.w.sequence_parallel > 1])):
-                assert chosen is None or chosen.prediction.smi_gib <= plan.Box(gpus, 24).card_gib - plan.MARGIN_GIB
+            for chosen in (best_plan(found), split_plan(found),
+                           best_plan([p for p in found if p.w.sequence_parallel > 1])):
+                assert chosen is None or chosen.prediction.smi_gib <= Box(gpus, 24).card_gib - MARGIN_GIB
 
 
 def test_the_planner_prints_the_split_plans_command_and_it_runs(monkeypatch, capsys):
@@ -1161,7 +1178,7 @@ def test_the_planner_prints_the_split_plans_command_and_it_runs(monkeypatch, cap
     from sft.options.arguments import parse_args, validate_setup
 
     argv = ["--model", R1, "--lora", "--gpus", "3", "--gpu_mem", "24", "--max_length", "65536", "--host_ram", "128"]
-    assert plan.main(argv) == 0
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert re.search(r"^Recommended: .*--config_file accelerate_configs/ddp\.yaml sft/train\.py", out, re.M)
     line = re.search(r"^Each row split over 2 cards instead \(its speed is not measured.*?: (.+)$", out, re.M).group(1)
@@ -1170,8 +1187,8 @@ def test_the_planner_prints_the_split_plans_command_and_it_runs(monkeypatch, cap
                          "--offload_activations --sequence_parallel 2") and "--packing" not in line
     predicted = float(re.search(r"sequence parallelism.*$", out, re.S) and
                       re.findall(r"predicted ([\d.]+) GiB per GPU", out)[-1])
-    assert predicted <= plan.Box(3, 24).card_gib - plan.MARGIN_GIB
-    args = shlex.split(line.replace("data.jsonl", str(plan.REPO / "data" / "alpaca_demo.json")))
+    assert predicted <= Box(3, 24).card_gib - MARGIN_GIB
+    args = shlex.split(line.replace("data.jsonl", str(REPO / "data" / "alpaca_demo.json")))
     args = [a for a in args[args.index("sft/train.py") + 1:] if a != "--bf16"]  # no bf16 on this CPU: set below
     size = args.index("--sequence_parallel")
     parsed = parse_args([*args[:size], *args[size + 2:], "--output_dir", "/nonexistent/out"])
@@ -1180,9 +1197,9 @@ def test_the_planner_prints_the_split_plans_command_and_it_runs(monkeypatch, cap
                   host_ram_gib=128, host_ram_available_gib=120, launch=STRATEGIES["zero3"].launch(2))
     validate_setup(*parsed, machine=box)
     # no measured plan fits (here: none offered): the SP plan is recommended, and says its speed is not measured
-    enumerate_all = plan.enumerate_plans
-    monkeypatch.setattr(plan, "enumerate_plans", lambda *a, **k: [p for p in enumerate_all(*a, **k) if not p.ready])
-    assert plan.main(argv) == 0
+    enumerate_all = enumerate_plans
+    monkeypatch.setattr(planner, "enumerate_plans", lambda *a, **k: [p for p in enumerate_all(*a, **k) if not p.ready])
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert "Recommended (its speed is not measured, and no plan whose speed is measured fits): " in out
     assert "--sequence_parallel 2" in out.split("Recommended")[1] and "Each row split" not in out
@@ -1194,20 +1211,20 @@ def test_the_64k_recipe_is_the_planners_split_plan():
     prediction, and the header says no GPU row measured it."""
     from sft.options.recipe import load_recipe
 
-    recipe = plan.RECIPES / "r1-distill-qwen-7b-64k.yaml"
+    recipe = RECIPES / "r1-distill-qwen-7b-64k.yaml"
     text, options = recipe.read_text(), load_recipe(str(recipe))
-    value = lambda name: plan._arg(options, f"--{name}")  # noqa: E731
-    plans = plan.enumerate_plans(plan.SHAPES[R1], plan.Box(3, 24, host_ram_gib=128), "lora", int(value("max_length")),
+    value = lambda name: option_value(options, f"--{name}")  # noqa: E731
+    plans = enumerate_plans(SHAPES[R1], Box(3, 24, host_ram_gib=128), "lora", int(value("max_length")),
                                  (int(value("per_device_train_batch_size")),),
                                  grad_accum=int(value("gradient_accumulation_steps")))
-    split = plan.split_plan(plans)
+    split = split_plan(plans)
     assert (int(value("sequence_parallel")), value("attn_implementation"), value("packing")) == \
         (split.w.sequence_parallel, "sdpa", "false")
     assert f"--num_processes {split.w.world} sft/train.py" in text and "accelerate_configs/zero3.yaml" in text
     assert f"{split.prediction.smi_gib:.1f} GiB per GPU by nvidia-smi" in text
     assert f"~{split.tok_s:,.0f} tok/s" in text and "its speed is not measured" in text
     assert "No GPU row has measured it yet: bench row long-r1-64k-sp2" in text
-    best = plan.best_plan(plans)  # what the header says the planner recommends instead
+    best = best_plan(plans)  # what the header says the planner recommends instead
     assert f"DDP, a whole row on each of the 3 cards: {best.prediction.smi_gib:.1f} GiB predicted" in text
     assert (best.w.strategy, best.w.world) == ("ddp", 3)
 
@@ -1219,7 +1236,7 @@ def measured_split_row(peak_flops: float) -> dict:
     return {"run_id": "20991231T0000Z-made-up", "commit": "test", "gpu": "NVIDIA H200", "n_gpus": 2,
             "mem_cap_gib": 24.0, "model": "r1-distill-qwen-7b", "method": "lora", "strategy": "zero3", "peer": "ours",
             "seq_len": 65536, "micro_batch": 1, "grad_accum": 1, "real_tok_s": tok_s,
-            "mfu": tok_s * 4 * plan.SHAPES[R1].matmul_params() / (peak_flops * 2), "peak_mem_gib": 19.5,
+            "mfu": tok_s * 4 * SHAPES[R1].matmul_params() / (peak_flops * 2), "peak_mem_gib": 19.5,
             "peak_allocated_gib": 18.9, "nvidia_smi_mem_gib": 21.9, "host_ram_gib": 30.0, "name": "long-r1-64k-sp2",
             "train_args": "--lora_dropout 0 --attn_implementation sdpa --activation_checkpointing true "
                           "--offload_activations true --mlp_tile_tokens 4096 --sequence_parallel 2"}
@@ -1239,9 +1256,9 @@ def test_a_measured_split_row_is_its_own_kind(tmp_path, monkeypatch):
     zero2_fp8 = dict(zero2, name="long-zero2-sp2-fp8", peak_mem_gib=15.0,
                      train_args=row["train_args"] + " --fp8 true")  # a twin without it: what fast_path_memory fits on
     results = tmp_path / "results.jsonl"
-    results.write_text(plan.RESULTS.read_text() + "".join(json.dumps(r) + "\n" for r in (zero2, zero2_fp8, row)))
-    today = plan.fitted()
-    numbers = json.loads(json.dumps(plan.fitted_numbers(results)))
+    results.write_text(RESULTS.read_text() + "".join(json.dumps(r) + "\n" for r in (zero2, zero2_fp8, row)))
+    today = fitted()
+    numbers = json.loads(json.dumps(fitted_numbers(results)))
     assert {k: v for k, v in numbers.items() if k != "mfu"} == {k: v for k, v in today.items() if k != "mfu"}
     for model, table in numbers["mfu"].items():
         own = {k: v for k, v in table.items() if not k.endswith(" sp2")}
@@ -1251,36 +1268,36 @@ def test_a_measured_split_row_is_its_own_kind(tmp_path, monkeypatch):
         {f"zero2 lora {c} fp8 long sp2" for c in ("ckpt", "no-ckpt")}
     mfu, why = numbers["mfu"][R1]["zero3 lora ckpt long sp2"]
     assert "of 1 rows (long-r1-64k-sp2)" in why and "rows split by --sequence_parallel 2" in why  # its family's
-    _, why = plan.mfu_reference("zero3", "lora", True, results, R1, long=True, sequence_parallel_size=4)
+    _, why = mfu_reference("zero3", "lora", True, results, R1, long=True, sequence_parallel_size=4)
     assert "rows split by" not in why and "speed is not measured yet" in why  # another size's all-to-alls
-    w = plan.workload_of_row(row)
-    matmul = 4 * plan.SHAPES[R1].matmul_params()
-    assert mfu == pytest.approx(row["mfu"] * (matmul + plan.long_row_flops_per_token(plan.SHAPES[R1], w)) / matmul)
+    w = workload_of_row(row)
+    matmul = 4 * SHAPES[R1].matmul_params()
+    assert mfu == pytest.approx(row["mfu"] * (matmul + long_row_flops_per_token(SHAPES[R1], w)) / matmul)
 
     before = {(p.w.strategy, p.w.sequence_parallel, p.w.micro_batch, p.w.levers): p.tok_s for p in sp_plans()}
-    monkeypatch.setattr(plan, "fitted", lambda: numbers)
-    plans = plan.enumerate_plans(plan.SHAPES[R1], plan.Box(3, 24, host_ram_gib=128, peak_flops=peak), "lora", 65536)
+    monkeypatch.setattr(snapshot, "fitted", lambda: numbers)
+    plans = enumerate_plans(SHAPES[R1], Box(3, 24, host_ram_gib=128, peak_flops=peak), "lora", 65536)
     split = next(p for p in plans if p.w.sequence_parallel == 2 and p.w.strategy == "zero3"
                  and (p.w.checkpointing, p.w.levers) == (w.checkpointing, w.levers) and p.w.micro_batch == 1)
     assert not split.speed_unmeasured and "long-r1-64k-sp2" in split.tok_s_source
     assert split.tok_s == pytest.approx(row["real_tok_s"])  # the measured configuration predicts its tok/s
-    assert plan.split_plan(plans).ready and "speed not measured" not in plan.split_plan(plans).mark()
+    assert split_plan(plans).ready and "speed not measured" not in split_plan(plans).mark()
     zero2_split = next(p for p in plans if p.w.sequence_parallel == 2 and p.w.strategy == "zero2")
     assert not zero2_split.speed_unmeasured and "long-zero2-sp2" in zero2_split.tok_s_source
     assert "long-r1-64k-sp2" not in zero2_split.tok_s_source  # another family's split row
     after = {(p.w.strategy, p.w.sequence_parallel, p.w.micro_batch, p.w.levers): p.tok_s for p in sp_plans()}
     assert {k: v for k, v in after.items() if k[1] == 1} == {k: v for k, v in before.items() if k[1] == 1}
 
-    checked = plan.check_rows(results)
-    assert checked[:-3] == plan.check_rows()  # every other row's check unchanged
+    checked = check_rows(results)
+    assert checked[:-3] == check_rows()  # every other row's check unchanged
     mine = checked[-1]
-    predicted = plan.predict(plan.SHAPES[R1], w)
+    predicted = predict(SHAPES[R1], w)
     assert (mine["name"], mine["strategy"], mine["sequence_parallel"], w.world, w.slice_len) == \
         ("long-r1-64k-sp2", "zero3", 2, 2, 32768)
     assert predicted.parts["sequence_parallel_attention"] > 0
     assert (mine["pred_reserved"], mine["reserved"]) == (predicted.capped(24.0)[0], row["peak_mem_gib"])
     assert mine["err_smi"] == pytest.approx(predicted.capped(24.0)[1] / row["nvidia_smi_mem_gib"] - 1)
-    assert "| long-r1-64k-sp2 (0000Z) | zero3+sp2 | lora | 2 |" in plan.check_table(checked)
+    assert "| long-r1-64k-sp2 (0000Z) | zero3+sp2 | lora | 2 |" in check_table(checked)
 
 
 def test_plan_auto_plans_the_split_only_for_a_launch_of_its_processes():
@@ -1298,11 +1315,11 @@ def test_plan_auto_plans_the_split_only_for_a_launch_of_its_processes():
     training = SimpleNamespace(per_device_train_batch_size=1, gradient_accumulation_steps=1, sequence_parallel=2,
                                activation_checkpointing=False, offload_activations=False, use_liger_kernel=False)
     data = SimpleNamespace(max_length=65536, packing=True)
-    options, chosen = plan.planned_options(model, lora, data, training, machine(2), given={"sequence_parallel"})
+    options, chosen = planned_options(model, lora, data, training, machine(2), given={"sequence_parallel"})
     assert chosen.w.sequence_parallel == 2 and chosen.roomy and "sequence_parallel" not in options
     assert options["packing"] is False and options["attn_implementation"] == "sdpa"
     assert options["use_liger_kernel"] is False and options["offload_activations"] is True
-    assert plan.planned_options(model, lora, data, training, machine(3), given={"sequence_parallel"}) == \
-        plan.NOT_PLANNED
-    options, chosen = plan.planned_options(model, lora, data, training, machine(2))  # a measured plan fits there
+    assert planned_options(model, lora, data, training, machine(3), given={"sequence_parallel"}) == \
+        NOT_PLANNED
+    options, chosen = planned_options(model, lora, data, training, machine(2))  # a measured plan fits there
     assert chosen.w.sequence_parallel == 1 and "sequence_parallel" not in options

@@ -415,7 +415,7 @@ def test_the_planners_model_names_train_their_hub_ids(tmp_path, monkeypatch, cap
     """--model as `deepseek-sft plan` takes it, in either spelling (sft/names.py), from the command line, a recipe or
     another trainer's option name, loads the hub id the planner's command names, with a note; a local directory of
     that name wins, and a hub id or any other name stays as typed (was: passed to from_pretrained as typed)."""
-    from sft.plan.planner import hub_id
+    from sft.names import hub_id
 
     monkeypatch.chdir(tmp_path)
     r1 = "deepseek-ai/DeepSeek-R1-Distill-Qwen-7B"

@@ -1,5 +1,5 @@
 """The NF4 base's layout under FSDP as arithmetic, without torch: what sft/model/nf4_base.py stores and how it
-dequantizes, so that the planner (sft/plan/planner.py, which imports no torch) counts the same bytes the run holds.
+dequantizes, so that the planner (sft/plan/memory.py, which imports no torch) counts the same bytes the run holds.
 
 A weight is stored as (rows, ROW) NF4 values, its rows padded to a multiple of the shard count. NF4Linear
 dequantizes it piece by piece (a whole number of rows each) into one bf16 buffer: torchao's get_original_weight

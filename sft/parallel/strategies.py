@@ -1,9 +1,9 @@
 """The strategy table: one entry per way of spreading a fine-tune over the GPUs, each holding its accelerate
 config, its DeepSpeed JSON, what it shards and offloads, its memory model and the checks that apply to it.
 
-The planner (sft/plan/planner.py) predicts each strategy's memory from `Strategy.state_bytes` (weights, gradients,
+The planner (sft/plan/memory.py) predicts each strategy's memory from `Strategy.state_bytes` (weights, gradients,
 optimizer state and fp32 master weights per card, and what goes to host RAM) plus activations and the
-strategy's transient buffers; the constants it fits against bench/results.jsonl live in sft/plan/planner.py.
+strategy's transient buffers; the constants it fits against bench/results.jsonl live in sft/plan/memory.py.
 """
 
 from __future__ import annotations

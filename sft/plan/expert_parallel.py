@@ -12,7 +12,7 @@ group issue30). Until one does, its estimate is the resident plan's MFU (sft/pla
 measured LoRA step with checkpointing and the chunked loss, on GPUs holding all the experts; it pays a dequantization
 where AutoEP pays two all-to-alls per layer over PCIe, whose cost nobody has measured here) and says so; such a plan
 is listed beside the others and never recommended, so an unmeasured guess never wins over a measured plan
-(planner.recommended). Once rows of strategy autoep are in
+(plans.recommended). Once rows of strategy autoep are in
 bench/results.jsonl, their MFU is the plan's (the strategy family `autoep`) and the plan competes as any other.
 
 Without torch: the planner's command line reads no GPU.
@@ -26,7 +26,7 @@ from sft.parallel.expert_parallel import AUTOEP_MODEL_TYPES
 from sft.plan import resident
 
 if TYPE_CHECKING:
-    from sft.plan.planner import Shape
+    from sft.plan.shapes import Shape
 
 STRATEGY = "autoep"
 EP_SIZE = 2  # ds_configs/autoep.json's autoep_size: the plan is for that file as shipped

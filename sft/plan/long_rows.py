@@ -16,11 +16,13 @@ Without torch: the planner's command line reads no GPU.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from sft.plan.workload import Levers
+
 if TYPE_CHECKING:
-    from sft.plan.planner import Shape, Workload
+    from sft.plan.shapes import Shape
+    from sft.plan.workload import Workload
 
 # The tile the planner plans (bench rows long-*-32k ran it; docs/speed.md): a row of at most one tile is not tiled.
 TILE_TOKENS = 4096
@@ -32,24 +34,6 @@ LONG_ROW_TOKENS = 4096
 CHECKPOINTS_ON_GPU = 2
 # The bench rows made of one long conversation each (bench/throughput.py: group `long`, long_docs=True).
 LONG_ROW_PREFIX = "long-"
-
-
-@dataclass(frozen=True)
-class Levers:
-    """The long-row options of a plan: the MLP tile (0: whole) and whether checkpoints wait in host RAM."""
-
-    mlp_tile_tokens: int = 0
-    offload_activations: bool = False
-
-    @property
-    def label(self) -> str:
-        """The plan table's name for them: tile+offload, tile, offload or "" (neither)."""
-        return "+".join(n for n, on in (("tile", self.mlp_tile_tokens), ("offload", self.offload_activations)) if on)
-
-    def flags(self) -> list[str]:
-        """What a plan's command passes for them (sft/train.py's options)."""
-        return [f"--mlp_tile_tokens {self.mlp_tile_tokens}"] * bool(self.mlp_tile_tokens) \
-            + ["--offload_activations"] * self.offload_activations
 
 
 def is_long(seq_len: int) -> bool:

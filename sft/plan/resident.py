@@ -4,14 +4,14 @@ In a LoRA run of a DeepSeek-V2/V3 MoE model the frozen routed experts stay on ea
 fp32 scale per output row) instead of bf16, the rest of the base in bf16; each MoE layer's experts are dequantized to
 bf16 for that layer's forward only, and again in its recomputation: activation checkpointing is required, and one
 layer's bf16 experts are the plan's own transient. The experts stay whole on every GPU: one GPU or DDP
-(sft/options/checks.py quantized_experts_combinations). MLA models have no Liger (planner.kernels), so the plan
+(sft/options/checks.py quantized_experts_combinations). MLA models have no Liger (plans.kernels), so the plan
 computes its loss in chunks (--chunked_loss), as its bench rows ran: the whole logits of micro-batch 8 would take
 more than the card.
 
 Under --compile_layers the plan held less than eager at the same micro-batch (moe-lora-resident-1-mb4-compile,
 run 20261205T0515Z-next: 19.96 against 20.82 GiB reserved), where a dense LoRA's compiled layers hold more: the
 planner's fit of the compiled layers' memory for resident plans is their own, in units of dequantized_layer_bytes
-(planner.fast_path_memory, kind "resident").
+(refit.fast_path_memory, kind "resident").
 
 Its speed is read from the bench rows that ran with --quantize_experts fp8 only (the dequantization is work no other
 row does), their MFU counted in the planner's FLOPs (the routed experts at their measured cost), so that a plan of
@@ -25,7 +25,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from sft.plan.planner import Shape
+    from sft.plan.shapes import Shape
 
 OPTION = "--quantize_experts fp8"
 # The strategies it runs under: the quantized experts stay whole on each GPU (no FSDP, DeepSpeed or TP).

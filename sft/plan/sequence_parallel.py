@@ -18,11 +18,11 @@ Its speed is not measured: the bench row long-r1-64k-sp2 (bench/throughput.py, g
 Until it lands, the estimate is one card's long-row MFU (the rows of one long conversation each) with the whole
 row's attention FLOPs counted, over the N cards; the all-to-alls' time is not in it. Such a plan reuses the AutoEP
 plan's mark (Plan.speed_unmeasured): never recommended over a plan whose speed is measured and that fits; where no
-such plan fits, the planner recommends it and says its speed is not measured (planner.best_plan, Plan.last_resort).
-A measured row that ran with --sequence_parallel N (planner.split_size) is a kind of its own: its MFU is read by the
-SP plans of its N, strategy family and method only (planner.split_mfu_rows, the snapshot's keys ending in `sp<N>`),
+such plan fits, the planner recommends it and says its speed is not measured (plans.best_plan, Plan.last_resort).
+A measured row that ran with --sequence_parallel N (rows.split_size) is a kind of its own: its MFU is read by the
+SP plans of its N, strategy family and method only (speed.split_mfu_rows, the snapshot's keys ending in `sp<N>`),
 which are then measured plans like any other; it is never read for another plan's MFU nor for the fast paths' memory
-(planner.fast_path_memory). `--check` compares its measured peak with the SP plan's prediction.
+(refit.fast_path_memory). `--check` compares its measured peak with the SP plan's prediction.
 
 Without torch: the planner's command line reads no GPU.
 """
@@ -35,7 +35,7 @@ from sft.parallel.sequence_parallel import MLA_MODEL_TYPES
 from sft.plan.long_rows import is_long
 
 if TYPE_CHECKING:
-    from sft.plan.planner import Shape
+    from sft.plan.shapes import Shape
 
 OPTION = "--sequence_parallel"
 # The DeepSpeed strategies Ulysses runs under (sequence_parallel_combinations), and the methods each takes: a full

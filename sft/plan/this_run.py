@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import dataclasses
 
+from sft.machine import gpu_kind
 from sft.plan.fast_paths import Asked
-from sft.plan.long_rows import Levers
-from sft.plan.planner import Box, Plan, _launched_strategy, _plan, cards, enumerate_plans, gpu_kind, resolve_shape
+from sft.plan.plans import Box, Plan, _plan, cards, enumerate_plans, launched_strategy
+from sft.plan.shapes import resolve_shape
+from sft.plan.workload import Levers
 
 def why_no_prediction(model_args, machine) -> str | None:
     """Why the planner predicts nothing for this run, or None."""
@@ -45,7 +47,7 @@ def _matching_plan(shape, model_args, lora_args, data_args, training_args, machi
                     bool(getattr(training_args, "offload_activations", False)))
     plans = enumerate_plans(shape, box, method, data_args.max_length, (training_args.per_device_train_batch_size,),
                             lora_args.lora_r, training_args.gradient_accumulation_steps or 1, asked, levers)
-    strategy = _launched_strategy(machine) or "single_gpu"
+    strategy = launched_strategy(machine) or "single_gpu"
     checkpointing = bool(training_args.activation_checkpointing)
     experts = getattr(model_args, "quantize_experts", "none") == "fp8"
     found = next((p for p in plans if p.w.strategy == strategy and p.w.checkpointing == checkpointing

@@ -5,7 +5,7 @@ A model's own loss projects every token onto the vocabulary at once: for a micro
 DeepSeek's 102,400-token vocabulary that is 1.7 GB of bf16 logits, 3.4 GB more in fp32 for the cross-entropy and
 its gradient as large again (DeepSeek-V2-Lite at micro-batch 4 ran out of memory on a 24 GiB card asking for those
 3.1 GiB). Liger's fused loss avoids it where Liger patches the model; MLA models (DeepSeek-V2/V3) run without it
-(sft/plan/planner.py kernels). Here only the labelled tokens are projected, CHUNK_TOKENS at a time, each chunk's logits
+(sft/plan/plans.py kernels). Here only the labelled tokens are projected, CHUNK_TOKENS at a time, each chunk's logits
 recomputed in the backward (torch.utils.checkpoint) instead of kept: at most one chunk's logits exist. Same loss as
 the model's own (tests/test_chunked_loss.py): the labels shifted by one, -100 left out, the sum divided by the
 Trainer's `num_items_in_batch` (the accumulated batch's label count) or by this batch's count.
