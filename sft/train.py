@@ -62,6 +62,7 @@ from sft.machine import Machine, machine
 from sft.options.checks import PICKED_NEW
 from sft.plan.planner import NOT_PLANNED, Planned, nothing_planned_line, planned_options, prediction_line
 from sft.plan.this_run import predict_this_run, predicted_text
+from sft.safety.private_names import PACKED_MASK, expect
 from sft.safety.run_lock import RunLock
 from sft.report.telemetry import EvalPerplexity, GpuTelemetry, RunRecord, run_summary
 from sft.data.chat_templates import chat_template_for_saving
@@ -232,6 +233,9 @@ def train(run: Run, seams: Seams) -> int:
         RunRecord(),  # last: trainer_log.jsonl as it goes; loss.png and all_results.json at the end (rank 0)
     ]
     sequence_parallel = training_args.sequence_parallel > 1
+    documents = builds_packed_mask(model.config) and not sequence_parallel
+    if documents:  # transformers' mask function, checked now rather than at the first packed batch
+        expect(PACKED_MASK)
     run.trainer = trainer = trainer_class(
         model=model,
         args=training_args,
@@ -244,7 +248,7 @@ def train(run: Run, seams: Seams) -> int:
                                # the labelled tokens' places (the labelled-token loss; DeepSpeed's SP slices rows)
                                labelled_positions=labelled_token_loss is not None and not sequence_parallel,
                                # packed rows' documents, their mask built from them (sft/speed/packed_mask.py)
-                               document_ids=builds_packed_mask(model.config) and not sequence_parallel,
+                               document_ids=documents,
                                # the real tokens and their sequences (MoE: the balance loss and the expert load)
                                token_sequences=balance is not None and not sequence_parallel),
         processing_class=tokenizer,

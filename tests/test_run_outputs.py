@@ -25,13 +25,13 @@ def test_training_and_chat_load_the_models_own_code_without_hub_kernels(tiny_lla
     """transformers 5.25 turns hub kernels on by default in from_pretrained (a CUDA model then swaps its RMSNorm and
     RoPE for kernels downloaded at its first train()/eval()); ours stay off, as on 5.24 where they were opt-in."""
     from sft.model.loading import load_model
-    from sft.tools.chat import load
+    from sft.tools.chat import load_model as load_chat_model
 
     model = load_model(ModelArguments(model=str(tiny_llama), dtype="float32"), LoraArguments())
     assert model.use_kernels is False
     model.train()
     assert model.use_kernels is False
-    chat_model, _ = load(Path(tiny_llama))
+    chat_model = load_chat_model(Path(tiny_llama))
     assert chat_model.use_kernels is False
 
 

@@ -120,13 +120,19 @@ TENSOR_VERSION = PrivateName("torch", "torch", "Tensor._version", None, TESTED_T
 TENSOR_BASE = PrivateName("torch", "torch", "Tensor._base", None, TESTED_TORCH,
                           "--offload_activations: views of parameters stay on the GPU")
 
+# Not underscored, but not exported at transformers' top level either: the packed rows' mask from the collator's
+# documents (sft/speed/packed_mask.py), the function transformers and-s in when it finds the documents itself.
+PACKED_MASK = PrivateName("transformers", "transformers.masking_utils", "packed_sequence_mask_function",
+                          ("packed_sequence_mask",), TESTED_TRANSFORMERS,
+                          "the packed rows' attention mask built from the collator's documents (no wait for the GPU)")
+
 PRIVATE_NAMES = (CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPOINT, LOAD_FROM_CHECKPOINT, LOAD_OPTIMIZER, GET_OUTPUT_DIR,
                  SAVE_RNG_STATE,
                  PEFT_INPUT_CAST, ACCELERATE_ORIGINAL_FORWARD, TORCHAO_ADAM_LOAD,
                  TORCHAO_SUBCLASS_ZEROS, TORCHAO_SINGLE_PARAM_ADAM, DTENSOR_CACHE_KEY, DUCK_SHAPE,
                  SKIP_SIDE_EFFECTS_IN_RECOMPUTE, HF_DEEPSPEED_CONFIG, FSDP_STATE, DDP_IGNORE, CONVERSION_MAPPING,
                  TENSOR_VERSION, TENSOR_BASE, TRACK_NUM_INPUT_TOKENS, QUANTIZER_BEFORE_LOADING,
-                 QUANTIZER_AFTER_LOADING)
+                 QUANTIZER_AFTER_LOADING, PACKED_MASK)
 
 
 @functools.cache  # read once per process: a library's version does not change under a running process
