@@ -143,9 +143,9 @@ def test_numbers_that_cannot_train_are_refused_before_loading():
 
 def test_lora_options_without_lora_are_refused_not_ignored():
     # `--lora_r 8` alone trained every weight in silence (TRL and LLaMA-Factory ignore it too)
-    assert refused("--lora_r", "8") == ("--lora_r only apply to a LoRA adapter, and this run fine-tunes every "
+    assert refused("--lora_r", "8") == ("--lora_r only applies to a LoRA adapter, and this run fine-tunes every "
                                         "weight: add --lora (or --qlora), or drop --lora_r.")
-    assert refused("--lora_rank", "8", "--lora_target_modules", "q_proj").startswith("--lora_r, --lora_target_modules")
+    assert refused("--lora_rank", "8", "--lora_target_modules", "q_proj").startswith("--lora_r, --lora_target_modules only apply to")
     assert parse("--lora_r", "8", "--lora")[2].lora_r == 8
     # a recipe's LoRA turned off on the command line keeps the recipe's LoRA values, unused
     recipe = str(REPO / "recipes" / "deepseek-llm-7b-lora.yaml")

@@ -230,7 +230,8 @@ def lora_options_need_lora(o: Options, m: Machine) -> None:
     given = [name for name in LORA_ONLY_OPTIONS if name in o.given]
     if given and not (o.lora.lora or o.lora.qlora) and "lora" not in o.given:
         names = ", ".join(f"--{name}" for name in given)
-        raise ConfigError(f"{names} only apply to a LoRA adapter, and this run fine-tunes every weight: add --lora "
+        verb = "apply" if len(given) > 1 else "applies"
+        raise ConfigError(f"{names} only {verb} to a LoRA adapter, and this run fine-tunes every weight: add --lora "
                           f"(or --qlora), or drop {names}.")
 
 

@@ -88,7 +88,7 @@ def check_thinking_switch(template, asked: str) -> None:
     if template.name not in THINKING_TEMPLATES:
         which = f"{template.name} (--template auto)" if asked == "auto" else template.name
         raise ConfigError(f"--thinking: the chat template {which} has no thinking switch; templates with one: "
-                          f"{', '.join(THINKING_TEMPLATES)}. Drop --thinking, or chat with a model trained with one")
+                          f"{', '.join(THINKING_TEMPLATES)}. Drop --thinking, or chat with a model trained with one.")
 
 
 def main(argv: list[str] | None = None, prog: str = "python -m sft.tools.chat") -> int:
