@@ -63,7 +63,7 @@ from sft.safety.guards import NonFiniteGuard
 from sft.safety.private_names import CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPOINT, TRACK_NUM_INPUT_TOKENS, expect
 from sft.speed.activation_offload import OffloadedActivations
 from sft.speed.chunked_loss import LossFn
-from sft.speed.packed_mask import builds_packed_mask, packed_causal_mask
+from sft.speed.packed_mask import packed_causal_mask
 from sft.speed.fp8_training import Float8ScalesAfterStep, gathers_in_fp8
 from sft.speed.sequence_parallel_loss import mean_over_slices, sequence_parallel_group
 from sft.speed.lowbit import LOW_BIT_OPTIMIZERS, SR_ADAMW
@@ -129,13 +129,13 @@ class SFTTrainer(Trainer):
 
     def model_inputs(self, inputs):
         """The batch as the model takes it: without the collator's host-made keys (sft/data/packing.py), and with
-        packed rows' mask built from their documents where the model's attention takes one (sft/speed/
-        packed_mask.py); elsewhere their position_ids let transformers find the documents itself."""
+        packed rows' mask built from their documents (sft/speed/packed_mask.py), which the collator gives only
+        where the model's attention takes that mask (sft/train.py: builds_packed_mask); elsewhere their position_ids
+        let transformers find the documents itself."""
         documents = inputs.get(DOCUMENT_IDS) if isinstance(inputs, dict) else None
         inputs = without_collator_keys(inputs)
-        config = _causal_lm(self.model).config
-        if documents is not None and builds_packed_mask(config):
-            inputs["attention_mask"] = packed_causal_mask(config, documents,
+        if documents is not None:
+            inputs["attention_mask"] = packed_causal_mask(_causal_lm(self.model).config, documents,
                                                           self.model.get_input_embeddings().weight.dtype)
         return inputs
 
