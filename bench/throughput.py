@@ -231,6 +231,14 @@ MATRIX += [
     Row("lora-best-default-chunked", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
         args=("--chunked_loss", "true", "--lora_dropout", "0", *FLEX, "--fp8", "auto", "--compile_layers", "auto"),
         vs="trl-lora-best", timeout=420),
+    # both: the FP8 forward's fast accumulation and the loss in torch chunks (issue 28 item 2)
+    Row("lora-best-default-fastaccum-chunked", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
+        args=("--chunked_loss", "true", "--lora_dropout", "0", *FLEX, "--fp8", "auto", "--compile_layers", "auto"),
+        env=(("SFT_FP8_FAST_ACCUM", "1"),), vs="trl-lora-best", timeout=420),
+    # ... at micro-batch 12, which the uncapped H200 holds for ours (82 GiB at 8) and not for TRL's (95 GiB at 8)
+    Row("lora-best-default-fastaccum-chunked-mb12", "lora", micro_batch=12, mem_cap_gib=0, warmup=3,
+        args=("--chunked_loss", "true", "--lora_dropout", "0", *FLEX, "--fp8", "auto", "--compile_layers", "auto"),
+        env=(("SFT_FP8_FAST_ACCUM", "1"),), vs="trl-lora-best", timeout=420),
     # ... and the box's LoRA plan on one 24 GiB card (lora-1's options) with them
     Row("lora-1-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--compile_layers", "true"), timeout=420),
     Row("lora-1-fp8-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--fp8", "true", "--compile_layers", "true"),
@@ -415,7 +423,8 @@ GROUPS = {
     # issue 28 item 2 (LoRA >= 2.0x TRL): the step without host waits (the NaN guard's verdict on the GPU, the token
     # count, the labelled positions and the packed documents from the collator, no NaN filter), and the FP8 forward's
     # fast accumulation, beside TRL's best; with the loss in torch chunks: no wait left in the step (Liger's `.item()`)
-    "lora2x": ["trl-lora-best", "lora-best-default", "lora-best-default-fastaccum", "lora-best-default-chunked"],
+    "lora2x": ["trl-lora-best", "lora-best-default", "lora-best-default-fastaccum", "lora-best-default-chunked",
+               "lora-best-default-fastaccum-chunked", "lora-best-default-fastaccum-chunked-mb12"],
     # issue 27 item 1, one GPU held to 24 GiB (run with --fresh_cache: the first step's compile is the user's wait)
     "long": ["long-r1-4k", "long-r1-32k", "long-llm-4k", "long-llm-32k", "long-r1-16k", "long-llm-16k",
              "long-r1-32k-sdpa", "long-r1-32k-default"],
