@@ -11,12 +11,12 @@ is read as a file.
 from __future__ import annotations
 
 import json
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from sft.data.formats import is_local
 from sft.errors import DataError
+from sft.report.console import note
 
 INFO_FILE = "dataset_info.json"
 UNSUPPORTED = ("ms_hub_url", "script_url", "cloud_file_name", "subset", "folder")
@@ -90,13 +90,6 @@ def default_dir(specs: list[str]) -> str | None:
         return None
     note(f"--dataset {' '.join(specs)}: the names of data/{INFO_FILE} (LLaMA-Factory's default --dataset_dir data)")
     return "data"
-
-
-def note(text: str) -> None:
-    from sft.machine import launch
-
-    if launch().first:
-        print(f"note: {text}", file=sys.stderr, flush=True)
 
 
 def entry_source(name: str, entry: dict, dataset_dir: str) -> Source:

@@ -8,14 +8,13 @@ use; a bad value is one `error:` line, never argparse's usage block.
 from __future__ import annotations
 
 import difflib
-import sys
 from collections.abc import Callable
 from dataclasses import MISSING, dataclass, fields
 
 from transformers import HfArgumentParser
 
 from sft.errors import ConfigError
-from sft.machine import is_first_process
+from sft.report.console import note
 from sft.names import hub_id
 
 
@@ -136,7 +135,7 @@ def apply_aliases(argv: list[str]) -> list[str]:
         if alias is None:
             if name == "template" and len(given) == 1 and given[0] in TEMPLATE_NAMES:
                 word, ours = "--template", TEMPLATE_NAMES[given[0]]
-                _note(f"--template {given[0]} is LLaMA-Factory's name: using --template {ours}")
+                note(f"--template {given[0]} is LLaMA-Factory's name: using --template {ours}")
                 out += [word, ours]
             else:
                 out += argv[i:end]
@@ -145,13 +144,13 @@ def apply_aliases(argv: list[str]) -> list[str]:
         values = [v for value in given for v in alias.value(value)] if alias.value else given
         i = end
         if alias.value and not values:  # e.g. finetuning_type: full, our default
-            _note(f"--{name} {' '.join(given)} ({alias.where}): " + (f"{alias.note}; nothing to set." if alias.note
+            note(f"--{name} {' '.join(given)} ({alias.where}): " + (f"{alias.note}; nothing to set." if alias.note
                                                                      else "this toolkit's default: nothing to set."))
             continue
         out += [f"--{alias.ours}", *values]
         if name == "cutoff_len" and not any(a.split("=")[0] == "--overlong" for a in argv):
             out += ["--overlong", "cut"]
-        _note(f"--{name} is {alias.where}'s name for --{alias.ours}: using --{alias.ours} {' '.join(values)}".rstrip()
+        note(f"--{name} is {alias.where}'s name for --{alias.ours}: using --{alias.ours} {' '.join(values)}".rstrip()
               + (f" ({alias.note})" if alias.note else ""))
     return out
 
@@ -162,13 +161,8 @@ def model_hub_id(model: str) -> str:
     hub id or any other name stays as given."""
     hub = hub_id(model)
     if hub != model:
-        _note(f"--model {model} is short for {hub} (the name `deepseek-sft plan` takes): using --model {hub}")
+        note(f"--model {model} is short for {hub} (the name `deepseek-sft plan` takes): using --model {hub}")
     return hub
-
-
-def _note(text: str) -> None:
-    if is_first_process():
-        print(f"note: {text}", file=sys.stderr, flush=True)
 
 
 TRAIN_HELP = "python sft/train.py --help"  # the help an option error points at: the tool's own (sft.data.dataset)

@@ -240,14 +240,14 @@ def _with_levers(shape: Shape, box: Box, w: Workload, asked: Asked, levers: Leve
     fast = fast_paths(box.described(), w.strategy, w.world, w.setup.method, asked,
                       "fp8" if w.resident else "none")
     w = dataclasses.replace(w, fp8=fast.fp8, compiled=fast.compiled)
-    tried = [_plan(shape, box, dataclasses.replace(w, mlp_tile_tokens=lv.mlp_tile_tokens,
+    tried = [judged_plan(shape, box, dataclasses.replace(w, mlp_tile_tokens=lv.mlp_tile_tokens,
                                                    offload_activations=lv.offload_activations), fast, asked)
              for lv in ([levers] if levers else ladder(shape, w.seq_len, w.checkpointing))
              if w.checkpointing or not lv.offload_activations]  # offloading moves the checkpoints
     return [next((p for p in tried if p.roomy), tried[-1])] if tried else []
 
 
-def _plan(shape: Shape, box: Box, w: Workload, fast: FastPaths, asked: Asked) -> Plan:
+def judged_plan(shape: Shape, box: Box, w: Workload, fast: FastPaths, asked: Asked) -> Plan:
     """`w` predicted on `box`, and whether it fits there (why not)."""
     p = predict(shape, w)
     tok_s, source = tokens_per_second(shape, w, box.peak_flops)

@@ -13,7 +13,7 @@ import dataclasses
 
 from sft.machine import gpu_kind
 from sft.plan.fast_paths import Asked
-from sft.plan.plans import Box, Plan, _plan, cards, enumerate_plans, launched_strategy
+from sft.plan.plans import Box, Plan, cards, enumerate_plans, judged_plan, launched_strategy
 from sft.plan.shapes import resolve_shape
 from sft.plan.workload import Levers
 
@@ -58,7 +58,7 @@ def _matching_plan(shape, model_args, lora_args, data_args, training_args, machi
     if found.w.chunked_loss == chunked:
         return found
     # the run's own --chunked_loss, not the plan's choice: without it the run holds the whole logits
-    return _plan(shape, box, dataclasses.replace(found.w, chunked_loss=chunked), found.fast, asked)
+    return judged_plan(shape, box, dataclasses.replace(found.w, chunked_loss=chunked), found.fast, asked)
 
 
 def predicted_text(plan: Plan | None, model_args, machine) -> str:
