@@ -85,6 +85,10 @@ def test_a_conversation_whose_only_reply_is_all_reasoning_is_counted_as_that_not
     shown = show_masks(conversations[:1], args, tokenizer, template)
     assert f"0 tokens, 0 trained ({ALL_REASONING})" in shown
     assert f"(nothing kept: {ALL_REASONING}, and no other reply to train on; it is not trained)" in shown
+    # under --train_on_prompt every token trains, the musing too: kept, and not counted as untrained
+    everything = DataArguments(max_length=4096, train_on_prompt=True)
+    kept, counts, _ = finish(tokenize(conversations, everything, tokenizer, template), everything)
+    assert counts == {"ok": 2} and len(kept) == 2
     # a reply cut away by --max_length is still said as such
     cut = DataArguments(max_length=4, overlong="cut", show_masks=1)
     assert finish(tokenize(conversations[1:], cut, tokenizer, template), cut)[1] == {NOTHING_TRAINED: 1}
