@@ -157,7 +157,10 @@ def main() -> int:
         tiny_base(base)
     dist.barrier()
     row = {"run_id": args.run_id, "bench": "fsdp_qlora_bytes", "gpu": torch.cuda.get_device_name(),
-           "ranks": 2, "backend": backend, "bf16_patterns_changed": changed}
+           "ranks": 2, "backend": backend, "bf16_patterns_changed": changed,
+           # the fields every row of results.jsonl has (no compile here, so no compile cache to be cold)
+           "peer": "ours", "n_gpus": gpus, "gpu_indices": list(range(gpus)), "mem_cap_gib": None, "cold_cache": None,
+           "nvidia_smi_mem_gib": None}
     policies = {"accelerate (param_dtype bf16)": MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                                       reduce_dtype=torch.bfloat16),
                 "ours (param_dtype None, reduce fp32)": qlora_policy()}
