@@ -284,6 +284,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cpu_smoke:
         args.steps, args.seeds, args.seq_len, args.micro_batch, args.layers = 2, 1, 256, 2, 2
         args.warmup, args.iters = 1, 2
+    # one folder per model shape: a check of another --shape must not reuse this one's model or runs (a V2-Lite
+    # check once trained the 7B shape's model left there by the check before it)
+    args.workdir = args.workdir / f"{args.shape}-{args.layers}layers{'-cpu' if args.cpu_smoke else ''}"
     args.workdir.mkdir(parents=True, exist_ok=True)
     summary = {}
     if args.part in ("all", "layers"):

@@ -312,11 +312,22 @@ MATRIX += [
       for n in (4096, 16384, 32768)],
     # long-r1-32k as the planner and recipes/r1-distill-qwen-7b-long.yaml run it: --fp8 and --compile_layers at auto
     # (on where the GPU allows; the bench turns them off unless a row names them), the compiled layers tracing the
-    # tiled MLP (sft/speed/tiled_mlp.py). Its first step's compile at 32k is part of the user's wait. Not measured yet
+    # tiled MLP (sft/speed/tiled_mlp.py). Its first step's compile at 32k is part of the user's wait. 7,066 tok/s,
+    # 0.696 of long-r1-4k, which has neither lever (run 20261205T1120Z-long-h100, an H100)
     Row("long-r1-32k-default", "lora", model="r1-distill-qwen-7b", seq_len=32768, warmup=2, steps=3, profile_steps=0,
         repeat_data=1, long_docs=True, timeout=600,
         args=(*LIGER, "--lora_dropout", "0", *FLEX, *CKPT, "--mlp_tile_tokens", "4096", "--offload_activations", "true",
               "--fp8", "auto", "--compile_layers", "auto")),
+    # ... as recipes/r1-distill-qwen-7b-long.yaml runs it on the box: FP8, the compiled layers off (the planner's DDP
+    # plan: with them DDP is predicted over a 24 GB card's margin at 32k, docs/planner.md "Fast paths that do not fit")
+    Row("long-r1-32k-recipe", "lora", model="r1-distill-qwen-7b", seq_len=32768, warmup=2, steps=3, profile_steps=0,
+        repeat_data=1, long_docs=True, timeout=600,
+        args=(*LIGER, "--lora_dropout", "0", *FLEX, *CKPT, "--mlp_tile_tokens", "4096", "--offload_activations", "true",
+              "--fp8", "auto", "--compile_layers", "false")),
+    # its reference: the 4k row with the same levers at auto (issue 27 item 1 compares a model's plans, not levers)
+    Row("long-r1-4k-default", "lora", model="r1-distill-qwen-7b", seq_len=4096, micro_batch=4, warmup=2, steps=4,
+        profile_steps=0, repeat_data=1, long_docs=True, timeout=420,
+        args=(*LIGER, "--lora_dropout", "0", *FLEX, *CKPT, "--fp8", "auto", "--compile_layers", "auto")),
     # the same 32k row with sdpa: no compile per shape, a dense [L, L] mask (its padding is a document of its own)
     Row("long-r1-32k-sdpa", "lora", model="r1-distill-qwen-7b", seq_len=32768, warmup=2, steps=3, profile_steps=0,
         repeat_data=1, long_docs=True, timeout=420, args=(*LIGER, "--lora_dropout", "0", "--attn_implementation",
@@ -407,8 +418,9 @@ GROUPS = {
     # item 2; run 20261205T0550Z-lora2x had one slow step in each of our rows), then the 16k long rows (issue 27
     # item 1), V2-Lite uncapped with compiled MoE layers (issue 26 item 3). Also due there: bench/fp8_check.py's loss
     # checks of quantize-experts-compile and of SFT_FP8_FAST_ACCUM
-    "next": ["trl-lora-best", "lora-best-default", "lora-best-default-fastaccum", "lora-best-default-chunked",
-             "moe-lora-compile", "long-r1-16k", "long-llm-16k", "long-r1-32k-default"],
+    "next": ["trl-lora-best", "lora-best-default", "lora-best-default-fastaccum", "lora-best-default-fastaccum-chunked",
+             "moe-lora-compile", "long-r1-4k-default", "long-r1-32k-default", "long-r1-32k-recipe", "long-r1-16k",
+             "long-llm-16k"],
     # issue 26 item 4's one-GPU byte check (never run yet): FSDP2's copy and all-gather of the NF4 bytes, bit for bit
     "qlora-bytes": ["fsdp-qlora-bytes"],
     # --compile_layers beside the plain rows and TRL's best, same run (2026-12-01, evening)
@@ -427,7 +439,7 @@ GROUPS = {
                "lora-best-default-fastaccum-chunked", "lora-best-default-fastaccum-chunked-mb12"],
     # issue 27 item 1, one GPU held to 24 GiB (run with --fresh_cache: the first step's compile is the user's wait)
     "long": ["long-r1-4k", "long-r1-32k", "long-llm-4k", "long-llm-32k", "long-r1-16k", "long-llm-16k",
-             "long-r1-32k-sdpa", "long-r1-32k-default"],
+             "long-r1-32k-sdpa", "long-r1-4k-default", "long-r1-32k-default", "long-r1-32k-recipe"],
     # issue 26 item 3: V2-Lite's LoRA step uncapped, each lever beside the compiled row and TRL's, same run; and the
     # eager row, whose profiled step's idle_ms says what the balance loss's host waits cost (58.9 ms in run
     # 20261205T0515Z-next, with them)

@@ -196,8 +196,9 @@ def test_the_expert_parallel_row_runs_beside_the_resident_plan_in_the_two_gpu_gr
 
 
 def test_the_32k_row_runs_again_with_the_fast_paths_the_planner_and_the_recipe_leave_on():
-    """Issue 27: long-r1-32k as users run it, --fp8 and --compile_layers at auto (the bench's rows turn them off
-    unless they name them), in the long-row group beside its reference and in the next GPU session's."""
+    """Issue 27: long-r1-32k as users run it, --fp8 and --compile_layers at auto on one card (the bench's rows turn
+    them off unless they name them) and as the recipe runs it, in the long-row group beside its reference and in the
+    next GPU session's."""
     from sft.options.recipe import load_recipe
 
     plain, default = throughput.ROWS["long-r1-32k"], throughput.ROWS["long-r1-32k-default"]
@@ -205,10 +206,15 @@ def test_the_32k_row_runs_again_with_the_fast_paths_the_planner_and_the_recipe_l
     assert (default.model, default.seq_len, default.micro_batch, default.long_docs, default.mem_cap_gib) == \
         (plain.model, plain.seq_len, plain.micro_batch, plain.long_docs, plain.mem_cap_gib)
     recipe = dict(zip(*[iter(load_recipe(str(REPO / "recipes" / "r1-distill-qwen-7b-long.yaml")))] * 2))
-    assert "--fp8" not in recipe and "--compile_layers" not in recipe  # the recipe leaves them at auto
+    # the recipe is the planner's DDP plan: FP8 at auto, the compiled layers off (over the margin with them at 32k);
+    # its own row runs it so, and the default row what one card gets (both at auto)
+    assert "--fp8" not in recipe and recipe["--compile_layers"] == "false"
+    as_recipe = throughput.ROWS["long-r1-32k-recipe"]
+    assert as_recipe.args == (*plain.args, "--fp8", "auto", "--compile_layers", "false")
     for option in ("--mlp_tile_tokens", "--offload_activations", "--attn_implementation", "--use_liger_kernel"):
         assert default.args[default.args.index(option) + 1] == recipe[option], option
-    assert default.name in throughput.GROUPS["long"] and default.name in throughput.GROUPS["next"]
+    for row in (default, as_recipe):
+        assert row.name in throughput.GROUPS["long"] and row.name in throughput.GROUPS["next"]
 
 
 def test_a_row_becomes_the_one_row_command_with_its_optimizer(tmp_path):

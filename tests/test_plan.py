@@ -19,7 +19,7 @@ from sft.parallel.strategies import REPO
 from sft.plan.bench_check import check_rows, check_table
 from sft.plan.long_rows import is_long, long_row_flops_per_token
 from sft.plan.memory import CALIBRATION, fast_path_bytes, fsdp_adapter_buffers, predict, whole_layer_activations
-from sft.plan.plan_text import command, kernels_text
+from sft.plan.plan_text import command, fast_paths_said, kernels_text
 from sft.plan.planner import (NOT_PLANNED, main, nothing_planned_line, options_of, planned_options,
                               prediction_line)
 from sft.plan.plans import (AWAITED_CHECK, HEADROOM, MARGIN_GIB, Box, awaiting_plan, best_plan, enumerate_plans,
@@ -817,9 +817,9 @@ def test_the_plans_command_runs_with_the_fast_paths_it_was_planned_with():
             plans = enumerate_plans(SHAPES["deepseek-llm-7b"], box, method, 2048, (1,), asked=asked)
             for p in {q.w.strategy: q for q in plans if q.fits}.values():
                 words = shlex_words(command(p, "deepseek-llm-7b", box))
-                given = [w for w in words if w.startswith("--fp8") or w.startswith("--compile_layers")]
                 flags = {"lora": ["--lora"], "qlora": ["--qlora"], "full": []}[method]
-                extra = words[words.index(given[0]):words.index(given[0]) + 2] if given else []
+                extra = [word for i, w in enumerate(words) if w in ("--fp8", "--compile_layers")
+                         for word in words[i:i + 2]]  # both where the planner turned one off beside the user's
                 options = read_options(["--model", "m", "--dataset", data, "--output_dir", "/nonexistent/out",
                                         *flags, *extra])
                 machine = dataclasses.replace(box.described(), launch=STRATEGIES[p.w.strategy].launch(p.w.world))
@@ -898,8 +898,11 @@ def test_a_plan_of_long_rows_takes_the_levers_it_needs_and_says_so():
     assert levers[32768] == "tile+offload"
     best = best_plan(enumerate_plans(shape, box, "lora", 32768))
     cmd = command(best, R1, box)
+    # ... and without the compiled layers, which keep more than each layer's input at 32k (run 20261205T1120Z)
     assert "--max_length 32768" in cmd and cmd.endswith("--activation_checkpointing --mlp_tile_tokens 4096 "
-                                                        "--offload_activations")
+                                                        "--offload_activations --compile_layers false")
+    assert best.fast.fp8 and not best.fast.compiled and "compiled layers off (with them the plan needs" in \
+        fast_paths_said(best)
     assert best.prediction.host_gib > predict(shape, dataclasses.replace(best.w, offload_activations=False)).host_gib
     # each lever only where it is needed: the same plan with one lever fewer does not keep the card's margin
     for fewer in (dataclasses.replace(best.w, mlp_tile_tokens=0), dataclasses.replace(best.w, offload_activations=False)):
@@ -941,13 +944,15 @@ def test_plan_auto_sets_the_long_row_levers_and_keeps_the_users():
 
     m = Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * 3, gpu_memory_gib=(23.99,) * 3, bf16=True,
                 host_ram_gib=128, launch=Launch(world_size=3, local_world_size=3, launched=True))
-    model = SimpleNamespace(model="r1-distill-qwen-7b", mlp_tile_tokens=0)
+    model = SimpleNamespace(model="r1-distill-qwen-7b", mlp_tile_tokens=0, fp8="auto", compile_layers="auto")
     lora = SimpleNamespace(lora=True, qlora=False, lora_r=16)
     training = SimpleNamespace(per_device_train_batch_size=1, gradient_accumulation_steps=1,
                                activation_checkpointing=False, offload_activations=False)
     data = SimpleNamespace(max_length=32768)
     options, chosen = planned_options(model, lora, data, training, m)
     assert options["mlp_tile_tokens"] == 4096 and options["offload_activations"] is True and chosen.roomy
+    # under DDP at 32k the compiled layers would leave no margin: the run is told to leave them off, FP8 at auto
+    assert options["compile_layers"] == "false" and "fp8" not in options and not chosen.fast.compiled
     # the user's --mlp_tile_tokens wins, and the plan is predicted with it: at 16k, no offloading is then needed
     model.mlp_tile_tokens = 4096
     options, chosen = planned_options(model, lora, SimpleNamespace(max_length=16384), training, m,
@@ -1180,7 +1185,7 @@ def test_the_planner_prints_the_split_plans_command_and_it_runs(monkeypatch, cap
     argv = ["--model", R1, "--lora", "--gpus", "3", "--gpu_mem", "24", "--max_length", "65536", "--host_ram", "128"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert re.search(r"^Recommended: .*--config_file accelerate_configs/ddp\.yaml sft/train\.py", out, re.M)
+    assert re.search(r"^Recommended: .*--config_file accelerate_configs/zero2\.yaml sft/train\.py", out, re.M)
     line = re.search(r"^Each row split over 2 cards instead \(its speed is not measured.*?: (.+)$", out, re.M).group(1)
     assert "--config_file accelerate_configs/zero3.yaml --num_processes 2 sft/train.py" in line
     assert line.endswith("--attn_implementation sdpa --activation_checkpointing --mlp_tile_tokens 4096 "
@@ -1225,8 +1230,9 @@ def test_the_64k_recipe_is_the_planners_split_plan():
     assert f"~{split.tok_s:,.0f} tok/s" in text and "its speed is not measured" in text
     assert "No GPU row has measured it yet: bench row long-r1-64k-sp2" in text
     best = best_plan(plans)  # what the header says the planner recommends instead
-    assert f"DDP, a whole row on each of the 3 cards: {best.prediction.smi_gib:.1f} GiB predicted" in text
-    assert (best.w.strategy, best.w.world) == ("ddp", 3)
+    # ZeRO-2 since the compiled layers' memory at long rows was measured (DDP's NCCL context leaves it tight)
+    assert f"ZeRO-2, a whole row on each of the 3 cards: {best.prediction.smi_gib:.1f} GiB predicted" in text
+    assert (best.w.strategy, best.w.world) == ("zero2", 3)
 
 
 def measured_split_row(peak_flops: float) -> dict:

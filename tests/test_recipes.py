@@ -34,7 +34,7 @@ FAST_PATHS = {
     "deepseek-llm-7b-full": ON,
     "deepseek-llm-7b-lora": ON,
     "r1-distill-qwen-7b-lora": ON,
-    "r1-distill-qwen-7b-long": ON,
+    "r1-distill-qwen-7b-long": ("true", "false", "planned off"),  # compile_layers: false, the planner's (32k, DDP)
     "deepseek-llm-67b-qlora": ("false", "false", "4-bit"),
     "r1-distill-llama-70b-qlora": ("false", "false", "4-bit"),
     "deepseek-v2-lite-lora": ("false", "false", "DeepSpeed ZeRO-3"),
@@ -129,6 +129,9 @@ def test_recipe_parses_and_fits_its_box_with_the_fast_paths_it_gets(recipe: Path
     if why is None:
         assert o.model.speed_choices == ("compiled layers on (--compile_layers false turns them off)",
                                          "FP8 on (compute capability 8.9; --fp8 false turns it off)")
+    elif why == "planned off":  # the recipe says false, as the planner's command does: only FP8's choice is said
+        assert o.model.speed_choices == ("FP8 on (compute capability 8.9; --fp8 false turns it off)",)
+        assert "compile_layers: false" in recipe.read_text()
     else:
         assert len(o.model.speed_choices) == 2 and all(why in said for said in o.model.speed_choices)
 

@@ -72,6 +72,12 @@ CALIBRATION = {
     # 22.25 GiB ran out of memory at micro-batch 8). A count per layer, not per token: at smaller micro-batches it
     # errs on the safe side.
     "dequantized_copies": 2.2,
+    # --compile_layers beside --offload_activations: what a compiled checkpointed layer keeps for its backward (and
+    # the offload sends to host RAM), in units of the eager layer's checkpoint (its input, 2 x hidden bytes a token):
+    # fitted on long-r1-32k-default (host RAM 31.1 GiB against long-r1-32k's 18.4 in run 20261205T1120Z-long-h100,
+    # the same row without FP8 and compiled layers): 1.69 more. One row; which tensors inductor keeps is not
+    # measured (the layer's graph saves at its boundary what its partitioner chooses, not the input alone).
+    "compiled_checkpoint_scale": 2.69,
 }
 
 
@@ -121,7 +127,7 @@ def fast_path_bytes(shape: Shape, w: Workload) -> float:
     memory, total = snapshot.fitted()["fast_path_memory"], 0.0
     for name in [n for n, on in (("compiled", w.compiled), ("fp8", w.fp8)) if on]:
         kind = fast_path_kind(w)
-        if name not in memory.get(kind, {}):  # no row of this kind ran with the path: LoRA's share (a resident plan)
+        if name not in memory.get(kind, {}):  # no row of this kind ran with the path: LoRA's share (a resident or long plan)
             kind = "lora"
         total += memory[kind][name][0] * fast_path_unit(shape, w, kind)
     return total
@@ -129,8 +135,11 @@ def fast_path_bytes(shape: Shape, w: Workload) -> float:
 
 def fast_path_kind(w: Workload) -> str:
     """Which fit of fast_path_memory speaks for a plan (or a row): a resident plan's own (--quantize_experts fp8),
-    a full fine-tune's, else LoRA's (QLoRA's too)."""
-    return "resident" if w.resident else "full" if w.setup.method == "full" else "lora"
+    a full fine-tune's, a LoRA plan's on long rows (one checkpointed layer's activations at up to 32k tokens, the
+    MLP tiled: the compiled layers add more to them than to short rows', +2.65 GiB at 32k in run
+    20261205T1120Z-long-h100), else LoRA's (QLoRA's too)."""
+    return ("resident" if w.resident else "full" if w.setup.method == "full" else
+            "long" if long_rows.is_long(w.seq_len) else "lora")
 
 
 def fast_path_unit(shape: Shape, w: Workload, kind: str) -> float:
@@ -172,7 +181,8 @@ def predict(shape: Shape, w: Workload, with_fast_paths: bool = True) -> Predicti
         checkpoints, whole_layers, recompute = 0.0, layers * per_layer, 0.0
     offloaded = 0.0
     if w.offload_activations:  # all of it waits in host RAM; the backward brings back one layer's at a time, and
-        offloaded = checkpoints + whole_layers  # the next checkpoint ahead of its asking
+        scale = CALIBRATION["compiled_checkpoint_scale"] if w.compiled else 1.0  # the next checkpoint ahead of its
+        offloaded = checkpoints * scale + whole_layers  # asking
         checkpoints = long_rows.CHECKPOINTS_ON_GPU * 2 * h * tokens if checkpoints else 0.0
         whole_layers = per_layer if whole_layers else 0.0
     # MoE LoRA: the W + BA weights of the layers whose forward is kept (the recomputed one's under checkpointing)

@@ -53,6 +53,9 @@ def options_of(plan: Plan) -> dict:
         opts.update(chunked_loss=True)
     if is_long(w.seq_len):  # set either way: a long plan without a lever says so
         opts.update(mlp_tile_tokens=w.mlp_tile_tokens, offload_activations=w.offload_activations)
+    for option in ("compile_layers", "fp8"):  # where the planner turned one off for memory (plans._with_levers)
+        if getattr(plan.asked, option) == "false":
+            opts[option] = "false"
     if w.setup.method in ("lora", "qlora"):
         opts["lora_dropout"] = 0.0
     else:

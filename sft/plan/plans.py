@@ -236,15 +236,39 @@ def _resident(w: Workload) -> Workload:
 
 def _with_levers(shape: Shape, box: Box, w: Workload, asked: Asked, levers: Levers | None) -> list[Plan]:
     """`w` with the fast paths its run gets on `box`, and the first long-row levers that leave the card its margin
-    (all of them where none does); [] where no lever applies."""
+    (all of them where none does); [] where no lever applies. Where `auto` turned the compiled layers on and no
+    lever then leaves the margin, the same without them (`--compile_layers false` in its command): at 32k tokens
+    their graphs keep more than each layer's input (memory.CALIBRATION compiled_checkpoint_scale)."""
+    tried = _levers_tried(shape, box, w, asked, levers)
+    roomy = next((p for p in tried if p.roomy), None)
+    why = ""
+    for option in ("compile_layers", "fp8"):  # the compiled layers first: they cost more memory at long rows
+        on = tried and (tried[0].fast.compiled if option == "compile_layers" else tried[0].fast.fp8)
+        if roomy is not None or not on or getattr(asked, option) != "auto":
+            continue
+        why = why or (f"with them the plan needs {shown_gib(tried[-1]):.1f} GiB per GPU by nvidia-smi, more than the "
+                      f"card less its {MARGIN_GIB:g} GiB margin")
+        asked = dataclasses.replace(asked, **{option: "false"})
+        roomy = next((p for p in _levers_tried(shape, box, w, asked, levers, why) if p.roomy), None)
+    return [roomy or tried[-1]] if tried else []
+
+
+def _levers_tried(shape: Shape, box: Box, w: Workload, asked: Asked, levers: Levers | None,
+                  turned_off: str = "") -> list[Plan]:
+    """`w` with the fast paths its run gets on `box` for `asked`, under each long-row lever in turn (the user's
+    alone where given); `turned_off`: why the planner set a fast path of `asked` to false, for the plan's notes."""
     fast = fast_paths(box.described(), w.strategy, w.world, w.setup.method, asked,
                       "fp8" if w.resident else "none")
+    if turned_off:  # the run's own note for a path set to false is the option; the plan says why
+        planned = [name for option, name in (("compile_layers", "compiled layers"), ("fp8", "FP8"))
+                   if getattr(asked, option) == "false"]
+        fast = dataclasses.replace(fast, notes=(*(n for n in fast.notes if not n.startswith(tuple(planned))),
+                                                *(f"{name} off ({turned_off})" for name in planned)))
     w = dataclasses.replace(w, fp8=fast.fp8, compiled=fast.compiled)
-    tried = [judged_plan(shape, box, dataclasses.replace(w, mlp_tile_tokens=lv.mlp_tile_tokens,
-                                                   offload_activations=lv.offload_activations), fast, asked)
-             for lv in ([levers] if levers else ladder(shape, w.seq_len, w.checkpointing))
-             if w.checkpointing or not lv.offload_activations]  # offloading moves the checkpoints
-    return [next((p for p in tried if p.roomy), tried[-1])] if tried else []
+    return [judged_plan(shape, box, dataclasses.replace(w, mlp_tile_tokens=lv.mlp_tile_tokens,
+                                                        offload_activations=lv.offload_activations), fast, asked)
+            for lv in ([levers] if levers else ladder(shape, w.seq_len, w.checkpointing))
+            if w.checkpointing or not lv.offload_activations]  # offloading moves the checkpoints
 
 
 def judged_plan(shape: Shape, box: Box, w: Workload, fast: FastPaths, asked: Asked) -> Plan:

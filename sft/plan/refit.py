@@ -84,9 +84,9 @@ def fast_path_memory(path: Path = RESULTS) -> dict:
     for r in rows:
         twins.setdefault(_twin_key(r), []).append(r)
     out: dict[str, dict] = {}
-    for kind in ("lora", "full", "resident"):
+    for kind in ("lora", "full", "resident", "long"):
         out[kind] = {}
-        for name in ("compiled", "fp8"):
+        for name in ("fp8", "compiled"):  # FP8's first: a row with both paths and only a twin with neither needs it
             pairs = []  # (row, its peak over its twins', its kind's unit), GiB
             for r in rows:
                 fast, w = fast_of_row(r), workload_of_row(r)
@@ -94,14 +94,20 @@ def fast_path_memory(path: Path = RESULTS) -> dict:
                     continue
                 without = FastPaths(fast.fp8 and name != "fp8", fast.compiled and name != "compiled").label
                 others = [t for t in twins[_twin_key(r)] if fast_of_row(t).label == without]
+                fp8_part = 0.0  # GiB: a row with both paths whose only twin has neither speaks for the compiled
+                # layers, less FP8's share (this kind's, else LoRA's: fitted first, on rows with a twin of their own)
+                if not others and name == "compiled" and fast.fp8:
+                    others = [t for t in twins[_twin_key(r)] if not fast_of_row(t).label]
+                    fp8_part = (out[kind].get("fp8") or out["lora"]["fp8"])[0] * fast_path_unit(
+                        row_shape(r), w, kind) / GIB
                 peaks = [t["peak_mem_gib"] for t in others]
                 cap = r.get("mem_cap_gib") or math.inf
                 if peaks and max(r["peak_mem_gib"], *peaks) < cap - 0.5:
                     x = fast_path_unit(row_shape(r), w, kind) / GIB
-                    pairs.append((r, r["peak_mem_gib"] - statistics.median(peaks),
+                    pairs.append((r, r["peak_mem_gib"] - statistics.median(peaks) - fp8_part,
                                   _modelled_difference(r, others[0]), x))
             if not pairs:
-                if kind != "resident":
+                if kind not in ("resident", "long"):
                     out[kind][name] = [0.0, "no row ran with it beside a twin without it: counted as nothing"]
                 continue
             share = sum(d - modelled for _, d, modelled, _ in pairs) / sum(x for *_, x in pairs)
