@@ -176,8 +176,9 @@ class SFTTrainer(Trainer):
         return self.activation_offload()
 
     def activation_offload(self) -> OffloadedActivations:
-        """The saved-tensor hooks of one training forward (a subclass may copy otherwise: the CPU tests do)."""
-        return OffloadedActivations()
+        """The saved-tensor hooks of one training forward (a subclass may copy otherwise: the CPU tests do); the
+        model's own tensors stay on the GPU."""
+        return OffloadedActivations(model=self.model)
 
     def _loss_from_hidden_states(self, model, inputs: dict, num_items_in_batch, positions=None):
         """The causal-LM loss of the labelled tokens from the last hidden states: the model runs without its

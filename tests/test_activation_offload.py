@@ -205,3 +205,49 @@ def test_the_planner_counts_the_checkpoints_the_offload_keeps_on_the_gpu():
     from sft.speed.activation_offload import PREFETCH
 
     assert CHECKPOINTS_ON_GPU == 1 + PREFETCH
+
+
+class HeldTranspose(torch.nn.Module):
+    """A frozen linear layer that keeps its transposed weight as a plain tensor attribute and saves it for the
+    backward, as --fp8's Fp8Linear does (a compiled layer saves such tensors where eager checkpointing did not)."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        w = torch.randn(n, n, generator=torch.Generator().manual_seed(n))
+        self.weight = torch.nn.Parameter(w, requires_grad=False)
+        self.weight_t = w.t().contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _MatmulSavingHeld.apply(x, self.weight, self.weight_t)
+
+
+class _MatmulSavingHeld(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, weight_t):
+        ctx.save_for_backward(weight_t)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        (weight_t,) = ctx.saved_tensors
+        return grad @ weight_t.t(), None, None
+
+
+def test_the_models_own_tensors_stay_where_the_model_keeps_them():
+    """What the model holds (here a transposed weight held as an attribute, as --fp8's) is not copied to host and
+    back: it frees nothing. Without the model the same tensor is offloaded (the hooks' old behaviour, the control);
+    the activations are offloaded either way, and the gradients are the same."""
+    model = torch.nn.Sequential(HeldTranspose(64), torch.nn.ReLU(), HeldTranspose(64))
+    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    grads, offloaded = [], []
+    for given in (model, None):
+        hooks = OffloadedActivations(HostCopies(), device_type="cpu", min_bytes=0, model=given)
+        with hooks:
+            out = model(x)
+        offloaded.append(sorted(tuple(r().host.shape) for r in hooks.order if r() is not None))
+        out.sum().backward()
+        grads.append(x.grad.clone())
+        x.grad = None
+    assert offloaded[0] == [(128, 64)]  # the ReLU's output only; the held weights stay
+    assert offloaded[1] == [(64, 64), (64, 64), (128, 64)]
+    assert torch.equal(grads[0], grads[1])

@@ -75,8 +75,10 @@ CALIBRATION = {
     # --compile_layers beside --offload_activations: what a compiled checkpointed layer keeps for its backward (and
     # the offload sends to host RAM), in units of the eager layer's checkpoint (its input, 2 x hidden bytes a token):
     # fitted on long-r1-32k-default (host RAM 31.1 GiB against long-r1-32k's 18.4 in run 20261205T1120Z-long-h100,
-    # the same row without FP8 and compiled layers): 1.69 more. One row; which tensors inductor keeps is not
-    # measured (the layer's graph saves at its boundary what its partitioner chooses, not the input alone).
+    # the same row without FP8 and compiled layers): 1.69 more. One row, measured before the offload kept the
+    # model's own tensors on the GPU: the compiled layer saved --fp8's transposed e4m3 weights for its backward
+    # (0.22 GiB a layer of R1-Distill-Qwen-7B), and the hooks copied them to host and back at every step
+    # (sft/speed/activation_offload.py model_storages). Kept until the row runs again: it errs on the safe side.
     "compiled_checkpoint_scale": 2.69,
 }
 
@@ -137,7 +139,8 @@ def fast_path_kind(w: Workload) -> str:
     """Which fit of fast_path_memory speaks for a plan (or a row): a resident plan's own (--quantize_experts fp8),
     a full fine-tune's, a LoRA plan's on long rows (one checkpointed layer's activations at up to 32k tokens, the
     MLP tiled: the compiled layers add more to them than to short rows', +2.65 GiB at 32k in run
-    20261205T1120Z-long-h100), else LoRA's (QLoRA's too)."""
+    20261205T1120Z-long-h100, measured while the offload still copied --fp8's transposed weights: see
+    CALIBRATION compiled_checkpoint_scale), else LoRA's (QLoRA's too)."""
     return ("resident" if w.resident else "full" if w.setup.method == "full" else
             "long" if long_rows.is_long(w.seq_len) else "lora")
 

@@ -15,7 +15,11 @@ torchtune's OffloadActivations works; a smaller one):
   (the backward asks for them in reverse order), so the next layer's checkpoint crosses PCIe while this one computes.
 
 Left as they are, on the GPU: tensors under `min_bytes` (the copy would cost more than it frees), tensors of other
-devices, parameters and their views (their memory stays on the GPU anyway), tensor subclasses and sparse tensors.
+devices, parameters and their views (their memory stays on the GPU anyway), the model's other tensors (`model`:
+its buffers and the tensors its modules hold as plain attributes, such as `--fp8`'s transposed e4m3 weights; a
+compiled layer saves those for its backward, where eager checkpointing saved only the layer's input: copied to host
+and back at every step they freed nothing, took host RAM and PCIe time, and each came back as a new GPU copy),
+tensor subclasses and sparse tensors.
 A tensor saved twice (a norm's input by two of its ops) is copied once, and comes back once for all its unpacks.
 autograd stops checking saved tensors' versions once hooks are set (saved_variable.cpp: "we can't track versions
 through the hooks"), so the unpack checks them: a saved tensor still alive and changed in place since stops the
@@ -127,13 +131,14 @@ class OffloadedActivations(saved_tensors_hooks):
     docstring). `copies`: SideStreamCopies where CUDA is available, else none are made."""
 
     def __init__(self, copies: Copies | None = None, device_type: str = "cuda", min_bytes: int = MIN_BYTES,
-                 prefetch: int = PREFETCH):
+                 prefetch: int = PREFETCH, model: torch.nn.Module | None = None):
         expect(TENSOR_VERSION)
         expect(TENSOR_BASE)
         self.copies = copies if copies is not None else SideStreamCopies()
         self.device_type = device_type if copies is not None or torch.cuda.is_available() else "none"
         self.min_bytes = min_bytes
         self.prefetch = prefetch
+        self.model_storages = model_storages(model) if model is not None else frozenset()
         self.order: list[weakref.ref] = []  # every Offloaded of this forward, weakly: autograd owns them
         self.by_id: dict[int, weakref.ref] = {}  # id(saved tensor) -> its Offloaded, for a tensor saved again
         super().__init__(self.pack, self.unpack)
@@ -141,7 +146,8 @@ class OffloadedActivations(saved_tensors_hooks):
     def offloadable(self, tensor: torch.Tensor) -> bool:
         return (type(tensor) is torch.Tensor and tensor.device.type == self.device_type  # noqa: E721 (no subclass)
                 and tensor.layout == torch.strided and not isinstance(tensor._base, torch.nn.Parameter)
-                and tensor.numel() * tensor.element_size() >= self.min_bytes)
+                and tensor.numel() * tensor.element_size() >= self.min_bytes
+                and tensor.untyped_storage().data_ptr() not in self.model_storages)
 
     def pack(self, tensor: torch.Tensor) -> torch.Tensor | Offloaded:
         if not self.offloadable(tensor):
@@ -180,3 +186,12 @@ class OffloadedActivations(saved_tensors_hooks):
             earlier = ref()
             if earlier is not None and earlier.back is None and earlier.unpacks < earlier.saves:
                 earlier.back = self.copies.to_device(earlier.host, earlier.device)
+
+
+def model_storages(model: torch.nn.Module) -> frozenset[int]:
+    """The storages of every tensor `model` holds: parameters, buffers and plain tensor attributes of its modules.
+    A saved tensor in one of them stays where the model keeps it anyway. Read at each forward: cheap next to it
+    (one pass over the modules' attributes), and right if a tensor was replaced since."""
+    held = [*model.parameters(), *model.buffers(),
+            *(v for m in model.modules() for v in vars(m).values() if isinstance(v, torch.Tensor))]
+    return frozenset(t.untyped_storage().data_ptr() for t in held if t.device.type != "meta")
