@@ -953,6 +953,7 @@ def test_plan_auto_sets_the_long_row_levers_and_keeps_the_users():
     assert options["mlp_tile_tokens"] == 4096 and options["offload_activations"] is True and chosen.roomy
     # under DDP at 32k the compiled layers would leave no margin: the run is told to leave them off, FP8 at auto
     assert options["compile_layers"] == "false" and "fp8" not in options and not chosen.fast.compiled
+    assert "\n               compiled layers off (with them the plan needs" in prediction_line(chosen)  # the first screen
     # the user's --mlp_tile_tokens wins, and the plan is predicted with it: at 16k, no offloading is then needed
     model.mlp_tile_tokens = 4096
     options, chosen = planned_options(model, lora, SimpleNamespace(max_length=16384), training, m,

@@ -49,6 +49,7 @@ class FastPaths:
     compiled: bool = False
     notes: tuple[str, ...] = ()   # sft/options/resolve.py's, one per `auto`: on, or off and the check's reason
     refused: str | None = None    # a `true` the plan's strategy refuses: the run's error (the plan cannot run)
+    planned_off: tuple[str, ...] = ()  # what the planner set to false for memory, with why (plans._with_levers)
 
     @property
     def label(self) -> str:

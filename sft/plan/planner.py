@@ -131,7 +131,8 @@ def prediction_line(plan: Plan) -> str:
     p = plan.prediction
     return (f"  {'plan':<12} {plan.w.strategy}, checkpointing {'on' if plan.w.checkpointing else 'off'}, "
             f"micro-batch {plan.w.micro_batch}, {plan.fast.name}{', experts in e4m3' if plan.w.resident else ''}: predicted {shown_gib(plan):.1f} GiB per GPU "
-            f"(nvidia-smi; {p.reserved_gib:.1f} GiB reserved by PyTorch), ~{plan.tok_s:,.0f} tok/s")
+            f"(nvidia-smi; {p.reserved_gib:.1f} GiB reserved by PyTorch), ~{plan.tok_s:,.0f} tok/s"
+            + "".join(f"\n  {'':<12} {said}" for said in plan.fast.planned_off))
 
 
 def nothing_planned_line(model: str, lora: bool, machine=None) -> str:

@@ -262,8 +262,9 @@ def _levers_tried(shape: Shape, box: Box, w: Workload, asked: Asked, levers: Lev
     if turned_off:  # the run's own note for a path set to false is the option; the plan says why
         planned = [name for option, name in (("compile_layers", "compiled layers"), ("fp8", "FP8"))
                    if getattr(asked, option) == "false"]
-        fast = dataclasses.replace(fast, notes=(*(n for n in fast.notes if not n.startswith(tuple(planned))),
-                                                *(f"{name} off ({turned_off})" for name in planned)))
+        said = tuple(f"{name} off ({turned_off})" for name in planned)
+        fast = dataclasses.replace(fast, notes=(*(n for n in fast.notes if not n.startswith(tuple(planned))), *said),
+                                   planned_off=said)
     w = dataclasses.replace(w, fp8=fast.fp8, compiled=fast.compiled)
     return [judged_plan(shape, box, dataclasses.replace(w, mlp_tile_tokens=lv.mlp_tile_tokens,
                                                         offload_activations=lv.offload_activations), fast, asked)
