@@ -328,7 +328,8 @@ MATRIX += [
     Row("long-r1-4k-default", "lora", model="r1-distill-qwen-7b", seq_len=4096, micro_batch=4, warmup=2, steps=4,
         profile_steps=0, repeat_data=1, long_docs=True, timeout=420,
         args=(*LIGER, "--lora_dropout", "0", *FLEX, *CKPT, "--fp8", "auto", "--compile_layers", "auto")),
-    # the same 32k row with sdpa: no compile per shape, a dense [L, L] mask (its padding is a document of its own)
+    # the same 32k row with sdpa: no compile per shape; one conversation and its padding need no mask but the causal
+    # order (the collator's padding continues the last document), so sdpa runs its fused causal kernel
     Row("long-r1-32k-sdpa", "lora", model="r1-distill-qwen-7b", seq_len=32768, warmup=2, steps=3, profile_steps=0,
         repeat_data=1, long_docs=True, timeout=420, args=(*LIGER, "--lora_dropout", "0", "--attn_implementation",
                                                           "sdpa", *CKPT, "--offload_activations", "true",

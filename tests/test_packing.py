@@ -68,12 +68,12 @@ def test_pack_rows_keeps_documents_whole_and_aligned():
     assert sorted(map(str, with_empty)) == sorted(map(str, rows))
 
 
-def test_collator_restarts_positions_per_document_and_pads_as_its_own_document():
+def test_collator_restarts_positions_per_document_and_its_padding_continues_the_last_one():
     batch = Collator(pad_token_id=0)([
         {"input_ids": [1, 2, 3, 4, 5], "labels": [IGNORE, 2, 3, IGNORE, 5], "seq_lengths": [3, 2]},
         {"input_ids": [6, 7], "labels": [IGNORE, 7], "seq_lengths": [2]},
     ])
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]
     assert batch["labels"].tolist() == [[IGNORE, 2, 3, IGNORE, 5], [IGNORE, 7, IGNORE, IGNORE, IGNORE]]
     assert "attention_mask" not in batch
     assert batch["use_cache"] is False  # a cache would break the packed mask (test below)
@@ -82,7 +82,7 @@ def test_collator_restarts_positions_per_document_and_pads_as_its_own_document()
     assert plain["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     fixed = Collator(pad_token_id=0, pad_to_multiple_of=4)([{"input_ids": [1, 2, 3, 4, 5], "labels": [IGNORE, 2, 3, 4, 5],
                                                              "seq_lengths": [5]}])
-    assert fixed["position_ids"].tolist() == [[0, 1, 2, 3, 4, 0, 1, 2]]
+    assert fixed["position_ids"].tolist() == [list(range(8))]  # one document and its padding: no restart
     assert fixed["labels"].tolist() == [[IGNORE, 2, 3, 4, 5, IGNORE, IGNORE, IGNORE]]
 
 
@@ -90,14 +90,17 @@ def test_collator_numbers_documents_and_labelled_positions_on_the_host():
     rows = [{"input_ids": [1, 2, 3, 4, 5], "labels": [IGNORE, 2, 3, IGNORE, 5], "seq_lengths": [3, 2]},
             {"input_ids": [6, 7], "labels": [IGNORE, 7], "seq_lengths": [2]}]
     batch = Collator(pad_token_id=0, labelled_positions=True, document_ids=True)(rows)
-    assert batch[DOCUMENT_IDS].tolist() == [[0, 0, 0, 1, 1], [0, 0, 1, 1, 1]]  # the padding: a document of its own
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]
+    assert batch[DOCUMENT_IDS].tolist() == [[0, 0, 0, 1, 1], [0, 0, 0, 0, 0]]  # the padding: the last document's
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 2, 3, 4]]
     # flat places t (row x 5 + t) whose next token has a label: row 0's targets 2, 3, 5; row 1's 7
     assert batch[LABELLED_POSITIONS].tolist() == [0, 1, 3, 5]
     # every row one document filling it: nothing to mask but the causal order, and the positions are 0..n-1
     whole = Collator(pad_token_id=0, document_ids=True)([{"input_ids": [1, 2, 3], "labels": [1, 2, 3],
                                                           "seq_lengths": [3]}])
     assert DOCUMENT_IDS not in whole and "position_ids" not in whole
+    # ... and one document with padding: the padding follows every real token, which causal attention never reads
+    padded = Collator(pad_token_id=0, document_ids=True, pad_to_multiple_of=8)(rows[1:])
+    assert DOCUMENT_IDS not in padded and "position_ids" not in padded and "attention_mask" not in padded
     assert DOCUMENT_IDS not in Collator(pad_token_id=0)(rows)  # asked for only
 
 
@@ -128,9 +131,10 @@ def test_the_mask_from_the_documents_is_the_one_transformers_finds(attn):
         theirs, ours = (create_mask(m.mask_mod, 2, 1, 128, 128, device="cpu") for m in (theirs, ours))
     assert ours.dtype == theirs.dtype and torch.equal(ours, theirs)
     allowed = ours if ours.dtype == torch.bool else ours == 0  # eager: 0 where attended, the dtype's min elsewhere
-    # row 0: documents 0-39, 40, 41-98, then the padding; row 1: 0-58, the padding
+    # row 0: documents 0-39, 40, 41-98 and its padding; row 1: 0-58 and its padding
     assert allowed[0, 0, 45, 41] and not allowed[0, 0, 45, 40] and not allowed[0, 0, 45, 10]
-    assert allowed[1, 0, 58, 0] and not allowed[1, 0, 60, 58] and not allowed[0, 0, 40, 39]
+    assert allowed[1, 0, 58, 0] and not allowed[1, 0, 58, 60] and not allowed[0, 0, 40, 39]
+    assert allowed[0, 0, 110, 41] and not allowed[0, 0, 98, 110]  # no real token reads the padding
 
 
 def test_models_with_sliding_windows_or_flash_attention_keep_transformers_own_mask():

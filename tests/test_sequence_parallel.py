@@ -90,7 +90,7 @@ def test_the_model_must_split_into_whole_heads_and_not_be_mla(tmp_path):
 def test_rows_of_one_conversation_get_positions_for_the_slices():
     batch = Collator(pad_token_id=0, pad_to_multiple_of=4, positions=True)(
         [{"input_ids": [5, 6, 7], "labels": [-100, 6, 7]}, {"input_ids": [8, 9], "labels": [8, 9]}])
-    assert batch["position_ids"].tolist() == [[0, 1, 2, 0], [0, 1, 0, 1]]  # the padding: a document of its own
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3], [0, 1, 2, 3]]  # the padding continues the conversation
     assert "attention_mask" not in batch
     assert "position_ids" not in Collator(pad_token_id=0)([{"input_ids": [5], "labels": [5]}])
 

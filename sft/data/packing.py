@@ -137,14 +137,15 @@ def token_sequences(documents: list[list[int]], length: int) -> dict[str, torch.
 @dataclass
 class Collator:
     """Pad a list of rows into a batch. Packed rows (with `seq_lengths`) get position_ids and no attention_mask;
-    their padding forms one more document of its own, whose labels are all ignored. `positions`: rows of one
+    their padding continues their last document (it follows every real token, so under causal attention none of
+    them reads it), and its labels are all ignored. `positions`: rows of one
     conversation get them too, as a pack of one (sequence parallelism: DeepSpeed slices each row and gathers the
     positions back, and drops any attention mask). `counts_tokens`: the batch also holds its non-padding token
     count as a Python int under NUM_INPUT_TOKENS, for SFTTrainer (a plain Trainer would hand it to the model).
     `labelled_positions`: the labelled tokens' places under LABELLED_POSITIONS (SFTTrainer's labelled-token loss).
     `document_ids`: packed rows' documents under DOCUMENT_IDS (SFTTrainer builds their mask); where every row is
-    one document without padding there is nothing to mask but the causal order, and the batch holds neither them
-    nor position_ids (the model's own positions are the same 0..length-1). `token_sequences`: the real tokens and
+    one document (with or without padding) there is nothing to mask but the causal order, and the batch holds
+    neither them nor position_ids (the model's own positions are the same 0..length-1). `token_sequences`: the real tokens and
     their sequences (a padded row, a packed document) under REAL_TOKENS, TOKEN_SEQUENCES and SEQUENCE_COUNT (the MoE
     balance loss, sft/model/moe.py)."""
 
@@ -178,15 +179,18 @@ class Collator:
             batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"])
             batch["labels"][i, :n] = torch.as_tensor(row["labels"])
             real_documents.append([length for length in (row.get("seq_lengths", [n]) if packed else [n]) if length])
-            if packed:
-                lengths = [length for length in list(row.get("seq_lengths", [n])) + [longest - n] if length]
+            if packed:  # the padding continues the last document: causal attention keeps every real token from
+                # reading it (it follows them all), and its own outputs train nothing. So a row of one document and
+                # padding needs no mask but the causal order, and sdpa keeps its fused causal kernel.
+                lengths = [length for length in row.get("seq_lengths", [n]) if length] or [0]
+                lengths[-1] += longest - n
                 batch["position_ids"][i] = position_ids_for(lengths)
                 if documents is not None:
                     documents.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)))
             else:
                 batch["attention_mask"][i, :n] = 1
         if documents is not None:
-            if any(int(row[-1]) for row in documents):  # a row of two documents or more (its padding counts)
+            if any(int(row[-1]) for row in documents):  # a row of two documents or more
                 batch[DOCUMENT_IDS] = torch.stack(documents)
             else:
                 del batch["position_ids"]

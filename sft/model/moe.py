@@ -126,43 +126,41 @@ def token_groups(inputs: dict, pad_token_id: int | None) -> tuple[torch.Tensor, 
     sequence (document) each real one belongs to, numbered 0..S-1, and S.
 
     A padded batch (attention_mask): each row is a sequence, its masked positions padding. A packed batch
-    (position_ids, no attention_mask; sft/data/packing.py): a document starts wherever position_ids is 0, and a row's last
-    document is the Collator's padding when all its ids are the pad id and all its labels ignored. Otherwise:
-    every row one sequence, all real."""
+    (position_ids, no attention_mask; sft/data/packing.py): a document starts wherever position_ids is 0. Otherwise
+    every row is one sequence. Without an attention_mask, a row's padding is its trailing run of pad ids whose labels
+    are all ignored (the Collator's padding continues the row's last document: trailing_padding)."""
     ids = inputs["input_ids"]
     rows, length = ids.shape
-    mask, positions = inputs.get("attention_mask"), inputs.get("position_ids")
+    mask, positions, labels = inputs.get("attention_mask"), inputs.get("position_ids"), inputs.get("labels")
     if mask is not None:
         real = mask.bool()
-        starts = torch.zeros_like(real)
-        starts[:, 0] = True
-    elif positions is not None:
-        starts = positions.expand(rows, length) == 0
-        starts[:, 0] = True
-        real = torch.ones_like(starts)
-        labels = inputs.get("labels")
-        if pad_token_id is not None and labels is not None:
-            column = torch.arange(length, device=ids.device).expand(rows, length)
-            last_start = torch.where(starts, column, 0).amax(dim=1, keepdim=True)
-            tail = column >= last_start
-            padding = ((ids == pad_token_id) | ~tail).all(1) & ((labels == IGNORE) | ~tail).all(1)
-            real = ~(tail & padding[:, None])
+    elif pad_token_id is not None and labels is not None:
+        real = ~trailing_padding(ids, labels, pad_token_id)
     else:
         real = torch.ones(rows, length, dtype=torch.bool, device=ids.device)
+    if mask is None and positions is not None:
+        starts = positions.expand(rows, length) == 0
+    else:
         starts = torch.zeros_like(real)
-        starts[:, 0] = True
+    starts[:, 0] = True
     sequence = starts.flatten().cumsum(0) - 1
     real = real.flatten()
     found, sequence = torch.unique(sequence[real], return_inverse=True)  # dense numbers over the real tokens
     return real, sequence, len(found)
 
 
+def trailing_padding(ids: torch.Tensor, labels: torch.Tensor, pad_token_id: int) -> torch.Tensor:
+    """Each row's trailing run of pad ids with ignored labels (bool, ids' shape): the Collator's padding."""
+    pad_like = (ids == pad_token_id) & (labels == IGNORE)
+    return pad_like.flip(1).int().cummin(1).values.flip(1).bool()
+
+
 def collated_token_groups(inputs: dict, pad_token_id: int | None) -> tuple[torch.Tensor, torch.Tensor, int]:
     """token_groups' answer with the real tokens as flat indices: from the collator's host-made keys
     (sft/data/packing.py REAL_TOKENS, TOKEN_SEQUENCES, SEQUENCE_COUNT) where the batch has them, which costs no
     wait for the device; else found from the batch (evaluation, callers with their own batches), which waits.
-    The two agree but where a packed row ends with a real document made only of pad ids with no label: the collator
-    knows it is real, token_groups takes it for the row's padding."""
+    The two agree but where a row's real tokens end with pad ids whose labels are ignored: the collator knows they
+    are real, token_groups takes them for the row's padding."""
     if REAL_TOKENS in inputs:
         return inputs[REAL_TOKENS], inputs[TOKEN_SEQUENCES], inputs[SEQUENCE_COUNT]
     real, sequence, sequences = token_groups(inputs, pad_token_id)
