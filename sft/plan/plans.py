@@ -236,9 +236,10 @@ def _resident(w: Workload) -> Workload:
 
 def _with_levers(shape: Shape, box: Box, w: Workload, asked: Asked, levers: Levers | None) -> list[Plan]:
     """`w` with the fast paths its run gets on `box`, and the first long-row levers that leave the card its margin
-    (all of them where none does); [] where no lever applies. Where `auto` turned the compiled layers on and no
-    lever then leaves the margin, the same without them (`--compile_layers false` in its command): at 32k tokens
-    their graphs keep more than each layer's input (memory.CALIBRATION compiled_checkpoint_scale)."""
+    (all of them where none does); [] where no lever applies. Where `auto` turned the fast paths on and no lever
+    then leaves the margin, the same without the compiled layers, then without FP8 too (`--compile_layers false`,
+    `--fp8 false` in its command, and why in FastPaths.planned_off): at 32k tokens the compiled layers were measured
+    taking more memory than eager ones (memory.CALIBRATION compiled_checkpoint_scale)."""
     tried = _levers_tried(shape, box, w, asked, levers)
     roomy = next((p for p in tried if p.roomy), None)
     why = ""

@@ -69,13 +69,16 @@ def _split_numbers(path: Path, model: str | None, kinds: list[tuple]) -> dict:
 
 
 def fast_path_memory(path: Path = RESULTS) -> dict:
-    """{lora|full|resident: {compiled|fp8: [share, why]}}: what each fast path adds to the peak reserved memory
+    """{lora|full|resident|long: {compiled|fp8: [share, why]}}: what each fast path adds to the peak reserved memory
     (negative: saves), as a share of its kind's unit (fast_path_unit: the whole layers' activations, or for resident
     plans one MoE layer's dequantized experts; fast_path_bytes adds it). Fitted on the rows that ran with the path
     against their twins without it (the same model, workload, allocator cap and other options; in any run: the
     median of the twins' peaks): the sum of the differences, less what the rest of the memory model puts between
     the two (_modelled_difference), over the sum of those rows' units. A pair where either
-    peak is within 0.5 GiB of its cap is left out (the cap hides the difference). A QLoRA plan takes LoRA's numbers;
+    peak is within 0.5 GiB of its cap is left out (the cap hides the difference). A row with both paths and no twin
+    with one of them is paired for the compiled layers against its twin with neither, less FP8's share (fitted
+    first). A QLoRA plan takes LoRA's numbers; the long kind (LoRA on rows over 4,096 tokens) its own where a long
+    row ran with the path, else LoRA's;
     the resident kind holds only the paths some resident row ran with beside its twin (fast_path_bytes takes LoRA's
     for the others). Rows split over ranks (--sequence_parallel) are left out: their slices and all-to-alls are no
     other plan's memory."""
