@@ -233,6 +233,13 @@ def is_first_process() -> bool:
     return launch().first
 
 
+def note(text: str) -> None:
+    """A `note:` line on stderr from the first process only (every rank reads the same options and data): the
+    options' and the data's notes, before any model loads."""
+    if is_first_process():
+        print(f"note: {text}", file=sys.stderr, flush=True)
+
+
 def host_ram_gib(env: Mapping[str, str] | None = None, meminfo: str = "/proc/meminfo") -> float | None:
     """This machine's RAM in GiB without importing torch: SFT_HOST_RAM_GIB when set (VMs whose RAM grows on demand),
     else psutil's total, else /proc/meminfo's MemTotal; None where neither can be read (unknown, never assumed)."""

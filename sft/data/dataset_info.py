@@ -16,7 +16,7 @@ from pathlib import Path
 
 from sft.data.formats import is_local
 from sft.errors import DataError
-from sft.report.console import note
+from sft.machine import note
 
 INFO_FILE = "dataset_info.json"
 UNSUPPORTED = ("ms_hub_url", "script_url", "cloud_file_name", "subset", "folder")

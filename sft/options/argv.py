@@ -14,7 +14,7 @@ from dataclasses import MISSING, dataclass, fields
 from transformers import HfArgumentParser
 
 from sft.errors import ConfigError
-from sft.report.console import note
+from sft.machine import note
 from sft.names import hub_id
 
 

@@ -123,12 +123,6 @@ def quiet_libraries(main_process: bool | None = None) -> None:
 
 # ---- the first screen and the last one ---------------------------------------------------------------------------
 
-def note(text: str) -> None:
-    """A `note:` line on stderr, from the first process only (every rank reads the same options and data)."""
-    if is_first_process():
-        print(f"note: {text}", file=sys.stderr, flush=True)
-
-
 def count(n: float) -> str:
     """4_260_000 -> '4.26M'; three significant digits, the way model sizes are spoken of."""
     for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
