@@ -197,6 +197,9 @@ def test_the_trainer_offloads_its_training_forward(tmp_path):
     assert got_loss == want_loss and got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+    # the trainer's own hooks know the model's tensors (their storages), which they leave where they are
+    held = SFTTrainer.activation_offload(trainer).model_storages
+    assert all(p.untyped_storage().data_ptr() in held for p in model.parameters())
 
 
 def test_the_planner_counts_the_checkpoints_the_offload_keeps_on_the_gpu():

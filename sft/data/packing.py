@@ -173,12 +173,13 @@ class Collator:
         else:
             batch["attention_mask"] = torch.zeros((len(rows), longest), dtype=torch.long)
         documents = [] if packed and self.document_ids else None
-        real_documents = []  # each row's real documents' lengths (a padded row: one)
+        real_documents = [] if self.token_sequences else None  # each row's real documents' lengths (padded: one)
         for i, row in enumerate(rows):
             n = len(row["input_ids"])
             batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"])
             batch["labels"][i, :n] = torch.as_tensor(row["labels"])
-            real_documents.append([length for length in (row.get("seq_lengths", [n]) if packed else [n]) if length])
+            if real_documents is not None:
+                real_documents.append([length for length in (row.get("seq_lengths", [n]) if packed else [n]) if length])
             if packed:  # the padding continues the last document: causal attention keeps every real token from
                 # reading it (it follows them all), and its own outputs train nothing. So a row of one document and
                 # padding needs no mask but the causal order, and sdpa keeps its fused causal kernel.
@@ -196,7 +197,7 @@ class Collator:
                 del batch["position_ids"]
         if self.labelled_positions:
             batch[LABELLED_POSITIONS] = labelled_positions(batch["labels"])
-        if self.token_sequences:
+        if real_documents is not None:
             batch.update(token_sequences(real_documents, longest))
         # A cache breaks the packed mask (and serves no purpose in training): off in every training and eval forward
         # whatever config.use_cache says (the Trainer hands the batch to model(**batch) as it is).
