@@ -145,9 +145,9 @@ class Collator:
     `labelled_positions`: the labelled tokens' places under LABELLED_POSITIONS (SFTTrainer's labelled-token loss).
     `document_ids`: packed rows' documents under DOCUMENT_IDS (SFTTrainer builds their mask); where every row is
     one document (with or without padding) there is nothing to mask but the causal order, and the batch holds
-    neither them nor position_ids (the model's own positions are the same 0..length-1). `token_sequences`: the real tokens and
-    their sequences (a padded row, a packed document) under REAL_TOKENS, TOKEN_SEQUENCES and SEQUENCE_COUNT (the MoE
-    balance loss, sft/model/moe.py)."""
+    neither them nor position_ids (the model's own positions are the same 0..length-1). `token_sequences`: the real
+    tokens and their sequences (a padded row, a packed document) under REAL_TOKENS, TOKEN_SEQUENCES and
+    SEQUENCE_COUNT (the MoE balance loss, sft/model/moe.py)."""
 
     pad_token_id: int
     pad_to_multiple_of: int | None = None

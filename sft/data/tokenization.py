@@ -200,8 +200,9 @@ def _tokenize_batch(batch, tokenizer, template, max_length, train_on_prompt, ove
     # A template's note on an example (a reply it leaves untrained, say) is its status where nothing else is, and
     # where the template itself trains nothing of it (a conversation whose only reply is all reasoning): the note
     # says why, not a --max_length cut. Under --train_on_prompt every token is trained, so such a note is untrue.
-    statuses = [note if note and not train_on_prompt and (status == "ok" or status == NOTHING_TRAINED and not any(flags))
-                else status for status, note, flags in zip(statuses, notes, trained_flags)]
+    statuses = [note if note and not train_on_prompt
+                and (status == "ok" or status == NOTHING_TRAINED and not any(flags)) else status
+                for status, note, flags in zip(statuses, notes, trained_flags)]
     offsets = np.zeros(len(texts) + 1, dtype=np.int32)
     np.cumsum(lengths, out=offsets[1:])
     flat_ids = np.concatenate(pieces_ids).astype(np.int32)

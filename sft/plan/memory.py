@@ -129,7 +129,7 @@ def fast_path_bytes(shape: Shape, w: Workload) -> float:
     memory, total = snapshot.fitted()["fast_path_memory"], 0.0
     for name in [n for n, on in (("compiled", w.compiled), ("fp8", w.fp8)) if on]:
         kind = fast_path_kind(w)
-        if name not in memory.get(kind, {}):  # no row of this kind ran with the path: LoRA's share (a resident or long plan)
+        if name not in memory.get(kind, {}):  # no row of this kind ran with the path: LoRA's share (resident, long)
             kind = "lora"
         total += memory[kind][name][0] * fast_path_unit(shape, w, kind)
     return total
