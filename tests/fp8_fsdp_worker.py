@@ -132,6 +132,9 @@ def main(out: str) -> None:
             run["max_weight_diff"] = max((weights[n] - p.detach()).abs().max().item() for n, p in plain.named_parameters())
         with open(out, "w") as f:
             json.dump(runs, f)
+    # both ranks leave together: rank 1 tearing gloo down while rank 0 still trains the plain model aborted it now
+    # and then ("terminate called without an active exception")
+    dist.barrier()
     dist.destroy_process_group()
 
 
