@@ -27,6 +27,34 @@ def test_quantize_rows_error_bound_zero_rows_and_extremes():
     assert bool((q.float().abs().amax(dim=1)[rows] == E4M3_MAX).all())  # each row's largest value uses the range
 
 
+
+def test_the_compiled_quantize_compiles_once_whatever_the_grad_mode_and_autocast():
+    """The eager FP8 op quantizes in a forward (autocast on), its backward (off) and checkpoints' recomputes (grad
+    on or off); dynamo guards on that state, and its 9th compile failed hard under fullgraph on a GPU (32k rows,
+    tiled MLPs). One compile serves every state and row count here, with the recompile limit at 1."""
+    import itertools
+
+    from sft.model.quantized_experts import _compiled_dequantize
+    from sft.speed.fp8 import _compiled_quantize, call_compiled
+
+    def reset() -> None:
+        torch._dynamo.reset()
+        _compiled_quantize.cache_clear()
+        _compiled_dequantize.cache_clear()
+
+    reset()
+    x = torch.randn(96, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for rows, (grad, autocast) in zip((64, 32, 96, 48), itertools.product((True, False), repeat=2)):
+        with (torch._dynamo.config.patch(recompile_limit=1), torch.set_grad_enabled(grad),
+              torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)):
+            q, scale = call_compiled(_compiled_quantize(), x[:rows])
+            # the MoE experts' dequantize (sft/model/quantized_experts.py) goes the same way, one shape here
+            weights = call_compiled(_compiled_dequantize(), q[:32], scale[:32], torch.bfloat16)
+        want_q, want_scale = quantize_rows(x[:rows])
+        assert torch.equal(q.float(), want_q.float()) and torch.equal(scale, want_scale)
+        assert torch.equal(weights, (want_q[:32].float() * want_scale[:32]).to(torch.bfloat16))
+    reset()
+
 def emulate(x, x_scale, w, w_scale):
     """What _scaled_mm computes: dequantized operands, fp32 products and sums, one rounding to bf16."""
     return ((x.float() * x_scale) @ (w.float() * w_scale.view(1, -1).t()).t()).bfloat16()

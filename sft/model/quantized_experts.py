@@ -23,7 +23,7 @@ from torch import nn
 
 from sft.machine import is_first_process, launch
 
-from sft.speed.fp8 import E4M3, quantize_rows as quantize_matrix_rows
+from sft.speed.fp8 import E4M3, call_compiled, quantize_rows as quantize_matrix_rows
 
 WEIGHTS = ("gate_up_proj", "down_proj")  # transformers 5's fused experts: [experts, out, in] each
 
@@ -56,7 +56,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torc
     if torch.compiler.is_compiling():  # inside a compiled layer (--compile_layers): inductor fuses it there
         return _dequantize_rows(q, scale, dtype)
     if q.is_cuda and launch().fp8_compile:
-        return _compiled_dequantize()(q, scale, dtype).detach()
+        return call_compiled(_compiled_dequantize(), q, scale, dtype)
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     for e in range(q.shape[0]):
         out[e] = _dequantize_rows(q[e], scale[e], dtype)

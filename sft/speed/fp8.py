@@ -24,6 +24,7 @@ bf16 base as any other (sft.safety.verify checks it beside the trained one, on t
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -47,12 +48,21 @@ def _compiled_quantize():
     return torch.compile(quantize_rows, dynamic=True, fullgraph=True)
 
 
+def call_compiled(compiled: Callable, *args):
+    """Call a compiled kernel function (no autograd, no autocast in it) under one global state. Dynamo guards on
+    grad mode and autocast, which differ between a forward (autocast on), its backward (off) and a checkpoint's
+    recompute; each state compiled anew, and the 9th compile is a hard failure under fullgraph (`--fp8` on
+    32,768-token rows with tiled MLPs and checkpoints: run 20261205T1315Z-long-h100)."""
+    with torch.no_grad(), torch.autocast(args[0].device.type, enabled=False):
+        return compiled(*args)
+
+
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows, compiled into one kernel per call on CUDA (amax, scale and cast fused: a read of x and a
     write of 1 byte per value); eager elsewhere (SFT_FP8_COMPILE=0 makes it eager on CUDA too). It runs inside
     the eager ops below; under --compile_layers the quantization is traced into the layer instead."""
     if x.is_cuda and launch().fp8_compile:
-        return _compiled_quantize()(x)
+        return call_compiled(_compiled_quantize(), x)
     return quantize_rows(x)
 
 
