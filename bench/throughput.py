@@ -218,27 +218,25 @@ MATRIX += [
     Row("full-fp8-rowwise", "full", micro_batch=4, mem_cap_gib=0, warmup=3, precision="none",
         args=("--dtype", "bfloat16", *LIGER, *FLEX, "--fp8", "true", "--fp8_recipe", "rowwise", "--compile_layers",
               "true"), optim=("--optim", "adamw_bf16_sr"), vs="trl-full", timeout=420),
-    # what a user gets with no speed option: --fp8 and --compile_layers left at auto (sft/options/resolve.py)
+    # what a user gets with no speed option: --fp8 and --compile_layers left at auto (sft/options/resolve.py); since
+    # 2026-12-05 14:00 UTC the FP8 forward's matmuls accumulate fast on Hopper by default (sft/machine.py)
     Row("lora-best-default", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
         args=(*LIGER, "--lora_dropout", "0", *FLEX, "--fp8", "auto", "--compile_layers", "auto"),
         vs="trl-lora-best", timeout=420),
-    # the same with the FP8 forward matmuls accumulating fast (torchao's recipe for the output matmul; issue 28 item 2)
-    Row("lora-best-default-fastaccum", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
+    # the same with the FP8 forward keeping cuBLAS's fp32 promotion (the default before; run 20261205T0550Z-lora2x
+    # measured fast accumulation at 1.07x it, as row lora-best-default-fastaccum)
+    Row("lora-best-default-promoted", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
         args=(*LIGER, "--lora_dropout", "0", *FLEX, "--fp8", "auto", "--compile_layers", "auto"),
-        env=(("SFT_FP8_FAST_ACCUM", "1"),), vs="trl-lora-best", timeout=420),
+        env=(("SFT_FP8_FAST_ACCUM", "0"),), vs="trl-lora-best", timeout=420),
     # the same with the loss in torch chunks instead of Liger's fused loss, whose forward reads its labelled-token
     # count back from the GPU (`.item()`): the step with no host wait but the logs (issue 28 item 2)
     Row("lora-best-default-chunked", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
         args=("--chunked_loss", "true", "--lora_dropout", "0", *FLEX, "--fp8", "auto", "--compile_layers", "auto"),
         vs="trl-lora-best", timeout=420),
-    # both: the FP8 forward's fast accumulation and the loss in torch chunks (issue 28 item 2)
-    Row("lora-best-default-fastaccum-chunked", "lora", micro_batch=8, mem_cap_gib=0, warmup=3,
-        args=("--chunked_loss", "true", "--lora_dropout", "0", *FLEX, "--fp8", "auto", "--compile_layers", "auto"),
-        env=(("SFT_FP8_FAST_ACCUM", "1"),), vs="trl-lora-best", timeout=420),
     # ... at micro-batch 12, which the uncapped H200 holds for ours (82 GiB at 8) and not for TRL's (95 GiB at 8)
-    Row("lora-best-default-fastaccum-chunked-mb12", "lora", micro_batch=12, mem_cap_gib=0, warmup=3,
+    Row("lora-best-default-chunked-mb12", "lora", micro_batch=12, mem_cap_gib=0, warmup=3,
         args=("--chunked_loss", "true", "--lora_dropout", "0", *FLEX, "--fp8", "auto", "--compile_layers", "auto"),
-        env=(("SFT_FP8_FAST_ACCUM", "1"),), vs="trl-lora-best", timeout=420),
+        vs="trl-lora-best", timeout=420),
     # ... and the box's LoRA plan on one 24 GiB card (lora-1's options) with them
     Row("lora-1-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--compile_layers", "true"), timeout=420),
     Row("lora-1-fp8-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--fp8", "true", "--compile_layers", "true"),
@@ -318,16 +316,17 @@ MATRIX += [
         repeat_data=1, long_docs=True, timeout=600,
         args=(*LIGER, "--lora_dropout", "0", *FLEX, *CKPT, "--mlp_tile_tokens", "4096", "--offload_activations", "true",
               "--fp8", "auto", "--compile_layers", "auto")),
-    # ... as recipes/r1-distill-qwen-7b-long.yaml runs it on the box: FP8, the compiled layers off (the planner's DDP
-    # plan: with them DDP is predicted over a 24 GB card's margin at 32k, docs/planner.md "Fast paths that do not fit")
-    Row("long-r1-32k-recipe", "lora", model="r1-distill-qwen-7b", seq_len=32768, warmup=2, steps=3, profile_steps=0,
-        repeat_data=1, long_docs=True, timeout=600,
-        args=(*LIGER, "--lora_dropout", "0", *FLEX, *CKPT, "--mlp_tile_tokens", "4096", "--offload_activations", "true",
-              "--fp8", "auto", "--compile_layers", "false")),
-    # its reference: the 4k row with the same levers at auto (issue 27 item 1 compares a model's plans, not levers)
-    Row("long-r1-4k-default", "lora", model="r1-distill-qwen-7b", seq_len=4096, micro_batch=4, warmup=2, steps=4,
-        profile_steps=0, repeat_data=1, long_docs=True, timeout=420,
-        args=(*LIGER, "--lora_dropout", "0", *FLEX, *CKPT, "--fp8", "auto", "--compile_layers", "auto")),
+    # The recipes as users run them (--config: the recipe's own fast paths and checkpoint settings), on one conversation
+    # per row: the 32k recipe (FP8, no compiled layers: the planner's DDP plan, docs/planner.md "Fast paths that do
+    # not fit") against the 4k one (FP8 and compiled layers, micro-batch 2, two layers kept whole), the same tokens
+    # per optimizer step. Issue 27 item 1's ratio: the plans a user gets at each length. (At 4k, micro-batch 4 with
+    # FP8 and compiled layers, predicted 23.4 GiB, ran out of 24 GiB: run 20261205T1315Z-long-h100.)
+    Row("long-r1-32k-recipe", "lora", model="r1-distill-qwen-7b", seq_len=32768, grad_accum=2, warmup=1, steps=2,
+        profile_steps=0, repeat_data=1, long_docs=True, timeout=600,
+        args=("--config", str(REPO / "recipes" / "r1-distill-qwen-7b-long.yaml"))),
+    Row("long-r1-4k-recipe", "lora", model="r1-distill-qwen-7b", seq_len=4096, micro_batch=2, grad_accum=8, warmup=1,
+        steps=2, profile_steps=0, repeat_data=1, long_docs=True, timeout=420,
+        args=("--config", str(REPO / "recipes" / "r1-distill-qwen-7b-lora.yaml"))),
     # the same 32k row with sdpa: no compile per shape; one conversation and its padding need no mask but the causal
     # order (the collator's padding continues the last document), so sdpa runs its fused causal kernel
     Row("long-r1-32k-sdpa", "lora", model="r1-distill-qwen-7b", seq_len=32768, warmup=2, steps=3, profile_steps=0,
@@ -418,9 +417,9 @@ GROUPS = {
     # the next GPU session's rows: LoRA against TRL with the garbage collector frozen after the first step (issue 28
     # item 2; run 20261205T0550Z-lora2x had one slow step in each of our rows), then the 16k long rows (issue 27
     # item 1), V2-Lite uncapped with compiled MoE layers (issue 26 item 3). Also due there: bench/fp8_check.py's loss
-    # checks of quantize-experts-compile and of SFT_FP8_FAST_ACCUM
-    "next": ["trl-lora-best", "lora-best-default", "lora-best-default-fastaccum", "lora-best-default-fastaccum-chunked",
-             "moe-lora-compile", "long-r1-4k-default", "long-r1-32k-default", "long-r1-32k-recipe", "long-r1-16k",
+    # check of quantize-experts-compile
+    "next": ["trl-lora-best", "lora-best-default", "lora-best-default-chunked", "lora-best-default-chunked-mb12",
+             "moe-lora-compile", "long-r1-4k-recipe", "long-r1-32k-default", "long-r1-32k-recipe", "long-r1-16k",
              "long-llm-16k"],
     # issue 26 item 4's one-GPU byte check (never run yet): FSDP2's copy and all-gather of the NF4 bytes, bit for bit
     "qlora-bytes": ["fsdp-qlora-bytes"],
@@ -434,13 +433,14 @@ GROUPS = {
                  "lora-best-fp8-compile-eagerround"],
     "defaults": ["trl-lora-best", "lora-best-default"],
     # issue 28 item 2 (LoRA >= 2.0x TRL): the step without host waits (the NaN guard's verdict on the GPU, the token
-    # count, the labelled positions and the packed documents from the collator, no NaN filter), and the FP8 forward's
-    # fast accumulation, beside TRL's best; with the loss in torch chunks: no wait left in the step (Liger's `.item()`)
-    "lora2x": ["trl-lora-best", "lora-best-default", "lora-best-default-fastaccum", "lora-best-default-chunked",
-               "lora-best-default-fastaccum-chunked", "lora-best-default-fastaccum-chunked-mb12"],
+    # count, the labelled positions and the packed documents from the collator, no NaN filter), the FP8 forward's
+    # fast accumulation (the default; the promoted row without it), beside TRL's best; with the loss in torch chunks:
+    # no wait left in the step (Liger's `.item()`)
+    "lora2x": ["trl-lora-best", "lora-best-default", "lora-best-default-chunked", "lora-best-default-chunked-mb12",
+               "lora-best-default-promoted"],
     # issue 27 item 1, one GPU held to 24 GiB (run with --fresh_cache: the first step's compile is the user's wait)
     "long": ["long-r1-4k", "long-r1-32k", "long-llm-4k", "long-llm-32k", "long-r1-16k", "long-llm-16k",
-             "long-r1-32k-sdpa", "long-r1-4k-default", "long-r1-32k-default", "long-r1-32k-recipe"],
+             "long-r1-32k-sdpa", "long-r1-4k-recipe", "long-r1-32k-default", "long-r1-32k-recipe"],
     # issue 26 item 3: V2-Lite's LoRA step uncapped, each lever beside the compiled row and TRL's, same run; and the
     # eager row, whose profiled step's idle_ms says what the balance loss's host waits cost (58.9 ms in run
     # 20261205T0515Z-next, with them)

@@ -290,7 +290,8 @@ def run_row(args, train_args: list[str], env_extra: dict[str, str] | None = None
                                            "grad_accum", "warmup", "steps", "profile_steps", "mem_cap_gib",
                                            "repeat_data")}
     spec.update(out=str(out), model_dir=str(model), data=str(Path(args.data).resolve()), weights=needs_weights(args))
-    training = (trl_train_args(args, cpu) if args.peer == "trl" else worker_train_args(args, model, cpu)) + train_args
+    training = (trl_train_args(args, cpu) if args.peer == "trl"
+                else worker_train_args(args, model, cpu, recipe="--config" in train_args)) + train_args
     command = [sys.executable, "-m", "accelerate.commands.launch",  # this interpreter's accelerate
                *launch_flags(args.strategy, args.n_gpus, args.ds_config, free_port(), cpu),
                str(Path(__file__).resolve()), "--worker", json.dumps(spec), "--", *training]
@@ -494,11 +495,12 @@ def common_train_args(args, cpu: bool) -> list[str]:
             "--dataloader_num_workers", "2", "--seed", "0", *precision]
 
 
-def worker_train_args(args, model: Path, cpu: bool) -> list[str]:
-    """Options of sft/train.py every bench row shares; a row's own options come after and win."""
+def worker_train_args(args, model: Path, cpu: bool, recipe: bool = False) -> list[str]:
+    """Options of sft/train.py every bench row shares; a row's own options come after and win. A `recipe` row
+    (--config recipes/...) keeps the recipe's fast paths: the command line would override the recipe's values."""
     data = Path(args.data).resolve()
     # --fp8/--compile_layers default to auto (on where the GPU allows): a row names the fast paths it measures
-    return ["--fp8", "false", "--compile_layers", "false",
+    return [*(() if recipe else ("--fp8", "false", "--compile_layers", "false")),
             "--model", str(model), "--dataset", *[str(data)] * args.repeat_data, "--packing", "true",
             *common_train_args(args, cpu),
             "--dataset_cache_dir", str(Path(args.out).resolve() / "dataset-cache"), "--verify_saves", "no",

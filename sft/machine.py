@@ -50,6 +50,18 @@ def gpu_kind(name: str) -> tuple[str, GpuKind] | None:
     return next(((k, v) for k, v in GPU_KINDS.items() if k.lower() in name.lower()), None)
 
 
+# --fp8's forward matmuls accumulate as the tensor cores do natively (no periodic promotion to fp32) from this
+# compute capability on: Hopper, where the 50-step loss check passed (run 20261205T1325Z-fp8check-h100); Ada's is
+# not measured, so it keeps the promotion there unless asked.
+FAST_ACCUM_FROM = (9, 0)
+
+
+def fp8_fast_accum_on(asked: bool | None, capability: tuple[int, int]) -> bool:
+    """Whether --fp8's forward matmuls accumulate fast on a GPU of `capability`: SFT_FP8_FAST_ACCUM's 1 or 0 when
+    set (`asked`), else from FAST_ACCUM_FROM on."""
+    return asked if asked is not None else tuple(capability) >= FAST_ACCUM_FROM
+
+
 def _true(value: str | None) -> bool:
     return (value or "false").lower() in ("1", "true", "yes")
 
@@ -76,7 +88,7 @@ class Launch:
     nccl: tuple[tuple[str, str], ...] = ()         # the NCCL_* variables the user set (sft/parallel/distributed.py NCCL_VARS)
     tensorboard_logging_dir: str | None = None    # TENSORBOARD_LOGGING_DIR: where the Trainer's TensorBoard logs go
     fp8_compile: bool = True                      # SFT_FP8_COMPILE; "0": --fp8 quantizes eagerly on CUDA too
-    fp8_fast_accum: bool = False                  # SFT_FP8_FAST_ACCUM=1: --fp8's forward matmuls accumulate fast
+    fp8_fast_accum: bool | None = None            # SFT_FP8_FAST_ACCUM=1/0; unset: fp8_fast_accum_on decides
     peft_input_cast: bool = False                 # SFT_PEFT_INPUT_CAST=1: keep peft's input casts (bench rows)
     fp8_on_cpu: bool = False                      # SFT_FP8_ON_CPU=1: --fp8 on torch's CPU FP8 matmul (slow; tests)
     # FSDP_CPU_RAM_EFFICIENT_LOADING (accelerate launch, from its config): the weights loaded on rank 0 only and
@@ -168,7 +180,7 @@ def read_launch(env: Mapping[str, str] | None = None) -> Launch:
                   nccl=tuple((k, v) for k, v in sorted(env.items()) if k.startswith("NCCL_")),
                   tensorboard_logging_dir=env.get("TENSORBOARD_LOGGING_DIR") or None,
                   fp8_compile=env.get("SFT_FP8_COMPILE", "1") != "0",
-                  fp8_fast_accum=env.get("SFT_FP8_FAST_ACCUM") == "1",
+                  fp8_fast_accum={"1": True, "0": False}.get(env.get("SFT_FP8_FAST_ACCUM", "")),
                   peft_input_cast=env.get("SFT_PEFT_INPUT_CAST") == "1",
                   fp8_on_cpu=env.get("SFT_FP8_ON_CPU") == "1",
                   fsdp_qlora_check=env.get("SFT_FSDP_QLORA_CHECK") == "1",

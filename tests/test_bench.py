@@ -195,26 +195,37 @@ def test_the_expert_parallel_row_runs_beside_the_resident_plan_in_the_two_gpu_gr
     assert (REPO / "accelerate_configs" / "autoep.yaml").is_file()
 
 
-def test_the_32k_row_runs_again_with_the_fast_paths_the_planner_and_the_recipe_leave_on():
+def test_the_32k_row_runs_again_with_the_fast_paths_the_planner_and_the_recipe_leave_on(tmp_path):
     """Issue 27: long-r1-32k as users run it, --fp8 and --compile_layers at auto on one card (the bench's rows turn
-    them off unless they name them) and as the recipe runs it, in the long-row group beside its reference and in the
-    next GPU session's."""
+    them off unless they name them), and the 32k recipe against the 4k one as users run them (--config, the
+    recipes' own fast paths), in the long-row group and in the next GPU session's."""
     from sft.options.recipe import load_recipe
 
     plain, default = throughput.ROWS["long-r1-32k"], throughput.ROWS["long-r1-32k-default"]
     assert default.args == (*plain.args, "--fp8", "auto", "--compile_layers", "auto")
     assert (default.model, default.seq_len, default.micro_batch, default.long_docs, default.mem_cap_gib) == \
         (plain.model, plain.seq_len, plain.micro_batch, plain.long_docs, plain.mem_cap_gib)
-    recipe = dict(zip(*[iter(load_recipe(str(REPO / "recipes" / "r1-distill-qwen-7b-long.yaml")))] * 2))
-    # the recipe is the planner's DDP plan: FP8 at auto, the compiled layers off (over the margin with them at 32k);
-    # its own row runs it so, and the default row what one card gets (both at auto)
-    assert "--fp8" not in recipe and recipe["--compile_layers"] == "false"
-    as_recipe = throughput.ROWS["long-r1-32k-recipe"]
-    assert as_recipe.args == (*plain.args, "--fp8", "auto", "--compile_layers", "false")
+    long_recipe = dict(zip(*[iter(load_recipe(str(REPO / "recipes" / "r1-distill-qwen-7b-long.yaml")))] * 2))
     for option in ("--mlp_tile_tokens", "--offload_activations", "--attn_implementation", "--use_liger_kernel"):
-        assert default.args[default.args.index(option) + 1] == recipe[option], option
-    for row in (default, as_recipe):
-        assert row.name in throughput.GROUPS["long"] and row.name in throughput.GROUPS["next"]
+        assert default.args[default.args.index(option) + 1] == long_recipe[option], option
+    tokens_per_step = set()
+    for name, recipe_file in (("long-r1-32k-recipe", "r1-distill-qwen-7b-long.yaml"),
+                              ("long-r1-4k-recipe", "r1-distill-qwen-7b-lora.yaml")):
+        row = throughput.ROWS[name]
+        assert row.args == ("--config", str(REPO / "recipes" / recipe_file)) and row.long_docs
+        recipe = dict(zip(*[iter(load_recipe(row.args[1]))] * 2))
+        # the bench's own length, micro-batch and accumulation options are the recipe's values: its plan
+        assert (row.seq_len, row.micro_batch, row.grad_accum) == (
+            int(recipe["--max_length"]), int(recipe["--per_device_train_batch_size"]),
+            int(recipe["--gradient_accumulation_steps"])), name
+        tokens_per_step.add(row.seq_len * row.micro_batch * row.grad_accum)
+        assert name in throughput.GROUPS["long"] and name in throughput.GROUPS["next"]
+    assert tokens_per_step == {65536}
+    # a recipe row keeps the recipe's fast paths: the bench's "off unless named" would override them
+    args = bench.parser().parse_args(["--run_id", "t", "--model", "tiny", "--out", str(tmp_path), "--data", "d.json",
+                                      "--tokenizer", "tok", "--name", "x"])
+    assert "--fp8" in bench.worker_train_args(args, tmp_path, cpu=True)
+    assert "--fp8" not in bench.worker_train_args(args, tmp_path, cpu=True, recipe=True)
 
 
 def test_a_row_becomes_the_one_row_command_with_its_optimizer(tmp_path):

@@ -30,6 +30,21 @@ def test_a_lora_run_on_an_fp8_gpu_gets_both_and_the_first_screen_says_how_to_tur
                                "FP8 on (compute capability 8.9; --fp8 false turns it off)")
 
 
+def test_fp8_s_forward_accumulates_fast_on_hopper_unless_asked_not_to_and_the_first_screen_says_so():
+    """Fast accumulation passed its loss check on Hopper (bench/RESULTS.md); Ada keeps cuBLAS's fp32 promotion
+    until measured; SFT_FP8_FAST_ACCUM=1 or 0 wins either way."""
+    from sft.machine import fp8_fast_accum_on, read_launch
+
+    assert [fp8_fast_accum_on(None, c) for c in ((8, 9), (9, 0), (10, 0))] == [False, True, True]
+    assert fp8_fast_accum_on(False, (9, 0)) is False and fp8_fast_accum_on(True, (8, 9)) is True
+    assert [read_launch({"SFT_FP8_FAST_ACCUM": v}).fp8_fast_accum for v in ("1", "0", "")] == [True, False, None]
+    hopper = settled(gpu((9, 0)), "--lora")
+    assert hopper.speed_choices[1] == ("FP8 on (compute capability 9.0; --fp8 false turns it off), its forward "
+                                       "matmuls accumulating fast (SFT_FP8_FAST_ACCUM=0 keeps cuBLAS's fp32 promotion)")
+    assert settled(gpu((9, 0), fp8_fast_accum=False), "--lora").speed_choices[1].endswith("turns it off)")
+    assert settled(gpu(), "--lora").speed_choices[1].endswith("turns it off)")  # an RTX 4090: not measured there
+
+
 def test_each_is_off_where_its_check_refuses_it_with_the_checks_reason():
     m = settled(gpu(gpus=2, zero_stage="3"), "--lora")  # DeepSpeed: neither is tested with its hooks
     assert not m.fp8_on and not m.compile_layers_on

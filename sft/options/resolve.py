@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 
 from sft.errors import ConfigError
-from sft.machine import Machine
+from sft.machine import Machine, fp8_fast_accum_on
 from sft.options.checks import (NEW_RUN_DIR, PICKED_NEW, PICKED_NEWEST, PICKED_NOTHING,
                                SEQUENCE_PARALLEL_ATTENTIONS, Options,
                                compiled_layers_combinations, fp8_base_needs, fp8_combinations)
@@ -160,8 +160,18 @@ def fast_paths_where_supported(o: Options, m: Machine) -> None:
         md.fp8 = "false" if why else "true"
         if m.cuda:
             notes.append(f"FP8 off ({why})" if why else "FP8 on (compute capability "
-                         f"{'.'.join(map(str, min(m.gpu_capabilities)))}; --fp8 false turns it off)")
+                         f"{'.'.join(map(str, min(m.gpu_capabilities)))}; --fp8 false turns it off)"
+                         + fast_accum_note(o, m))
     md.speed_choices = tuple(notes)
+
+
+def fast_accum_note(o: Options, m: Machine) -> str:
+    """What the first screen says of the FP8 base's forward accumulation (LoRA's --fp8, sft/speed/fp8.py)."""
+    if not o.lora.lora or not m.gpu_capabilities:
+        return ""
+    if fp8_fast_accum_on(m.launch.fp8_fast_accum, min(m.gpu_capabilities)):
+        return ", its forward matmuls accumulating fast (SFT_FP8_FAST_ACCUM=0 keeps cuBLAS's fp32 promotion)"
+    return ""
 
 
 def full_fp8_unmeasured(o: Options) -> str | None:

@@ -8,9 +8,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from sft.parallel.strategies import STRATEGIES
-from sft.plan import resident
+from sft.plan import long_rows, resident
 from sft.plan.memory import predict
-from sft.plan.rows import RESULTS, measured_rows, row_shape, smi_of_row, workload_of_row
+from sft.plan.plans import kernels
+from sft.plan.rows import (RESULTS, measured_rows, option_value, row_options, row_shape, smi_of_row,
+                           workload_of_row)
+from sft.plan.shapes import Shape
 from sft.plan.workload import Workload, strategy_label
 
 
@@ -38,20 +41,27 @@ def check_rows(path: Path = RESULTS) -> list[dict]:
                     "err_smi": (smi / measured_smi - 1) if measured_smi else None,
                     "pred_host": p.host_gib, "host": r.get("host_ram_gib"),
                     "offload": bool(STRATEGIES[w.strategy].offload) or w.offload_activations,
-                    **host_checked(r, w),
+                    **host_checked(r, w, row_shape(r)),
                     "err_host": p.host_gib / r["host_ram_gib"] - 1 if r.get("host_ram_gib") else None})
     return out
 
 
-def host_checked(row: dict, w: Workload) -> dict:
+def host_checked(row: dict, w: Workload, shape: Shape) -> dict:
     """Whether a row's host RAM is held to the prediction ({"host_checked", "host_note"}): where the planner's
     estimate decides something, the offload plans and the resident plans (whose processes each load the base), but
-    not the resident rows measured before the experts were quantized as they load (resident.LOADED_WHOLE). Other
-    rows are not checked: the same configuration measured 4.6 to 22.9 GiB (torch.compile/Triton worker processes
-    and the bench's loading path; bench/RESULTS.md)."""
-    old = resident.LOADED_WHOLE.get((row.get("run_id"), row.get("name"))) if w.resident else None
-    checked = (bool(STRATEGIES[w.strategy].offload) or w.offload_activations or w.resident) and not old
-    return {"host_checked": checked, "host_note": old or ""}
+    not the rows measured before a fix changed what they hold there: the resident rows that loaded the whole base
+    (resident.LOADED_WHOLE), the long rows whose offload copied the model's own tensors
+    (long_rows.OFFLOADED_MODEL_TENSORS); nor a row whose attention is not the one the planner plans (long-r1-32k-sdpa
+    held 11.3 GiB where its flex_attention twins held 18.4-20.5: no compile, no compile workers). Other rows are not
+    checked: the same configuration measured 4.6 to 22.9 GiB (torch.compile/Triton worker processes and the bench's
+    loading path; bench/RESULTS.md)."""
+    key = (row.get("run_id"), row.get("name"))
+    old = resident.LOADED_WHOLE.get(key) if w.resident else long_rows.OFFLOADED_MODEL_TENSORS.get(key)
+    planned = kernels(w.strategy, shape, w.sequence_parallel)["attn_implementation"]
+    ran = option_value(row_options(row), "--attn_implementation", planned)
+    other = None if ran == planned else f"ran {ran}, where the planner plans {planned}"
+    checked = (bool(STRATEGIES[w.strategy].offload) or w.offload_activations or w.resident) and not old and not other
+    return {"host_checked": checked, "host_note": old or other or ""}
 
 
 def check_table(results: list[dict]) -> str:
@@ -72,7 +82,7 @@ def check_table(results: list[dict]) -> str:
             f"{x['pred_reserved']:.2f} / {x['reserved']:.2f}" + (" (cap)" if x["at_cap"] else ""),
             f"{x['err_reserved']:+.1%}", smi, f"{x['err_smi']:+.1%}" if x["err_smi"] is not None else "-",
             f"{x['pred_host']:.0f} / {x['host']:.1f}" + (f" ({x['err_host']:+.0%})" if x["host_checked"] else
-                                                          " (loaded whole)" if x["host_note"] else "")
+                                                          " (not checked)" if x["host_note"] else "")
             if x["host"] else "-",
         ]) + " |")
     return "\n".join(lines)

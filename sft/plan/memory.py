@@ -74,12 +74,11 @@ CALIBRATION = {
     "dequantized_copies": 2.2,
     # --compile_layers beside --offload_activations: what a compiled checkpointed layer keeps for its backward (and
     # the offload sends to host RAM), in units of the eager layer's checkpoint (its input, 2 x hidden bytes a token):
-    # fitted on long-r1-32k-default (host RAM 31.1 GiB against long-r1-32k's 18.4 in run 20261205T1120Z-long-h100,
-    # the same row without FP8 and compiled layers): 1.69 more. One row, measured before the offload kept the
-    # model's own tensors on the GPU: the compiled layer saved --fp8's transposed e4m3 weights for its backward
-    # (0.22 GiB a layer of R1-Distill-Qwen-7B), and the hooks copied them to host and back at every step
-    # (sft/speed/activation_offload.py model_storages). Kept until the row runs again: it errs on the safe side.
-    "compiled_checkpoint_scale": 2.69,
+    # fitted on long-r1-32k-default once the offload left the model's own tensors on the GPU (host RAM 19.6 GiB in
+    # run 20261205T1315Z-long-h100 against long-r1-32k's 18.4 in run 20261205T1120Z-long-h100, the same row without
+    # FP8 and compiled layers, the same GPU kind and cap): 0.16 more. Before that fix the same row took 31.1 GiB
+    # (the compiled layer saved --fp8's transposed e4m3 weights, which the hooks copied to host and back).
+    "compiled_checkpoint_scale": 1.16,
 }
 
 

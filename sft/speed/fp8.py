@@ -29,7 +29,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from sft.machine import is_first_process, launch
+from sft.machine import fp8_fast_accum_on, is_first_process, launch
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -71,14 +71,16 @@ def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_s
     """(a * a_scale) @ (b_t * b_scale^T)^T in bf16: a [M, K] e4m3 row-major, b_t [N, K] e4m3 row-major (so its
     transpose is the column-major operand _scaled_mm wants), scales [M, 1] and [1, N]. `fast_accum`: Hopper's FP8
     accumulation without the periodic promotion to fp32 (faster, fewer accumulator bits), as torchao's float8
-    recipes use for the forward's output matmul only (SFT_FP8_FAST_ACCUM=1; off until measured on a GPU)."""
+    recipes use for the forward's output matmul only (sft/machine.py fp8_fast_accum_on)."""
     return torch._scaled_mm(a, b_t.t(), scale_a=a_scale, scale_b=b_scale, out_dtype=torch.bfloat16,
                             use_fast_accum=fast_accum)
 
 
 def forward_matmul(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
-    """The forward's x @ W^T: scaled_matmul, with fast accumulation where the launch asks for it (gradients never)."""
-    return scaled_matmul(a, a_scale, b_t, b_scale, fast_accum=a.is_cuda and launch().fp8_fast_accum)
+    """The forward's x @ W^T: scaled_matmul, accumulating fast on Hopper or where SFT_FP8_FAST_ACCUM=1 asks
+    (gradients never)."""
+    fast = a.is_cuda and fp8_fast_accum_on(launch().fp8_fast_accum, torch.cuda.get_device_capability(a.device))
+    return scaled_matmul(a, a_scale, b_t, b_scale, fast_accum=fast)
 
 
 def quantized_matmul(a: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
