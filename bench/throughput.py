@@ -333,6 +333,12 @@ MATRIX += [
         repeat_data=1, long_docs=True, timeout=420, args=(*LIGER, "--lora_dropout", "0", "--attn_implementation",
                                                           "sdpa", *CKPT, "--offload_activations", "true",
                                                           "--mlp_tile_tokens", "4096")),
+    # ... with FP8 and compiled layers at auto: sdpa compiles nothing per row length (its first step took 17 s where
+    # the flex rows took 51-74 s, run 20261205T1315Z-long-h100), and plain sdpa ran 1.12x the plain flex row
+    Row("long-r1-32k-sdpa-default", "lora", model="r1-distill-qwen-7b", seq_len=32768, warmup=2, steps=3,
+        profile_steps=0, repeat_data=1, long_docs=True, timeout=420,
+        args=(*LIGER, "--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--offload_activations", "true",
+              "--mlp_tile_tokens", "4096", "--fp8", "auto", "--compile_layers", "auto")),
     # issue 27 item 2: 65,536-token rows (one conversation each) over 2 cards held to 24 GiB, each row split by
     # --sequence_parallel 2 (DeepSpeed Ulysses under ZeRO-3, which also halves the bf16 base: 7.6 GB a card): each
     # card runs 32k tokens outside attention, as long-r1-32k does on one card (the reference, its own run)
@@ -419,8 +425,8 @@ GROUPS = {
     # item 1), V2-Lite uncapped with compiled MoE layers (issue 26 item 3). Also due there: bench/fp8_check.py's loss
     # check of quantize-experts-compile
     "next": ["trl-lora-best", "lora-best-default", "lora-best-default-chunked", "lora-best-default-chunked-mb12",
-             "moe-lora-compile", "long-r1-4k-recipe", "long-r1-32k-default", "long-r1-32k-recipe", "long-r1-16k",
-             "long-llm-16k"],
+             "moe-lora-compile", "long-r1-4k-recipe", "long-r1-32k-recipe", "long-r1-32k-sdpa-default",
+             "long-r1-32k-default", "long-r1-16k", "long-llm-16k"],
     # issue 26 item 4's one-GPU byte check (never run yet): FSDP2's copy and all-gather of the NF4 bytes, bit for bit
     "qlora-bytes": ["fsdp-qlora-bytes"],
     # --compile_layers beside the plain rows and TRL's best, same run (2026-12-01, evening)
@@ -440,7 +446,8 @@ GROUPS = {
                "lora-best-default-promoted"],
     # issue 27 item 1, one GPU held to 24 GiB (run with --fresh_cache: the first step's compile is the user's wait)
     "long": ["long-r1-4k", "long-r1-32k", "long-llm-4k", "long-llm-32k", "long-r1-16k", "long-llm-16k",
-             "long-r1-32k-sdpa", "long-r1-4k-recipe", "long-r1-32k-default", "long-r1-32k-recipe"],
+             "long-r1-32k-sdpa", "long-r1-4k-recipe", "long-r1-32k-default", "long-r1-32k-recipe",
+             "long-r1-32k-sdpa-default"],
     # issue 26 item 3: V2-Lite's LoRA step uncapped, each lever beside the compiled row and TRL's, same run; and the
     # eager row, whose profiled step's idle_ms says what the balance loss's host waits cost (58.9 ms in run
     # 20261205T0515Z-next, with them)
