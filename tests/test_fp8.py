@@ -44,9 +44,11 @@ def test_the_compiled_quantize_compiles_once_whatever_the_grad_mode_and_autocast
 
     reset()
     x = torch.randn(96, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
-    for rows, (grad, autocast) in zip((64, 32, 96, 48), itertools.product((True, False), repeat=2)):
+    states = [(grad, autocast, dtype) for (grad, autocast), dtype in zip(
+        itertools.product((True, False), repeat=2), (torch.bfloat16, torch.float16) * 2)]
+    for rows, (grad, autocast, dtype) in zip((64, 32, 96, 48), states):
         with (torch._dynamo.config.patch(recompile_limit=1), torch.set_grad_enabled(grad),
-              torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast)):
+              torch.autocast("cpu", dtype=dtype, enabled=autocast)):
             q, scale = call_compiled(_compiled_quantize(), x[:rows])
             # the MoE experts' dequantize (sft/model/quantized_experts.py) goes the same way, one shape here
             weights = call_compiled(_compiled_dequantize(), q[:32], scale[:32], torch.bfloat16)
