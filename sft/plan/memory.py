@@ -137,9 +137,8 @@ def fast_path_bytes(shape: Shape, w: Workload) -> float:
 def fast_path_kind(w: Workload) -> str:
     """Which fit of fast_path_memory speaks for a plan (or a row): a resident plan's own (--quantize_experts fp8),
     a full fine-tune's, a LoRA plan's on long rows (one checkpointed layer's activations at up to 32k tokens, the
-    MLP tiled: the compiled layers add more to them than to short rows', +2.65 GiB at 32k in run
-    20261205T1120Z-long-h100, measured while the offload still copied --fp8's transposed weights: see
-    CALIBRATION compiled_checkpoint_scale), else LoRA's (QLoRA's too)."""
+    MLP tiled: the compiled layers add more to them than to short rows', +2.56 to +2.79 GiB at 32k in runs
+    20261205T1120Z-long-h100 and 20261205T1315Z-long-h100), else LoRA's (QLoRA's too)."""
     return ("resident" if w.resident else "full" if w.setup.method == "full" else
             "long" if long_rows.is_long(w.seq_len) else "lora")
 

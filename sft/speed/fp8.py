@@ -79,8 +79,14 @@ def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_s
 def forward_matmul(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
     """The forward's x @ W^T: scaled_matmul, accumulating fast on Hopper or where SFT_FP8_FAST_ACCUM=1 asks
     (gradients never)."""
-    fast = a.is_cuda and fp8_fast_accum_on(launch().fp8_fast_accum, torch.cuda.get_device_capability(a.device))
+    fast = a.is_cuda and _fast_accum(launch().fp8_fast_accum, a.device)
     return scaled_matmul(a, a_scale, b_t, b_scale, fast_accum=fast)
+
+
+@functools.cache
+def _fast_accum(asked: bool | None, device: torch.device) -> bool:
+    """fp8_fast_accum_on for a CUDA device, once per device: every FP8 matmul asks."""
+    return fp8_fast_accum_on(asked, torch.cuda.get_device_capability(device))
 
 
 def quantized_matmul(a: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
