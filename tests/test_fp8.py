@@ -31,7 +31,8 @@ def test_quantize_rows_error_bound_zero_rows_and_extremes():
 def test_the_compiled_quantize_compiles_once_whatever_the_grad_mode_and_autocast():
     """The eager FP8 op quantizes in a forward (autocast on), its backward (off) and checkpoints' recomputes (grad
     on or off); dynamo guards on that state, and its 9th compile failed hard under fullgraph on a GPU (32k rows,
-    tiled MLPs). One compile serves every state and row count here, with the recompile limit at 1."""
+    tiled MLPs). It also guarded on the input's requires_grad and, for a view (a tile of the sequence), on its
+    base's sizes. One compile serves every state, row count, base and requires_grad here, with the limit at 1."""
     import itertools
 
     from sft.model.quantized_experts import _compiled_dequantize
@@ -43,16 +44,19 @@ def test_the_compiled_quantize_compiles_once_whatever_the_grad_mode_and_autocast
         _compiled_dequantize.cache_clear()
 
     reset()
-    x = torch.randn(96, 32, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    generator = torch.Generator().manual_seed(0)
     states = [(grad, autocast, dtype) for (grad, autocast), dtype in zip(
         itertools.product((True, False), repeat=2), (torch.bfloat16, torch.float16) * 2)]
-    for rows, (grad, autocast, dtype) in zip((64, 32, 96, 48), states):
+    for rows, (grad, autocast, dtype), needs_grad in zip((64, 32, 96, 48), states, (True, False, False, True)):
+        # a tile: rows of one sequence out of a [1, tokens, hidden] activation, itself maybe needing a gradient
+        base = torch.randn(1, rows + 16, 32, generator=generator).to(torch.bfloat16).requires_grad_(needs_grad)
+        x = base[0, 8:8 + rows]
         with (torch._dynamo.config.patch(recompile_limit=1), torch.set_grad_enabled(grad),
               torch.autocast("cpu", dtype=dtype, enabled=autocast)):
-            q, scale = call_compiled(_compiled_quantize(), x[:rows])
+            q, scale = call_compiled(_compiled_quantize(), x)
             # the MoE experts' dequantize (sft/model/quantized_experts.py) goes the same way, one shape here
             weights = call_compiled(_compiled_dequantize(), q[:32], scale[:32], torch.bfloat16)
-        want_q, want_scale = quantize_rows(x[:rows])
+        want_q, want_scale = quantize_rows(x.detach())
         assert torch.equal(q.float(), want_q.float()) and torch.equal(scale, want_scale)
         assert torch.equal(weights, (want_q[:32].float() * want_scale[:32]).to(torch.bfloat16))
     reset()

@@ -49,10 +49,13 @@ def _compiled_quantize():
 
 
 def call_compiled(compiled: Callable, *args):
-    """Call a compiled kernel function (no autograd, no autocast in it) under one global state. Dynamo guards on
-    grad mode and autocast, which differ between a forward (autocast on), its backward (off) and a checkpoint's
-    recompute; each state compiled anew, and the 9th compile is a hard failure under fullgraph (`--fp8` on
-    32,768-token rows with tiled MLPs and checkpoints: run 20261205T1315Z-long-h100)."""
+    """Call a compiled kernel function (no autograd, no autocast in it) under one global state, on detached
+    tensors. Dynamo guards on grad mode and autocast, which differ between a forward (autocast on), its backward
+    (off) and a checkpoint's recompute, and on each tensor's requires_grad and, for a view (a tiled MLP's slice of
+    the sequence), on its base's sizes and strides; each compiled anew, and the 9th compile is a hard failure under
+    fullgraph (`--fp8` on 32,768-token rows with tiled MLPs and checkpoints: runs 20261205T1315Z-long-h100 and,
+    with the state fixed but not the tensors, 20261205T1535Z-long-h100). `detach()` is no view: no base to guard."""
+    args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
     with torch.no_grad(), torch.autocast(args[0].device.type, enabled=False):
         return compiled(*args)
 
