@@ -422,6 +422,10 @@ def make_row(args, ranks: list[dict], monitor: Monitor, wall: float, cpu: bool) 
         "tokens_per_step": r0.get("tokens_per_step"),
         "first_step_s": r0.get("first_step_s"),
         "callback_mfu": r0.get("callback_mfu"),
+        # what the row ran with, read off the model: `auto` (a recipe's, or --fp8/--compile_layers auto) settles
+        # by the GPU, so the options alone do not say (sft/plan/rows.py fast_of_row)
+        "fp8_layers": r0.get("fp8_layers"),
+        "compiled_layers": r0.get("compiled_layers"),
         "measured_steps": r0.get("measured_steps"),
         "loss_first_last": r0.get("loss_first_last"),
         "wall_s": round(wall, 1),
@@ -604,6 +608,15 @@ def trl_lora(model):
                       target_parameters=parameters or None, task_type="CAUSAL_LM")
 
 
+def fast_paths_ran(model) -> dict[str, int]:
+    """The fast paths a run's model holds: layers computing in FP8 (--fp8's Fp8Linear for a frozen base, torchao's
+    Float8Linear for a full fine-tune) and modules compiled in place (--compile_layers: nn.Module.compile keeps
+    the compiled call on the module; TRL's rows have neither)."""
+    modules = list(model.modules())
+    return {"fp8_layers": sum(type(m).__name__ in ("Fp8Linear", "Float8Linear") for m in modules),
+            "compiled_layers": sum(getattr(m, "_compiled_call_impl", None) is not None for m in modules)}
+
+
 def _bench_callback(spec: dict, rank: int):
     """-> the bench clock's class: per optimizer step, real tokens (the Trainer's non-padding count, summed over
     ranks) and seconds (step end to step end; pauses for evaluation and saving left out), the same for both peers;
@@ -624,6 +637,7 @@ def _bench_callback(spec: dict, rank: int):
             self.prof_t0 = 0.0
             self.comm = None
             self.trainer = None  # ours: each rank's host count, summed over ranks once at the end
+            self.fast_paths: dict[str, int] = {}
 
         def count_with(self, trainer) -> None:
             self.trainer = trainer
@@ -635,7 +649,8 @@ def _bench_callback(spec: dict, rank: int):
             local = getattr(self.trainer, "tokens_on_this_rank", None)
             return (local, True) if local is not None else (state.num_input_tokens_seen, False)
 
-        def on_train_begin(self, args, state, control, **kwargs):
+        def on_train_begin(self, args, state, control, model=None, **kwargs):
+            self.fast_paths = fast_paths_ran(model) if model is not None else {}
             self.mark, self.seen = time.perf_counter(), self.tokens_now(state)[0]
             self.gc_pauses: list[tuple[int, int, float]] = []  # (step under way, generation, ms) of each collection
             self.gc_started = 0.0
@@ -704,6 +719,7 @@ def _bench_callback(spec: dict, rank: int):
                       # user's first run waits for before the steady rate
                       "first_step_s": round(self.steps[0][2], 1) if self.steps else None,
                       "callback_mfu": self.callback_mfu,
+                      **self.fast_paths,
                       # the garbage collector's pauses in the measured steps: total ms, and the longest (step, gen, ms)
                       "gc_ms": round(sum(ms for *_, ms in in_measured), 1),
                       "gc_longest": max(in_measured, key=lambda p: p[2], default=None),

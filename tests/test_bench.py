@@ -285,6 +285,7 @@ def test_cpu_smoke_runs_ours_and_trl_end_to_end(tmp_path):
         assert row["tokens_per_step"] > 0.5 * 2 * 256  # packed rows are mostly real tokens, on both sides
         assert row["loss_first_last"][0] > 5  # a random model on a 32k vocabulary
         assert 0 < row["first_step_s"] < 600  # the first step's wait (compile and first batch) is in the row
+        assert (row["fp8_layers"], row["compiled_layers"]) == (0, 0)  # neither on a CPU, nor in TRL
     assert "tiny-lora / trl-tiny-lora: " in proc.stdout
 
 
@@ -519,3 +520,21 @@ def test_qlora_check_reloads_an_fsdp_adapter_on_the_nf4_base_it_trained_on(tmp_p
     assert checks == {"nf4/reload_4bit_base": True, "nf4/reload_unquantized_base": True, "nf4/merge": True,
                       "nf4/merged_equals_adapter_on_unquantized_base": True}, RESULTS
     assert 0 < found["unquantized_vs_4bit_rel"] < found["adapter_effect_rel"], found
+
+
+def test_the_row_records_the_fast_paths_its_model_held():
+    """fp8_layers and compiled_layers are read off the model (sft/plan/rows.py fast_of_row plans a row by them)."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sft.speed.fp8 import use_fp8_base
+    from sft.speed.regional_compile import compile_decoder_layers
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=2)).to(torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear"))
+    assert bench.fast_paths_ran(model) == {"fp8_layers": 0, "compiled_layers": 0}
+    converted, _ = use_fp8_base(model)
+    assert compile_decoder_layers(model) == 2
+    assert bench.fast_paths_ran(model) == {"fp8_layers": converted, "compiled_layers": 2} and converted == 14

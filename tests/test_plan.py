@@ -1330,3 +1330,15 @@ def test_plan_auto_plans_the_split_only_for_a_launch_of_its_processes():
         NOT_PLANNED
     options, chosen = planned_options(model, lora, data, training, machine(2))  # a measured plan fits there
     assert chosen.w.sequence_parallel == 1 and "sequence_parallel" not in options
+
+
+def test_a_row_is_planned_with_the_fast_paths_its_model_held():
+    """A recipe row runs `auto`, which settles by the GPU: the options alone do not say whether FP8 and the
+    compiled layers ran; the bench records what the model held, and the planner's check reads that first."""
+    from sft.plan.rows import fast_of_row
+
+    row = {"gpu": "NVIDIA H100 80GB HBM3", "n_gpus": 1, "strategy": "single", "method": "lora",
+           "train_args": "--config recipes/r1-distill-qwen-7b-lora.yaml"}
+    assert fast_of_row(row).label == ""  # no record: a recipe row of the days the bench passed false first
+    assert fast_of_row({**row, "fp8_layers": 196, "compiled_layers": 28}).label == "fp8+compiled"
+    assert fast_of_row({**row, "fp8_layers": 196, "compiled_layers": 0}).label == "fp8"

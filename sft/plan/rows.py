@@ -90,12 +90,17 @@ def split_size(row: dict) -> int:
 
 
 def fast_of_row(row: dict) -> FastPaths:
-    """The fast paths a bench row ran with: its --fp8 and --compile_layers (false where it names neither: the bench
-    passes false before a row's own options, and rows from before the `auto` default ran without them), as the
+    """The fast paths a bench row ran with: what its model held (fp8_layers, compiled_layers: rows since
+    2026-12-05 16:00 UTC record them), else its --fp8 and --compile_layers (false where it names neither: the bench
+    passed false before a row's own options, and rows from before the `auto` default ran without them), as the
     run's own rule settles them on the row's GPU and strategy (`auto` included)."""
     args = row_options(row)
-    asked = Asked(option_value(args, "--fp8", "false"), option_value(args, "--compile_layers", "false"),
-                  option_value(args, "--torch_compile", "false") == "true")
+    held = {key: row.get(key) for key in ("fp8_layers", "compiled_layers")}
+    if None not in held.values():
+        fp8, compiled = ("true" if held[key] else "false" for key in ("fp8_layers", "compiled_layers"))
+    else:
+        fp8, compiled = option_value(args, "--fp8", "false"), option_value(args, "--compile_layers", "false")
+    asked = Asked(fp8, compiled, option_value(args, "--torch_compile", "false") == "true")
     strategy = STRATEGY_OF_ROW.get(row["strategy"], row["strategy"])
     return fast_paths(described_machine(row.get("gpu") or "", row["n_gpus"], 0.0), strategy, row["n_gpus"],
                       row["method"], asked, "fp8" if resident.is_resident_row(args) else "none")
