@@ -48,6 +48,7 @@ import os
 import shlex
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import threading
@@ -419,6 +420,9 @@ def make_row(args, ranks: list[dict], monitor: Monitor, wall: float, cpu: bool) 
         # a log makes the host wait for the GPU (LOGGING_STEPS); None: a row another script trained (qlora_check)
         "logging_steps": logging_steps(args) if hasattr(args, "warmup") else None,
         "step_s": r0.get("step_s"),
+        # the rate at the median measured step: a one-off in the window (a Triton kernel compiled for a new
+        # specialization: Liger's loss at a batch whose labelled-token count is a multiple of 16) left out
+        "steady_tok_s": steady_tok_s(r0.get("step_seconds"), tok_s, r0.get("step_s")),
         "tokens_per_step": r0.get("tokens_per_step"),
         "first_step_s": r0.get("first_step_s"),
         "callback_mfu": r0.get("callback_mfu"),
@@ -436,6 +440,14 @@ def make_row(args, ranks: list[dict], monitor: Monitor, wall: float, cpu: bool) 
     if moe:
         row["moe"] = moe
     return row
+
+
+def steady_tok_s(step_seconds: list[float] | None, tok_s: float, mean_step_s: float | None) -> float | None:
+    """The row's tok/s had every measured step taken the median step's time (the measured tokens over the
+    measured time, rescaled by mean over median step)."""
+    if not step_seconds or not mean_step_s:
+        return None
+    return round(tok_s * mean_step_s / statistics.median(step_seconds), 1)
 
 
 def expert_load(log: Path) -> dict | None:
