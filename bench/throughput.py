@@ -242,6 +242,13 @@ MATRIX += [
     Row("lora-best-default-chunked-mb12", "lora", micro_batch=12, mem_cap_gib=0, warmup=3, steps=RATIO_STEPS,
         args=("--chunked_loss", "true", "--lora_dropout", "0", *FLEX, "--fp8", "auto", "--compile_layers", "auto"),
         vs="trl-lora-best", timeout=420),
+    # issue 28's ratio where no H200 comes: TRL's best that fits an 80 GB H100 (micro-batch 8 takes 95 GiB; run
+    # 20261205T1525Z-lora2x ran out of memory) at micro-batch 4 x 2, beside ours with the same 16,384 tokens a step
+    Row("trl-lora-best-mb4", "lora", peer="trl", micro_batch=4, grad_accum=2, mem_cap_gib=0, warmup=3,
+        steps=RATIO_STEPS, args=trl_args("flex_attention", "bfloat16", 4, 2048, *LIGER)),
+    Row("lora-best-default-mb4", "lora", micro_batch=4, grad_accum=2, mem_cap_gib=0, warmup=3, steps=RATIO_STEPS,
+        args=(*LIGER, "--lora_dropout", "0", *FLEX, "--fp8", "auto", "--compile_layers", "auto"),
+        vs="trl-lora-best-mb4", timeout=420),
     # ... and the box's LoRA plan on one 24 GiB card (lora-1's options) with them
     Row("lora-1-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--compile_layers", "true"), timeout=420),
     Row("lora-1-fp8-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--fp8", "true", "--compile_layers", "true"),
@@ -447,6 +454,8 @@ GROUPS = {
     # no wait left in the step (Liger's `.item()`)
     "lora2x": ["trl-lora-best", "lora-best-default", "lora-best-default-promoted", "lora-best-default-chunked",
                "lora-best-default-chunked-mb12"],
+    # the same ratio on an 80 GB H100 (device kind nvidia-h100-x1), each peer at micro-batch 4 x 2, then ours at 8
+    "lora2x-h100": ["trl-lora-best-mb4", "lora-best-default-mb4", "lora-best-default"],
     # issue 27 item 1, one GPU held to 24 GiB (run with --fresh_cache: the first step's compile is the user's wait)
     "long": ["long-r1-4k", "long-r1-32k", "long-llm-4k", "long-llm-32k", "long-r1-16k", "long-llm-16k",
              "long-r1-32k-sdpa", "long-r1-4k-recipe", "long-r1-32k-default", "long-r1-32k-recipe",
