@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import shutil
@@ -78,6 +79,8 @@ class Row:
     timeout: int = 300
     long_docs: bool = False  # rows of ONE conversation of about seq_len tokens each (bench/long_docs.py), not packed
     #                          Alpaca records: attention over the whole row, as in a long reasoning trace
+    needs_gib: float = 0.0  # uncapped: the GPU memory the row was measured to take (nvidia-smi, GiB); a smaller GPU
+    #                         skips it instead of spending the budget on its load, compile and out-of-memory error
 
 
 LIGER = ("--use_liger_kernel", "true")
@@ -160,7 +163,7 @@ MATRIX += [
     Row("lora-best", "lora", micro_batch=8, mem_cap_gib=0, warmup=3, args=(*LIGER, "--lora_dropout", "0", *FLEX),
         vs="trl-lora-best"),
     Row("trl-lora-best", "lora", peer="trl", micro_batch=8, mem_cap_gib=0, warmup=3, steps=RATIO_STEPS,
-        args=trl_args("flex_attention", "bfloat16", 8, 2048, *LIGER)),
+        args=trl_args("flex_attention", "bfloat16", 8, 2048, *LIGER), needs_gib=95.0),  # H200 runs; an H100: OOM
     # correct precision: bf16 weights, the update rounded stochastically (the optimizer is the row's own option)
     Row("full-sr", "full", micro_batch=4, mem_cap_gib=0, warmup=3, precision="none",
         args=("--dtype", "bfloat16", *LIGER, *FLEX), optim=SR8, vs="trl-full"),
@@ -505,8 +508,8 @@ def needs(row: Row) -> list[str]:
     ) if needed]
 
 
-def why_not(row: Row | Script, gpus: int) -> str | None:
-    """Why this machine cannot run the row (or script), or None."""
+def why_not(row: Row | Script, gpus: int, gpu_gib: float = math.inf) -> str | None:
+    """Why this machine (`gpus` GPUs of `gpu_gib` each) cannot run the row (or script), or None."""
     if isinstance(row, Script):
         missing = [m for m in row.needs if find_spec(m) is None]
         return (f"not installed: {', '.join(missing)}" if missing else
@@ -521,6 +524,8 @@ def why_not(row: Row | Script, gpus: int) -> str | None:
         return "long-document rows are ours only (TRL reads the Alpaca file)"
     if row.n_gpus > max(gpus, 1):
         return f"needs {row.n_gpus} GPUs, {gpus} visible"
+    if row.needs_gib > gpu_gib:
+        return f"took {row.needs_gib:g} GiB of GPU memory where it ran, this GPU has {gpu_gib:.1f}"
     return None
 
 
@@ -662,17 +667,18 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     gpus = torch.cuda.device_count()
+    gpu_gib = torch.cuda.get_device_properties(0).total_memory / 2**30 if gpus else math.inf
     rows = select(args.rows or ("h200" if gpus else "smoke"))
     data, tokenizer = resolve_data(args)
     deadline = time.monotonic() + args.budget_s
     print(f"run_id {args.run_id}: {len(rows)} rows, {gpus} GPU(s) visible, data {data}, out {args.out}", flush=True)
     not_run = []
-    runnable = {row.name for row in rows if why_not(row, gpus) is None}
+    runnable = {row.name for row in rows if why_not(row, gpus, gpu_gib) is None}
     for i, row in enumerate(rows):
         kept = sum(s.seconds for s in rows[i + 1:] if isinstance(s, Script) and s.name in runnable)  # for the scripts
         left = deadline - time.monotonic() - 10 - kept
-        reason = why_not(row, gpus) or ("budget spent" if left < (row.seconds if isinstance(row, Script) else 60)
-                                        else None)
+        reason = why_not(row, gpus, gpu_gib) or (
+            "budget spent" if left < (row.seconds if isinstance(row, Script) else 60) else None)
         if reason:
             print(f"[throughput] {row.name}: not run ({reason})", flush=True)
             not_run.append(f"{row.name} ({reason})")

@@ -178,6 +178,11 @@ def test_row_selection_and_what_a_machine_cannot_run(monkeypatch, capsys):
     assert throughput.why_not(rows["lora-best"], 0) == "the deepseek-llm-7b shape needs a GPU"
     assert throughput.why_not(rows["fsdp-1.3b"], 1) == "needs 2 GPUs, 1 visible"
     assert throughput.why_not(rows["lora-ddp"], 1) is None  # every visible GPU, however many
+    # TRL's best took 95 GiB on an H200: an 80 GB H100 skips it (run 20261205T1525Z-lora2x spent 241 s on its OOM)
+    assert throughput.why_not(rows["trl-lora-best"], 1, 79.2) == \
+        "took 95 GiB of GPU memory where it ran, this GPU has 79.2"
+    assert throughput.why_not(rows["trl-lora-best"], 1, 139.8) is None
+    assert throughput.why_not(rows["trl-lora-best-mb4"], 1, 79.2) is None  # its H100 twin
 
 
 def test_the_expert_parallel_row_runs_beside_the_resident_plan_in_the_two_gpu_group():
