@@ -63,8 +63,10 @@ def ratios(rows: list[dict]) -> list[str]:
         if ratio is None:
             continue
         mfu = f", MFU {fmt(r.get('mfu'), '{:.1%}')} vs {fmt(other.get('mfu'), '{:.1%}')}"
+        steady = (f"; at the median step {r['steady_tok_s'] / other['steady_tok_s']:.2f}x"
+                  if r.get("steady_tok_s") and other.get("steady_tok_s") else "")
         lines.append(f"{r['name']} / {other['name']}: {ratio:.2f}x ({r['real_tok_s']:,.0f} vs "
-                     f"{other['real_tok_s']:,.0f} real tok/s{mfu})")
+                     f"{other['real_tok_s']:,.0f} real tok/s{mfu}){steady}")
     return lines
 
 

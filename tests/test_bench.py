@@ -99,6 +99,9 @@ def test_report_gives_ratios_against_the_best_peer_row_and_the_vs_row(tmp_path, 
     assert "| 1.40 (trl-x) | True |" in out
     assert "other" not in out
     assert report.ratios(rows[:5]) == ["ours / trl-x: 1.40x (7,000 vs 5,000 real tok/s, MFU 10.0% vs 8.0%)"]
+    steady = [{**rows[2], "steady_tok_s": 7600.0}, {**rows[3], "steady_tok_s": 5000.0}]
+    assert report.ratios(steady) == ["ours / trl-x: 1.40x (7,000 vs 5,000 real tok/s, MFU 10.0% vs 8.0%); "
+                                     "at the median step 1.52x"]
 
 
 def test_the_seams_of_sft_train_build_the_model_add_callbacks_and_skip_the_save(tmp_path, capsys):
