@@ -22,8 +22,9 @@ from sft.plan.memory import CALIBRATION, fast_path_bytes, fsdp_adapter_buffers, 
 from sft.plan.plan_text import command, fast_paths_said, kernels_text
 from sft.plan.planner import (NOT_PLANNED, main, nothing_planned_line, options_of, planned_options,
                               prediction_line)
+from sft.plan.kernels import kernels
 from sft.plan.plans import (AWAITED_CHECK, HEADROOM, MARGIN_GIB, Box, awaiting_plan, best_plan, enumerate_plans,
-                            kernels, ranked, recommended, safe, shown_gib, split_plan)
+                            ranked, recommended, safe, shown_gib, split_plan)
 from sft.plan.refit import fitted_numbers
 from sft.plan.rows import RESULTS, measured_rows, option_value, row_shape, workload_of_row
 from sft.plan.shapes import SHAPES, resolve_shape

@@ -10,7 +10,7 @@ from pathlib import Path
 from sft.parallel.strategies import STRATEGIES
 from sft.plan import long_rows, resident
 from sft.plan.memory import predict
-from sft.plan.plans import kernels
+from sft.plan.kernels import kernels
 from sft.plan.rows import (RESULTS, measured_rows, option_value, row_options, row_shape, smi_of_row,
                            workload_of_row)
 from sft.plan.shapes import Shape

@@ -12,7 +12,8 @@ from sft.names import hub_id
 from sft.parallel.strategies import PRECISION_OPTIONS, REPO, STRATEGIES
 from sft.plan import resident, sequence_parallel
 from sft.plan.long_rows import is_long
-from sft.plan.plans import Box, Plan, kernels, shown_gib
+from sft.plan.kernels import kernels
+from sft.plan.plans import Box, Plan, shown_gib
 from sft.plan.shapes import Shape
 from sft.plan.workload import strategy_label
 

@@ -31,8 +31,9 @@ from sft.plan.bench_check import check_rows, check_summary, check_table
 from sft.plan.fast_paths import Asked
 from sft.plan.long_rows import is_long
 from sft.plan.plan_text import command, fast_paths_text, kernels_text, plan_summary, plan_table
+from sft.plan.kernels import kernels
 from sft.plan.plans import (AWAITED_CHECK, MARGIN_GIB, Box, Plan, awaiting_plan, best_plan, cards, closest_plan,
-                            enumerate_plans, kernels, launched_strategy, shown_gib, split_plan)
+                            enumerate_plans, launched_strategy, shown_gib, split_plan)
 from sft.plan.refit import write_snapshot
 from sft.plan.rows import RESULTS
 from sft.plan.shapes import SHAPES, resolve_shape

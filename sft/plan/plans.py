@@ -21,6 +21,7 @@ from sft.machine import Machine
 from sft.parallel.strategies import STRATEGIES, Setup
 from sft.plan import expert_parallel, resident, sequence_parallel
 from sft.plan.fast_paths import Asked, FastPaths, described_machine, fast_paths, refused_today
+from sft.plan.kernels import kernels
 from sft.plan.long_rows import ladder
 from sft.plan.memory import Prediction, predict
 from sft.plan.shapes import Shape
@@ -41,19 +42,6 @@ SPEED_TIE = 0.05
 UNMEASURED_SPEEDS = (expert_parallel.UNMEASURED, sequence_parallel.UNMEASURED)
 # What lifts the run's refusal of --qlora under FSDP (sft/options/checks.py qlora_under_fsdp_awaits_its_gpu_run)
 AWAITED_CHECK = "`python bench/qlora_check.py --fsdp two` on 2 GPUs"
-
-
-def kernels(strategy: str, shape: "Shape", sequence_parallel_size: int = 1) -> dict:
-    """The kernel options of a plan: those of our measured fast plans (flex_attention skips packed rows' masked
-    blocks; Liger's fused loss), except under TP (Liger's loss fails on the sharded lm_head) and for MLA models
-    (DeepSeek-V2/V3: key and value head sizes differ; no V2 run with flex or Liger yet), which keep sdpa. Without
-    the fused loss the logits are materialised: the memory model counts them (fused_loss). An SP plan runs what its
-    bench row runs (sequence_parallel.KERNELS: sdpa, its loss in chunks)."""
-    if sequence_parallel_size > 1:
-        return dict(sequence_parallel.KERNELS)
-    if strategy == "tp" or shape.kv_lora_rank:
-        return {"attn_implementation": "sdpa", "use_liger_kernel": False}
-    return {"attn_implementation": "flex_attention", "use_liger_kernel": True}
 
 
 @dataclass(frozen=True)
