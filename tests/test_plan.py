@@ -17,12 +17,12 @@ from sft.machine import GIB, GPU_KINDS
 from sft.names import RELEASES, hub_id
 from sft.parallel.strategies import REPO
 from sft.plan.bench_check import check_rows, check_table
+from sft.plan.kernels import kernels
 from sft.plan.long_rows import is_long, long_row_flops_per_token
 from sft.plan.memory import CALIBRATION, fast_path_bytes, fsdp_adapter_buffers, predict, whole_layer_activations
 from sft.plan.plan_text import command, fast_paths_said, kernels_text
 from sft.plan.planner import (NOT_PLANNED, main, nothing_planned_line, options_of, planned_options,
                               prediction_line)
-from sft.plan.kernels import kernels
 from sft.plan.plans import (AWAITED_CHECK, HEADROOM, MARGIN_GIB, Box, awaiting_plan, best_plan, enumerate_plans,
                             ranked, recommended, safe, shown_gib, split_plan)
 from sft.plan.refit import fitted_numbers
@@ -1343,3 +1343,12 @@ def test_a_row_is_planned_with_the_fast_paths_its_model_held():
     assert fast_of_row(row).label == ""  # no record: a recipe row of the days the bench passed false first
     assert fast_of_row({**row, "fp8_layers": 196, "compiled_layers": 28}).label == "fp8+compiled"
     assert fast_of_row({**row, "fp8_layers": 196, "compiled_layers": 0}).label == "fp8"
+
+
+def test_a_long_plans_speed_is_read_from_rows_of_its_own_attention():
+    """The long rows' MFU pool of a dense model's plans (flex_attention) leaves out the 32k row run with sdpa, whose
+    fused causal kernel ran faster there; its flex twins stay."""
+    from sft.plan.speed import long_mfu_rows
+
+    names = {r["name"] for r in long_mfu_rows(RESULTS, "r1-distill-qwen-7b")}
+    assert "long-r1-32k-sdpa" not in names and {"long-r1-32k", "long-r1-4k"} <= names
