@@ -623,10 +623,13 @@ def trl_lora(model):
 def fast_paths_ran(model) -> dict[str, int]:
     """The fast paths a run's model holds: layers computing in FP8 (--fp8's Fp8Linear for a frozen base, torchao's
     Float8Linear for a full fine-tune) and modules compiled in place (--compile_layers: nn.Module.compile keeps
-    the compiled call on the module; TRL's rows have neither)."""
+    the compiled call on the module, a private name checked first; TRL's rows have neither)."""
+    from sft.safety.private_names import COMPILED_CALL, expect
+
+    expect(COMPILED_CALL)
     modules = list(model.modules())
     return {"fp8_layers": sum(type(m).__name__ in ("Fp8Linear", "Float8Linear") for m in modules),
-            "compiled_layers": sum(getattr(m, "_compiled_call_impl", None) is not None for m in modules)}
+            "compiled_layers": sum(m._compiled_call_impl is not None for m in modules)}
 
 
 def _bench_callback(spec: dict, rank: int):

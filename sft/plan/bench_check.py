@@ -10,10 +10,7 @@ from pathlib import Path
 from sft.parallel.strategies import STRATEGIES
 from sft.plan import long_rows, resident
 from sft.plan.memory import predict
-from sft.plan.kernels import kernels
-from sft.plan.rows import (RESULTS, measured_rows, option_value, row_options, row_shape, smi_of_row,
-                           workload_of_row)
-from sft.plan.shapes import Shape
+from sft.plan.rows import RESULTS, attention_of_row, measured_rows, row_shape, smi_of_row, workload_of_row
 from sft.plan.workload import Workload, strategy_label
 
 
@@ -41,12 +38,12 @@ def check_rows(path: Path = RESULTS) -> list[dict]:
                     "err_smi": (smi / measured_smi - 1) if measured_smi else None,
                     "pred_host": p.host_gib, "host": r.get("host_ram_gib"),
                     "offload": bool(STRATEGIES[w.strategy].offload) or w.offload_activations,
-                    **host_checked(r, w, row_shape(r)),
+                    **host_checked(r, w),
                     "err_host": p.host_gib / r["host_ram_gib"] - 1 if r.get("host_ram_gib") else None})
     return out
 
 
-def host_checked(row: dict, w: Workload, shape: Shape) -> dict:
+def host_checked(row: dict, w: Workload) -> dict:
     """Whether a row's host RAM is held to the prediction ({"host_checked", "host_note"}): where the planner's
     estimate decides something, the offload plans and the resident plans (whose processes each load the base), but
     not the rows measured before a fix changed what they hold there: the resident rows that loaded the whole base
@@ -57,8 +54,7 @@ def host_checked(row: dict, w: Workload, shape: Shape) -> dict:
     loading path; bench/RESULTS.md)."""
     key = (row.get("run_id"), row.get("name"))
     old = resident.LOADED_WHOLE.get(key) if w.resident else long_rows.OFFLOADED_MODEL_TENSORS.get(key)
-    planned = kernels(w.strategy, shape, w.sequence_parallel)["attn_implementation"]
-    ran = option_value(row_options(row), "--attn_implementation", planned)
+    ran, planned = attention_of_row(row)
     other = None if ran == planned else f"ran {ran}, where the planner plans {planned}"
     checked = (bool(STRATEGIES[w.strategy].offload) or w.offload_activations or w.resident) and not old and not other
     return {"host_checked": checked, "host_note": old or other or ""}

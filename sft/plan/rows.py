@@ -18,6 +18,7 @@ from sft.options.recipe import load_recipe
 from sft.parallel.strategies import PRECISION_OPTIONS, REPO, Setup
 from sft.plan import resident, sequence_parallel
 from sft.plan.fast_paths import Asked, FastPaths, described_machine, fast_paths
+from sft.plan.kernels import kernels
 from sft.plan.shapes import SHAPES, Shape, shape_name
 from sft.plan.workload import Workload
 
@@ -82,6 +83,13 @@ def workload_of_row(row: dict) -> Workload:
                     # the loss in chunks: asked for, or always under --sequence_parallel (sft/train.py)
                     chunked_loss=option_value(args, "--chunked_loss", "false") == "true" or size > 1,
                     resident=resident.is_resident_row(args), sequence_parallel=size)
+
+
+def attention_of_row(row: dict) -> tuple[str, str]:
+    """-> (the attention the row ran, the one the planner plans for its strategy and model)."""
+    w = workload_of_row(row)
+    planned = kernels(w.strategy, row_shape(row), w.sequence_parallel)["attn_implementation"]
+    return option_value(row_options(row), "--attn_implementation", planned), planned
 
 
 def split_size(row: dict) -> int:

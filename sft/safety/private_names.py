@@ -119,6 +119,10 @@ TENSOR_VERSION = PrivateName("torch", "torch", "Tensor._version", None, TESTED_T
                              "--offload_activations: a saved activation changed in place stops the backward")
 TENSOR_BASE = PrivateName("torch", "torch", "Tensor._base", None, TESTED_TORCH,
                           "--offload_activations: views of parameters stay on the GPU")
+# Read, not patched: a bench row records how many modules ran compiled in place (bench/train_throughput.py
+# fast_paths_ran; nn.Module.compile keeps the compiled call there), which the planner's check reads (sft/plan/rows.py).
+COMPILED_CALL = PrivateName("torch", "torch.nn", "Module._compiled_call_impl", None, TESTED_TORCH,
+                            "bench rows' count of the layers compiled in place (--compile_layers)")
 
 # Not underscored, but not exported at transformers' top level either: the packed rows' mask from the collator's
 # documents (sft/speed/packed_mask.py), the function transformers and-s in when it finds the documents itself.
@@ -132,7 +136,7 @@ PRIVATE_NAMES = (CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPOINT, LOAD_FROM_CHECK
                  TORCHAO_SUBCLASS_ZEROS, TORCHAO_SINGLE_PARAM_ADAM, DTENSOR_CACHE_KEY, DUCK_SHAPE,
                  SKIP_SIDE_EFFECTS_IN_RECOMPUTE, HF_DEEPSPEED_CONFIG, FSDP_STATE, DDP_IGNORE, CONVERSION_MAPPING,
                  TENSOR_VERSION, TENSOR_BASE, TRACK_NUM_INPUT_TOKENS, QUANTIZER_BEFORE_LOADING,
-                 QUANTIZER_AFTER_LOADING, PACKED_MASK)
+                 QUANTIZER_AFTER_LOADING, PACKED_MASK, COMPILED_CALL)
 
 
 @functools.cache  # read once per process: a library's version does not change under a running process
