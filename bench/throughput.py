@@ -435,12 +435,13 @@ GROUPS = {
     # against the peers' offload recipe (run with --fresh_cache)
     "box": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit-fp8", "full-fsdp-4bit", "peer-mb1"],
     "recipes": ["recipe-coder-lora", "recipe-r1-lora", "recipe-v2-lite-lora"],
-    # the next GPU session's rows: LoRA against TRL over 16 steps (issue 28 item 2, an H200: TRL's best takes 95 GiB),
-    # the long recipe after its second FP8 compile fix and sdpa with the fast paths at 32k (issue 27 item 1), the
-    # 16k long rows, V2-Lite uncapped with compiled MoE layers (issue 26 item 3)
-    "next": ["trl-lora-best", "lora-best-default", "lora-best-default-promoted", "long-r1-4k-recipe",
-             "long-r1-32k-recipe", "long-r1-32k-sdpa-default", "moe-lora-compile", "long-r1-16k", "long-llm-16k"],
-    # issue 26 item 4's one-GPU byte check (never run yet): FSDP2's copy and all-gather of the NF4 bytes, bit for bit
+    # the next GPU session's rows, on an H200 (`needs_h200`: TRL's best takes 95 GiB): LoRA against TRL over 16 steps
+    # (issue 28 item 2; 1.93x on an H100 at 4 x 2, run 20261205T1835Z-lora2x-h100), then V2-Lite's levers beside its
+    # compiled row and TRL's (issue 26 item 3; the compiled row ran 30.0% MFU on an H100, run 20261205T1855Z-next-h100)
+    "next": ["trl-lora-best", "lora-best-default", "lora-best-default-chunked", "moe-lora-compile",
+             "moe-lora-compile-fp8", "moe-lora-compile-chunked", "trl-moe-lora"],
+    # issue 26 item 4's one-GPU byte check (passed on an H100, run 20261205T1855Z-next-h100): FSDP2's copy and
+    # all-gather of the NF4 bytes, bit for bit
     "qlora-bytes": ["fsdp-qlora-bytes"],
     # --compile_layers beside the plain rows and TRL's best, same run (2026-12-01, evening)
     "compile": ["lora-best-fp8-compile", "lora-best-compile", "lora-best", "trl-lora-best", "lora-best-fp8"],

@@ -227,7 +227,7 @@ def test_the_32k_row_runs_again_with_the_fast_paths_the_planner_and_the_recipe_l
             int(recipe["--max_length"]), int(recipe["--per_device_train_batch_size"]),
             int(recipe["--gradient_accumulation_steps"])), name
         tokens_per_step.add(row.seq_len * row.micro_batch * row.grad_accum)
-        assert name in throughput.GROUPS["long"] and name in throughput.GROUPS["next"]
+        assert name in throughput.GROUPS["long"]
     assert tokens_per_step == {65536}
     # a recipe row keeps the recipe's fast paths: the bench's "off unless named" would override them
     args = bench.parser().parse_args(["--run_id", "t", "--model", "tiny", "--out", str(tmp_path), "--data", "d.json",
@@ -459,7 +459,7 @@ def test_the_readme_speed_table_quotes_rows_of_results_jsonl():
 
 def test_the_fsdp_qlora_checks_run_in_their_gpu_sessions(tmp_path, monkeypatch):
     """Issue 26 item 4: `bench/gpu_session.sh RUN BUDGET --rows issue30` runs bench/qlora_check.py --fsdp two (the
-    check that lifts the FSDP QLoRA refusal) on its two GPUs, and group `next` the one-GPU byte check,
+    check that lifts the FSDP QLoRA refusal) on its two GPUs, and group `qlora-bytes` the one-GPU byte check,
     bench/fsdp_qlora_bytes.py: each a script of its group, its command what that script's own parser reads."""
     import fsdp_qlora_bytes
     import qlora_check
