@@ -51,7 +51,7 @@ from sft.safety.guards import LossSpikeLogger, NonFiniteGuard
 from sft.safety.interrupts import (SIGTERM_MARK, end_with_launcher, exit_code, ignore_further_interrupts,
                                    launcher_gone, leave_now, signal_name, stop_on_sigterm, tell_user)
 from sft.speed.gc_freeze import FreezeLongLivedObjects
-from sft.speed.packed_mask import builds_packed_mask
+from sft.speed.packed_mask import builds_packed_mask, dense_mask_note
 from sft.speed.lowbit import prepare_optimizer
 from sft.model.families import check_family, refuse_unsupported
 from sft.model.loading import (PartialCheckpointing, check_lora_targets, check_safetensors_weights, load_config,
@@ -176,6 +176,9 @@ def train(run: Run, seams: Seams) -> int:
     main_process = is_first_process()
     if main_process:
         print(summary, flush=True)
+        if data_args.packing and (note := dense_mask_note(model_args.attn_implementation, data_args.max_length,
+                                                          train_data)):
+            print(note, flush=True)
         if planned.plan:
             print(f"Plan (--plan auto) set: {' '.join(f'--{k} {v}' for k, v in planned.options.items()) or 'nothing'}"
                   f"\n{prediction_line(planned.plan)}", flush=True)

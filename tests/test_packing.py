@@ -68,6 +68,36 @@ def test_pack_rows_keeps_documents_whole_and_aligned():
     assert sorted(map(str, with_empty)) == sorted(map(str, rows))
 
 
+def test_long_packed_rows_under_sdpa_get_a_note_on_their_dense_mask(tmp_path):
+    """A packed row of two documents or more takes a dense [tokens x tokens] mask under sdpa (and loses its fused
+    causal kernel): from 8,192-token rows the first screen says so, with the count and the mask's size; flex_attention,
+    short rows and rows of one document each get no note."""
+    from datasets import Dataset
+
+    from conftest import run_train
+    from sft.data.packing import rows_with_several_documents
+    from sft.speed.packed_mask import dense_mask_note
+
+    table = pack_rows([[7] * 5000, [8] * 4000, [9] * 3000, [6] * 8000], [[IGNORE] * 5000, [IGNORE] * 4000,
+                                                                        [IGNORE] * 3000, [IGNORE] * 8000], 8192)
+    rows = Dataset(table)  # rows of 8000; 5000 + 3000; 4000: one of three holds two documents
+    assert sorted(map(len, rows["seq_lengths"])) == [1, 1, 2] and rows_with_several_documents(rows) == 1
+    assert rows_with_several_documents({"seq_lengths": [[5, 0], [4, 4], [8]]}) == 1  # an empty document is none
+    note = dense_mask_note("sdpa", 32768, rows)
+    assert note.startswith("note: 1 of 3 packed rows hold two documents or more") and "(1 GiB a row at 32,768" in note
+    assert "(64 MiB a row at 8,192 tokens)" in dense_mask_note("sdpa", 8192, rows)
+    assert dense_mask_note("flex_attention", 32768, rows) is None and dense_mask_note("sdpa", 4096, rows) is None
+    assert dense_mask_note("sdpa", 32768, Dataset.from_dict({"seq_lengths": [[8000], [5000]]})) is None
+
+    # the demo's short conversations packed into rows of 8,192 tokens: every row holds several, said once
+    result = run_train(["--max_length", "8192", "--packing", "true", "--max_steps", "1", "--eval_strategy", "no",
+                        "--report_to", "none", "--output_dir", str(tmp_path / "out"),
+                        "--dataset_cache_dir", str(tmp_path / "cache")])
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    lines = [line for line in result.stdout.splitlines() if "packed rows hold two documents or more" in line]
+    assert len(lines) == 1 and "(64 MiB a row at 8,192 tokens)" in lines[0], result.stdout[-2000:]
+
+
 def test_collator_restarts_positions_per_document_and_its_padding_continues_the_last_one():
     batch = Collator(pad_token_id=0)([
         {"input_ids": [1, 2, 3, 4, 5], "labels": [IGNORE, 2, 3, IGNORE, 5], "seq_lengths": [3, 2]},

@@ -87,6 +87,12 @@ def _as_list_array(column):
     return column
 
 
+def rows_with_several_documents(rows) -> int:
+    """How many packed rows (a datasets.Dataset or dict with `seq_lengths`) hold two documents or more: the rows
+    that need a block-diagonal mask, where a row of one document needs only the causal order."""
+    return sum(sum(1 for length in lengths if length) > 1 for lengths in rows["seq_lengths"])
+
+
 def position_ids_for(seq_lengths: list[int]) -> torch.Tensor:
     import torch
 

@@ -19,7 +19,13 @@ from __future__ import annotations
 
 import torch
 
+from sft.data.packing import rows_with_several_documents
+
 MASKED_ATTENTIONS = ("sdpa", "eager", "flex_attention")
+# From this row length a packed row's mask under sdpa is worth a word on the first screen: it is dense, length**2
+# bytes a row (64 MiB at 8,192 tokens, 1 GiB at 32,768), and it costs sdpa its fused causal kernel, which a row of one
+# document keeps (the 32k bench rows: sdpa 1.15x flex_attention with one trace a row; docs/speed.md, Long rows).
+DENSE_MASK_NOTE_TOKENS = 8192
 
 
 def builds_packed_mask(config) -> bool:
@@ -40,3 +46,21 @@ def packed_causal_mask(config, documents: torch.Tensor, dtype: torch.dtype):
     embeddings_like = torch.empty((), dtype=dtype, device=documents.device).expand(rows, length, 1)
     return create_causal_mask(config, embeddings_like, None, None, position_ids=None,
                               and_mask_function=packed_sequence_mask_function(documents))
+
+
+def dense_mask_note(attention: str, max_length: int, rows) -> str | None:
+    """The first screen's note where sdpa meets long packed rows of several documents (`rows`: the packed
+    training rows); None where it does not (another attention, short rows, or one document a row)."""
+    if attention != "sdpa" or max_length < DENSE_MASK_NOTE_TOKENS:
+        return None
+    several = rows_with_several_documents(rows)
+    if not several:
+        return None
+    return (f"note: {several:,} of {len(rows):,} packed rows hold two documents or more; under sdpa each attends "
+            f"through a dense [tokens x tokens] mask ({_size(max_length ** 2)} a row at {max_length:,} "
+            f"tokens) without sdpa's fused causal kernel. --attn_implementation flex_attention keeps their mask "
+            f"sparse; sdpa is the faster where every row is one document (docs/speed.md, Long rows).")
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2 ** 30:.3g} GiB" if nbytes >= 2 ** 30 else f"{nbytes / 2 ** 20:,.0f} MiB"
