@@ -53,11 +53,11 @@ from sft.safety.interrupts import (SIGTERM_MARK, end_with_launcher, exit_code, i
 from sft.speed.gc_freeze import FreezeLongLivedObjects
 from sft.speed.packed_mask import builds_packed_mask, dense_mask_note
 from sft.speed.lowbit import prepare_optimizer
-from sft.model.families import check_family, refuse_unsupported
+from sft.model.families import check_family, positions_warning, refuse_unsupported
 from sft.model.loading import (PartialCheckpointing, check_lora_targets, check_safetensors_weights, load_config,
                                load_model, load_tokenizer, record_quantized_base, resolve_model_path)
 from sft.model.moe import MoeLoadLogger, install_moe
-from sft.data.packing import Collator
+from sft.data.packing import Collator, longest_document
 from sft.machine import Machine, machine
 from sft.options.checks import PICKED_NEW
 from sft.plan.planner import NOT_PLANNED, Planned, nothing_planned_line, planned_options, prediction_line
@@ -179,6 +179,9 @@ def train(run: Run, seams: Seams) -> int:
         if data_args.packing and (note := dense_mask_note(model_args.attn_implementation, data_args.max_length,
                                                           train_data)):
             print(note, flush=True)
+        if (warning := positions_warning(load_config(model_args), longest_document(train_data),
+                                           model_args.model)):
+            print(f"warning: {warning}", flush=True)
         if planned.plan:
             print(f"Plan (--plan auto) set: {' '.join(f'--{k} {v}' for k, v in planned.options.items()) or 'nothing'}"
                   f"\n{prediction_line(planned.plan)}", flush=True)

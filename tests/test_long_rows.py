@@ -141,3 +141,37 @@ def test_offloading_needs_the_checkpoints_and_a_tile_is_a_count():
         parse_args(["--offload_activations", "true"], data_only=True)
     with pytest.raises(ConfigError, match="--mlp_tile_tokens -1: give a number of tokens"):
         parse_args(["--mlp_tile_tokens", "-1"], data_only=True)
+
+
+def test_conversations_past_the_models_positions_are_warned_of_before_loading(tmp_path, tiny_llama):
+    """RoPE encodes positions past max_position_embeddings without complaint (deepseek-llm-7b has 4,096, the long
+    rows here 32,768): the first screen warns where the longest conversation runs past them. Packed rows restart
+    their positions at each document, so it is the longest document that counts, not --max_length."""
+    from datasets import Dataset
+    from transformers import AutoConfig
+
+    from sft.data.packing import longest_document, pack_rows
+    from sft.model.families import positions_warning
+
+    packed = Dataset(pack_rows([[5] * 300, [6] * 200, [7] * 700], [[-100] * 300, [-100] * 200, [-100] * 700], 1024))
+    assert longest_document(packed) == 700  # rows of 1,000 and 200 tokens: the longest document, not row
+    assert longest_document(Dataset.from_dict({"input_ids": [[1] * 9, [2] * 40]})) == 40
+    config = AutoConfig.from_pretrained(tiny_llama)  # max_position_embeddings 512
+    assert positions_warning(config, 512, "m") is None
+    warning = positions_warning(config, 700, "m")
+    assert "the longest conversation is 700 tokens, past the 512 positions m was trained on" in warning
+    assert "--max_length 512" in warning
+
+    words = " ".join(f"word{i}" for i in range(700))  # one conversation of more than 512 tokens
+    data = tmp_path / "long.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "Repeat: " + words},
+                                             {"role": "assistant", "content": words}]}) + "\n"
+                    + json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                               {"role": "assistant", "content": "Hello."}]}) + "\n")
+    result = run_train(["--model", str(tiny_llama), "--dataset", str(data), "--max_length", "4096", "--max_steps", "1",
+                        "--eval_strategy", "no", "--report_to", "none", "--output_dir", str(tmp_path / "out"),
+                        "--dataset_cache_dir", str(tmp_path / "cache")])
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    warned = [line for line in result.stdout.splitlines() if line.startswith("warning: the longest conversation")]
+    assert len(warned) == 1 and "past the 512 positions" in warned[0], result.stdout[-2000:]
+

@@ -93,6 +93,18 @@ def rows_with_several_documents(rows) -> int:
     return sum(sum(1 for length in lengths if length) > 1 for lengths in rows["seq_lengths"])
 
 
+def longest_document(rows) -> int:
+    """The longest document of the training rows (a datasets.Dataset), in tokens: its last position is the farthest
+    the model reads, since a packed row's positions restart at each document (`seq_lengths`)."""
+    import pyarrow.compute as pc
+
+    if not len(rows):
+        return 0
+    if "seq_lengths" in rows.column_names:
+        return int(pc.max(pc.list_flatten(rows.data.column("seq_lengths"))).as_py() or 0)
+    return int(pc.max(pc.list_value_length(rows.data.column("input_ids"))).as_py() or 0)
+
+
 def position_ids_for(seq_lengths: list[int]) -> torch.Tensor:
     import torch
 

@@ -167,6 +167,19 @@ def rope_of(config) -> dict:
     return rope
 
 
+def positions_warning(config, longest: int, model: str) -> str | None:
+    """Where the training data's longest document runs past the positions the model was trained on
+    (`max_position_embeddings`, which a config with RoPE scaling already extends): RoPE encodes any position
+    without complaint, but the model never saw those in pretraining. deepseek-llm-7b has 4,096."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if not limit or longest <= limit:
+        return None
+    return (f"the longest conversation is {longest:,} tokens, past the {limit:,} positions {model} was trained "
+            f"on (its max_position_embeddings): the positions "
+            f"beyond {limit:,} are new to it. Cap conversations with --max_length {limit}, or start from a model "
+            f"made for long contexts (DeepSeek-R1-Distill-Qwen-7B: 131,072).")
+
+
 def identify(config, tokenizer=None) -> Variant | None:
     """The sub-family of a config (and tokenizer): by vocabulary size first, then by the tokenizer's special tokens
     (deepseek-coder's `<|EOT|>`/FIM tokens; DeepSeek's BOS for a resized deepseek-llm). None: not one we know (a
