@@ -354,6 +354,14 @@ MATRIX += [
         profile_steps=0, repeat_data=1, long_docs=True, timeout=420,
         args=(*LIGER, "--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--offload_activations", "true",
               "--mlp_tile_tokens", "4096", "--fp8", "auto", "--compile_layers", "auto")),
+    # 16k rows with the fast paths: long-r1-16k (flex_attention, none) took 285 s for its first step where the 32k
+    # rows took 47-58 s (run 20261205T1855Z-next-h100): is it flex_attention's compile at 16,384 tokens (sdpa
+    # compiles nothing per length), and how do the fast paths run between 4k and 32k
+    *[Row(f"long-r1-16k-{name}default", "lora", model="r1-distill-qwen-7b", seq_len=16384, warmup=2, steps=3,
+          profile_steps=0, repeat_data=1, long_docs=True, timeout=600,
+          args=(*LIGER, "--lora_dropout", "0", "--attn_implementation", attention, *CKPT, "--mlp_tile_tokens", "4096",
+                "--fp8", "auto", "--compile_layers", "auto"))
+      for name, attention in (("", "flex_attention"), ("sdpa-", "sdpa"))],
     # issue 27 item 2: 65,536-token rows (one conversation each) over 2 cards held to 24 GiB, each row split by
     # --sequence_parallel 2 (DeepSpeed Ulysses under ZeRO-3, which also halves the bf16 base: 7.6 GB a card): each
     # card runs 32k tokens outside attention, as long-r1-32k does on one card (the reference, its own run)
@@ -461,6 +469,8 @@ GROUPS = {
     # the same ratio on an 80 GB H100 (device kind nvidia-h100-x1), each peer at micro-batch 4 x 2, then ours at 8
     "lora2x-h100": ["trl-lora-best-mb4", "lora-best-default-mb4", "lora-best-default"],
     # issue 27 item 1, one GPU held to 24 GiB (run with --fresh_cache: the first step's compile is the user's wait)
+    # issue 27 item 1 at 16k: the first step's wait (285 s for long-r1-16k's flex_attention) with and without it
+    "long16": ["long-r1-16k-sdpa-default", "long-r1-16k-default", "long-r1-16k"],
     "long": ["long-r1-4k", "long-r1-32k", "long-llm-4k", "long-llm-32k", "long-r1-16k", "long-llm-16k",
              "long-r1-32k-sdpa", "long-r1-4k-recipe", "long-r1-32k-default", "long-r1-32k-recipe",
              "long-r1-32k-sdpa-default"],
