@@ -174,4 +174,3 @@ def test_conversations_past_the_models_positions_are_warned_of_before_loading(tm
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     warned = [line for line in result.stdout.splitlines() if line.startswith("warning: the longest conversation")]
     assert len(warned) == 1 and "past the 512 positions" in warned[0], result.stdout[-2000:]
-

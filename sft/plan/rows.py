@@ -92,6 +92,12 @@ def attention_of_row(row: dict) -> tuple[str, str]:
     return option_value(row_options(row), "--attn_implementation", planned), planned
 
 
+def ran_planned_attention(row: dict) -> bool:
+    """Whether the row ran the attention the planner plans for its strategy and model."""
+    ran, planned = attention_of_row(row)
+    return ran == planned
+
+
 def split_size(row: dict) -> int:
     """The N a bench row split each row over (--sequence_parallel N: such rows speak for SP plans only); 1: none."""
     return int(option_value(row_options(row), sequence_parallel.OPTION, 1))

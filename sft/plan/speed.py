@@ -17,8 +17,8 @@ from pathlib import Path
 from sft.plan import expert_parallel, resident, sequence_parallel, snapshot
 from sft.plan.fast_paths import NAMES as FAST_PATH_NAMES
 from sft.plan.long_rows import is_long, is_long_document_row, long_row_flops_per_token
-from sft.plan.rows import (RESULTS, STRATEGY_OF_ROW, attention_of_row, bench_rows, fast_of_row, measured_rows,
-                           option_value, row_options, row_shape, split_size, workload_of_row)
+from sft.plan.rows import (RESULTS, STRATEGY_OF_ROW, bench_rows, fast_of_row, measured_rows, option_value,
+                           ran_planned_attention, row_options, row_shape, split_size, workload_of_row)
 from sft.plan.shapes import Shape, shape_name
 from sft.plan.snapshot import ANY_MODEL
 from sft.plan.workload import Workload
@@ -192,7 +192,7 @@ def long_mfu_rows(path: Path, model: str | None) -> list[dict]:
     recomputation (long_rows.long_row_flops_per_token), so that 4k and 32k rows of one run read alike. Only rows of
     the attention the planner plans for them: at 32k attention is a large share of the step, and sdpa's fused causal
     kernel (long-r1-32k-sdpa, run 20261205T1315Z-long-h100) ran 1.12x the flex_attention row of run 1120Z."""
-    return [r for r in _counted_as_long(_mfu_candidates(path, model)) if len(set(attention_of_row(r))) == 1]
+    return [r for r in _counted_as_long(_mfu_candidates(path, model)) if ran_planned_attention(r)]
 
 
 def split_mfu_rows(path: Path, model: str | None) -> list[dict]:

@@ -13,6 +13,9 @@ hands on as it is. tests/test_packing.py checks the result against each document
 For the attention implementations whose masks transformers builds from a mask function (sdpa, eager, flex
 attention) and models whose every layer attends fully; otherwise (flash attention, sliding-window layers) the batch
 goes to the model with its position_ids as before.
+
+Under sdpa that mask is dense ([tokens x tokens]) and costs sdpa its fused causal kernel; from long rows on, the
+first screen says how many packed rows need it (dense_mask_note).
 """
 
 from __future__ import annotations
