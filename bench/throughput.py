@@ -354,6 +354,14 @@ MATRIX += [
         profile_steps=0, repeat_data=1, long_docs=True, timeout=420,
         args=(*LIGER, "--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--offload_activations", "true",
               "--mlp_tile_tokens", "4096", "--fp8", "auto", "--compile_layers", "auto")),
+    # ... keeping each layer's attention output for the backward instead of recomputing it (sft/speed/kept_attention.py):
+    # the compiled layers save it with their checkpoint, so it waits in host RAM beside it (+6.2 GiB host RAM, two
+    # layers' worth on the GPU: +0.45 GiB); the recompute skips attention's forward, ~6.6 of ~71 GFLOP a token at 32k
+    Row("long-r1-32k-sdpa-keep", "lora", model="r1-distill-qwen-7b", seq_len=32768, warmup=2, steps=3,
+        profile_steps=0, repeat_data=1, long_docs=True, timeout=420,
+        args=(*LIGER, "--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--offload_activations", "true",
+              "--mlp_tile_tokens", "4096", "--fp8", "auto", "--compile_layers", "auto",
+              "--activation_checkpointing_keep_attention", "true")),
     # 16k rows with the fast paths: long-r1-16k (flex_attention, none) took 285 s for its first step where the 32k
     # rows took 47-58 s (run 20261205T1855Z-next-h100): is it flex_attention's compile at 16,384 tokens (sdpa
     # compiles nothing per length), and how do the fast paths run between 4k and 32k
@@ -470,6 +478,8 @@ GROUPS = {
     "lora2x-h100": ["trl-lora-best-mb4", "lora-best-default-mb4", "lora-best-default"],
     # issue 27 item 1 at 16k: the first step's wait (285 s for long-r1-16k's flex_attention) with and without it
     "long16": ["long-r1-16k-sdpa-default", "long-r1-16k-default", "long-r1-16k"],
+    # issue 27 item 1's next lever, with its references in the same run: the 4k recipe and the 32k row without it
+    "long-keep": ["long-r1-4k-recipe", "long-r1-32k-sdpa-default", "long-r1-32k-sdpa-keep"],
     # issue 27 item 1, one GPU held to 24 GiB (run with --fresh_cache: the first step's compile is the user's wait)
     "long": ["long-r1-4k", "long-r1-32k", "long-llm-4k", "long-llm-32k", "long-r1-16k", "long-llm-16k",
              "long-r1-32k-sdpa", "long-r1-4k-recipe", "long-r1-32k-default", "long-r1-32k-recipe",

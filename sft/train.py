@@ -51,6 +51,7 @@ from sft.safety.guards import LossSpikeLogger, NonFiniteGuard
 from sft.safety.interrupts import (SIGTERM_MARK, end_with_launcher, exit_code, ignore_further_interrupts,
                                    launcher_gone, leave_now, signal_name, stop_on_sigterm, tell_user)
 from sft.speed.gc_freeze import FreezeLongLivedObjects
+from sft.speed.kept_attention import offload_prefetch
 from sft.speed.packed_mask import builds_packed_mask, dense_mask_note
 from sft.speed.lowbit import prepare_optimizer
 from sft.model.families import check_family, positions_warning, refuse_unsupported
@@ -260,6 +261,9 @@ def train(run: Run, seams: Seams) -> int:
         processing_class=tokenizer,
         callbacks=callbacks,
         labelled_token_loss=labelled_token_loss,  # None: the model's own loss
+        # --offload_activations: one layer's saved tensors brought back ahead (more of them where it keeps attention)
+        offload_prefetch=offload_prefetch(training_args.activation_checkpointing_keep_attention,
+                                          model_args.compile_layers_on),
         balance=balance,  # MoE: the routers' load-balancing loss joins the training loss
         guard=guard,  # the NaN check reads the step's gradient norm, not every gradient again
     )

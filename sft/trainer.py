@@ -61,7 +61,7 @@ from sft.model.moe import RouterBalance
 from sft.report.progress import ConsolePrinter, ConsoleProgress
 from sft.safety.guards import NonFiniteGuard
 from sft.safety.private_names import CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPOINT, TRACK_NUM_INPUT_TOKENS, expect
-from sft.speed.activation_offload import OffloadedActivations
+from sft.speed.activation_offload import PREFETCH, OffloadedActivations
 from sft.speed.chunked_loss import LossFn
 from sft.speed.packed_mask import packed_causal_mask
 from sft.speed.fp8_training import Float8ScalesAfterStep, gathers_in_fp8
@@ -83,12 +83,13 @@ class SFTTrainer(Trainer):
             expect(private)
 
     def __init__(self, *args, labelled_token_loss: LossFn | None = None, balance: RouterBalance | None = None,
-                 guard: NonFiniteGuard | None = None, **kwargs):
+                 guard: NonFiniteGuard | None = None, offload_prefetch: int = PREFETCH, **kwargs):
         self.check_overrides()
         super().__init__(*args, **kwargs)
         self.labelled_token_loss = labelled_token_loss
         self.balance = balance
         self.guard = guard
+        self.offload_prefetch = offload_prefetch  # --offload_activations: saved tensors brought back ahead
         # This rank's real tokens of this session by the collator's host count (None: the Trainer counts), and how
         # many of them are in state.num_input_tokens_seen
         self.tokens_on_this_rank: int | None = None
@@ -178,7 +179,7 @@ class SFTTrainer(Trainer):
     def activation_offload(self) -> OffloadedActivations:
         """The saved-tensor hooks of one training forward (a subclass may copy otherwise: the CPU tests do); the
         model's own tensors stay on the GPU."""
-        return OffloadedActivations(model=self.model)
+        return OffloadedActivations(model=self.model, prefetch=self.offload_prefetch)
 
     def _loss_from_hidden_states(self, model, inputs: dict, num_items_in_batch, positions=None):
         """The causal-LM loss of the labelled tokens from the last hidden states: the model runs without its

@@ -246,6 +246,11 @@ class SFTTrainingArguments(TrainingArguments):
     activation_checkpointing_skip_layers: int = field(default=0, metadata={
         "help": "With --activation_checkpointing: leave this many of the last decoder layers unchecked, which "
                 "spends spare GPU memory to skip their recomputation (each layer ~1/num_layers of it)."})
+    activation_checkpointing_keep_attention: bool = field(default=False, metadata={
+        "help": "With --activation_checkpointing and sdpa: keep each layer's attention output for the backward "
+                "instead of recomputing it (selective checkpointing: the backward's recompute skips attention, the "
+                "costly part at long rows). It holds about one hidden vector a token per layer: in host RAM beside "
+                "--compile_layers and --offload_activations, else on the GPU (docs/speed.md, Long rows)."})
     offload_activations: bool = field(default=False, metadata={
         "help": "With --activation_checkpointing: the checkpoints (each decoder layer's input) wait in host RAM "
                 "between the forward and the backward instead of on the GPU (pinned; ~0.25 GB a layer at 32k "
@@ -290,6 +295,16 @@ class SFTTrainingArguments(TrainingArguments):
         "help": f"The optimizer: transformers' (adamw_torch_fused, adamw_torch_8bit, ...) or {SR_ADAMW} (bf16 "
                 f"weights and states, updated in fp32 and rounded stochastically: full fine-tuning without fp32 "
                 f"master weights, at plain bf16 AdamW's memory traffic; sft/speed/sr_adamw.py)."})
+
+    def to_dict(self) -> dict:
+        """transformers' dict of the options, with a function in the checkpoint's kwargs (the policy of
+        --activation_checkpointing_keep_attention) given by its name: the loggers write this dict as JSON
+        (TensorBoard's `args` text, wandb's config)."""
+        d = super().to_dict()
+        for key in ("activation_checkpointing_kwargs", "gradient_checkpointing_kwargs"):
+            if isinstance(d.get(key), dict):
+                d[key] = {k: f"{v.__module__}.{v.__qualname__}" if callable(v) else v for k, v in d[key].items()}
+        return d
 
     def __post_init__(self):
         # transformers accepts only its own --optim names (OptimizerNames); ours pass through as plain strings

@@ -312,6 +312,35 @@ def partial_checkpointing(o: Options, m: Machine) -> None:
                           f"(it leaves some layers out of the checkpointing).")
 
 
+def kept_attention_needs(o: Options, m: Machine, inside_forward: Callable[[], bool] | None = None) -> None:
+    """--activation_checkpointing_keep_attention selects what transformers' checkpoint of each layer saves: it needs
+    that checkpoint (not FSDP's own), sdpa's kernels (the ops its policy names), and beside --compile_layers a
+    transformers that checkpoints inside the compiled forward (sft/speed/kept_attention.py)."""
+    if not o.training.activation_checkpointing_keep_attention:
+        return
+    if o.fsdp(m) and not o.lora.lora:  # resolve.py has moved --activation_checkpointing to FSDP's own
+        raise ConfigError("--activation_checkpointing_keep_attention: a full fine-tune under FSDP uses FSDP's own "
+                          "activation checkpointing; drop the option, or train LoRA.")
+    if not o.training.activation_checkpointing:
+        raise ConfigError("--activation_checkpointing_keep_attention needs --activation_checkpointing true (it "
+                          "keeps the attention outputs that checkpointing would recompute).")
+    if (o.training.activation_checkpointing_kwargs or {}).get("use_reentrant"):
+        raise ConfigError("--activation_checkpointing_keep_attention needs the non-reentrant checkpoint: drop "
+                          "use_reentrant from --activation_checkpointing_kwargs.")
+    if o.model.attn_implementation != "sdpa":
+        raise ConfigError(f"--activation_checkpointing_keep_attention keeps sdpa's outputs; under "
+                          f"--attn_implementation {o.model.attn_implementation} it would keep nothing. Use "
+                          f"--attn_implementation sdpa, or drop the option.")
+    from sft.speed.kept_attention import checkpoints_inside_forward
+
+    if o.model.compile_layers_on and not (inside_forward or checkpoints_inside_forward)():
+        import transformers
+
+        raise ConfigError(f"--activation_checkpointing_keep_attention with --compile_layers needs transformers >= "
+                          f"5.23 (this is {transformers.__version__}: it checkpoints outside the compiled layer). "
+                          f"pip install -U 'transformers>=5.23', or add --compile_layers false.")
+
+
 def precision_the_hardware_has(o: Options, m: Machine) -> None:
     """(--bf16 without bf16 hardware is refused by TrainingArguments itself while parsing.)"""
     if o.training.fp16 and not m.cuda:
@@ -655,7 +684,7 @@ OPTION_CHECKS: list[Check] = [
     padding_positive, our_option_values,
 ]
 MACHINE_CHECKS: list[Check] = [
-    partial_checkpointing, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
+    partial_checkpointing, kept_attention_needs, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
     quantized_base_not_under_zero3, qlora_needs, qlora_under_fsdp_awaits_its_gpu_run, sharding_needs_gpus, attention_kernel_available, processes_fit_gpus,
     tensor_parallel_combinations, compiled_layers_combinations, liger_kernel_available, fp8_base_needs,
     chunked_loss_combinations, loss_in_chunks_under_zero3, sequence_parallel_combinations,

@@ -244,6 +244,33 @@ def fsdp_checkpoints_activations(o: Options, m: Machine) -> None:
         t.activation_checkpointing = t.gradient_checkpointing = False  # (the deprecated alias follows it)
 
 
+def checkpoints_keep_attention(o: Options, m: Machine) -> None:
+    """--activation_checkpointing_keep_attention: transformers' checkpoint of each layer gets the policy that saves
+    sdpa's outputs (sft/speed/kept_attention.py), through TrainingArguments.activation_checkpointing_kwargs, which
+    the Trainer hands to torch's checkpoint. Keys you set there stay; a reentrant checkpoint (`use_reentrant:
+    true`) cannot be selective and is refused (sft/options/checks.py kept_attention_needs)."""
+    t = o.training
+    if not t.activation_checkpointing_keep_attention:
+        return
+    from sft.speed.kept_attention import checkpoint_kwargs
+
+    kwargs = {**checkpoint_kwargs(), **(t.activation_checkpointing_kwargs or {})}
+    t.activation_checkpointing_kwargs = t.gradient_checkpointing_kwargs = kwargs  # (the deprecated alias follows it)
+    o.model.speed_choices += (f"attention outputs kept for the backward, not recomputed "
+                              f"({kept_attention_place(o.model.compile_layers_on, t.offload_activations, m.cuda)}; "
+                              f"--activation_checkpointing_keep_attention)",)
+
+
+def kept_attention_place(compiled: bool, offloaded: bool, cuda: bool) -> str:
+    """Where the kept attention outputs wait for the backward (sft/speed/kept_attention.py), for the first screen."""
+    if compiled and offloaded:
+        return "in host RAM with the checkpoints"
+    where = f"on the {'GPU' if cuda else 'CPU'}"
+    if offloaded:  # eager layers keep them in the checkpoint's cache, which the offload hooks never see
+        where += " (eager layers keep them in their checkpoint: --compile_layers true sends them to host RAM)"
+    return where
+
+
 def fsdp_reduce_scatters_each_micro_batch(o: Options, m: Machine) -> None:
     """Under FSDP with gradient accumulation, gradients are reduce-scattered after every micro-batch (accelerate's
     `sync_each_batch`): FSDP2's no-sync mode keeps UNSHARDED gradients between micro-batches on every rank
@@ -292,7 +319,7 @@ Derivation = Callable[[Options, Machine], None]
 DERIVED: list[Derivation] = [
     qlora_trains_lora, output_dir_of_its_own, fast_paths_where_supported, flex_pads_packed_rows,
     sequence_parallel_slices_rows, fp8_training_pads_rows_to_16, tensor_parallel_saves_model_only, lora_skips_unused_parameter_search,
-    compiled_layers_keep_liger_loss_only, liger_loss_on_labels, fsdp_checkpoints_activations,
+    compiled_layers_keep_liger_loss_only, liger_loss_on_labels, fsdp_checkpoints_activations, checkpoints_keep_attention,
     fsdp_reduce_scatters_each_micro_batch, our_rotation_keeps_checkpoints, nan_filter_only_where_steps_are_skipped,
     batches_copied_without_wait,
 ]

@@ -59,6 +59,15 @@ def ladder(shape: "Shape", seq_len: int, checkpointing: bool) -> list[Levers]:
                                                                                      lv.offload_activations))
 
 
+def kept_attention_bytes(shape: "Shape", tokens: int) -> float:
+    """--activation_checkpointing_keep_attention: what one checkpointed layer keeps of its attention for the
+    backward (sft/speed/kept_attention.py): sdpa's output (bf16, every head's value width) and its log-sum-exp
+    (fp32, one per head), per token. Not a lever the planner takes: its speed is not measured yet (bench row
+    long-r1-32k-sdpa-keep); a run that asks for it is predicted with it (sft/plan/this_run.py)."""
+    v = shape.v_head if shape.kv_lora_rank else shape.hd
+    return tokens * shape.heads * (2 * v + 4)
+
+
 def tile_tokens(w: "Workload") -> int:
     """Tokens of one MLP tile (the micro-batch's rows are split along the sequence), or all of the micro-batch's
     tokens on this card where the MLP runs whole (no tile, or a row no longer than one). Under --sequence_parallel a

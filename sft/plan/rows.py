@@ -80,6 +80,7 @@ def workload_of_row(row: dict) -> Workload:
                     grad_accum=row.get("grad_accum", 1), fp8=fast.fp8, compiled=fast.compiled,
                     mlp_tile_tokens=int(option_value(args, "--mlp_tile_tokens", 0)),
                     offload_activations=option_value(args, "--offload_activations", "false") == "true",
+                    keep_attention=option_value(args, "--activation_checkpointing_keep_attention", "false") == "true",
                     # the loss in chunks: asked for, or always under --sequence_parallel (sft/train.py)
                     chunked_loss=option_value(args, "--chunked_loss", "false") == "true" or size > 1,
                     resident=resident.is_resident_row(args), sequence_parallel=size)

@@ -234,10 +234,11 @@ def _mfu_candidates(path: Path, model: str | None, split: bool = False) -> list[
 
 def _speed_rows(path: Path, split: bool = False) -> list[dict]:
     """Our rows whose MFU is a training speed: of rows run whole, or (`split`) of rows split by --sequence_parallel,
-    which speak for SP plans only (split_mfu_rows)."""
+    which speak for SP plans only (split_mfu_rows). Not the rows that kept attention outputs for the backward
+    (--activation_checkpointing_keep_attention): no plan does that (sft/plan/long_rows.py kept_attention_bytes)."""
     return [r for r in measured_rows(path) if r.get("mfu") and r.get("peer") in ("ours", "zero3-offload-recipe")
             and (split_size(r) > 1) == split
-            and "--torch_compile" not in (r.get("train_args") or "")
+            and "--torch_compile" not in (r.get("train_args") or "") and not workload_of_row(r).keep_attention
             and not any(mark in (r.get("notes") or "") for mark in ("NOT a 1-GPU number", "INVALID"))]
 
 

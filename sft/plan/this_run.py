@@ -54,11 +54,13 @@ def _matching_plan(shape, model_args, lora_args, data_args, training_args, machi
                   and p.w.resident == experts), None)
     if found is None:
         return None
-    chunked = bool(getattr(model_args, "chunked_loss", False)) and not found.w.fused_loss  # refused beside Liger
-    if found.w.chunked_loss == chunked:
+    own = {  # the run's own options where the plans have other values: without --chunked_loss the run holds the
+        # whole logits (the loss in chunks is refused beside Liger), and no plan keeps attention outputs
+        "chunked_loss": bool(getattr(model_args, "chunked_loss", False)) and not found.w.fused_loss,
+        "keep_attention": bool(getattr(training_args, "activation_checkpointing_keep_attention", False))}
+    if all(getattr(found.w, name) == value for name, value in own.items()):
         return found
-    # the run's own --chunked_loss, not the plan's choice: without it the run holds the whole logits
-    return judged_plan(shape, box, dataclasses.replace(found.w, chunked_loss=chunked), found.fast, asked)
+    return judged_plan(shape, box, dataclasses.replace(found.w, **own), found.fast, asked)
 
 
 def predicted_text(plan: Plan | None, model_args, machine) -> str:

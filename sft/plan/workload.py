@@ -53,6 +53,7 @@ class Workload:
     compiled: bool = False         # --compile_layers (sft/speed/regional_compile.py)
     mlp_tile_tokens: int = 0       # --mlp_tile_tokens (sft/speed/tiled_mlp.py); 0: the MLP runs whole
     offload_activations: bool = False  # --offload_activations: checkpoints wait in host RAM (sft/trainer.py)
+    keep_attention: bool = False   # --activation_checkpointing_keep_attention (sft/speed/kept_attention.py)
     chunked_loss: bool = False     # --chunked_loss: one chunk's logits at a time (sft/speed/chunked_loss.py)
     resident: bool = False         # --quantize_experts fp8: the routed experts in e4m3 (sft/plan/resident.py)
     sequence_parallel: int = 1     # --sequence_parallel N: each row split over N ranks (sft/plan/sequence_parallel.py)
