@@ -570,7 +570,9 @@ def random_init(path, dtype=None, attn_implementation=None, **ignored):
 
     from sft.parallel.expert_parallel import autoep_block
 
-    config = AutoConfig.from_pretrained(path)
+    from sft.model.rope_scaling import ROPE_KEYS
+
+    config = AutoConfig.from_pretrained(path, **{k: v for k, v in ignored.items() if k in ROPE_KEYS})  # --rope_scaling
     dtype = getattr(torch, dtype) if isinstance(dtype, str) and dtype != "auto" else dtype
     build = dict(dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32,
                  attn_implementation=attn_implementation)

@@ -58,6 +58,7 @@ from sft.model.families import check_family, positions_warning, refuse_unsupport
 from sft.model.loading import (PartialCheckpointing, check_lora_targets, check_safetensors_weights, load_config,
                                load_model, load_tokenizer, record_quantized_base, resolve_model_path)
 from sft.model.moe import MoeLoadLogger, install_moe
+from sft.model.rope_scaling import rope_line, rope_overrides, scaled, write_rope_record
 from sft.data.packing import Collator, longest_document
 from sft.machine import Machine, machine
 from sft.options.checks import PICKED_NEW
@@ -152,6 +153,8 @@ def train(run: Run, seams: Seams) -> int:
     if seams.model_factory is None:  # pickled weights: how to convert them, before any data work (a factory
         check_safetensors_weights(model_args.model)  # builds its own weights)
     refuse_unsupported(load_config(model_args))  # DeepSeek-V3.2: one error, on every rank, before any data work
+    # --rope_scaling: the config values the model loads with (a model already scaled is refused here)
+    rope = rope_overrides(load_config(model_args), model_args.rope_scaling, data_args.max_length)
     check_tensor_parallel(model_args, training_args.world_size, resume)  # the model's heads; the checkpoint's TP
     if training_args.sequence_parallel > 1:  # heads that divide; no MLA
         check_sequence_parallel(load_config(model_args), training_args.sequence_parallel)
@@ -166,6 +169,8 @@ def train(run: Run, seams: Seams) -> int:
     # A resume onto another model or other data stops here, before tokenizing or any model; a new run records its own
     on_main_process(lambda: keep_record(resume, training_args.output_dir,
                                         this_run(model_args, data_args, lora_args, data_hash), run.argv))
+    if rope and lora_args.lora:  # the adapter's base loads with the same RoPE (chat, merge, the save check)
+        on_main_process(lambda: write_rope_record(rope, training_args.output_dir))
     if is_first_process():  # a template, EOS or RoPE scaling that this DeepSeek family does not use
         for warning in check_family(load_config(model_args), tokenizer, data_args.template,
                                     model_args.trust_remote_code):
@@ -180,7 +185,10 @@ def train(run: Run, seams: Seams) -> int:
         if data_args.packing and (note := dense_mask_note(model_args.attn_implementation, data_args.max_length,
                                                           train_data)):
             print(note, flush=True)
-        if (warning := positions_warning(load_config(model_args), longest_document(train_data),
+        if (line := rope_line(model_args.rope_scaling, rope, load_config(model_args).max_position_embeddings,
+                              data_args.max_length)):
+            print(line, flush=True)
+        if (warning := positions_warning(scaled(load_config(model_args), rope), longest_document(train_data),
                                            model_args.model)):
             print(f"warning: {warning}", flush=True)
         if planned.plan:
@@ -196,7 +204,7 @@ def train(run: Run, seams: Seams) -> int:
     # RAM-efficient loading (every rank quantizes its base)
     prepare_optimizer(training_args.optim)  # torchao's low-bit AdamW patched (checked first); ours is SFTTrainer's
     set_seed(training_args.seed)  # the LoRA init happens before the Trainer seeds: make it follow --seed too
-    model = load_model(model_args, lora_args, training_args.activation_checkpointing, seams.model_factory)
+    model = load_model(model_args, lora_args, training_args.activation_checkpointing, seams.model_factory, rope)
     # The training loss from the labelled tokens' hidden states (sft/speed/chunked_loss.py): Liger's fused kernel where
     # Liger's own would run (sft/options/resolve.py), torch chunks under --chunked_loss (refused beside Liger).
     # Under --sequence_parallel always one of them (sft/speed/sequence_parallel_loss.py). LoRA under ZeRO-3 on several
@@ -209,7 +217,7 @@ def train(run: Run, seams: Seams) -> int:
     balance = install_moe(model, training_args.router_aux_loss_coef, pad_token_id=tokenizer.pad_token_id)  # MoE only
     verifier = make_verifier(training_args.verify_saves, model, resolve_model_path(model_args.model), lora_args.lora,
                              model_args.attn_implementation, model_args.trust_remote_code,
-                             model_args.fp8_recipe if model_args.fp8_on and not lora_args.lora else None)
+                             model_args.fp8_recipe if model_args.fp8_on and not lora_args.lora else None, rope)
     resume_command = command_with(run.argv, resume_from_checkpoint="true", output_dir=training_args.output_dir)
     skip = training_args.activation_checkpointing_skip_layers  # spare memory: fewer layers recomputed
     # NaN/inf loss or gradient: stop (or skip the step) before the weights take it

@@ -176,8 +176,9 @@ def positions_warning(config, longest: int, model: str) -> str | None:
         return None
     return (f"the longest conversation is {longest:,} tokens, past the {limit:,} positions {model} was trained "
             f"on (its max_position_embeddings): the positions "
-            f"beyond {limit:,} are new to it. Cap conversations with --max_length {limit}, or start from a model "
-            f"made for long contexts (DeepSeek-R1-Distill-Qwen-7B: 131,072).")
+            f"beyond {limit:,} are new to it. Stretch its RoPE over them (--rope_scaling yarn or linear), cap "
+            f"conversations with --max_length {limit}, or start from a model made for long contexts "
+            f"(DeepSeek-R1-Distill-Qwen-7B: 131,072).")
 
 
 def identify(config, tokenizer=None) -> Variant | None:

@@ -21,6 +21,7 @@ from sft.model.families import MLP_PROJECTIONS, family_of
 from sft.machine import GIB, Machine, is_first_process, launch, machine
 from sft.model.moe import mark_moe_leaves
 from sft.model.nf4_base import nf4_settings
+from sft.model.rope_scaling import scaled
 from sft.safety.run_dir import QUANTIZED_BASE
 
 
@@ -142,11 +143,12 @@ def weights_dtype(model_args: ModelArguments, lora: bool, m: Machine | None = No
 
 
 def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_checkpointing: bool = False,
-               model_factory=None):
-    """`model_factory`: called as from_pretrained would be, e.g. random weights from the config (bench/)."""
+               model_factory=None, config_overrides: dict | None = None):
+    """`model_factory`: called as from_pretrained would be, e.g. random weights from the config (bench/).
+    `config_overrides`: config values the model loads with (--rope_scaling: sft/model/rope_scaling.py)."""
     qlora = qlora_requested(lora_args)
     nf4_for_fsdp = qlora and machine().launch.fsdp  # the base as NF4 bytes (sft/model/nf4_base.py)
-    model = load_nf4_for_fsdp(model_args, lora_args) if nf4_for_fsdp and model_factory is None else None
+    model = load_nf4_for_fsdp(model_args, lora_args, config_overrides) if nf4_for_fsdp and model_factory is None else None
     experts_on_load = experts_quantization(model_args) if model_factory is None else {}
     if model is None:  # not read weight by weight: loaded whole
         model = (model_factory or AutoModelForCausalLM.from_pretrained)(
@@ -159,6 +161,7 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
             **tensor_parallel(model_args),
             **quantization(model_args, lora_args),
             **experts_on_load,
+            **(config_overrides or {}),
         )
     if model_args.quantize_experts == "fp8":  # before LoRA: the routed experts are the frozen base's
         from sft.model.quantized_experts import apply_quantized_experts
@@ -263,7 +266,7 @@ def quantization(model_args: ModelArguments, lora_args: LoraArguments) -> dict:
     return {"quantization_config": config, "device_map": {"": device}}
 
 
-def load_nf4_for_fsdp(model_args: ModelArguments, lora_args: LoraArguments):
+def load_nf4_for_fsdp(model_args: ModelArguments, lora_args: LoraArguments, config_overrides: dict | None = None):
     """--qlora under FSDP: the model with its decoder layers' linear weights read one at a time from the checkpoint and
     quantized to NF4 as they are read (sft/model/nf4_loading.py): host RAM for the NF4 base, not the bf16 model. None,
     with a note, where the checkpoint does not map 1:1 onto the model: the caller loads it whole, then quantizes."""
@@ -272,7 +275,8 @@ def load_nf4_for_fsdp(model_args: ModelArguments, lora_args: LoraArguments):
     m = machine()
     source = resolve_model_path(model_args.model)
     try:
-        model = load_nf4_model(source, load_config(model_args), weights_dtype(model_args, lora_args.lora, m),
+        config = scaled(load_config(model_args), config_overrides or {})
+        model = load_nf4_model(source, config, weights_dtype(model_args, lora_args.lora, m),
                                m.launch.world_size, model_args.attn_implementation, model_args.trust_remote_code,
                                quantize_on=torch.device("cuda", m.launch.local_rank) if m.cuda else None)
     except NotStreamable as why:

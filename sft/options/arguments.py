@@ -98,6 +98,11 @@ class ModelArguments(FastPathSwitches):  # fp8_on, compile_layers_on
     # Not options: what sft/options/resolve.py's fast_paths_where_supported chose for --fp8/--compile_layers auto
     # on a GPU, and why, for the first screen.
     speed_choices: tuple[str, ...] = field(default=(), init=False)
+    rope_scaling: str | None = field(default=None, metadata={
+        "help": "Train rows past the model's positions (--max_length over max_position_embeddings: deepseek-llm-7b "
+                "has 4,096) with RoPE stretched by the smallest whole factor that covers them: linear, dynamic or "
+                "yarn (LLaMA-Factory's option). A LoRA adapter's base then loads with the same RoPE "
+                "(rope_scaling.json beside it; docs/speed.md, Long rows)."})
     attn_implementation: str = field(default="sdpa", metadata={
         "help": "Attention kernel: sdpa, eager, flex_attention, flash_attention_2 (needs flash-attn)."})
     trust_remote_code: bool = field(default=False, metadata={

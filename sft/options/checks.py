@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from sft.errors import ConfigError, ConfigErrors, NeedsHardware, UserFacingError
 from sft.speed.lowbit import LOW_BIT_OPTIMIZERS, SR_ADAMW, rounds_stochastically
 from sft.machine import Machine
+from sft.model.rope_scaling import ROPE_SCALINGS
 
 # The --output_dir default: sft/options/resolve.py output_dir_of_its_own names the run's own directory, and says
 # in SFTTrainingArguments.output_dir_picked how: a new one, the newest run to resume, or none found to resume.
@@ -296,6 +297,10 @@ def our_option_values(o: Options, m: Machine) -> None:
     if t.loss_spike_factor < 0 or 0 < t.loss_spike_factor <= 1:
         raise ConfigError(f"--loss_spike_factor {t.loss_spike_factor}: give a factor above 1, or 0 to turn spike "
                           f"warnings off.")
+    if o.model.rope_scaling is not None and o.model.rope_scaling not in ROPE_SCALINGS:
+        close = difflib.get_close_matches(o.model.rope_scaling, ROPE_SCALINGS, n=1)
+        raise ConfigError(f"--rope_scaling {o.model.rope_scaling!r}: " + (f"did you mean {close[0]}? " if close else "")
+                          + f"Use {', '.join(ROPE_SCALINGS)}.")
 
 
 # ---- against the machine, the launch and the DeepSpeed config ----------------------------------------------

@@ -15,6 +15,7 @@ modules of every folder.
       moe_load.jsonl             per-expert token counts, with --moe_log_counts (sft/model/moe.py)
       runs/                      the Trainer's TensorBoard logs, unless TENSORBOARD_LOGGING_DIR is set
       quantized_base.json        beside a --qlora adapter: how its base was quantized (sft/model/loading.py)
+      rope_scaling.json          beside a LoRA adapter of --rope_scaling: its base's RoPE (sft/model/rope_scaling.py)
       training_complete.json     written last, after the final save was verified (sft/safety/checkpoints.py)
       model / adapter files      the Trainer's save_model (MODEL_FILES, WEIGHT_FILES)
       checkpoint-N/
@@ -38,6 +39,7 @@ LOSS_PLOT = "loss.png"
 MOE_LOAD = "moe_load.jsonl"
 TENSORBOARD_DIR = "runs"  # the Trainer's default logging_dir: <output_dir>/runs/<date>_<host>
 QUANTIZED_BASE = "quantized_base.json"
+ROPE_RECORD = "rope_scaling.json"
 FINAL_MARKER = "training_complete.json"
 CHECKPOINT_MARKER = "checkpoint_complete.json"
 

@@ -19,7 +19,7 @@ from sft.options.command import command_with
 from sft.safety.run_dir import ADAPTER_CONFIG, QUANTIZED_BASE, TRAINED_ON, method_name
 
 # The options of the record, as a command line names them (data_hash and method have no option of their own).
-OPTIONS = ("model", "dataset", "dataset_dir", "dataset_format", "template", "max_length", "packing")
+OPTIONS = ("model", "dataset", "dataset_dir", "dataset_format", "template", "max_length", "packing", "rope_scaling")
 
 
 def _where(value: str | None) -> str | None:
@@ -35,7 +35,9 @@ def this_run(model_args, data_args, lora_args, data_hash: str | None = None) -> 
     return {"model": _where(model_args.model), "method": method_name(lora_args.lora, lora_args.qlora),
             "dataset": [_where(spec) for spec in data_args.dataset or []], "dataset_dir": _where(data_args.dataset_dir),
             "dataset_format": data_args.dataset_format, "template": data_args.template,
-            "max_length": data_args.max_length, "packing": bool(data_args.packing), "data_hash": data_hash}
+            "max_length": data_args.max_length, "packing": bool(data_args.packing),
+            "rope_scaling": getattr(model_args, "rope_scaling", None),  # the positions the model trains at
+            "data_hash": data_hash}
 
 
 def recorded(run_dir: str | Path) -> dict | None:

@@ -22,7 +22,7 @@ of at the user's first inference.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -31,6 +31,7 @@ from sft.errors import SaveMismatchError
 from sft.machine import GIB, is_first_process
 from sft.model.nf4_base import QUANT_METHOD, NF4Linear
 from sft.model.moe import expert_parallel_layers
+from sft.model.rope_scaling import scaled
 from sft.safety.run_dir import ADAPTER_WEIGHTS
 from sft.safety.private_names import ACCELERATE_ORIGINAL_FORWARD, expect
 
@@ -122,6 +123,7 @@ class SaveVerifier:
     lora_in_place: bool = True  # False: reload base + adapter from disk even when the in-place check could run
     quantization: dict | None = None  # QLoRA: the base's BitsAndBytesConfig (as a dict), to reload it the same way
     fp8_recipe: str | None = None  # a full fine-tune in FP8: its saves are checked weight by weight
+    base_overrides: dict = field(default_factory=dict)  # a LoRA base's config values (--rope_scaling), as trained
 
     def verifiable(self, path: str | Path) -> bool:
         """Whether `path` holds consolidated weights. Sharded checkpoints (FSDP's SHARDED_STATE_DICT, ZeRO-3
@@ -188,7 +190,8 @@ class SaveVerifier:
         with zero3_init_disabled():  # one process loads a whole copy: no zero.Init (the other ranks would not join)
             model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation=self.attn_implementation,
                                                          trust_remote_code=self.trust_remote_code, use_safetensors=True,
-                                                         device_map={"": device}, **NO_HUB_KERNELS, **quantized)
+                                                         device_map={"": device}, **NO_HUB_KERNELS, **quantized,
+                                                         **(self.base_overrides if self.lora else {}))
         if nf4:  # a checkpoint not read weight by weight: the same NF4 bytes again (deterministic, the trained layout)
             from sft.model.nf4_base import quantize_base_nf4
 
@@ -202,7 +205,8 @@ class SaveVerifier:
 
         from sft.model.nf4_loading import NotStreamable, load_nf4_model
 
-        config = AutoConfig.from_pretrained(source, trust_remote_code=self.trust_remote_code)
+        config = scaled(AutoConfig.from_pretrained(source, trust_remote_code=self.trust_remote_code),
+                        self.base_overrides if self.lora else {})
         try:
             return load_nf4_model(source, config, dtype, int(self.quantization["shards"]), self.attn_implementation,
                                   self.trust_remote_code, device=device)
@@ -399,16 +403,19 @@ def compare(expected: torch.Tensor, got: torch.Tensor, dtype: torch.dtype, same_
 
 
 def make_verifier(mode: str, model, model_path: str, lora: bool, attn_implementation: str,
-                  trust_remote_code: bool, fp8_recipe: str | None = None) -> SaveVerifier | None:
+                  trust_remote_code: bool, fp8_recipe: str | None = None,
+                  base_overrides: dict | None = None) -> SaveVerifier | None:
     """--verify_saves: auto (final save always; checkpoints too under LoRA, checked in place, or when the model
-    has < 1e9 parameters), all, final, no. `fp8_recipe`: torchao's recipe of a full fine-tune in FP8."""
+    has < 1e9 parameters), all, final, no. `fp8_recipe`: torchao's recipe of a full fine-tune in FP8.
+    `base_overrides`: the config values the base was loaded with (--rope_scaling), for a LoRA reload."""
     if mode == "no":
         return None
     n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 holds shards
     cheap = (lora and not is_sharded(model)) or n < CHEAP_PARAMETERS
     every_checkpoint = mode == "all" or (mode == "auto" and cheap)
     return SaveVerifier(model_path, lora, attn_implementation, trust_remote_code, checkpoints=every_checkpoint,
-                        quantization=quantization_of(model), fp8_recipe=fp8_recipe)
+                        quantization=quantization_of(model), fp8_recipe=fp8_recipe,
+                        base_overrides=dict(base_overrides or {}))
 
 
 def quantization_of(model) -> dict | None:

@@ -34,7 +34,10 @@ def load_model(path: Path):
     if (path / ADAPTER_CONFIG).is_file():
         from peft import AutoPeftModelForCausalLM
 
-        model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, **NO_HUB_KERNELS)
+        from sft.model.rope_scaling import rope_record
+
+        model = AutoPeftModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, **NO_HUB_KERNELS,
+                                                         **rope_record(path))  # its base's RoPE as trained
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, use_safetensors=True, **NO_HUB_KERNELS)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -55,7 +55,11 @@ def main(argv: list[str] | None = None, prog: str = "python -m sft.tools.merge")
         print(f"note: this adapter was trained on a 4-bit ({quant.get('bnb_4bit_quant_type') or quant.get('quant_type', '?')}) base; it is "
               f"merged into the unquantized base, so the merged model's logits differ from the 4-bit model "
               f"trained by the quantization error (docs/strategies.md, QLoRA).", flush=True)
-    tuned = AutoPeftModelForCausalLM.from_pretrained(adapter, dtype=torch.float32, use_safetensors=True)
+    from sft.model.rope_scaling import rope_record
+
+    # the base as it was trained (--rope_scaling): the merged model's config keeps the scaled RoPE
+    tuned = AutoPeftModelForCausalLM.from_pretrained(adapter, dtype=torch.float32, use_safetensors=True,
+                                                     **rope_record(adapter))
     probe = torch.randint(0, tuned.config.vocab_size, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = tuned(input_ids=probe, use_cache=False).logits
