@@ -272,6 +272,7 @@ def train(run: Run, seams: Seams) -> int:
         # --offload_activations: one layer's saved tensors brought back ahead (more of them where it keeps attention)
         offload_prefetch=offload_prefetch(training_args.activation_checkpointing_keep_attention,
                                           model_args.compile_layers_on),
+        loraplus_lr_ratio=lora_args.loraplus_lr_ratio,  # LoRA+: the B matrices' learning rate, times
         balance=balance,  # MoE: the routers' load-balancing loss joins the training loss
         guard=guard,  # the NaN check reads the step's gradient norm, not every gradient again
     )

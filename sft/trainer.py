@@ -33,6 +33,8 @@ order of what happens in a step is the Trainer's own, held by code:
   here because it belongs to how this model is sharded, as the progress callbacks belong to the Trainer's).
 - `get_optimizer_cls_and_kwargs`: builds `adamw_bf16_sr` and gives torchao's low-bit AdamW its `--optim_args` as
   numbers.
+- `create_optimizer`: under `--loraplus_lr_ratio` (LoRA+), the B matrices in groups of their own at that ratio
+  times the learning rate (sft/model/lora_plus.py).
 - `create_scheduler`: the Trainer's schedule, as a scheduler whose resume keeps this run's schedule (the rule:
   after resuming at step N, the learning rate is this run's schedule at N, N+1, ...), so that a finished run
   resumed with a higher --max_steps goes on along the longer schedule instead of taking a step at the old
@@ -57,6 +59,8 @@ from transformers.integrations import TensorBoardCallback
 
 from sft.data.packing import COLLATOR_KEYS, DOCUMENT_IDS, LABELLED_POSITIONS, NUM_INPUT_TOKENS
 from sft.data.tokenization import IGNORE
+from sft.machine import is_first_process
+from sft.model.lora_plus import split_b_matrices
 from sft.model.moe import RouterBalance
 from sft.report.progress import ConsolePrinter, ConsoleProgress
 from sft.safety.guards import NonFiniteGuard
@@ -83,13 +87,15 @@ class SFTTrainer(Trainer):
             expect(private)
 
     def __init__(self, *args, labelled_token_loss: LossFn | None = None, balance: RouterBalance | None = None,
-                 guard: NonFiniteGuard | None = None, offload_prefetch: int = PREFETCH, **kwargs):
+                 guard: NonFiniteGuard | None = None, offload_prefetch: int = PREFETCH, loraplus_lr_ratio: float = 0.0,
+                 **kwargs):
         self.check_overrides()
         super().__init__(*args, **kwargs)
         self.labelled_token_loss = labelled_token_loss
         self.balance = balance
         self.guard = guard
         self.offload_prefetch = offload_prefetch  # --offload_activations: saved tensors brought back ahead
+        self.loraplus_lr_ratio = loraplus_lr_ratio  # --loraplus_lr_ratio: the B matrices' learning rate, times
         # This rank's real tokens of this session by the collator's host count (None: the Trainer counts), and how
         # many of them are in state.num_input_tokens_seen
         self.tokens_on_this_rank: int | None = None
@@ -265,6 +271,18 @@ class SFTTrainer(Trainer):
         return grad_norm
 
     # ---- the optimizer and the learning-rate schedule -----------------------------------------------------------
+
+    def create_optimizer(self, model=None):
+        """The Trainer's optimizer; under --loraplus_lr_ratio its B matrices in groups of their own at that many
+        times the learning rate (sft/model/lora_plus.py), before the scheduler reads each group's rate."""
+        made = self.optimizer is None
+        optimizer = super().create_optimizer(model)
+        if made and self.loraplus_lr_ratio:
+            moved = split_b_matrices(optimizer, self.model if model is None else model, self.loraplus_lr_ratio)
+            if is_first_process():
+                print(f"LoRA+: {moved} B matrices learn at {self.loraplus_lr_ratio:g}x the learning rate "
+                      f"(--loraplus_lr_ratio)", flush=True)
+        return optimizer
 
     def create_scheduler(self, num_training_steps: int, optimizer=None):
         made = self.lr_scheduler is None

@@ -403,7 +403,8 @@ def attach_lora(model, lora_args: LoraArguments, gradient_checkpointing: bool):
               f"parameters (the DeepSeek MoE MLP: sft/model/families.py), and an adapter has one dropout.")
         dropout = 0.0
     config = LoraConfig(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha, lora_dropout=dropout,
-                        target_modules=modules, target_parameters=parameters or None, task_type="CAUSAL_LM")
+                        use_rslora=lora_args.use_rslora, target_modules=modules,
+                        target_parameters=parameters or None, task_type="CAUSAL_LM")
     if gradient_checkpointing:
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     try:

@@ -120,6 +120,12 @@ class LoraArguments:
     lora_r: int = field(default=16, metadata={"help": "LoRA rank."})
     lora_alpha: int = field(default=32, metadata={"help": "LoRA alpha (scaling = alpha / r)."})
     lora_dropout: float = field(default=0.05, metadata={"help": "Dropout on the LoRA input."})
+    use_rslora: bool = field(default=False, metadata={
+        "help": "Rank-stabilized LoRA: scale the adapter by alpha / sqrt(r) instead of alpha / r, so a higher rank "
+                "keeps learning (peft's use_rslora; Axolotl's peft_use_rslora)."})
+    loraplus_lr_ratio: float = field(default=0.0, metadata={
+        "help": "LoRA+: the B matrices learn at this many times --learning_rate (16 in the LoRA+ paper; "
+                "LLaMA-Factory's and Axolotl's option); 0: off (sft/model/lora_plus.py)."})
     lora_target_modules: list[str] | None = field(default=None, metadata={
         "help": "Module names to adapt; default: every attention and MLP projection of the model's family (on "
                 "DeepSeek MoE models gate_proj/up_proj/down_proj mean the dense layers' MLP and shared experts)."})
@@ -374,8 +380,9 @@ PARSER_TYPES = (ModelArguments, DataArguments, LoraArguments, SFTTrainingArgumen
 HELP_GROUPS = [  # the one-screen --help: our options, then the TrainingArguments people use most
     ("Model", ModelArguments, tuple(f.name for f in fields(ModelArguments)  # these: in --help all
                                     if f.init and f.name not in ("fp8_recipe", "mlp_tile_tokens",
-                                                                 "quantize_experts"))),
-    ("LoRA", LoraArguments, tuple(f.name for f in fields(LoraArguments))),
+                                                                 "quantize_experts", "rope_scaling"))),
+    ("LoRA", LoraArguments, tuple(f.name for f in fields(LoraArguments)  # these: in --help all
+                                  if f.name not in ("use_rslora", "loraplus_lr_ratio"))),
     ("Data", DataArguments, tuple(f.name for f in fields(DataArguments)  # these: in --help all
                                   if f.name not in ("dataset_columns", "dataset_tags", "pad_to_multiple_of"))),
     ("Nothing lost", SFTTrainingArguments, ("overwrite_output_dir", "verify_saves", "nan_policy", "loss_spike_factor")),

@@ -101,6 +101,7 @@ ALIASES: dict[str, Alias] = {
     "lora_target": Alias("lora_target_modules", "LLaMA-Factory", split_names),
     "finetuning_type": Alias("lora", "LLaMA-Factory", _method),
     "adapter": Alias("lora", "Axolotl", _method),
+    "peft_use_rslora": Alias("use_rslora", "Axolotl"),
     "micro_batch_size": Alias("per_device_train_batch_size", "Axolotl"),
     "num_epochs": Alias("num_train_epochs", "Axolotl"),
     "sample_packing": Alias("packing", "Axolotl"),

@@ -220,9 +220,13 @@ def check_low_bit_args(optim: str, args: dict[str, str]) -> None:
 def lora_rank_positive(o: Options, m: Machine) -> None:
     if o.lora.lora and o.lora.lora_r <= 0:
         raise ConfigError(f"--lora_r {o.lora.lora_r}: the rank must be positive.")
+    if o.lora.loraplus_lr_ratio < 0:
+        raise ConfigError(f"--loraplus_lr_ratio {o.lora.loraplus_lr_ratio}: give a ratio (16 in the LoRA+ paper), or 0 "
+                          f"for off.")
 
 
-LORA_ONLY_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_experts")
+LORA_ONLY_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_experts", "use_rslora",
+                     "loraplus_lr_ratio")
 
 
 def lora_options_need_lora(o: Options, m: Machine) -> None:
@@ -648,6 +652,15 @@ def deepspeed_json_agrees(o: Options, m: Machine) -> None:
                           f"or give matching flags.")
 
 
+def loraplus_needs_the_trainers_optimizer(o: Options, m: Machine) -> None:
+    """LoRA+ regroups the optimizer the Trainer builds (sft/model/lora_plus.py); a DeepSpeed config with its own
+    `optimizer` section (ds_configs/zero3_offload.json) builds DeepSpeed's, from one group at one rate."""
+    if o.lora.loraplus_lr_ratio and "optimizer" in o.deepspeed:
+        raise ConfigError(f"--loraplus_lr_ratio: the DeepSpeed config {o.training.deepspeed} builds its own optimizer "
+                          f"(its \"optimizer\" section), at one learning rate for all the adapter's weights. Use a "
+                          f"DeepSpeed config without that section (accelerate_configs/zero3.yaml), or drop the option.")
+
+
 def launcher_agrees(o: Options, m: Machine) -> None:
     """The accelerate config's precision, accumulation and DeepSpeed file must match the command line's."""
     t, launch = o.training, m.launch
@@ -693,7 +706,7 @@ MACHINE_CHECKS: list[Check] = [
     quantized_base_not_under_zero3, qlora_needs, qlora_under_fsdp_awaits_its_gpu_run, sharding_needs_gpus, attention_kernel_available, processes_fit_gpus,
     tensor_parallel_combinations, compiled_layers_combinations, liger_kernel_available, fp8_base_needs,
     chunked_loss_combinations, loss_in_chunks_under_zero3, sequence_parallel_combinations,
-    expert_parallel_combinations, deepspeed_json_agrees, launcher_agrees, processes_name_one_run_directory,
+    expert_parallel_combinations, deepspeed_json_agrees, loraplus_needs_the_trainers_optimizer, launcher_agrees, processes_name_one_run_directory,
 ]
 CHECKS: list[Check] = OPTION_CHECKS + MACHINE_CHECKS
 

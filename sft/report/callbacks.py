@@ -200,7 +200,9 @@ class RunOverview(TrainerCallback):
         adapter = next((p.dtype for p in params if p.requires_grad), None)
         self.adapter_dtype = str(adapter).removeprefix("torch.") if adapter is not None else self.dtype
         adapters = getattr(model, "peft_config", None) or {}  # peft: {adapter name: LoraConfig}
-        self.lora_rank = getattr(next(iter(adapters.values()), None), "r", None)
+        adapter_config = next(iter(adapters.values()), None)
+        self.lora_rank = getattr(adapter_config, "r", None)
+        self.rslora = bool(getattr(adapter_config, "use_rslora", False))  # scaled by alpha / sqrt(r)
         self.tp_size = getattr(model, "tp_size", None) or 1
         self.mean_row_tokens = mean_tokens_per_row(train_dataset)
         self.model_name = model_name
@@ -223,7 +225,7 @@ class RunOverview(TrainerCallback):
             saves += f" (the last {args.checkpoints_to_keep} kept)"
         self.text = run_overview(
             model=self.model_name, architecture=self.architecture, total_params=self.total,
-            trainable_params=self.trainable, dtype=self.dtype, lora_rank=self.lora_rank,
+            trainable_params=self.trainable, dtype=self.dtype, lora_rank=self.lora_rank, rslora=self.rslora,
             adapter_dtype=self.adapter_dtype if self.lora_rank and self.adapter_dtype != self.dtype else None,
             mixed_precision="bf16" if args.bf16 else "fp16" if args.fp16 else None,
             processes=args.world_size, strategy=strategy, devices=devices,

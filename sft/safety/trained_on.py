@@ -18,8 +18,10 @@ from sft.errors import ConfigError
 from sft.options.command import command_with
 from sft.safety.run_dir import ADAPTER_CONFIG, QUANTIZED_BASE, TRAINED_ON, method_name
 
-# The options of the record, as a command line names them (data_hash and method have no option of their own).
-OPTIONS = ("model", "dataset", "dataset_dir", "dataset_format", "template", "max_length", "packing", "rope_scaling")
+# The options of the record, as a command line names them (data_hash and method have no option of their own):
+# the model, its data and what a checkpoint's state depends on (--rope_scaling's positions, LoRA+'s groups).
+OPTIONS = ("model", "dataset", "dataset_dir", "dataset_format", "template", "max_length", "packing", "rope_scaling",
+           "loraplus_lr_ratio")
 
 
 def _where(value: str | None) -> str | None:
@@ -37,6 +39,8 @@ def this_run(model_args, data_args, lora_args, data_hash: str | None = None) -> 
             "dataset_format": data_args.dataset_format, "template": data_args.template,
             "max_length": data_args.max_length, "packing": bool(data_args.packing),
             "rope_scaling": getattr(model_args, "rope_scaling", None),  # the positions the model trains at
+            # LoRA+: the optimizer's groups, which a checkpoint's optimizer state must match (None: off)
+            "loraplus_lr_ratio": getattr(lora_args, "loraplus_lr_ratio", 0.0) or None,
             "data_hash": data_hash}
 
 
@@ -120,8 +124,8 @@ def check_same_training(checkpoint: str, saved: dict, ours: dict, argv: list[str
                  "--eval_split, --max_samples) changed since it started: resume with the data it trained on")
     fresh = command_with(argv, resume_from_checkpoint=None, output_dir=None)
     raise ConfigError(f"--resume_from_checkpoint {checkpoint}: the run in {output_dir} trained with "
-                      f"{'; '.join(words)}. A checkpoint resumes only onto the model and data it was trained on, so "
-                      f"nothing was trained. "
+                      f"{'; '.join(words)}. A checkpoint resumes only onto the model, data and options it was "
+                      f"trained with, so nothing was trained. "
                       f"{again}, or train this data as a new run (its own directory): `{fresh}`.")
 
 

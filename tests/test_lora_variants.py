@@ -1,0 +1,98 @@
+"""LoRA as Axolotl and LLaMA-Factory users set it up: rsLoRA (--use_rslora: alpha / sqrt(r)) and LoRA+
+(--loraplus_lr_ratio: the B matrices at R times the learning rate, sft/model/lora_plus.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import run_train, tensorboard_scalars
+from test_long_rows import tiny_lora_llama
+
+
+def trainer(tmp_path, ratio: float, **args):
+    from sft.options.arguments import SFTTrainingArguments
+    from sft.trainer import SFTTrainer
+
+    training = SFTTrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none", learning_rate=1e-3,
+                                    weight_decay=0.1, max_steps=10, warmup_steps=2, **args)
+    return SFTTrainer(model=tiny_lora_llama(False), args=training, loraplus_lr_ratio=ratio)
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused", "adamw_bf16_sr"])
+def test_loraplus_puts_the_b_matrices_at_ratio_times_the_rate_of_their_group(tmp_path, optim):
+    plain = trainer(tmp_path, 0.0, optim=optim)
+    plain.create_optimizer_and_scheduler(10)
+    plus = trainer(tmp_path, 16.0, optim=optim)
+    plus.create_optimizer_and_scheduler(10)
+    names = {id(p): n for n, p in plus.model.named_parameters() if p.requires_grad}
+    kinds = [{"lora_B" if ".lora_B." in names[id(p)] else "other" for p in g["params"]}
+             for g in plus.optimizer.param_groups]
+    assert sorted(map(sorted, kinds)) == [["lora_B"], ["other"]]  # each B matrix moved, nothing else
+    rates = {kind.pop(): g["initial_lr"] for kind, g in zip(kinds, plus.optimizer.param_groups)}
+    assert rates == {"other": 1e-3, "lora_B": pytest.approx(16e-3)}  # --learning_rate, and 16x it
+    assert all(g["weight_decay"] == 0.1 for g in plus.optimizer.param_groups)  # the rest as in their group
+    assert sum(len(g["params"]) for g in plus.optimizer.param_groups) == \
+        sum(len(g["params"]) for g in plain.optimizer.param_groups)
+    for _ in range(3):  # warmup, then decay: every group follows the schedule from its own rate
+        plus.lr_scheduler.step()
+        plain.lr_scheduler.step()
+    lr = plain.optimizer.param_groups[0]["lr"]
+    assert lr > 0 and sorted(g["lr"] for g in plus.optimizer.param_groups) == [lr, pytest.approx(16 * lr)]
+
+
+def test_a_deepspeed_optimizer_of_its_own_is_refused_with_loraplus():
+    from types import SimpleNamespace as NS
+
+    from sft.errors import ConfigError
+    from sft.options.checks import loraplus_needs_the_trainers_optimizer
+
+    o = NS(lora=NS(loraplus_lr_ratio=16.0), deepspeed={"optimizer": {"type": "AdamW"}},
+           training=NS(deepspeed="ds_configs/zero3_offload.json"))
+    with pytest.raises(ConfigError, match="builds its own optimizer"):
+        loraplus_needs_the_trainers_optimizer(o, None)
+    loraplus_needs_the_trainers_optimizer(NS(**{**vars(o), "deepspeed": {"zero_optimization": {}}}), None)
+
+
+@pytest.mark.slow
+def test_the_demo_trains_with_rslora_and_loraplus_and_the_adapter_loads_with_plain_peft(tmp_path):
+    from peft import PeftConfig
+
+    output = tmp_path / "run"
+    result = run_train(["--lora", "--use_rslora", "--loraplus_lr_ratio", "16", "--max_steps", "3", "--logging_steps",
+                        "1", "--lora_r", "16", "--lora_alpha", "16", "--learning_rate", "1e-4", "--output_dir", str(output),
+                        "--dataset_cache_dir", str(tmp_path / "cache")])
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert "LoRA+: 28 B matrices learn at 16x the learning rate (--loraplus_lr_ratio)" in result.stdout
+    assert "LoRA r=16 (rsLoRA: alpha / sqrt(r))" in result.stdout
+    assert PeftConfig.from_pretrained(output).use_rslora  # the saved adapter scales as it trained
+    rates = tensorboard_scalars(output / "runs", "train/learning_rate")
+    assert rates and max(rates) <= 1e-4  # the logged rate is the A matrices' (--learning_rate), not 16x
+
+
+def test_rslora_scales_by_the_square_root_of_the_rank():
+    from sft.model.loading import attach_lora
+    from sft.options.arguments import LoraArguments
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2))
+    lora = attach_lora(model, LoraArguments(lora=True, lora_r=16, lora_alpha=32, use_rslora=True), False)
+    scalings = {m.scaling["default"] for m in lora.modules() if isinstance(getattr(m, "scaling", None), dict)}
+    assert scalings == {32 / 16 ** 0.5}
+
+
+@pytest.mark.slow
+def test_a_loraplus_checkpoint_resumes_only_with_loraplus(tmp_path):
+    """Its optimizer state holds the B matrices' own groups: a resume without the option is refused by name, before
+    any model loads (else torch's optimizer would stop on a group that does not match)."""
+    output = tmp_path / "run"
+    common = ["--lora", "--output_dir", str(output), "--dataset_cache_dir", str(tmp_path / "cache"), "--report_to",
+              "none", "--eval_strategy", "no"]
+    first = run_train([*common, "--loraplus_lr_ratio", "16", "--max_steps", "2", "--save_steps", "1"])
+    assert first.returncode == 0, first.stderr[-2000:]
+    again = run_train([*common, "--max_steps", "3", "--resume_from_checkpoint", "true"])
+    assert again.returncode == 2 and "trained with --loraplus_lr_ratio 16.0 (this run: none)" in again.stderr
+    assert "Loading model" not in again.stdout
+    resumed = run_train([*common, "--loraplus_lr_ratio", "16", "--max_steps", "3", "--resume_from_checkpoint", "true"])
+    assert resumed.returncode == 0 and "resuming after step 2" in resumed.stdout, resumed.stderr[-2000:]
