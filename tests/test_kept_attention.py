@@ -218,6 +218,7 @@ def test_the_planner_counts_the_kept_outputs_where_they_wait():
         plain, kept = predict(shape, base), predict(shape, dataclasses.replace(base, keep_attention=True))
         on_gpu = CHECKPOINTS_ON_GPU * layer if compiled else shape.layers * layer
         assert kept.allocated_gib - plain.allocated_gib == pytest.approx(on_gpu / gib, rel=1e-6)
+        assert kept.parts["kept_attention"] == pytest.approx(on_gpu / gib, rel=1e-6)
         assert kept.host_gib > plain.host_gib if compiled else kept.host_gib == plain.host_gib
 
 

@@ -1,5 +1,5 @@
-"""LoRA as Axolotl and LLaMA-Factory users set it up: rsLoRA (--use_rslora: alpha / sqrt(r)) and LoRA+
-(--loraplus_lr_ratio: the B matrices at R times the learning rate, sft/model/lora_plus.py)."""
+"""LoRA as Axolotl and LLaMA-Factory users set it up: rsLoRA (--use_rslora: alpha / sqrt(r)), DoRA (--use_dora)
+and LoRA+ (--loraplus_lr_ratio: the B matrices at R times the learning rate, sft/model/lora_plus.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import run_train, tensorboard_scalars
+from sft.errors import ConfigError
 from test_long_rows import tiny_lora_llama
 
 
@@ -44,7 +45,6 @@ def test_loraplus_puts_the_b_matrices_at_ratio_times_the_rate_of_their_group(tmp
 def test_a_deepspeed_optimizer_of_its_own_is_refused_with_loraplus():
     from types import SimpleNamespace as NS
 
-    from sft.errors import ConfigError
     from sft.options.checks import loraplus_needs_the_trainers_optimizer
 
     o = NS(lora=NS(loraplus_lr_ratio=16.0), deepspeed={"optimizer": {"type": "AdamW"}},
@@ -96,3 +96,42 @@ def test_a_loraplus_checkpoint_resumes_only_with_loraplus(tmp_path):
     assert "Loading model" not in again.stdout
     resumed = run_train([*common, "--loraplus_lr_ratio", "16", "--max_steps", "3", "--resume_from_checkpoint", "true"])
     assert resumed.returncode == 0 and "resuming after step 2" in resumed.stdout, resumed.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_dora_trains_and_its_adapter_loads_with_plain_peft(tmp_path):
+    from peft import PeftConfig
+
+    output = tmp_path / "dora"
+    result = run_train(["--lora", "--use_dora", "--max_steps", "2", "--output_dir", str(output), "--report_to", "none",
+                        "--dataset_cache_dir", str(tmp_path / "cache")])
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    assert PeftConfig.from_pretrained(output).use_dora  # and the save check reloaded it beside the trained one
+
+
+def test_dora_on_moe_mlp_weights_is_refused_before_loading(tmp_path):
+    """peft has no DoRA for LoRA on parameters (DeepSeek MoE's MLP weights): said from a weightless copy, with the
+    attention projections that it can adapt."""
+    from conftest import save_tiny_model
+    from sft.model.loading import check_lora_targets
+    from sft.options.arguments import LoraArguments, ModelArguments
+
+    model = ModelArguments(model=str(save_tiny_model(tmp_path / "v2", "deepseek_v2")))
+    with pytest.raises(ConfigError, match="--use_dora: peft has no DoRA for weights adapted as parameters"):
+        check_lora_targets(model, LoraArguments(lora=True, use_dora=True))
+    check_lora_targets(model, LoraArguments(lora=True, use_dora=True, lora_target_modules=["q_proj", "o_proj"]))
+
+
+def test_dora_is_refused_beside_fp8_and_compiled_layers():
+    """DoRA reads the bf16 base weight (--fp8 holds e4m3 copies), and its forward breaks dynamo's graph; under
+    `auto` both fast paths then stay off with these reasons (sft/options/resolve.py)."""
+    from types import SimpleNamespace as NS
+
+    from sft.options.checks import compiled_layers_combinations, fp8_combinations
+
+    o = NS(lora=NS(lora=True, qlora=False, use_dora=True), model=NS(fp8_on=True, compile_layers_on=True, tp_size=1),
+           training=NS(torch_compile=False), zero_stage=lambda m: None)
+    with pytest.raises(ConfigError, match="--fp8 with --use_dora"):
+        fp8_combinations(o, None)
+    with pytest.raises(ConfigError, match="--compile_layers with --use_dora"):
+        compiled_layers_combinations(o, None)

@@ -403,13 +403,19 @@ def attach_lora(model, lora_args: LoraArguments, gradient_checkpointing: bool):
               f"parameters (the DeepSeek MoE MLP: sft/model/families.py), and an adapter has one dropout.")
         dropout = 0.0
     config = LoraConfig(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha, lora_dropout=dropout,
-                        use_rslora=lora_args.use_rslora, target_modules=modules,
+                        use_rslora=lora_args.use_rslora, use_dora=lora_args.use_dora, target_modules=modules,
                         target_parameters=parameters or None, task_type="CAUSAL_LM")
     if gradient_checkpointing:
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     try:
         model = get_peft_model(model, config)
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
+        if "use_dora" in str(e) and parameters:  # peft: "lora.ParamWrapper does not work with use_dora=True"
+            raise ConfigError(f"--use_dora: peft has no DoRA for weights adapted as parameters, as "
+                              f"{model.config.model_type}'s MLP weights are ({', '.join(parameters[:3])}, ...). Adapt "
+                              f"attention only (--lora_target_modules with its projections: "
+                              f"{', '.join(modules if isinstance(modules, list) else linear_names(model))}), or "
+                              f"drop --use_dora.") from None
         if "not found" not in str(e) or not lora_args.lora_target_modules:
             raise
         raise ConfigError(f"--lora_target_modules {' '.join(lora_args.lora_target_modules)}: no module of "
@@ -426,9 +432,9 @@ def linear_names(model) -> list[str]:
 
 
 def check_lora_targets(model_args: ModelArguments, lora_args: LoraArguments) -> None:
-    """User-given LoRA targets (and --lora_experts) must fit this model: checked on a weightless (meta) copy built
+    """User-given LoRA targets (and --lora_experts, --use_dora) must fit this model: checked on a weightless (meta) copy built
     from the config, before anything loads."""
-    if lora_args.lora and (lora_args.lora_target_modules or lora_args.lora_experts):
+    if lora_args.lora and (lora_args.lora_target_modules or lora_args.lora_experts or lora_args.use_dora):
         planned_lora_config(model_args, lora_args)
 
 

@@ -123,6 +123,10 @@ class LoraArguments:
     use_rslora: bool = field(default=False, metadata={
         "help": "Rank-stabilized LoRA: scale the adapter by alpha / sqrt(r) instead of alpha / r, so a higher rank "
                 "keeps learning (peft's use_rslora; Axolotl's peft_use_rslora)."})
+    use_dora: bool = field(default=False, metadata={
+        "help": "DoRA: each adapted weight's direction from LoRA, its column norms learned apart (peft's use_dora; "
+                "Axolotl's peft_use_dora). Slower than LoRA; not beside --fp8 (it reads the bf16 base weight) nor on "
+                "DeepSeek MoE's MLP weights (peft has no DoRA for them)."})
     loraplus_lr_ratio: float = field(default=0.0, metadata={
         "help": "LoRA+: the B matrices learn at this many times --learning_rate (16 in the LoRA+ paper; "
                 "LLaMA-Factory's and Axolotl's option); 0: off (sft/model/lora_plus.py)."})
@@ -382,7 +386,7 @@ HELP_GROUPS = [  # the one-screen --help: our options, then the TrainingArgument
                                     if f.init and f.name not in ("fp8_recipe", "mlp_tile_tokens",
                                                                  "quantize_experts", "rope_scaling"))),
     ("LoRA", LoraArguments, tuple(f.name for f in fields(LoraArguments)  # these: in --help all
-                                  if f.name not in ("use_rslora", "loraplus_lr_ratio"))),
+                                  if f.name not in ("use_rslora", "use_dora", "loraplus_lr_ratio"))),
     ("Data", DataArguments, tuple(f.name for f in fields(DataArguments)  # these: in --help all
                                   if f.name not in ("dataset_columns", "dataset_tags", "pad_to_multiple_of"))),
     ("Nothing lost", SFTTrainingArguments, ("overwrite_output_dir", "verify_saves", "nan_policy", "loss_spike_factor")),

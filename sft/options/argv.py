@@ -102,6 +102,7 @@ ALIASES: dict[str, Alias] = {
     "finetuning_type": Alias("lora", "LLaMA-Factory", _method),
     "adapter": Alias("lora", "Axolotl", _method),
     "peft_use_rslora": Alias("use_rslora", "Axolotl"),
+    "peft_use_dora": Alias("use_dora", "Axolotl"),
     "micro_batch_size": Alias("per_device_train_batch_size", "Axolotl"),
     "num_epochs": Alias("num_train_epochs", "Axolotl"),
     "sample_packing": Alias("packing", "Axolotl"),

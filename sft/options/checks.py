@@ -131,6 +131,9 @@ def fp8_combinations(o: Options, m: Machine) -> None:
     if o.lora.qlora:
         raise ConfigError("--fp8 with --qlora: the base is already 4-bit (dequantized to bf16 for its matmuls); "
                           "use one of them.")
+    if o.lora.use_dora:
+        raise ConfigError("--fp8 with --use_dora: DoRA reads each adapted layer's bf16 weight for its column norms, "
+                          "and --fp8 holds the base as FP8 copies; use one of them.")
     if not o.lora.lora and not m.has("torchao"):
         raise ConfigError("--fp8 without --lora trains through torchao's float8 training, which is not installed: "
                           "pip install 'deepseek-sft[lowbit]' (or torchao), or --fp8 false.")
@@ -226,7 +229,7 @@ def lora_rank_positive(o: Options, m: Machine) -> None:
 
 
 LORA_ONLY_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_experts", "use_rslora",
-                     "loraplus_lr_ratio")
+                     "use_dora", "loraplus_lr_ratio")
 
 
 def lora_options_need_lora(o: Options, m: Machine) -> None:
@@ -558,6 +561,9 @@ def compiled_layers_combinations(o: Options, m: Machine) -> None:
     if o.model.tp_size > 1:
         raise ConfigError("--compile_layers with --tp_size: not supported (the layers' weights are DTensors). Drop "
                           "one of them.")
+    if o.lora.use_dora:
+        raise ConfigError("--compile_layers with --use_dora: peft's DoRA forward breaks dynamo's graph, so the "
+                          "layers would run eagerly anyway. Drop one of them.")
 
 
 def expert_parallel_combinations(o: Options, m: Machine) -> None:

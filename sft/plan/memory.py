@@ -181,16 +181,17 @@ def predict(shape: Shape, w: Workload, with_fast_paths: bool = True) -> Predicti
     else:
         checkpoints, whole_layers, recompute = 0.0, layers * per_layer, 0.0
     # --activation_checkpointing_keep_attention: each checkpointed layer's attention output too
-    kept_layer = long_rows.kept_attention_bytes(shape, tokens) if w.keep_attention and w.checkpointing else 0.0
-    kept = (layers - min(w.skip_layers, layers)) * kept_layer
+    attention_layer = long_rows.kept_attention_bytes(shape, tokens) if w.keep_attention and w.checkpointing else 0.0
+    attention_kept = (layers - min(w.skip_layers, layers)) * attention_layer
     offloaded = 0.0
     if w.offload_activations:  # all of it waits in host RAM; the backward brings back one layer's at a time, and
         scale = CALIBRATION["compiled_checkpoint_scale"] if w.compiled else 1.0  # the next checkpoint ahead of its
         offloaded = checkpoints * scale + whole_layers  # asking
         checkpoints = long_rows.CHECKPOINTS_ON_GPU * 2 * h * tokens if checkpoints else 0.0
         whole_layers = per_layer if whole_layers else 0.0
-        if w.compiled:  # saved by the compiled layer with its checkpoint, so offloaded with it, and brought back
-            offloaded, kept = offloaded + kept, long_rows.CHECKPOINTS_ON_GPU * kept_layer  # with it
+        if w.compiled:  # the compiled layer saves them with its checkpoint: offloaded, and brought back, with it
+            offloaded += attention_kept
+            attention_kept = long_rows.CHECKPOINTS_ON_GPU * attention_layer
     # MoE LoRA: the W + BA weights of the layers whose forward is kept (the recomputed one's under checkpointing)
     deltas = [shape.parameter_lora_bytes(i) for i in range(shape.layers)] if lora else [0.0]
     whole = min(w.skip_layers, len(deltas))  # --activation_checkpointing_skip_layers keeps the LAST layers whole
@@ -214,7 +215,7 @@ def predict(shape: Shape, w: Workload, with_fast_paths: bool = True) -> Predicti
         extras = 4 * h         # gradient into the last layer and the saved tensor brought back for it (2h each)
         offloaded += tokens * 4 * h
     fast = fast_path_bytes(shape, w) if with_fast_paths else 0.0
-    activations = checkpoints + kept + whole_layers + working + tokens * extras + kept_deltas + fast
+    activations = checkpoints + attention_kept + whole_layers + working + tokens * extras + kept_deltas + fast
     # transient buffers of the sharded strategies
     transient = 0.0
     grad_bytes = 2 if (lora or w.setup.precision != "fp32_master") else 4
@@ -264,7 +265,7 @@ def predict(shape: Shape, w: Workload, with_fast_paths: bool = True) -> Predicti
         host = max(host, (8 + 4 * w.world) * GIB + w.world * resident.load_host_bytes(shape))
     parts = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer,
              "masters": state.masters, "buckets": state.buckets, "activations": activations,
-             "lora_weights": kept_deltas, "fast_paths": fast, "transient": transient, "cache": cache,
+             "lora_weights": kept_deltas, "kept_attention": attention_kept, "fast_paths": fast, "transient": transient, "cache": cache,
              "dequantized_experts": dequantized, "sequence_parallel_attention": ulysses,
              "context": context, "offloaded_activations": offloaded}
     return Prediction(w, allocated / GIB, reserved / GIB, (reserved + context) / GIB, need / GIB, host / GIB,
