@@ -135,3 +135,24 @@ def test_dora_is_refused_beside_fp8_and_compiled_layers():
         fp8_combinations(o, None)
     with pytest.raises(ConfigError, match="--compile_layers with --use_dora"):
         compiled_layers_combinations(o, None)
+
+
+def test_dora_on_the_nf4_base_of_fsdp_is_refused():
+    """peft's DoRA reads the base weight for its norms; torchao's NF4 tensors (FSDP's 4-bit base) stop it."""
+    from types import SimpleNamespace as NS
+
+    from conftest import tiny_config
+    from sft.model.loading import attach_lora
+    from sft.model.nf4_base import quantize_base_nf4
+    from sft.options.arguments import LoraArguments
+    from sft.options.checks import dora_reads_its_base
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(tiny_config("llama")).to(torch.bfloat16)
+    quantize_base_nf4(model, 1)
+    with pytest.raises(TypeError):  # what the check spares a user, after minutes of loading
+        attach_lora(model, LoraArguments(lora=True, qlora=True, use_dora=True), False)
+    o = NS(lora=NS(lora=True, qlora=True, use_dora=True), fsdp=lambda m: True)
+    with pytest.raises(ConfigError, match="--use_dora with --qlora under FSDP"):
+        dora_reads_its_base(o, None)
+    dora_reads_its_base(NS(**{**vars(o), "fsdp": lambda m: False}), None)

@@ -435,6 +435,15 @@ def qlora_under_fsdp_awaits_its_gpu_run(o: Options, m: Machine) -> None:
                       "a 67B/70B has no other plan on 24 GB cards (docs/planner.md).")
 
 
+def dora_reads_its_base(o: Options, m: Machine) -> None:
+    """DoRA normalizes each adapted weight's columns, so peft reads the base weight; under FSDP the 4-bit base is
+    torchao's NF4 tensors (sft/model/nf4_base.py), which peft's DoRA cannot dequantize (seen on CPU)."""
+    if getattr(o.lora, "use_dora", False) and qlora(o) and o.fsdp(m):
+        raise ConfigError("--use_dora with --qlora under FSDP: peft's DoRA cannot read the NF4 base FSDP holds. Use "
+                          "accelerate_configs/ddp.yaml (bitsandbytes' 4-bit base, which DoRA reads), or drop "
+                          "--use_dora.")
+
+
 def quantized_base_not_under_zero3(o: Options, m: Machine) -> None:
     if o.zero_stage(m) != "3":
         return
@@ -709,7 +718,7 @@ OPTION_CHECKS: list[Check] = [
 ]
 MACHINE_CHECKS: list[Check] = [
     partial_checkpointing, kept_attention_needs, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
-    quantized_base_not_under_zero3, qlora_needs, qlora_under_fsdp_awaits_its_gpu_run, sharding_needs_gpus, attention_kernel_available, processes_fit_gpus,
+    quantized_base_not_under_zero3, qlora_needs, qlora_under_fsdp_awaits_its_gpu_run, dora_reads_its_base, sharding_needs_gpus, attention_kernel_available, processes_fit_gpus,
     tensor_parallel_combinations, compiled_layers_combinations, liger_kernel_available, fp8_base_needs,
     chunked_loss_combinations, loss_in_chunks_under_zero3, sequence_parallel_combinations,
     expert_parallel_combinations, deepspeed_json_agrees, loraplus_needs_the_trainers_optimizer, launcher_agrees, processes_name_one_run_directory,
