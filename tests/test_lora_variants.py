@@ -60,8 +60,8 @@ def test_the_demo_trains_with_rslora_and_loraplus_and_the_adapter_loads_with_pla
 
     output = tmp_path / "run"
     result = run_train(["--lora", "--use_rslora", "--loraplus_lr_ratio", "16", "--max_steps", "3", "--logging_steps",
-                        "1", "--lora_r", "16", "--lora_alpha", "16", "--learning_rate", "1e-4", "--output_dir", str(output),
-                        "--dataset_cache_dir", str(tmp_path / "cache")])
+                        "1", "--lora_r", "16", "--lora_alpha", "16", "--learning_rate", "1e-4",
+                        "--output_dir", str(output), "--dataset_cache_dir", str(tmp_path / "cache")])
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "LoRA+: 28 B matrices learn at 16x the learning rate (--loraplus_lr_ratio)" in result.stdout
     assert "LoRA r=16 (rsLoRA: alpha / sqrt(r))" in result.stdout

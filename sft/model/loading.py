@@ -148,7 +148,8 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
     `config_overrides`: config values the model loads with (--rope_scaling: sft/model/rope_scaling.py)."""
     qlora = qlora_requested(lora_args)
     nf4_for_fsdp = qlora and machine().launch.fsdp  # the base as NF4 bytes (sft/model/nf4_base.py)
-    model = load_nf4_for_fsdp(model_args, lora_args, config_overrides) if nf4_for_fsdp and model_factory is None else None
+    streamed = nf4_for_fsdp and model_factory is None
+    model = load_nf4_for_fsdp(model_args, lora_args, config_overrides) if streamed else None
     experts_on_load = experts_quantization(model_args) if model_factory is None else {}
     if model is None:  # not read weight by weight: loaded whole
         model = (model_factory or AutoModelForCausalLM.from_pretrained)(
@@ -432,8 +433,8 @@ def linear_names(model) -> list[str]:
 
 
 def check_lora_targets(model_args: ModelArguments, lora_args: LoraArguments) -> None:
-    """User-given LoRA targets (and --lora_experts, --use_dora) must fit this model: checked on a weightless (meta) copy built
-    from the config, before anything loads."""
+    """User-given LoRA targets (and --lora_experts, --use_dora) must fit this model: checked on a weightless (meta)
+    copy built from the config, before anything loads."""
     if lora_args.lora and (lora_args.lora_target_modules or lora_args.lora_experts or lora_args.use_dora):
         planned_lora_config(model_args, lora_args)
 

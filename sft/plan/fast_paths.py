@@ -95,7 +95,7 @@ def fast_paths(machine: Machine, strategy: str, world: int, method: str, asked: 
     m = dataclasses.replace(machine, launch=s.launch(world))
     model = _ModelOptions(asked.fp8, asked.compile_layers, tp_size=world if s.sharded_kind == "tp" else 1,
                           quantize_experts=quantize_experts)
-    o = Options(model, None, SimpleNamespace(lora=method != "full", qlora=method == "qlora", use_dora=False),
+    o = Options(model, None, plain_lora(method),
                 SimpleNamespace(torch_compile=asked.torch_compile, fsdp=""))
     fast_paths_where_supported(o, m)
     refused = None
@@ -111,13 +111,18 @@ def fast_paths(machine: Machine, strategy: str, world: int, method: str, asked: 
 AWAITING_CHECKS = (qlora_under_fsdp_awaits_its_gpu_run,)
 
 
+def plain_lora(method: str) -> SimpleNamespace:
+    """The LoRA options of a planned `method`: the planner plans plain LoRA (no DoRA)."""
+    return SimpleNamespace(lora=method != "full", qlora=method == "qlora", use_dora=False)
+
+
 @functools.lru_cache(maxsize=None)
 def refused_today(machine: Machine, strategy: str, world: int, method: str) -> str | None:
     """The run's error for a plan of `method` under `strategy` on `world` of `machine`'s GPUs that one of
     AWAITING_CHECKS refuses (--qlora under FSDP until bench/qlora_check.py --fsdp two passes), else None: asked of
     the run's own check, as fast_paths asks its rule."""
     m = dataclasses.replace(machine, launch=STRATEGIES[strategy].launch(world))
-    o = Options(_ModelOptions("false", "false"), None, SimpleNamespace(lora=method != "full", qlora=method == "qlora", use_dora=False),
+    o = Options(_ModelOptions("false", "false"), None, plain_lora(method),
                 SimpleNamespace(torch_compile=False, fsdp=""))
     for check in AWAITING_CHECKS:
         try:

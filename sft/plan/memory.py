@@ -265,7 +265,8 @@ def predict(shape: Shape, w: Workload, with_fast_paths: bool = True) -> Predicti
         host = max(host, (8 + 4 * w.world) * GIB + w.world * resident.load_host_bytes(shape))
     parts = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer,
              "masters": state.masters, "buckets": state.buckets, "activations": activations,
-             "lora_weights": kept_deltas, "kept_attention": attention_kept, "fast_paths": fast, "transient": transient, "cache": cache,
+             "lora_weights": kept_deltas, "kept_attention": attention_kept, "fast_paths": fast,
+             "transient": transient, "cache": cache,
              "dequantized_experts": dequantized, "sequence_parallel_attention": ulysses,
              "context": context, "offloaded_activations": offloaded}
     return Prediction(w, allocated / GIB, reserved / GIB, (reserved + context) / GIB, need / GIB, host / GIB,
