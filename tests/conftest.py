@@ -58,7 +58,8 @@ LONGEST_FILES = ("test_regional_compile.py", "test_lowbit.py", "test_distributed
                  "test_sequence_parallel.py", "test_expert_parallel.py",
                  "test_lowbit_resume.py", "test_multinode.py", "test_convergence.py", "test_resume.py",
                  "test_fp8_training.py", "test_resume_advice.py", "test_package.py", "test_moe_sharded.py",
-                 "test_tensor_parallel.py", "test_console.py", "test_quantized_experts.py")
+                 "test_tensor_parallel.py", "test_console.py", "test_quantized_experts.py", "test_lora_variants.py",
+                 "test_kept_attention.py", "test_rope_scaling.py")
 
 
 def longest_first(name: str) -> int:

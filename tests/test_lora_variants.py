@@ -55,17 +55,19 @@ def test_a_deepspeed_optimizer_of_its_own_is_refused_with_loraplus():
 
 
 @pytest.mark.slow
-def test_the_demo_trains_with_rslora_and_loraplus_and_the_adapter_loads_with_plain_peft(tmp_path):
+def test_the_demo_trains_with_rslora_dora_and_loraplus_and_the_adapter_loads_with_plain_peft(tmp_path):
     from peft import PeftConfig
 
     output = tmp_path / "run"
-    result = run_train(["--lora", "--use_rslora", "--loraplus_lr_ratio", "16", "--max_steps", "3", "--logging_steps",
+    result = run_train(["--lora", "--use_rslora", "--use_dora", "--loraplus_lr_ratio", "16", "--max_steps", "3", "--logging_steps",
                         "1", "--lora_r", "16", "--lora_alpha", "16", "--learning_rate", "1e-4",
                         "--output_dir", str(output), "--dataset_cache_dir", str(tmp_path / "cache")])
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    assert "LoRA+: 28 B matrices learn at 16x the learning rate (--loraplus_lr_ratio)" in result.stdout
+    assert "LoRA+: 28 B matrices learn at 16x the learning rate (--loraplus_lr_ratio)" in result.stdout  # not DoRA's
+    # magnitude vectors, which peft names lora_magnitude_vector
     assert "LoRA r=16 (rsLoRA: alpha / sqrt(r))" in result.stdout
-    assert PeftConfig.from_pretrained(output).use_rslora  # the saved adapter scales as it trained
+    saved = PeftConfig.from_pretrained(output)  # the save check reloaded it beside the trained one
+    assert saved.use_rslora and saved.use_dora  # the saved adapter scales and normalizes as it trained
     rates = tensorboard_scalars(output / "runs", "train/learning_rate")
     assert rates and max(rates) <= 1e-4  # the logged rate is the A matrices' (--learning_rate), not 16x
 
@@ -96,17 +98,6 @@ def test_a_loraplus_checkpoint_resumes_only_with_loraplus(tmp_path):
     assert "Loading model" not in again.stdout
     resumed = run_train([*common, "--loraplus_lr_ratio", "16", "--max_steps", "3", "--resume_from_checkpoint", "true"])
     assert resumed.returncode == 0 and "resuming after step 2" in resumed.stdout, resumed.stderr[-2000:]
-
-
-@pytest.mark.slow
-def test_dora_trains_and_its_adapter_loads_with_plain_peft(tmp_path):
-    from peft import PeftConfig
-
-    output = tmp_path / "dora"
-    result = run_train(["--lora", "--use_dora", "--max_steps", "2", "--output_dir", str(output), "--report_to", "none",
-                        "--dataset_cache_dir", str(tmp_path / "cache")])
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    assert PeftConfig.from_pretrained(output).use_dora  # and the save check reloaded it beside the trained one
 
 
 def test_dora_on_moe_mlp_weights_is_refused_before_loading(tmp_path):
