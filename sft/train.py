@@ -185,11 +185,10 @@ def train(run: Run, seams: Seams) -> int:
         if data_args.packing and (note := dense_mask_note(model_args.attn_implementation, data_args.max_length,
                                                           train_data)):
             print(note, flush=True)
-        if (line := rope_line(model_args.rope_scaling, rope, load_config(model_args).max_position_embeddings,
-                              data_args.max_length)):
+        config = load_config(model_args)  # as saved; scaled below as the model will load
+        if (line := rope_line(model_args.rope_scaling, rope, config.max_position_embeddings, data_args.max_length)):
             print(line, flush=True)
-        if (warning := positions_warning(scaled(load_config(model_args), rope), longest_document(train_data),
-                                           model_args.model)):
+        if (warning := positions_warning(scaled(config, rope), longest_document(train_data), model_args.model)):
             print(f"warning: {warning}", flush=True)
         if planned.plan:
             print(f"Plan (--plan auto) set: {' '.join(f'--{k} {v}' for k, v in planned.options.items()) or 'nothing'}"

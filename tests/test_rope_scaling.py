@@ -41,9 +41,12 @@ def test_the_factor_is_the_smallest_whole_number_that_covers_max_length():
 
 
 def test_a_model_already_scaled_is_refused():
-    """DeepSeek-V2's configs already use yarn (factor 40): stretching it again would be another model."""
+    """DeepSeek-V2's configs already use yarn (factor 40), deepseek-coder's linear x4: stretching it again would be
+    another model."""
     with pytest.raises(ConfigError, match="already scaled \\(yarn, factor 40"):
         rope_overrides(config(rope_type="yarn", factor=40), "linear", 4096)
+    with pytest.raises(ConfigError, match="already scaled \\(linear, factor 4.0"):  # deepseek-coder's own
+        rope_overrides(config(rope_type="linear", factor=4.0), "yarn", 32768)
 
 
 def test_linear_scaling_gives_position_p_times_factor_the_angle_of_position_p():

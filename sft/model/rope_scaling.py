@@ -1,5 +1,5 @@
 """--rope_scaling linear|dynamic|yarn: rows longer than the positions a model was trained on (deepseek-llm-7b and
-deepseek-coder-6.7b: 4,096), with RoPE stretched to cover them, as LLaMA-Factory's option of the same name does.
+67b: 4,096), with RoPE stretched to cover them, as LLaMA-Factory's option of the same name does.
 
 The factor is the smallest whole number that covers --max_length (LLaMA-Factory's rule: ceil(max_length /
 max_position_embeddings)); the model's config gets transformers' own RoPE parameters for it (`rope_parameters`:
@@ -17,6 +17,7 @@ import math
 from pathlib import Path
 
 from sft.errors import ConfigError
+from sft.model.families import rope_of
 from sft.safety.run_dir import ROPE_RECORD  # beside a LoRA adapter: the base's config values it was trained with
 
 ROPE_SCALINGS = ("linear", "dynamic", "yarn")
@@ -33,9 +34,10 @@ def rope_overrides(config, kind: str | None, max_length: int) -> dict:
     if not isinstance(params, dict) or not limit:
         raise ConfigError(f"--rope_scaling {kind}: this model's config has no RoPE parameters transformers can scale "
                           f"(model_type {getattr(config, 'model_type', '?')}); drop the option.")
-    if params.get("rope_type", "default") != "default":
-        raise ConfigError(f"--rope_scaling {kind}: the model's RoPE is already scaled ({params['rope_type']}, factor "
-                          f"{params.get('factor')}, {limit:,} positions); drop --rope_scaling.")
+    present = rope_of(config)  # deepseek-coder: linear x4 (16,384 positions); DeepSeek-V2/V3: yarn
+    if present["rope_type"] != "default":
+        raise ConfigError(f"--rope_scaling {kind}: the model's RoPE is already scaled ({present['rope_type']}, factor "
+                          f"{present.get('factor')}, {limit:,} positions); drop --rope_scaling.")
     if max_length <= limit:
         return {}
     factor = float(math.ceil(max_length / limit))
