@@ -177,12 +177,18 @@ MATRIX += [
         args=("--lora_dropout", "0", "--attn_implementation", "sdpa", "--compile_layers", "true"), vs="trl-moe-lora",
         timeout=420),
     # issue 26 item 3's other levers, each beside moe-lora-compile: FP8 matmuls for MLA and the dense MLP, the loss in
-    # chunks (no Liger for MLA models: the whole logits otherwise), LoRA on the routed experts too
+    # chunks (no Liger for MLA models: the whole logits otherwise), LoRA on the routed experts too; flex_attention,
+    # which skips the masked blocks of packed rows (~15 Alpaca conversations a 2,048-token row) where sdpa computes
+    # the whole causal square: MLA's attention under sdpa took 75 of the compiled step's 313 ms (run
+    # 20261205T1855Z-next-h100); flex pads MLA's key size 192 to 256 inside its kernel
     *[Row(f"moe-lora-compile-{name}", "lora", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
-          args=("--lora_dropout", "0", "--attn_implementation", "sdpa", "--compile_layers", "true", *lever),
+          args=("--lora_dropout", "0", "--attn_implementation", attention, "--compile_layers", "true", *lever),
           vs="trl-moe-lora", timeout=420)
-      for name, lever in (("fp8", ("--fp8", "true")), ("chunked", ("--chunked_loss", "true")),
-                          ("experts", ("--lora_experts", "true")))],
+      for name, attention, lever in (("fp8", "sdpa", ("--fp8", "true")),
+                                     ("chunked", "sdpa", ("--chunked_loss", "true")),
+                                     ("experts", "sdpa", ("--lora_experts", "true")),
+                                     ("flex", "flex_attention", ()),
+                                     ("flex-fp8-chunked", "flex_attention", ("--fp8", "true", "--chunked_loss", "true")))],
     Row("trl-moe-lora", "lora", peer="trl", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
         args=trl_args("sdpa", "bfloat16", 4, 2048)),
     Row("qlora-1", "qlora", micro_batch=4, args=("--lora_dropout", "0", *FLEX, *CKPT)),
@@ -455,7 +461,8 @@ GROUPS = {
     # (issue 28 item 2; 1.93x on an H100 at 4 x 2, run 20261205T1835Z-lora2x-h100), then V2-Lite's levers beside its
     # compiled row and TRL's (issue 26 item 3; the compiled row ran 30.0% MFU on an H100, run 20261205T1855Z-next-h100)
     "next": ["trl-lora-best", "lora-best-default", "lora-best-default-chunked", "moe-lora-compile",
-             "moe-lora-compile-fp8", "moe-lora-compile-chunked", "trl-moe-lora"],
+             "moe-lora-compile-flex", "moe-lora-compile-flex-fp8-chunked", "moe-lora-compile-fp8",
+             "moe-lora-compile-chunked", "trl-moe-lora"],
     # issue 26 item 4's one-GPU byte check (passed on an H100, run 20261205T1855Z-next-h100): FSDP2's copy and
     # all-gather of the NF4 bytes, bit for bit
     "qlora-bytes": ["fsdp-qlora-bytes"],
@@ -487,8 +494,8 @@ GROUPS = {
     # issue 26 item 3: V2-Lite's LoRA step uncapped, each lever beside the compiled row and TRL's, same run; and the
     # eager row, whose profiled step's idle_ms says what the balance loss's host waits cost (58.9 ms in run
     # 20261205T0515Z-next, with them)
-    "moe-levers": ["trl-moe-lora", "moe-lora-compile", "moe-lora-compile-fp8", "moe-lora-compile-chunked",
-                   "moe-lora-compile-experts", "moe-lora"],
+    "moe-levers": ["trl-moe-lora", "moe-lora-compile", "moe-lora-compile-flex", "moe-lora-compile-flex-fp8-chunked",
+                   "moe-lora-compile-fp8", "moe-lora-compile-chunked", "moe-lora-compile-experts", "moe-lora"],
     "compile-full": ["full-sr16-compile", "full-sr16", "trl-full", "lora-1-fp8-compile", "lora-1-compile", "lora-1"],
     # bench/run_matrix.sh's groups
     "lora": ["lora-1", "lora-ddp"], "lora-ckpt": ["lora-1-ckpt", "lora-ddp-ckpt"],
