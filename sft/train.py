@@ -264,7 +264,9 @@ def train(run: Run, seams: Seams) -> int:
                                # packed rows' documents, their mask built from them (sft/speed/packed_mask.py)
                                document_ids=documents,
                                # the real tokens and their sequences (MoE: the balance loss and the expert load)
-                               token_sequences=balance is not None and not sequence_parallel),
+                               token_sequences=balance is not None and not sequence_parallel,
+                               # each token's sequence length (NEFTune's noise scale, sft/model/neftune.py)
+                               noise_lengths=bool(training_args.neftune_noise_alpha)),
         processing_class=tokenizer,
         callbacks=callbacks,
         labelled_token_loss=labelled_token_loss,  # None: the model's own loss

@@ -33,6 +33,8 @@ order of what happens in a step is the Trainer's own, held by code:
   here because it belongs to how this model is sharded, as the progress callbacks belong to the Trainer's).
 - `get_optimizer_cls_and_kwargs`: builds `adamw_bf16_sr` and gives torchao's low-bit AdamW its `--optim_args` as
   numbers.
+- `compute_loss` under `--neftune_noise_alpha` (NEFTune): the noise on the input embeddings scaled by each token's
+  own conversation (sft/model/neftune.py), in place of the Trainer's hook, which scales it by the packed row.
 - `create_optimizer`: under `--loraplus_lr_ratio` (LoRA+), the B matrices in groups of their own at that ratio
   times the learning rate (sft/model/lora_plus.py).
 - `create_scheduler`: the Trainer's schedule, as a scheduler whose resume keeps this run's schedule (the rule:
@@ -57,11 +59,12 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import PrinterCallback, ProgressCallback, Trainer
 from transformers.integrations import TensorBoardCallback
 
-from sft.data.packing import COLLATOR_KEYS, DOCUMENT_IDS, LABELLED_POSITIONS, NUM_INPUT_TOKENS
+from sft.data.packing import COLLATOR_KEYS, DOCUMENT_IDS, LABELLED_POSITIONS, NOISE_LENGTHS, NUM_INPUT_TOKENS
 from sft.data.tokenization import IGNORE
 from sft.machine import is_first_process
 from sft.model.lora_plus import split_b_matrices
 from sft.model.moe import RouterBalance
+from sft.model.neftune import noise_line, noisy_embeddings
 from sft.report.progress import ConsolePrinter, ConsoleProgress
 from sft.safety.guards import NonFiniteGuard
 from sft.safety.private_names import CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPOINT, TRACK_NUM_INPUT_TOKENS, expect
@@ -110,6 +113,12 @@ class SFTTrainer(Trainer):
                 self.add_callback(ours)
         if gathers_in_fp8(self.model):  # FSDP2's FP8 all-gather: the weights' scales after each optimizer step
             self.add_callback(Float8ScalesAfterStep)
+        # NEFTune: our hook in the training forward (compute_loss), not the Trainer's, which train() registers when
+        # this attribute is set and which scales the noise by the packed row instead of each conversation
+        self.noise_alpha, self.neftune_noise_alpha = self.neftune_noise_alpha, None
+        if self.noise_alpha and is_first_process():
+            print(noise_line(self.noise_alpha, "seq_lengths" in getattr(self.train_dataset, "column_names", ())),
+                  flush=True)
 
     # ---- the loss ----------------------------------------------------------------------------------------------
 
@@ -119,7 +128,7 @@ class SFTTrainer(Trainer):
         inputs = self.model_inputs(inputs)
         training = model.training
         capture = self.balance.capture() if training and self.balance else contextlib.nullcontext()
-        with capture, self._offloaded_activations(training):
+        with capture, self._offloaded_activations(training), self._noise(training, batch):
             if training and "shift_labels" in inputs:  # --sequence_parallel: a labelled_token_loss is set
                 loss, outputs = self._slice_loss_from_hidden_states(model, inputs)
             elif training and self.labelled_token_loss is not None and "labels" in inputs:
@@ -172,6 +181,15 @@ class SFTTrainer(Trainer):
     def _save_checkpoint(self, model, trial) -> None:
         self.sum_tokens_over_ranks()
         super()._save_checkpoint(model, trial)
+
+    def _noise(self, training: bool, batch):
+        """--neftune_noise_alpha: NEFTune's noise on the input embeddings of a training forward, each token's scaled
+        by its own sequence's length (the collator's NOISE_LENGTHS)."""
+        if not (training and self.noise_alpha):
+            return contextlib.nullcontext()
+        lengths = batch.get(NOISE_LENGTHS) if isinstance(batch, dict) else None
+        return noisy_embeddings(self.accelerator.unwrap_model(self.model).get_input_embeddings(), self.noise_alpha,
+                                lengths)
 
     def _offloaded_activations(self, training: bool):
         """--offload_activations: what the forward saves for the backward outside the checkpointed layers (their

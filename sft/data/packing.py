@@ -129,7 +129,11 @@ DOCUMENT_IDS = "document_ids"
 REAL_TOKENS = "real_tokens"
 TOKEN_SEQUENCES = "token_sequences"
 SEQUENCE_COUNT = "sequence_count"
-COLLATOR_KEYS = (NUM_INPUT_TOKENS, LABELLED_POSITIONS, DOCUMENT_IDS, REAL_TOKENS, TOKEN_SEQUENCES, SEQUENCE_COUNT)
+# each token's sequence length (rows x length): its document's in a packed row, the row's real length in a padded
+# one (padding: the padding's own length); --neftune_noise_alpha scales its noise by it (sft/model/neftune.py)
+NOISE_LENGTHS = "noise_lengths"
+COLLATOR_KEYS = (NUM_INPUT_TOKENS, LABELLED_POSITIONS, DOCUMENT_IDS, REAL_TOKENS, TOKEN_SEQUENCES, SEQUENCE_COUNT,
+                 NOISE_LENGTHS)
 
 
 def labelled_positions(labels: torch.Tensor) -> torch.Tensor:
@@ -165,7 +169,8 @@ class Collator:
     one document (with or without padding) there is nothing to mask but the causal order, and the batch holds
     neither them nor position_ids (the model's own positions are the same 0..length-1). `token_sequences`: the real
     tokens and their sequences (a padded row, a packed document) under REAL_TOKENS, TOKEN_SEQUENCES and
-    SEQUENCE_COUNT (the MoE balance loss, sft/model/moe.py)."""
+    SEQUENCE_COUNT (the MoE balance loss, sft/model/moe.py). `noise_lengths`: each token's sequence length under
+    NOISE_LENGTHS (NEFTune's scale, sft/model/neftune.py)."""
 
     pad_token_id: int
     pad_to_multiple_of: int | None = None
@@ -174,6 +179,7 @@ class Collator:
     labelled_positions: bool = False
     document_ids: bool = False
     token_sequences: bool = False
+    noise_lengths: bool = False
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor | bool | int]:
         import torch
@@ -192,10 +198,16 @@ class Collator:
             batch["attention_mask"] = torch.zeros((len(rows), longest), dtype=torch.long)
         documents = [] if packed and self.document_ids else None
         real_documents = [] if self.token_sequences else None  # each row's real documents' lengths (padded: one)
+        if self.noise_lengths:
+            batch[NOISE_LENGTHS] = torch.zeros((len(rows), longest), dtype=torch.long)
         for i, row in enumerate(rows):
             n = len(row["input_ids"])
             batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"])
             batch["labels"][i, :n] = torch.as_tensor(row["labels"])
+            if self.noise_lengths:  # each real document's tokens its length, the padding the padding's
+                spans = [length for length in (row.get("seq_lengths", [n]) if packed else [n]) if length]
+                spans += [longest - n] if longest > n else []
+                batch[NOISE_LENGTHS][i] = torch.repeat_interleave(torch.tensor(spans), torch.tensor(spans))
             if real_documents is not None:
                 real_documents.append([length for length in (row.get("seq_lengths", [n]) if packed else [n]) if length])
             if packed:  # the padding continues the last document: causal attention keeps every real token from

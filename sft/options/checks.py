@@ -658,6 +658,20 @@ def sequence_parallel_combinations(o: Options, m: Machine) -> None:
         raise ConfigError(f"--sequence_parallel with --tp_size {o.model.tp_size}: use one of them.")
 
 
+def neftune_noise(o: Options, m: Machine) -> None:
+    """--neftune_noise_alpha scales each token's noise by its sequence's length (sft/model/neftune.py), which a rank
+    holding a slice of each row (--sequence_parallel) does not see whole."""
+    alpha = o.training.neftune_noise_alpha
+    if alpha is None:
+        return
+    if not alpha > 0:
+        raise ConfigError(f"--neftune_noise_alpha {alpha:g}: give a positive noise scale (NEFTune's paper uses 5, 10 "
+                          f"and 15), or drop the option.")
+    if o.training.sequence_parallel > 1:
+        raise ConfigError(f"--neftune_noise_alpha with --sequence_parallel {o.training.sequence_parallel}: each rank "
+                          f"holds a slice of the row, not the sequences NEFTune scales its noise by. Drop one of them.")
+
+
 def deepspeed_json_agrees(o: Options, m: Machine) -> None:
     mismatches = getattr(getattr(o.training, "hf_deepspeed_config", None), "mismatches", None) or []
     if mismatches:
@@ -714,7 +728,7 @@ OPTION_CHECKS: list[Check] = [
     plan_value, dataset_given, data_option_values, evaluation_has_data, max_length_long_enough, dtype_name,
     fp8_combinations, long_row_levers, quantized_experts_combinations, optimizer_arguments, lora_rank_positive,
     lora_options_need_lora, sizes_in_range, something_to_train, attention_name, packing_attention,
-    padding_positive, our_option_values,
+    padding_positive, our_option_values, neftune_noise,
 ]
 MACHINE_CHECKS: list[Check] = [
     partial_checkpointing, kept_attention_needs, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
