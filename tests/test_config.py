@@ -141,6 +141,14 @@ def test_numbers_that_cannot_train_are_refused_before_loading():
     parse("--max_steps", "0", "--learning_rate", "0")
 
 
+def test_options_that_contradict_each_other_are_refused_before_loading():
+    assert refused("--mask_history", "--train_on_prompt").startswith("--mask_history with --train_on_prompt:")
+    assert parse("--mask_history")[1].mask_history
+    assert refused("--neftune_noise_alpha", "0").startswith("--neftune_noise_alpha 0: give a positive noise scale")
+    assert parse("--neftune_noise_alpha", "5")[3].neftune_noise_alpha == 5
+    assert "each rank holds a slice of the row" in refused("--neftune_noise_alpha", "5", "--sequence_parallel", "2")
+
+
 def test_lora_options_without_lora_are_refused_not_ignored():
     # `--lora_r 8` alone trained every weight in silence (TRL and LLaMA-Factory ignore it too)
     assert refused("--lora_r", "8") == ("--lora_r only applies to a LoRA adapter, and this run fine-tunes every "

@@ -4,12 +4,10 @@ Trainer's hook beside it)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 from datasets import Dataset
 
 from sft.data.packing import NOISE_LENGTHS, Collator
-from sft.errors import ConfigError
 from test_long_rows import tiny_lora_llama
 
 ALPHA = 5.0
@@ -87,19 +85,3 @@ def test_one_hook_adds_the_noise_during_training(tmp_path):
     t.train()
     assert hooks and set(hooks) == {1}
     assert not t.model.get_input_embeddings()._forward_hooks  # gone after the forward: the saved model is clean
-
-
-@pytest.mark.parametrize("alpha, sequence_parallel, message", [
-    (0.0, 1, "give a positive noise scale"), (-5.0, 1, "give a positive noise scale"),
-    (5.0, 2, "each rank holds a slice of the row"), (5.0, 1, None), (None, 2, None)])
-def test_neftune_check(alpha, sequence_parallel, message):
-    from types import SimpleNamespace as NS
-
-    from sft.options.checks import neftune_noise
-
-    o = NS(training=NS(neftune_noise_alpha=alpha, sequence_parallel=sequence_parallel))
-    if message is None:
-        neftune_noise(o, None)
-    else:
-        with pytest.raises(ConfigError, match=message):
-            neftune_noise(o, None)

@@ -57,6 +57,27 @@ def test_train_on_prompt_trains_every_token_but_the_first(tokenizer):
     assert row["labels"][0] == IGNORE and row["labels"][1:] == row["input_ids"][1:]
 
 
+def test_mask_history_trains_the_last_reply_alone(tokenizer):
+    template = get_template("deepseek_coder", tokenizer)
+    full = tokenize_one(TURNS, tokenizer=tokenizer, template=template, max_length=4096)
+    row = tokenize_one(TURNS, tokenizer=tokenizer, template=template, max_length=4096, mask_history=True)
+    assert row["input_ids"] == full["input_ids"]  # the same text: the earlier replies are context
+    assert runs(row, tokenizer) == [TURNS[-1]["content"] + "\n<|EOT|>"]
+    # a conversation whose last reply does not fit trains nothing of its earlier ones: dropped, not truncated
+    short = tokenize_one(TURNS, tokenizer=tokenizer, template=template, max_length=150, mask_history=True)
+    assert short["length"] == 0 and short["status"] != "ok"
+
+
+def test_mask_history_keeps_the_tool_results_before_the_last_reply_as_prompt():
+    from sft.data.tokenization import last_reply_only
+
+    segments = [("<bos>User: q", False), ("Assistant: a1", True), ("<eos>", True), ("User: q2 Assistant:", False),
+                ("call", True), ("tool result", False), ("<think>r</think>", True), ("answer", True),
+                ("<eos>", True)]
+    assert [trained for _, trained in last_reply_only(segments)] == [False] * 6 + [True] * 3
+    assert last_reply_only([("prompt", False)]) == [("prompt", False)]  # nothing trained stays so
+
+
 def test_overlong_truncates_after_the_last_reply_that_fits_or_drops(tokenizer):
     template = get_template("deepseek_coder", tokenizer)
     full = tokenize_one(TURNS, tokenizer=tokenizer, template=template, max_length=4096)

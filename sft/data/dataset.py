@@ -88,6 +88,8 @@ def training_data_hash(args: DataArguments, tokenizer, conversations: Conversati
     digest = hashlib.sha256()
     digest.update(json.dumps(conversations.train, ensure_ascii=False, sort_keys=True).encode("utf-8", "surrogatepass"))
     options = {k: getattr(args, k) for k in ("max_length", "overlong", "packing", "train_on_prompt")}
+    if args.mask_history:  # only when set: a run prepared before the option keeps its hash (its resume)
+        options["mask_history"] = True
     digest.update(json.dumps(options, sort_keys=True).encode())
     digest.update(get_template(args.template, tokenizer).name.encode())
     digest.update(tokenizer.backend_tokenizer.to_str().encode() if hasattr(tokenizer, "backend_tokenizer") else
@@ -126,7 +128,8 @@ def tokenize(conversations: list[dict], args: DataArguments, tokenizer, template
     num_proc = args.num_proc if args.num_proc is not None else (os.cpu_count() or 1)
     num_proc = num_proc if len(conversations) >= PARALLEL_FROM else None
     fn = partial(tokenize_batch, tokenizer=tokenizer, template=template, max_length=args.max_length,
-                 train_on_prompt=args.train_on_prompt, overlong=args.overlong, facts=tokenizer_facts(tokenizer))
+                 train_on_prompt=args.train_on_prompt, overlong=args.overlong, facts=tokenizer_facts(tokenizer),
+                 mask_history=args.mask_history)
     return table.map(fn, batched=True, batch_size=BATCH_SIZE, num_proc=num_proc, remove_columns=table.column_names,
                      input_columns=None, new_fingerprint=fingerprint + "-tokens", desc="Tokenizing")
 
@@ -258,7 +261,7 @@ def show_masks(conversations: list[dict], args: DataArguments, tokenizer, templa
     for conversation in conversations[: args.show_masks]:
         rows = tokenize_examples(conversation["messages"], tokenizer=tokenizer, template=template,
                                  max_length=args.max_length, train_on_prompt=args.train_on_prompt,
-                                 overlong=args.overlong)
+                                 overlong=args.overlong, mask_history=args.mask_history)
         for k, row in enumerate(rows):  # several: R1 reasoning in earlier turns (sft/data/templates.py R1.examples)
             trained = sum(label != IGNORE for label in row["labels"])
             part = f" (example {k + 1} of {len(rows)})" if len(rows) > 1 else ""

@@ -186,6 +186,9 @@ class DataArguments:
         "help": "Pad every batch to a multiple of this many tokens. Default: --max_length for packed rows under "
                 "flex_attention (one shape, so its kernels compile once), else the batch's longest row."})
     train_on_prompt: bool = field(default=False, metadata={"help": "Also train on prompt tokens, not only replies."})
+    mask_history: bool = field(default=False, metadata={
+        "help": "Train only the last reply of each conversation; the earlier ones are context (LLaMA-Factory's "
+                "option)."})
     skip_bad_records: bool = field(default=False, metadata={
         "help": "Skip and count malformed records instead of stopping at the first one."})
     oasst_threads: str = field(default="best", metadata={

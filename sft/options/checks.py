@@ -107,6 +107,13 @@ def data_option_values(o: Options, m: Machine) -> None:
         raise ConfigError(f"--eval_split {d.eval_split}: give a fraction in [0, 1).")
 
 
+def mask_history_trains_replies(o: Options, m: Machine) -> None:
+    """--mask_history trains the last reply alone; --train_on_prompt trains every token."""
+    if o.data.mask_history and o.data.train_on_prompt:
+        raise ConfigError("--mask_history with --train_on_prompt: the first trains only each conversation's last "
+                          "reply, the second every token. Keep one.")
+
+
 def evaluation_has_data(o: Options, m: Machine) -> None:
     t, d = o.training, o.data
     if t.eval_strategy != "no" and not (d.eval_dataset or d.eval_split):
@@ -725,7 +732,8 @@ def processes_name_one_run_directory(o: Options, m: Machine) -> None:
 
 Check = Callable[[Options, Machine], None]
 OPTION_CHECKS: list[Check] = [
-    plan_value, dataset_given, data_option_values, evaluation_has_data, max_length_long_enough, dtype_name,
+    plan_value, dataset_given, data_option_values, mask_history_trains_replies, evaluation_has_data,
+    max_length_long_enough, dtype_name,
     fp8_combinations, long_row_levers, quantized_experts_combinations, optimizer_arguments, lora_rank_positive,
     lora_options_need_lora, sizes_in_range, something_to_train, attention_name, packing_attention,
     padding_positive, our_option_values, neftune_noise,
