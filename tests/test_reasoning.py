@@ -169,6 +169,26 @@ def test_older_distill_revision_trains_think_where_its_prompt_lacks_it(official)
     assert trained == [m["content"] + EOS for m in messages if m["role"] == "assistant"]
 
 
+@pytest.mark.parametrize("index", range(len(HELD_OUT)))
+def test_mask_history_trains_the_last_reply_once_in_the_official_context(official, index):
+    """R1 makes an example per turn with reasoning before the last: under --mask_history only the last one, its
+    last reply trained, after the official template's prompt for it."""
+    from sft.data.chat_templates import get_template
+    from sft.data.tokenization import tokenize_examples
+
+    tokenizer, messages = official["r1"], HELD_OUT[index]
+    rows = tokenize_examples(messages, tokenizer=tokenizer, template=get_template("r1", tokenizer), max_length=4096,
+                             mask_history=True)
+    assert len(rows) == 1 and len(runs(rows[0])) == 1
+    (start, end), = runs(rows[0])
+    last = messages[-1]["content"]
+    prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
+    if not last.startswith(THINK):  # as the test above: a reply without reasoning after `<｜Assistant｜>`
+        prompt = prompt.removesuffix(THINK)
+    assert rows[0]["input_ids"][:start] == tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(rows[0]["input_ids"][start:end]) == last.removeprefix(THINK) + EOS
+
+
 def test_saved_r1_template_prompts_as_the_official_one(official):
     """Our Jinja (stored on the trained model's tokenizer) writes every prompt as the official template does."""
     from sft.data.chat_templates import get_template

@@ -159,9 +159,7 @@ def _tokenize_batch(batch, tokenizer, template, max_length, train_on_prompt, ove
     # Every segment of the batch in order: its length (bytes with a byte table, else characters) and whether it
     # is trained; seg_start[i] is record i's first segment.
     texts, record_runs, seg_lengths, seg_flags, seg_start = [], [], [], [], [0]
-    records, notes = _examples(batch, template)  # from here on a record is one example
-    if mask_history:
-        records = [last_reply_only(segments) for segments in records]
+    records, notes = _examples(batch, template, mask_history)  # from here on a record is one example
     for segments in records:
         text = "".join(t for t, _ in segments)
         texts.append(text)
@@ -382,9 +380,12 @@ def _mask_batch(runs, run_index, record_runs, seg_lengths, seg_flags, seg_start,
     return flat[kept_tokens], labels[kept_tokens], lengths.tolist(), statuses
 
 
-def _examples(batch: dict[str, list], template: Template) -> tuple[list[list[Segment]], list[str | None]]:
+def _examples(batch: dict[str, list], template: Template,
+              mask_history: bool = False) -> tuple[list[list[Segment]], list[str | None]]:
     """Every example of the batch's conversations, in order, and the template's note on each (Template.note, said
-    in the summary as a status); a template's DataError names the record."""
+    in the summary as a status); a template's DataError names the record. `mask_history`: each conversation's last
+    example only (a template that makes one per turn, R1's, trains each earlier reply in one of its own), with its
+    last reply alone trained."""
     out, notes = [], []
     for k, messages in enumerate(batch["messages"]):
         try:
@@ -393,6 +394,8 @@ def _examples(batch: dict[str, list], template: Template) -> tuple[list[list[Seg
         except DataError as e:
             where = batch["source"][k] if "source" in batch else f"conversation {k + 1} of a batch"
             raise DataError(f"{where}: {e}") from None
+        if mask_history:
+            examples = [last_reply_only(segments) for segments in examples[-1:]]
         out += examples
         notes += [note] * len(examples)
     return out, notes
