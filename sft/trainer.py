@@ -33,8 +33,9 @@ order of what happens in a step is the Trainer's own, held by code:
   here because it belongs to how this model is sharded, as the progress callbacks belong to the Trainer's).
 - `get_optimizer_cls_and_kwargs`: builds `adamw_bf16_sr` and gives torchao's low-bit AdamW its `--optim_args` as
   numbers.
-- `compute_loss` under `--neftune_noise_alpha` (NEFTune): the noise on the input embeddings scaled by each token's
-  own conversation (sft/model/neftune.py), in place of the Trainer's hook, which scales it by the packed row.
+- `train` and `compute_loss` under `--neftune_noise_alpha` (NEFTune): the noise on the input embeddings scaled by
+  each token's own conversation (sft/model/neftune.py), in place of the Trainer's hook, which scales it by the
+  packed row: attached for the training, handed each training batch's sequence lengths.
 - `create_optimizer`: under `--loraplus_lr_ratio` (LoRA+), the B matrices in groups of their own at that ratio
   times the learning rate (sft/model/lora_plus.py).
 - `create_scheduler`: the Trainer's schedule, as a scheduler whose resume keeps this run's schedule (the rule:
@@ -64,7 +65,7 @@ from sft.data.tokenization import IGNORE
 from sft.machine import is_first_process
 from sft.model.lora_plus import split_b_matrices
 from sft.model.moe import RouterBalance
-from sft.model.neftune import noise_line, noisy_embeddings
+from sft.model.neftune import NoisyEmbeddings, noise_line
 from sft.report.progress import ConsolePrinter, ConsoleProgress
 from sft.safety.guards import NonFiniteGuard
 from sft.safety.private_names import CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPOINT, TRACK_NUM_INPUT_TOKENS, expect
@@ -113,12 +114,18 @@ class SFTTrainer(Trainer):
                 self.add_callback(ours)
         if gathers_in_fp8(self.model):  # FSDP2's FP8 all-gather: the weights' scales after each optimizer step
             self.add_callback(Float8ScalesAfterStep)
-        # NEFTune: our hook in the training forward (compute_loss), not the Trainer's, which train() registers when
-        # this attribute is set and which scales the noise by the packed row instead of each conversation
-        self.noise_alpha, self.neftune_noise_alpha = self.neftune_noise_alpha, None
-        if self.noise_alpha and is_first_process():
-            print(noise_line(self.noise_alpha, "seq_lengths" in getattr(self.train_dataset, "column_names", ())),
-                  flush=True)
+        # NEFTune: our hook (train), not the Trainer's, which its train() registers when this attribute is set and
+        # which scales the noise by the packed row instead of each conversation
+        alpha, self.neftune_noise_alpha = self.neftune_noise_alpha, None
+        self.noise = NoisyEmbeddings(alpha) if alpha else None
+        if self.noise and is_first_process():
+            print(noise_line(alpha, "seq_lengths" in getattr(self.train_dataset, "column_names", ())), flush=True)
+
+    def train(self, *args, **kwargs):
+        """The Trainer's training, with NEFTune's hook on the input embeddings throughout (--neftune_noise_alpha)."""
+        noise = self.noise.attached(self.model.get_input_embeddings()) if self.noise else contextlib.nullcontext()
+        with noise:
+            return super().train(*args, **kwargs)
 
     # ---- the loss ----------------------------------------------------------------------------------------------
 
@@ -128,7 +135,9 @@ class SFTTrainer(Trainer):
         inputs = self.model_inputs(inputs)
         training = model.training
         capture = self.balance.capture() if training and self.balance else contextlib.nullcontext()
-        with capture, self._offloaded_activations(training), self._noise(training, batch):
+        if self.noise:  # NEFTune: this training batch's sequence lengths scale its noise
+            self.noise.lengths = batch.get(NOISE_LENGTHS) if training and isinstance(batch, dict) else None
+        with capture, self._offloaded_activations(training):
             if training and "shift_labels" in inputs:  # --sequence_parallel: a labelled_token_loss is set
                 loss, outputs = self._slice_loss_from_hidden_states(model, inputs)
             elif training and self.labelled_token_loss is not None and "labels" in inputs:
@@ -181,15 +190,6 @@ class SFTTrainer(Trainer):
     def _save_checkpoint(self, model, trial) -> None:
         self.sum_tokens_over_ranks()
         super()._save_checkpoint(model, trial)
-
-    def _noise(self, training: bool, batch):
-        """--neftune_noise_alpha: NEFTune's noise on the input embeddings of a training forward, each token's scaled
-        by its own sequence's length (the collator's NOISE_LENGTHS)."""
-        if not (training and self.noise_alpha):
-            return contextlib.nullcontext()
-        lengths = batch.get(NOISE_LENGTHS) if isinstance(batch, dict) else None
-        return noisy_embeddings(self.accelerator.unwrap_model(self.model).get_input_embeddings(), self.noise_alpha,
-                                lengths)
 
     def _offloaded_activations(self, training: bool):
         """--offload_activations: what the forward saves for the backward outside the checkpointed layers (their

@@ -43,7 +43,8 @@ def trainer(tmp_path, alpha: float | None):
 
 
 def first_layer_input(trainer, training: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(what the first decoder layer read, the embeddings without noise) of one compute_loss on the packed rows."""
+    """(what the first decoder layer read, the embeddings without noise) of one compute_loss on the packed rows,
+    with the hook attached as train() attaches it."""
     model = trainer.model
     model.train(training)
     batch = trainer.data_collator(packed_rows())
@@ -53,8 +54,9 @@ def first_layer_input(trainer, training: bool) -> tuple[torch.Tensor, torch.Tens
         "hidden_states", args[0] if args else None)), with_kwargs=True)
     try:
         with torch.no_grad():
-            trainer.compute_loss(model, batch)
             clean = model.get_input_embeddings()(batch["input_ids"])
+            with trainer.noise.attached(model.get_input_embeddings()):
+                trainer.compute_loss(model, batch)
     finally:
         handle.remove()
     return seen[0], clean
@@ -84,4 +86,4 @@ def test_one_hook_adds_the_noise_during_training(tmp_path):
     layer.register_forward_pre_hook(lambda *_: hooks.append(len(t.model.get_input_embeddings()._forward_hooks)))
     t.train()
     assert hooks and set(hooks) == {1}
-    assert not t.model.get_input_embeddings()._forward_hooks  # gone after the forward: the saved model is clean
+    assert not t.model.get_input_embeddings()._forward_hooks  # gone after the training: the saved model is clean

@@ -6,8 +6,8 @@ transformers' own hook (`Trainer(neftune_noise_alpha=...)`) takes L from the bat
 so the ~15 Alpaca conversations of a 2,048-token row each get 1/sqrt(15) of the noise the paper gives a sequence
 (and the same conversation gets another noise at another --max_length). Here L is each token's own conversation:
 its document in a packed row, its real length in a padded one (NOISE_LENGTHS, counted by the collator on the host),
-so the noise is the paper's whatever the packing. SFTTrainer runs this hook in place of the Trainer's; evaluation,
-generation and the saved model never see noise.
+so the noise is the paper's whatever the packing. SFTTrainer runs this hook in place of the Trainer's, attached for
+the length of `train()` as the Trainer attaches its own; evaluation, generation and the saved model see no noise.
 """
 
 from __future__ import annotations
@@ -18,24 +18,34 @@ import torch
 from torch import nn
 
 
-@contextlib.contextmanager
-def noisy_embeddings(embeddings: nn.Module, alpha: float, lengths: torch.Tensor | None):
-    """Within the block, `embeddings`' output gets NEFTune's noise; `lengths` (rows x length, each token's sequence
-    length) sets each token's scale, or the row's whole length where it is None (transformers' rule)."""
+class NoisyEmbeddings:
+    """The forward hook: `lengths` (rows x length, each token's sequence length) is the batch's, set by the trainer
+    before each training forward; None: the row's whole length (transformers' rule)."""
 
-    def add_noise(module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+    def __init__(self, alpha: float):
+        self.alpha = alpha
+        self.lengths: torch.Tensor | None = None
+
+    def __call__(self, module: nn.Module, args, output: torch.Tensor) -> torch.Tensor:
+        if not module.training:
+            return output
         hidden = output.shape[-1]
-        if lengths is None:
-            scale = alpha / (output.shape[-2] * hidden) ** 0.5
+        if self.lengths is None:
+            scale = self.alpha / (output.shape[-2] * hidden) ** 0.5
         else:  # [rows, length, 1]: each token's alpha / sqrt(L x d)
-            scale = (alpha / (lengths.to(output.device, torch.float32) * hidden).sqrt()).unsqueeze(-1).to(output.dtype)
+            lengths = self.lengths.to(output.device, torch.float32)
+            scale = (self.alpha / (lengths * hidden).sqrt()).unsqueeze(-1).to(output.dtype)
         return output + torch.empty_like(output).uniform_(-1.0, 1.0) * scale
 
-    handle = embeddings.register_forward_hook(add_noise)
-    try:
-        yield
-    finally:
-        handle.remove()
+    @contextlib.contextmanager
+    def attached(self, embeddings: nn.Module):
+        """The hook on `embeddings` within the block (a training), none after it."""
+        handle = embeddings.register_forward_hook(self)
+        try:
+            yield
+        finally:
+            handle.remove()
+            self.lengths = None
 
 
 def noise_line(alpha: float, packing: bool) -> str:
