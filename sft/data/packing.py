@@ -204,12 +204,12 @@ class Collator:
             n = len(row["input_ids"])
             batch["input_ids"][i, :n] = torch.as_tensor(row["input_ids"])
             batch["labels"][i, :n] = torch.as_tensor(row["labels"])
+            real = [length for length in (row.get("seq_lengths", [n]) if packed else [n]) if length]  # documents
             if self.noise_lengths:  # each real document's tokens its length, the padding the padding's
-                spans = [length for length in (row.get("seq_lengths", [n]) if packed else [n]) if length]
-                spans += [longest - n] if longest > n else []
+                spans = real + ([longest - n] if longest > n else [])
                 batch[NOISE_LENGTHS][i] = torch.repeat_interleave(torch.tensor(spans), torch.tensor(spans))
             if real_documents is not None:
-                real_documents.append([length for length in (row.get("seq_lengths", [n]) if packed else [n]) if length])
+                real_documents.append(real)
             if packed:  # the padding continues the last document: causal attention keeps every real token from
                 # reading it (it follows them all), and its own outputs train nothing. So a row of one document and
                 # padding needs no mask but the causal order, and sdpa keeps its fused causal kernel.
