@@ -391,7 +391,8 @@ HELP_GROUPS = [  # the one-screen --help: our options, then the TrainingArgument
     ("LoRA", LoraArguments, tuple(f.name for f in fields(LoraArguments)  # these: in --help all
                                   if f.name not in ("use_rslora", "use_dora", "loraplus_lr_ratio"))),
     ("Data", DataArguments, tuple(f.name for f in fields(DataArguments)  # these: in --help all
-                                  if f.name not in ("dataset_columns", "dataset_tags", "pad_to_multiple_of"))),
+                                  if f.name not in ("dataset_columns", "dataset_tags", "pad_to_multiple_of",
+                                                    "mask_history"))),
     ("Nothing lost", SFTTrainingArguments, ("overwrite_output_dir", "verify_saves", "nan_policy", "loss_spike_factor")),
     ("Training (transformers' TrainingArguments; --help all lists all)", SFTTrainingArguments,
      COMMON_TRAINING + ("activation_checkpointing_skip_layers",)),
