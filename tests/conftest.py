@@ -5,11 +5,13 @@ repository (where a user's own runs live)."""
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -165,12 +167,71 @@ def tiny_llama(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"), "llama")
 
 
+@pytest.fixture(scope="session")
+def session_dir(tmp_path_factory) -> Path:
+    """A folder of this test session that its xdist workers share (each worker's tmp_path_factory has its own):
+    what one worker builds there with built_once, the others reuse instead of building it again."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def built_once(folder: Path, build: Callable[[Path], object]) -> Path:
+    """`folder`, filled by build(folder) by the first test of the session that asks, on whichever worker; the others
+    wait for it. A build that failed leaves no mark: the next test that asks tries it again (and fails as its own)."""
+    from filelock import FileLock
+
+    with FileLock(f"{folder}.lock"):
+        if not (folder / ".built").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir(parents=True)
+            build(folder)
+            (folder / ".built").touch()
+    return folder
+
+
 def run_train(args: list[str], *, launcher: list[str] | None = None, env: dict | None = None,
               timeout: int = 600, cwd: Path | None = None) -> subprocess.CompletedProcess:
     """Run `sft/train.py` in a new process (optionally under a launcher such as `accelerate launch ...`)."""
     command = (launcher or [sys.executable]) + [str(REPO / "sft" / "train.py"), *args]
     full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run(command, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+
+
+def logged_losses(output: Path) -> list[float]:
+    """The training losses a run logged, step by step (its trainer_log.jsonl)."""
+    return [json.loads(line)["loss"] for line in (output / "trainer_log.jsonl").read_text().splitlines()
+            if '"loss"' in line and '"step"' in line]
+
+
+def lora_demo_run(folder: Path, name: str, *extra: str) -> tuple[list[float], str]:
+    """3 logged steps of the demo's LoRA with activation checkpointing, into folder/name: -> its losses, stdout."""
+    output = folder / name
+    result = run_train(["--max_steps", "3", "--logging_steps", "1", "--lora", "--report_to", "none",
+                        "--eval_strategy", "no", "--seed", "0", "--activation_checkpointing", "true",
+                        "--output_dir", str(output), "--dataset_cache_dir", str(folder / "cache"), *extra])
+    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
+    return logged_losses(output), result.stdout
+
+
+@pytest.fixture(scope="session")
+def plain_lora_demo_losses(session_dir) -> list[float]:
+    """lora_demo_run without a lever, what the levers of test_long_rows and test_kept_attention must train like:
+    one run per session for both (the same command twice cost ~15 s on 2 cores)."""
+    folder = built_once(session_dir / "lora-demo-plain", lambda folder: lora_demo_run(folder, "plain"))
+    return logged_losses(folder / "plain")
+
+
+@pytest.fixture(scope="session")
+def train_help(session_dir) -> subprocess.CompletedProcess:
+    """`python sft/train.py --help` run from outside the repository (cwd /), once per session: what test_user_paths
+    checks of its screen and test_console of its stderr are two looks at one process."""
+    def run(folder: Path) -> None:
+        done = subprocess.run([sys.executable, str(REPO / "sft" / "train.py"), "--help"], cwd="/",
+                              capture_output=True, text=True, timeout=600)
+        (folder / "help.json").write_text(json.dumps([done.args, done.returncode, done.stdout, done.stderr]))
+
+    folder = built_once(session_dir / "train-help", run)
+    return subprocess.CompletedProcess(*json.loads((folder / "help.json").read_text()))
 
 
 def tensorboard_scalars(logdir: Path, tag: str) -> list[float]:

@@ -287,9 +287,8 @@ Trainer(model=model, args=TrainingArguments(output_dir={str(tmp_path / 'out')!r}
 
 
 @pytest.mark.slow
-def test_help_prints_no_library_noise():
-    result = subprocess.run([sys.executable, str(REPO / "sft" / "train.py"), "--help"], cwd="/", capture_output=True,
-                            text=True, timeout=600)
+def test_help_prints_no_library_noise(train_help):
+    result = train_help  # python sft/train.py --help, from /
     assert result.returncode == 0 and "--model" in result.stdout
     assert not [line for line in result.stderr.splitlines() if any(word in line for word in NOISE)], result.stderr
 

@@ -32,23 +32,26 @@ def test_autoep_trains_like_ddp_and_its_adapter_loads_with_plain_peft(tmp_path):
     under DDP from the same seed: the same first loss (nothing trained yet: the same model and data), the same later
     losses (the gradients through the all-to-alls are DDP's) and the same balance loss (its hooks follow the replaced
     routers). The run's own verified save passed (all ranks' forward); the adapter holds the promised modules,
-    equals DDP's, and loads with plain peft on the plain model. Stopped after 2 steps (its DeepSpeed checkpoint holds
-    each rank's experts) and resumed, AutoEP trains steps 3-4 to the uninterrupted run's losses."""
+    equals DDP's, and loads with plain peft on the plain model. Resumed from the run's checkpoint after 2 steps (its
+    DeepSpeed checkpoint holds each rank's experts) in a new run, AutoEP trains steps 3-4 to the uninterrupted run's
+    losses."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     base = save_tiny_model(tmp_path / "v2", "deepseek_v2")
     lora = ("--lora", "--lora_dropout", "0", "--activation_checkpointing", "true", "--dataset_cache_dir",
             str(tmp_path / "cache"))
-    recipe = (*lora, "--max_steps", "4", "--save_strategy", "no")
-    autoep = run_train(short_run(base, tmp_path / "autoep", *recipe), launcher=launch_with("autoep.yaml", 29667),
+    # saves every 2 steps (short_run): the uninterrupted run also writes the checkpoint-2 that a new run resumes from
+    autoep = run_train(short_run(base, tmp_path / "autoep", *lora, "--max_steps", "4"),
+                       launcher=launch_with("autoep.yaml", 29667),
                        env={"TORCH_EXTENSIONS_DIR": EXTENSIONS, "OMP_NUM_THREADS": "1"})
     assert autoep.returncode == 0, (autoep.stdout + autoep.stderr)[-4000:]
     assert "Training on 2 process(es) (DeepSpeed ZeRO-0" in autoep.stdout, autoep.stdout[-2000:]
     assert "DeepSpeed AutoEP: 1 MoE layers, each GPU holds 2 of their 4 routed experts" in autoep.stdout
     accelerate = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
                   "--main_process_port", "29669"]
-    ddp_args = [a for a in short_run(base, tmp_path / "ddp", *recipe) if a not in ("--ddp_backend", "gloo")]
+    ddp_args = [a for a in short_run(base, tmp_path / "ddp", *lora, "--max_steps", "4", "--save_strategy", "no")
+                if a not in ("--ddp_backend", "gloo")]
     ddp = run_train([*ddp_args, "--use_cpu", "--ddp_find_unused_parameters", "false"], launcher=accelerate,
                     env={"OMP_NUM_THREADS": "1"})
     assert ddp.returncode == 0, (ddp.stdout + ddp.stderr)[-4000:]
@@ -71,15 +74,17 @@ def test_autoep_trains_like_ddp_and_its_adapter_loads_with_plain_peft(tmp_path):
         # summed in another order can move a near-zero one by ~1e-5 in a few steps (seen: one of 1536 after 3)
         torch.testing.assert_close(value, reference[key], rtol=1e-3, atol=1e-4)
 
-    for more in (("--max_steps", "2"), ("--max_steps", "4", "--resume_from_checkpoint", "true")):  # saves every 2
-        done = run_train(short_run(base, tmp_path / "resumed", *lora, *more),
-                         launcher=launch_with("autoep.yaml", 29671),
-                         env={"TORCH_EXTENSIONS_DIR": EXTENSIONS, "OMP_NUM_THREADS": "1"})
-        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    # A new run resumes from the checkpoint the run above wrote after step 2 (a separate 2-step run wrote the same
+    # checkpoint for one 2-rank launch more).
+    checkpoint = tmp_path / "autoep" / "checkpoint-2"
+    done = run_train(short_run(base, tmp_path / "resumed", *lora, "--max_steps", "4", "--resume_from_checkpoint",
+                               str(checkpoint)), launcher=launch_with("autoep.yaml", 29671),
+                     env={"TORCH_EXTENSIONS_DIR": EXTENSIONS, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert "Resuming from" in done.stdout and "checkpoint-2" in done.stdout, done.stdout[-2000:]
     resumed = logged(tmp_path / "resumed")
-    assert [row["step"] for row in resumed] == [1, 2, 3, 4]
-    assert [row["loss"] for row in resumed[2:]] == pytest.approx([row["loss"] for row in ours[2:]], rel=1e-6)
+    assert [row["step"] for row in resumed] == [3, 4]
+    assert [row["loss"] for row in resumed] == pytest.approx([row["loss"] for row in ours[2:]], rel=1e-6)
 
 
 def test_what_autoep_cannot_do_is_refused_before_loading(tmp_path):

@@ -230,13 +230,12 @@ def test_the_planner_counts_the_kept_outputs_where_they_wait():
 
 
 @pytest.mark.slow
-def test_the_demo_trains_the_same_with_kept_attention_and_says_so(tmp_path):
-    from test_long_rows import short_run
+def test_the_demo_trains_the_same_with_kept_attention_and_says_so(tmp_path, plain_lora_demo_losses):
+    from conftest import lora_demo_run
 
-    plain, _ = short_run(tmp_path, "plain")
-    kept, stdout = short_run(tmp_path, "kept", "--activation_checkpointing_keep_attention", "true")
+    kept, stdout = lora_demo_run(tmp_path, "kept", "--activation_checkpointing_keep_attention", "true")
     assert "attention outputs kept for the backward, not recomputed (on the CPU" in stdout
-    assert kept == pytest.approx(plain, rel=1e-5)
+    assert kept == pytest.approx(plain_lora_demo_losses, rel=1e-5)
 
 
 def test_the_first_screens_memory_line_counts_the_kept_outputs():

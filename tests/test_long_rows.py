@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import run_train
+from conftest import lora_demo_run, run_train
 
 
 def tiny_lora_llama(checkpointing: bool):
@@ -115,22 +115,11 @@ def test_moe_blocks_stay_whole():
     assert not is_dense_mlp(DeepseekV2Moe.__new__(DeepseekV2Moe))  # routes each token: left whole
 
 
-def short_run(tmp_path, name: str, *extra: str) -> list[float]:
-    output = tmp_path / name
-    result = run_train(["--max_steps", "3", "--logging_steps", "1", "--lora", "--report_to", "none",
-                        "--eval_strategy", "no", "--seed", "0", "--activation_checkpointing", "true",
-                        "--output_dir", str(output), "--dataset_cache_dir", str(tmp_path / "cache"), *extra])
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    return [json.loads(line)["loss"] for line in (output / "trainer_log.jsonl").read_text().splitlines()
-            if '"loss"' in line and '"step"' in line], result.stdout
-
-
 @pytest.mark.slow
-def test_the_demo_trains_the_same_with_offloaded_checkpoints_and_tiled_mlps(tmp_path):
-    plain, _ = short_run(tmp_path, "plain")
-    levers, stdout = short_run(tmp_path, "levers", "--offload_activations", "true", "--mlp_tile_tokens", "32")
+def test_the_demo_trains_the_same_with_offloaded_checkpoints_and_tiled_mlps(tmp_path, plain_lora_demo_losses):
+    levers, stdout = lora_demo_run(tmp_path, "levers", "--offload_activations", "true", "--mlp_tile_tokens", "32")
     assert "Tiled MLP: 4 decoder MLPs run 32 tokens at a time" in stdout
-    assert levers == pytest.approx(plain, rel=1e-5)
+    assert levers == pytest.approx(plain_lora_demo_losses, rel=1e-5)
 
 
 def test_offloading_needs_the_checkpoints_and_a_tile_is_a_count():
@@ -174,3 +163,4 @@ def test_conversations_past_the_models_positions_are_warned_of_before_loading(tm
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     warned = [line for line in result.stdout.splitlines() if line.startswith("warning: the longest conversation")]
     assert len(warned) == 1 and "past the 512 positions" in warned[0], result.stdout[-2000:]
+    assert "Stretch its RoPE over them (--rope_scaling yarn or linear)" in warned[0]  # the option that covers them

@@ -89,10 +89,11 @@ def test_long_packed_rows_under_sdpa_get_a_note_on_their_dense_mask(tmp_path):
     assert dense_mask_note("flex_attention", 32768, rows) is None and dense_mask_note("sdpa", 4096, rows) is None
     assert dense_mask_note("sdpa", 32768, Dataset.from_dict({"seq_lengths": [[8000], [5000]]})) is None
 
-    # the demo's short conversations packed into rows of 8,192 tokens: every row holds several, said once
+    # the demo's short conversations packed into rows of 8,192 tokens: every row holds several, said once (the note
+    # counts the rows before training; a step of one of the two rows trains through the dense mask as well)
     result = run_train(["--max_length", "8192", "--packing", "true", "--max_steps", "1", "--eval_strategy", "no",
-                        "--report_to", "none", "--output_dir", str(tmp_path / "out"),
-                        "--dataset_cache_dir", str(tmp_path / "cache")])
+                        "--per_device_train_batch_size", "1", "--report_to", "none", "--output_dir",
+                        str(tmp_path / "out"), "--dataset_cache_dir", str(tmp_path / "cache")])
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     lines = [line for line in result.stdout.splitlines() if "packed rows hold two documents or more" in line]
     assert len(lines) == 1 and "(64 MiB a row at 8,192 tokens)" in lines[0], result.stdout[-2000:]

@@ -133,7 +133,11 @@ def test_two_runs_without_output_dir_train_apart_and_resume_finds_the_newest(tmp
 
 @pytest.mark.slow
 def test_two_ranks_without_output_dir_train_into_one_directory(tmp_path, tiny_llama):
-    """Each rank resolves its options alone: the launcher's start time gives them one name (DDP on CPU, gloo)."""
+    """Each rank resolves its options alone: the launcher's start time gives them one name (DDP on CPU, gloo: two
+    real ranks, which `--cpu --num_processes 2` would not start: see STACK-NOTES); the model they saved loads with
+    plain transformers."""
+    from transformers import AutoModelForCausalLM
+
     from conftest import run_train
 
     accelerate = [str(Path(sys.executable).with_name("accelerate")), "launch", "--multi_gpu", "--num_processes", "2",
@@ -146,6 +150,7 @@ def test_two_ranks_without_output_dir_train_into_one_directory(tmp_path, tiny_ll
     assert len(runs) == 1 and is_complete(runs[0], FINAL_MARKER) and is_complete(runs[0] / "checkpoint-2")
     assert sorted(p.name for p in (runs[0] / "checkpoint-2").glob("rng_state_*.pth")) == \
         ["rng_state_0.pth", "rng_state_1.pth"]  # both ranks wrote into the one directory
+    AutoModelForCausalLM.from_pretrained(runs[0])
 
 
 # ---- a resume onto other data is refused -------------------------------------------------------------------------

@@ -1,5 +1,6 @@
-"""End to end, as a user runs it: the README's demo, LoRA on and off, two-process DDP on CPU, and the saved
-outputs loaded back with plain transformers/peft."""
+"""End to end, as a user runs it: the README's demo, LoRA on and off, and the saved outputs loaded back with plain
+transformers/peft. Two-process DDP on CPU, its model loaded back too: test_resume_advice.py's
+test_two_ranks_without_output_dir_train_into_one_directory (the same launch, which this file ran a second time)."""
 
 from __future__ import annotations
 
@@ -89,18 +90,3 @@ def test_fine_tune_saves_a_loadable_model(tmp_path, tiny_llama, lora):
         changed = [n for (n, a), (_, b) in zip(base.named_parameters(), tuned.named_parameters())
                    if not torch.equal(a, b)]
         assert len(changed) == len(list(base.parameters()))  # every weight trained
-
-
-def test_ddp_two_processes_on_cpu(tmp_path, tiny_llama):
-    """Two real gloo ranks (`--cpu --num_processes 2` would silently start one: see STACK-NOTES)."""
-    out = tmp_path / "out"
-    result = run_train(
-        ["--model", str(tiny_llama), "--dataset", str(REPO / "data" / "alpaca_demo.json"), "--output_dir", str(out),
-         "--max_steps", "3", "--per_device_train_batch_size", "2", "--max_length", "128", "--report_to", "none",
-         "--dataset_cache_dir", str(tmp_path / "cache"), "--save_strategy", "no", "--use_cpu"],
-        launcher=accelerate() + ["--multi_gpu", "--num_processes", "2", "--main_process_port", "29613"])
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "Training on 2 process(es)" in result.stdout, result.stdout[-2000:]
-    from transformers import AutoModelForCausalLM
-
-    AutoModelForCausalLM.from_pretrained(out)
