@@ -24,6 +24,14 @@ SHARED = REPO.parent / "shared"
 RUN_FOLDERS = ("output", "runs", "trainer_output")
 TOOL_FILES = {".pytest_cache", "__pycache__", ".cache", ".venv", ".git", ".coverage"}
 
+# Torch gives each process one thread per core. Under xdist the workers, and the training processes their tests
+# start, share the cores: each takes its worker's share, so 2 workers on the 2-core CI box run 2 threads, not 4 to 6
+# that spin against each other (a test's two demo LoRA runs beside a 2-rank test: 39 s with torch's default, 20 s).
+# Each rank of a multi-process launch gets 1 anyway (torch.distributed.run); a value set outside pytest wins.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0))
+                                                     // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))))
+
 # hypothesis keeps its example database and caches in ./.hypothesis, the repository when pytest runs from there.
 if "HYPOTHESIS_STORAGE_DIRECTORY" not in os.environ:
     os.environ["HYPOTHESIS_STORAGE_DIRECTORY"] = tempfile.mkdtemp(prefix="deepseek-sft-hypothesis-")
@@ -51,17 +59,18 @@ def changes_since(before: dict[str, int]) -> list[str]:
     return sorted(name for name in after.keys() | before.keys() if after.get(name) != before.get(name))
 
 
-# The files that take longest on 2 cores (--durations, summed per file), longest first. Under `--dist loadfile` a
-# worker takes one file at a time in collection order (the README's command turns off xdist's reordering by test
-# count, which put files of few but long tests last): started first, they end together with the many short ones
-# instead of one worker finishing a long file alone at the end. A file not listed runs after them, as collected.
-LONGEST_FILES = ("test_regional_compile.py", "test_lowbit.py", "test_distributed.py", "test_readme.py",
-                 "test_user_paths.py", "test_train_e2e.py", "test_long_rows.py", "test_bench.py",
-                 "test_sequence_parallel.py", "test_expert_parallel.py",
-                 "test_lowbit_resume.py", "test_multinode.py", "test_convergence.py", "test_resume.py",
-                 "test_fp8_training.py", "test_resume_advice.py", "test_package.py", "test_moe_sharded.py",
-                 "test_tensor_parallel.py", "test_console.py", "test_quantized_experts.py", "test_lora_variants.py",
-                 "test_kept_attention.py", "test_rope_scaling.py")
+# The files that take longest on 2 cores (--durations, summed per file; measured with the threads set above), longest
+# first. Under `--dist loadfile` a worker takes one file at a time in collection order (the README's command turns off
+# xdist's reordering by test count, which put files of few but long tests last): started first, they end together
+# with the many short ones instead of one worker finishing a long file alone at the end. A file not listed runs after
+# them, as collected.
+LONGEST_FILES = ("test_readme.py", "test_distributed.py", "test_lowbit.py", "test_regional_compile.py",
+                 "test_fp8_training.py", "test_lowbit_resume.py", "test_user_paths.py", "test_train_e2e.py",
+                 "test_bench.py", "test_quantized_experts.py", "test_resume_advice.py", "test_multinode.py",
+                 "test_resume.py", "test_package.py", "test_nf4_loading.py", "test_lora_variants.py",
+                 "test_expert_parallel.py", "test_sequence_parallel.py", "test_moe_sharded.py", "test_long_rows.py",
+                 "test_tensor_parallel.py", "test_qlora_fsdp.py", "test_packing.py", "test_rope_scaling.py",
+                 "test_console.py", "test_kept_attention.py", "test_loss_accounting.py", "test_experts_on_load.py")
 
 
 def longest_first(name: str) -> int:
