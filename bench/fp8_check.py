@@ -9,6 +9,7 @@ line at the end, exit status 1 on a FAIL.
     python bench/fp8_check.py --part loss --candidate fp8,fp8-compile   # several, sharing the bf16 runs
     python bench/fp8_check.py --part loss --shape deepseek-v2-lite --candidate quantize-experts  # issue 26 item 1
     python bench/fp8_check.py --part loss --shape deepseek-v2-lite --candidate quantize-experts,quantize-experts-compile
+    python bench/fp8_check.py --part loss --shape deepseek-v2-lite --candidate quantize-experts-fp8-compile
     python bench/fp8_check.py --cpu_smoke           # this script's plumbing on a CPU: tiny shapes, no verdict
 
 Layers: each projection shape of deepseek-llm-7b (q/k/v/o 4096x4096, gate/up 4096->11008, down 11008->4096), with
@@ -165,11 +166,15 @@ CANDIDATES = {"fp8": ["--fp8", "true"], "compile": ["--compile_layers", "true"],
               # V2-Lite's frozen routed experts held in e4m3 (issue 26 item 1; --shape deepseek-v2-lite), eager and
               # in compiled layers (the resident plan's fastest measured row, run 20261205T0515Z-next)
               "quantize-experts": ["--quantize_experts", "fp8"],
-              "quantize-experts-compile": ["--quantize_experts", "fp8", "--compile_layers", "true"]}
+              "quantize-experts-compile": ["--quantize_experts", "fp8", "--compile_layers", "true"],
+              # ... with --fp8: the experts' grouped matmuls in FP8 on the held e4m3 (sft/speed/fp8_experts.py,
+              # compute capability 9.0/10.0) and the MLA/shared-expert projections in FP8
+              "quantize-experts-fp8": ["--quantize_experts", "fp8", "--fp8", "true"],
+              "quantize-experts-fp8-compile": ["--quantize_experts", "fp8", "--fp8", "true", "--compile_layers", "true"]}
 # options every run of the check takes (the bf16 twins too) when a candidate needs them: the quantized experts are
 # dequantized layer by layer under activation checkpointing, which changes no loss
 SHARED_OPTIONS = {name: ["--activation_checkpointing", "true"]
-                  for name in ("quantize-experts", "quantize-experts-compile")}
+                  for name in CANDIDATES if name.startswith("quantize-experts")}
 
 
 # --method: LoRA (the base in FP8, sft/speed/fp8.py), or a full fine-tune (every decoder linear layer in FP8

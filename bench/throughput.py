@@ -188,7 +188,13 @@ MATRIX += [
                                      ("chunked", "sdpa", ("--chunked_loss", "true")),
                                      ("experts", "sdpa", ("--lora_experts", "true")),
                                      ("flex", "flex_attention", ()),
-                                     ("flex-fp8-chunked", "flex_attention", ("--fp8", "true", "--chunked_loss", "true")))],
+                                     ("flex-fp8-chunked", "flex_attention", ("--fp8", "true", "--chunked_loss", "true")),
+                                     # the routed experts held in e4m3 and their grouped matmuls in FP8 too
+                                     # (sft/speed/fp8_experts.py; --quantize_experts needs the checkpoints)
+                                     ("fp8-experts", "sdpa", ("--fp8", "true", "--chunked_loss", "true",
+                                                              "--quantize_experts", "fp8", *CKPT)),
+                                     ("flex-fp8-experts", "flex_attention", ("--fp8", "true", "--chunked_loss", "true",
+                                                                             "--quantize_experts", "fp8", *CKPT)))],
     Row("trl-moe-lora", "lora", peer="trl", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
         args=trl_args("sdpa", "bfloat16", 4, 2048)),
     Row("qlora-1", "qlora", micro_batch=4, args=("--lora_dropout", "0", *FLEX, *CKPT)),
@@ -433,6 +439,10 @@ SCRIPTS = {script.name: script for script in [
     # issue 26 item 4's byte check on one GPU: FSDP2's copies of the NF4 bytes, two ranks on one GPU
     Script("fsdp-qlora-bytes", ("bench/fsdp_qlora_bytes.py", "--run_id", "{run_id}", "--results", "{results}"),
            n_gpus=1, seconds=240, needs=("torchao",)),
+    # issue 26 item 3: V2-Lite's experts' grouped matmuls in FP8 on the held e4m3 against their emulation and against
+    # the dequantized bf16 path, one MoE layer's forward and backward timed (sft/speed/fp8_experts.py)
+    Script("fp8-experts-check", ("bench/fp8_experts_check.py", "--run_id", "{run_id}", "--results", "{results}"),
+           n_gpus=1, seconds=120),
 ]}
 assert not set(SCRIPTS) & set(ROWS), "script and row names must differ"
 

@@ -100,6 +100,23 @@ def writes_nothing_into_the_repository():
     changed = changes_since(before)
     assert not changed, (f"this test (or one running beside it) wrote into the repository {REPO}: {changed}; "
                          f"write under tmp_path instead")
+
+
+@pytest.fixture
+def fp8_on_cpu(monkeypatch):
+    """SFT_FP8_ON_CPU=1 for an in-process test (--fp8 on the CPU's FP8 matmul and the FP8 grouped matmul's
+    emulation): the process's cached launch and machine facts read anew, and again after the test."""
+    from sft.machine import launch, machine
+
+    monkeypatch.setenv("SFT_FP8_ON_CPU", "1")
+    launch.cache_clear()
+    machine.cache_clear()
+    yield
+    monkeypatch.delenv("SFT_FP8_ON_CPU")
+    launch.cache_clear()
+    machine.cache_clear()
+
+
 ALPACA_SAMPLE = SHARED / "datasets" / "alpaca_sample.json"
 OASST_SAMPLE = SHARED / "datasets" / "oasst1_sample.jsonl"
 DEEPSEEK_TOKENIZER = SHARED / "tokenizers" / "deepseek-coder-6.7b-instruct"

@@ -176,6 +176,54 @@ def test_a_compiled_layer_quantizes_a_shared_input_once_and_gives_the_eager_grad
         assert torch.equal(grads[1][name], grad), name
 
 
+def test_lora_on_a_weight_parameter_keeps_training_over_an_fp8_base():
+    """peft's ParamWrapper (LoRA through target_parameters: the MoE families' dense and shared-expert MLPs) adds
+    B @ A to the base's weight in each forward; over an Fp8Linear that left the adapter out (no gradient, the
+    adapter never trained). Split as base(x) + B(A(x)) * scaling: peft's own forward's numbers over the same
+    weights, gradients for A and B, and one graph under torch.compile."""
+    from peft import LoraConfig, get_peft_model
+    from torch._dynamo.utils import counters
+
+    from sft.speed.fp8 import SplitParamLora
+
+    def wrapped():
+        torch.manual_seed(0)
+        model = get_peft_model(nn.Sequential(nn.Linear(64, 48, bias=False)).to(torch.bfloat16),
+                               LoraConfig(r=4, lora_alpha=8, target_parameters=["0.weight"]))
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.1, generator=torch.Generator().manual_seed(1))
+        return model
+
+    x = torch.randn(2, 8, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    peft_model = wrapped()
+    want = peft_model(x)
+    want.float().square().sum().backward()
+    want_grads = {n: p.grad.float() for n, p in peft_model.named_parameters() if p.grad is not None}
+
+    split = wrapped()
+    layer = split.base_model.model[0]
+    original = layer.base_layer
+    layer.__class__ = type("ParamWrapper", (SplitParamLora, type(layer)), {})  # the split form over the bf16 base
+    got = split(x)
+    assert layer.base_layer is original
+    torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-2)  # one bf16 rounding of W + BA apart
+
+    fp8_model = wrapped()
+    assert use_fp8_base(fp8_model) == (1, 0)
+    assert isinstance(fp8_model.base_model.model[0].base_layer, Fp8Linear)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(fp8_model, fullgraph=True, backend="aot_eager")
+    compiled(x).float().square().sum().backward()
+    assert not counters["graph_break"]
+    grads = {n: p.grad.float() for n, p in fp8_model.named_parameters() if p.grad is not None}
+    assert grads.keys() == want_grads.keys() and len(grads) == 2  # lora_A and lora_B
+    for name, grad in grads.items():
+        assert (grad - want_grads[name]).norm() / want_grads[name].norm() < 0.1, name  # FP8's rounding only
+    torch._dynamo.reset()
+
+
 def test_layers_whose_shape_fp8_cannot_take_stay_bf16():
     from peft import LoraConfig, get_peft_model
 

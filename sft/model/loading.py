@@ -185,6 +185,10 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
             from sft.speed.fp8 import apply_fp8_base
 
             apply_fp8_base(model)
+            if model_args.quantize_experts == "fp8":  # and the routed experts' grouped matmuls, where the GPU can
+                from sft.speed.fp8_experts import apply_fp8_experts
+
+                apply_fp8_experts(model)
     elif model_args.fp8_on:  # a full fine-tune's linear layers train in FP8 (sft/speed/fp8_training.py)
         from sft.speed.fp8_training import apply_fp8_training
 

@@ -17,6 +17,7 @@ far the logits move is measured against bf16's on held-out data (bench/RESULTS.m
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -68,6 +69,9 @@ class QuantizedExperts:
     parameter counts and device moves see it) and `<name>_scale`; `<name>` reads them back in `compute_dtype`."""
 
     compute_dtype: torch.dtype
+    # --fp8 where the GPU has an FP8 grouped matmul: sft/speed/fp8_experts.py sets its forward here, which computes
+    # on the e4m3 weights as held (called as fp8_forward(module, hidden_states, top_k_index, top_k_weights))
+    fp8_forward: Callable | None = None
 
     def _weight(self, name: str) -> torch.Tensor:
         cache = self.__dict__.get("_dequantized")
@@ -87,7 +91,10 @@ class QuantizedExperts:
         return self._weight("down_proj")
 
     def forward(self, *args, **kwargs):
-        """The experts' own forward, each weight dequantized once per call (the eager loop reads it per expert)."""
+        """The experts' own forward, each weight dequantized once per call (the eager loop reads it per expert);
+        or, where fp8_forward is set, the FP8 grouped matmuls on the held weights."""
+        if self.fp8_forward is not None:
+            return self.fp8_forward(self, *args, **kwargs)  # an instance's function attribute: not bound
         self.__dict__["_dequantized"] = None if torch.compiler.is_compiling() else {}
         try:
             return super().forward(*args, **kwargs)

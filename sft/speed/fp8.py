@@ -82,8 +82,12 @@ def scaled_matmul(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_s
 def forward_matmul(a: torch.Tensor, a_scale: torch.Tensor, b_t: torch.Tensor, b_scale: torch.Tensor) -> torch.Tensor:
     """The forward's x @ W^T: scaled_matmul, accumulating fast on Hopper or where SFT_FP8_FAST_ACCUM=1 asks
     (gradients never)."""
-    fast = a.is_cuda and _fast_accum(launch().fp8_fast_accum, a.device)
-    return scaled_matmul(a, a_scale, b_t, b_scale, fast_accum=fast)
+    return scaled_matmul(a, a_scale, b_t, b_scale, fast_accum=forward_fast_accum(a.device))
+
+
+def forward_fast_accum(device: torch.device) -> bool:
+    """Whether a forward's FP8 matmul on `device` accumulates fast (never off CUDA)."""
+    return device.type == "cuda" and _fast_accum(launch().fp8_fast_accum, device)
 
 
 @functools.cache
@@ -228,6 +232,40 @@ def fp8_shape_ok(linear: nn.Linear) -> bool:
     return linear.in_features % 16 == 0 and linear.out_features % 16 == 0
 
 
+class SplitParamLora:
+    """Mixed in before peft's ParamWrapper (LoRA on a weight targeted as a parameter: the MoE families' dense and
+    shared-expert MLPs, sft/model/families.py) whose nn.Linear base became an Fp8Linear. peft adds B @ A to the
+    base's weight in each forward (a parametrization), which an e4m3 weight held in two copies cannot take: the
+    adapter dropped out of the forward and got no gradient. Here the same product is split as peft's lora.Linear
+    computes it: base(x) + B(A(x)) * scaling, the base's matmuls in FP8 (ParamWrappers have no dropout)."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args or kwargs or self.merged:  # never under --fp8: e4m3 weights cannot merge, and peft passes nothing
+            raise RuntimeError("--fp8: a LoRA wrapper of an FP8 base layer got arguments or merged adapters; "
+                               "run without --fp8.")
+        out = self.base_layer(x)
+        if self.disable_adapters:
+            return out
+        for adapter in (a for a in self.active_adapters if a in self.lora_A):
+            a, b = self.lora_A[adapter], self.lora_B[adapter]
+            out = out + (b(a(x.to(a.weight.dtype))) * self.scaling[adapter]).to(out.dtype)
+        return out
+
+
+@functools.cache  # one class per peft class (dynamo compiles a layer once per class); peft's name kept, as
+def _split_class(cls: type) -> type:  # sft/speed/traced_param_lora.py keeps it
+    return type(cls.__name__, (SplitParamLora, cls),
+                {"__module__": cls.__module__, "__qualname__": f"Split{cls.__qualname__}"})
+
+
+def _weight_wrapper(module) -> bool:
+    """peft's ParamWrapper of one nn.Linear's weight (not fused experts' 3-D weights)."""
+    from peft.tuners.lora.layer import ParamWrapper
+
+    return (isinstance(module, ParamWrapper) and module.parameter_name == "weight"
+            and getattr(module, "num_experts", None) == 1)
+
+
 def use_fp8_base(model, device: torch.device | None = None) -> tuple[int, int]:
     """Replace the base nn.Linear of every peft LoRA layer by an Fp8Linear, quantized on `device` (default: this
     process's GPU when there is one: quantizing there takes milliseconds, and the model goes there anyway).
@@ -240,9 +278,12 @@ def use_fp8_base(model, device: torch.device | None = None) -> tuple[int, int]:
     for module in model.modules():
         if not isinstance(module, LoraLayer) or type(module.base_layer) is not nn.Linear:
             continue
-        if not fp8_shape_ok(module.base_layer):
+        wrapper = hasattr(module, "parameter_name")  # peft's ParamWrapper: LoRA on the weight itself
+        if not fp8_shape_ok(module.base_layer) or (wrapper and not _weight_wrapper(module)):
             skipped += 1
             continue
+        if wrapper:
+            module.__class__ = _split_class(type(module))
         module.base_layer = Fp8Linear(module.base_layer, device)
         converted += 1
     return converted, skipped
