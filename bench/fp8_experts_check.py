@@ -59,8 +59,8 @@ def median_ms(fn, repeats: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     from sft.model.quantized_experts import dequantize, quantize_rows
     from sft.speed.fp8 import quantize_rows as quantize_tokens
-    from sft.speed.fp8_experts import (emulated_fp8_grouped_mm, fp8_grouped_mm, grouped_fp8_problem, grouped_linear,
-                                       quantize_scaled_rows)
+    from sft.machine import machine
+    from sft.speed.fp8_experts import emulated_fp8_grouped_mm, fp8_grouped_mm, grouped_linear, quantize_scaled_rows
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true", help="CPU plumbing: 4 experts, 48 tokens, the emulated kernel")
@@ -70,8 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"
     if device == "cuda":
-        capability = torch.cuda.get_device_capability()
-        why = grouped_fp8_problem((capability,), cuda=True, on_cpu=False)
+        why = machine().fp8_grouped_problem()
         if why:
             print(f"SKIP fp8-experts-check: {why}", flush=True)
             return 0

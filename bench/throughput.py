@@ -189,12 +189,11 @@ MATRIX += [
                                      ("experts", "sdpa", ("--lora_experts", "true")),
                                      ("flex", "flex_attention", ()),
                                      ("flex-fp8-chunked", "flex_attention", ("--fp8", "true", "--chunked_loss", "true")),
-                                     # the routed experts held in e4m3 and their grouped matmuls in FP8 too
-                                     # (sft/speed/fp8_experts.py; --quantize_experts needs the checkpoints)
-                                     ("fp8-experts", "sdpa", ("--fp8", "true", "--chunked_loss", "true",
-                                                              "--quantize_experts", "fp8", *CKPT)),
-                                     ("flex-fp8-experts", "flex_attention", ("--fp8", "true", "--chunked_loss", "true",
-                                                                             "--quantize_experts", "fp8", *CKPT)))],
+                                     # ... and the routed experts held in e4m3, their grouped matmuls in FP8 as
+                                     # held (sft/speed/fp8_experts.py: no bf16 copy, so no checkpoints needed)
+                                     ("fp8-experts", "sdpa", ("--fp8", "true", "--quantize_experts", "fp8")),
+                                     ("flex-fp8-chunked-experts", "flex_attention", (
+                                         "--fp8", "true", "--chunked_loss", "true", "--quantize_experts", "fp8")))],
     Row("trl-moe-lora", "lora", peer="trl", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
         args=trl_args("sdpa", "bfloat16", 4, 2048)),
     Row("qlora-1", "qlora", micro_batch=4, args=("--lora_dropout", "0", *FLEX, *CKPT)),
@@ -299,6 +298,11 @@ MATRIX += [
     Row("moe-lora-resident-1-mb4-compile", "lora", "single", 1, model="deepseek-v2-lite", micro_batch=4, grad_accum=2,
         warmup=3, steps=4, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--chunked_loss",
                                  "true", "--quantize_experts", "fp8", "--compile_layers", "true"), timeout=600),
+    # ... with --fp8: the experts' grouped matmuls in FP8 as held (no bf16 copy per layer: sft/speed/fp8_experts.py)
+    # and the MLA/shared-expert projections in FP8
+    Row("moe-lora-resident-1-mb4-fp8", "lora", "single", 1, model="deepseek-v2-lite", micro_batch=4, grad_accum=2,
+        warmup=2, steps=4, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--chunked_loss",
+                                 "true", "--quantize_experts", "fp8", "--fp8", "true"), timeout=420),
     # ... and at micro-batch 6, between the two (mb4: 21.59 GiB by nvidia-smi at 11,386 tok/s, run 20261205T0235Z-next)
     Row("moe-lora-resident-1-mb6", "lora", "single", 1, model="deepseek-v2-lite", micro_batch=6, warmup=2, steps=4,
         args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--chunked_loss", "true",
@@ -452,7 +456,8 @@ GROUPS = {
     "levers": ["full-sr16", "trl-full", "lora-best-fp8", "lora-best", "trl-lora-best"],
     "smoke": ["tiny-lora", "trl-tiny-lora", "tiny-full", "trl-tiny-full"],
     "moe": ["moe-lora", "trl-moe-lora"],
-    "resident": ["moe-lora-resident-1-mb4", "moe-lora-resident-1-mb4-compile", "moe-lora-resident-1-mb6",
+    "resident": ["moe-lora-resident-1-mb4", "moe-lora-resident-1-mb4-fp8", "moe-lora-resident-1-mb4-compile",
+                 "moe-lora-resident-1-mb6",
                  "moe-lora-resident-1"],  # issue 26 item 1, one GPU held to 24 GiB
     # two GPUs held to 24 GiB: V2-Lite sharded, DDP scaling of the LoRA plan, the recipes
     "x2": ["moe-lora-z3-2", "lora-1", "lora-ddp", "recipe-coder-lora", "recipe-r1-lora"],  # run 20261201T0930Z-x2
@@ -505,7 +510,8 @@ GROUPS = {
     # eager row, whose profiled step's idle_ms says what the balance loss's host waits cost (58.9 ms in run
     # 20261205T0515Z-next, with them)
     "moe-levers": ["trl-moe-lora", "moe-lora-compile", "moe-lora-compile-flex", "moe-lora-compile-flex-fp8-chunked",
-                   "moe-lora-compile-fp8", "moe-lora-compile-chunked", "moe-lora-compile-experts", "moe-lora"],
+                   "moe-lora-compile-fp8-experts", "moe-lora-compile-flex-fp8-chunked-experts", "moe-lora-compile-fp8",
+                   "moe-lora-compile-chunked", "moe-lora-compile-experts", "moe-lora", "fp8-experts-check"],
     "compile-full": ["full-sr16-compile", "full-sr16", "trl-full", "lora-1-fp8-compile", "lora-1-compile", "lora-1"],
     # bench/run_matrix.sh's groups
     "lora": ["lora-1", "lora-ddp"], "lora-ckpt": ["lora-1-ckpt", "lora-ddp-ckpt"],

@@ -56,6 +56,11 @@ def gpu_kind(name: str) -> tuple[str, GpuKind] | None:
 FAST_ACCUM_FROM = (9, 0)
 
 
+# torch's FP8 grouped matmul (torch._scaled_grouped_mm, the routed experts' under --fp8: sft/speed/fp8_experts.py)
+# runs on these compute capabilities only; an RTX 4090 (8.9) has FP8 matmuls but no grouped one in torch
+FP8_GROUPED_CAPABILITIES = ((9, 0), (10, 0))
+
+
 def fp8_fast_accum_on(asked: bool | None, capability: tuple[int, int]) -> bool:
     """Whether --fp8's forward matmuls accumulate fast on a GPU of `capability`: SFT_FP8_FAST_ACCUM's 1 or 0 when
     set (`asked`), else from FAST_ACCUM_FROM on."""
@@ -151,6 +156,19 @@ class Machine:
                 return (f"GPU {i} ({self.gpu_names[i]}) has compute capability {major}.{minor}; FP8 matmuls need "
                         f"8.9 or newer (RTX 4090, L40, H100, H200)")
         return self.fp8_probe_error
+
+    def fp8_grouped_problem(self) -> str | None:
+        """Why the routed experts' grouped matmuls cannot compute in FP8 here (None when they can): every visible
+        GPU of FP8_GROUPED_CAPABILITIES, or the CPU's emulation (SFT_FP8_ON_CPU=1, tests)."""
+        if not self.cuda:
+            return None if self.launch.fp8_on_cpu else "no CUDA GPU here"
+        if len(self.gpu_capabilities) != self.gpus:
+            return "the GPUs' compute capability is not known"
+        for i, (major, minor) in enumerate(self.gpu_capabilities):
+            if (major, minor) not in FP8_GROUPED_CAPABILITIES:
+                return (f"GPU {i} ({self.gpu_names[i]}) has compute capability {major}.{minor}; torch's FP8 grouped "
+                        f"matmul runs on 9.0 and 10.0 (H100, H200, B200)")
+        return self.fp8_problem()
 
 
 def current_environment(env: Mapping[str, str] | None) -> Mapping[str, str]:

@@ -143,11 +143,16 @@ def test_the_option_runs_the_routed_experts_in_fp8_and_stays_near_the_dequantize
 
 
 def test_gpus_without_an_fp8_grouped_matmul_keep_the_dequantized_experts():
-    from sft.speed.fp8_experts import grouped_fp8_problem
+    from sft.machine import Launch, Machine
 
-    assert grouped_fp8_problem(((9, 0),), cuda=True, on_cpu=False) is None
-    assert grouped_fp8_problem(((10, 0), (9, 0)), cuda=True, on_cpu=False) is None
-    assert "8.9" in grouped_fp8_problem(((8, 9),), cuda=True, on_cpu=False)
-    assert "12.0" in grouped_fp8_problem(((9, 0), (12, 0)), cuda=True, on_cpu=False)
-    assert grouped_fp8_problem((), cuda=False, on_cpu=True) is None
-    assert grouped_fp8_problem((), cuda=False, on_cpu=False) == "no CUDA GPU"
+    def box(*capabilities, on_cpu=False):
+        return Machine(gpu_names=tuple(f"GPU{i}" for i in range(len(capabilities))), gpu_capabilities=capabilities,
+                       launch=Launch(fp8_on_cpu=on_cpu))
+
+    assert box((9, 0)).fp8_grouped_problem() is None
+    assert box((10, 0), (9, 0)).fp8_grouped_problem() is None
+    assert "compute capability 8.9" in box((8, 9)).fp8_grouped_problem()  # an RTX 4090: FP8, but no grouped matmul
+    assert "GPU 1" in box((9, 0), (12, 0)).fp8_grouped_problem()
+    assert "8.6" in box((8, 6)).fp8_grouped_problem()
+    assert box(on_cpu=True).fp8_grouped_problem() is None
+    assert box().fp8_grouped_problem() == "no CUDA GPU here"

@@ -179,15 +179,33 @@ def test_the_resident_plan_trains_under_ddp_on_two_ranks(tmp_path):
     PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_dir), output)
 
 
-def test_the_option_needs_lora_checkpointing_and_whole_experts():
+def test_the_option_needs_lora_and_whole_experts():
     from sft.errors import ConfigError
     from sft.options.arguments import parse_args
 
     with pytest.raises(ConfigError, match="quantizes the frozen experts of a LoRA run's base: add --lora"):
         parse_args(["--quantize_experts", "fp8", "--activation_checkpointing", "true"], data_only=True)
-    with pytest.raises(ConfigError, match="needs --activation_checkpointing true"):
-        parse_args(["--quantize_experts", "fp8", "--lora"], data_only=True)
     parse_args(["--quantize_experts", "fp8", "--lora", "--activation_checkpointing", "true"], data_only=True)
+
+
+def test_dequantized_experts_need_checkpoints_unless_they_compute_in_fp8():
+    """The bf16 copy each layer dequantizes is freed after its forward only under activation checkpointing; with
+    --fp8 on a GPU that has torch's FP8 grouped matmul (H100/H200) the experts compute as held: no copy."""
+    from sft.errors import ConfigError
+    from sft.machine import Launch, Machine
+    from sft.options.arguments import read_options
+    from sft.options.checks import dequantized_experts_need_checkpoints as check
+
+    h100, rtx4090 = (Machine(gpu_names=(name,), gpu_capabilities=(capability,), bf16=True, launch=Launch())
+                     for name, capability in (("NVIDIA H100", (9, 0)), ("NVIDIA GeForce RTX 4090", (8, 9))))
+    plain = read_options(["--quantize_experts", "fp8", "--lora"], data_only=True)
+    fp8 = read_options(["--quantize_experts", "fp8", "--lora", "--fp8", "true"], data_only=True)
+    for options, machine in ((plain, h100), (fp8, rtx4090), (plain, Machine())):
+        with pytest.raises(ConfigError, match="needs --activation_checkpointing true"):
+            check(options, machine)
+    check(fp8, h100)
+    check(read_options(["--quantize_experts", "fp8", "--lora", "--activation_checkpointing", "true"],
+                       data_only=True), rtx4090)
 
 
 @needs_shared

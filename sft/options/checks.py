@@ -175,18 +175,13 @@ def long_row_levers(o: Options, m: Machine) -> None:
 
 
 def quantized_experts_combinations(o: Options, m: Machine) -> None:
-    """--quantize_experts fp8 holds FROZEN experts (a LoRA run's base) whole on each GPU, and frees each layer's
-    bf16 copy after its forward only when the backward recomputes the layer (activation checkpointing)."""
+    """--quantize_experts fp8 holds FROZEN experts (a LoRA run's base) whole on each GPU."""
     if o.model.quantize_experts == "none":
         return
     q = "--quantize_experts fp8"
     if not o.lora.lora or o.lora.qlora:
         raise ConfigError(f"{q} quantizes the frozen experts of a LoRA run's base: add --lora (not with --qlora, "
                           f"whose base is already 4-bit).")
-    t = o.training
-    if not (t.activation_checkpointing or getattr(t, "fsdp_activation_checkpointing", False)):
-        raise ConfigError(f"{q} needs --activation_checkpointing true: without it every layer's dequantized "
-                          f"experts stay on the GPU for the backward, as much memory as the bf16 base.")
     if o.autoep():
         raise ConfigError(f"{q} with DeepSpeed AutoEP: AutoEP shares the bf16 experts out among the GPUs, the resident "
                           f"plan keeps them whole in e4m3 on each; use one of them (the resident plan: "
@@ -194,6 +189,19 @@ def quantized_experts_combinations(o: Options, m: Machine) -> None:
     if o.fsdp(m) or o.zero_stage(m) is not None or o.model.tp_size > 1:
         raise ConfigError(f"{q}: the quantized experts stay whole on each GPU; use one GPU or "
                           f"accelerate_configs/ddp.yaml (not FSDP, DeepSpeed or --tp_size).")
+
+
+def dequantized_experts_need_checkpoints(o: Options, m: Machine) -> None:
+    """--quantize_experts fp8 dequantizes each layer's experts to bf16 for its matmuls, and frees that copy after
+    the forward only when the backward recomputes the layer (activation checkpointing). With --fp8 on a GPU that
+    has an FP8 grouped matmul the experts compute as held (sft/speed/fp8_experts.py): no copy to free."""
+    t = o.training
+    if (o.model.quantize_experts == "none" or (o.model.fp8_on and m.fp8_grouped_problem() is None)
+            or t.activation_checkpointing or getattr(t, "fsdp_activation_checkpointing", False)):
+        return
+    raise ConfigError("--quantize_experts fp8 needs --activation_checkpointing true: without it every layer's "
+                      "dequantized experts stay on the GPU for the backward, as much memory as the bf16 base (with "
+                      "--fp8 on an H100/H200 they compute in FP8 as held, and need none).")
 
 
 def optimizer_arguments(o: Options, m: Machine) -> None:
@@ -739,7 +747,7 @@ OPTION_CHECKS: list[Check] = [
     padding_positive, our_option_values, neftune_noise,
 ]
 MACHINE_CHECKS: list[Check] = [
-    partial_checkpointing, kept_attention_needs, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
+    partial_checkpointing, dequantized_experts_need_checkpoints, kept_attention_needs, precision_the_hardware_has, full_fine_tune_keeps_small_updates,
     quantized_base_not_under_zero3, qlora_needs, qlora_under_fsdp_awaits_its_gpu_run, dora_reads_its_base,
     sharding_needs_gpus, attention_kernel_available, processes_fit_gpus, tensor_parallel_combinations,
     compiled_layers_combinations, liger_kernel_available, fp8_base_needs, chunked_loss_combinations,

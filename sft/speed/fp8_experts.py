@@ -27,26 +27,6 @@ from torch import nn
 from sft.machine import is_first_process, launch
 from sft.speed.fp8 import call_compiled, forward_fast_accum, quantize, quantize_rows
 
-# torch._scaled_grouped_mm runs on these compute capabilities only (its own check: "only supported on CUDA devices
-# with compute capability = [9.0, 10.0]"); sm_89 has FP8 matmuls but no FP8 grouped one.
-GROUPED_FP8_CAPABILITIES = ((9, 0), (10, 0))
-
-
-def grouped_fp8_problem(capabilities: tuple[tuple[int, int], ...], cuda: bool, on_cpu: bool) -> str | None:
-    """Why the experts cannot compute in FP8 here (None when they can): `capabilities` of the visible GPUs;
-    `on_cpu` (SFT_FP8_ON_CPU=1, tests): the CPU's emulation of the kernel below."""
-    if not cuda:
-        return None if on_cpu else "no CUDA GPU"
-    if not hasattr(torch, "_scaled_grouped_mm"):
-        return f"torch {torch.__version__} has no FP8 grouped matmul (torch._scaled_grouped_mm)"
-    other = [c for c in capabilities if tuple(c) not in GROUPED_FP8_CAPABILITIES]
-    if other:
-        major, minor = other[0]
-        return (f"compute capability {major}.{minor} has no FP8 grouped matmul in torch (9.0 and 10.0 do: H100, "
-                f"H200, B200)")
-    return None
-
-
 # ---- the kernel: one op, opaque to torch.compile, on the GPU's FP8 grouped matmul (an exact emulation on CPU) ----
 
 @torch.library.custom_op("sft::fp8_grouped_mm", mutates_args=())
@@ -206,8 +186,9 @@ def apply_fp8_experts(model: nn.Module) -> None:
     from sft.machine import machine
     from sft.model.quantized_experts import QuantizedExperts
 
-    m = machine()
-    why = grouped_fp8_problem(m.gpu_capabilities, m.cuda, m.launch.fp8_on_cpu)
+    why = machine().fp8_grouped_problem()
+    if not why and torch.cuda.is_available() and not hasattr(torch, "_scaled_grouped_mm"):
+        why = f"torch {torch.__version__} has no torch._scaled_grouped_mm"
     held = [module for module in model.modules() if isinstance(module, QuantizedExperts)]
     fp8 = [module for module in held if not why and fp8_shape_ok(module)]
     for module in fp8:
