@@ -51,7 +51,7 @@ Training commands on a CPU machine:
   (a command with `--sequence_parallel N` always N, the ranks that share its rows). A
   multi-node config becomes one local machine. DeepSpeed's CPU op is built in TORCH_EXTENSIONS_DIR (default
   .cache/torch_extensions, as in test_distributed and .ci/run): a test run compiles it once (~2 min on 2 cores).
-- needing a GPU (`--bf16`/`--fp16`, flex/flash attention, `--use_liger_kernel`, an FSDP config, offload,
+- needing a GPU (`--bf16`/`--fp16`, flex/flash attention, `--use_liger_kernel`, `--fp8`, an FSDP config, offload,
   `--tp_size`): run as written (the first such command with 2 ranks where its config starts several, later ones
   with one), and it must stop before any model loads with one `error:` line per problem, the first naming all it
   needs, and no traceback (exit code 2; `accelerate launch` exits 1, which the README mentions). Each set of needs
@@ -811,6 +811,8 @@ class ReadmeRun:
             needs[f"--attn_implementation {attn}"] = attn
         if truthy(opts.get("use_liger_kernel")):
             needs["--use_liger_kernel"] = "liger"
+        if truthy(opts.get("fp8")):
+            needs["--fp8"] = "fp8"
         if launcher.strategy == "fsdp" or opts.get("fsdp"):
             needs["FSDP"] = "fsdp"
         if launcher.offload:
