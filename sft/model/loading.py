@@ -167,7 +167,8 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
     if model_args.quantize_experts == "fp8":  # before LoRA: the routed experts are the frozen base's
         from sft.model.quantized_experts import apply_quantized_experts
 
-        apply_quantized_experts(model, quantized_on_load=bool(experts_on_load))
+        apply_quantized_experts(model, quantized_on_load=bool(experts_on_load),
+                                fp8=model_args.fp8_on and lora_args.lora)
     report_zero3_partitioning(model)
     mark_moe_leaves(model)  # ZeRO-3: each MoE block one leaf (before the Trainer builds the engine)
     if nf4_for_fsdp and not nf4_settings(model):  # loaded whole (a model factory, or not read weight by weight)

@@ -153,9 +153,10 @@ def quantization_device() -> torch.device | None:
     return torch.device("cuda", launch().local_rank) if torch.cuda.is_available() else None
 
 
-def apply_quantized_experts(model: nn.Module, quantized_on_load: bool = False) -> None:
+def apply_quantized_experts(model: nn.Module, quantized_on_load: bool = False, fp8: bool = False) -> None:
     """The hook sft/model/loading.py calls under --quantize_experts fp8, before LoRA attaches: quantize (unless the
-    experts were quantized as the checkpoint loaded: `quantized_on_load`), and say what was done."""
+    experts were quantized as the checkpoint loaded: `quantized_on_load`), and say what was done (`fp8`: --fp8, whose
+    own line says whether the experts compute in FP8 or are dequantized: sft/speed/fp8_experts.py)."""
     from sft.errors import ConfigError
 
     if quantized_on_load:
@@ -169,7 +170,8 @@ def apply_quantized_experts(model: nn.Module, quantized_on_load: bool = False) -
         held = sum(p.numel() for m in model.modules() if isinstance(m, QuantizedExperts)
                    for p in m.parameters(recurse=False))
         print(f"Experts: {count} MoE layers' routed experts held in e4m3 ({held / 1e9:.2f}B weights, "
-              f"{held / 2**30:.1f} GiB instead of {2 * held / 2**30:.1f}), dequantized layer by layer", flush=True)
+              f"{held / 2**30:.1f} GiB instead of {2 * held / 2**30:.1f})"
+              f"{'' if fp8 else ', dequantized layer by layer'}", flush=True)  # --fp8: its own line says how
 
 
 def keep_out_of_ddp(model: nn.Module) -> int:

@@ -200,5 +200,5 @@ def apply_fp8_experts(model: nn.Module) -> None:
                   f"{f'; {len(held) - len(fp8)} dequantized to bf16 (their layout)' if len(fp8) < len(held) else ''}",
                   flush=True)
         else:
-            print(f"FP8: the routed experts stay dequantized to bf16 for their matmuls "
+            print(f"FP8: the routed experts stay dequantized to bf16 layer by layer for their matmuls "
                   f"({why or 'a layout the grouped FP8 kernel does not take'})", flush=True)
