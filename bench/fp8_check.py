@@ -170,7 +170,8 @@ CANDIDATES = {"fp8": ["--fp8", "true"], "compile": ["--compile_layers", "true"],
               # ... with --fp8: the experts' grouped matmuls in FP8 on the held e4m3 (sft/speed/fp8_experts.py,
               # compute capability 9.0/10.0) and the MLA/shared-expert projections in FP8
               "quantize-experts-fp8": ["--quantize_experts", "fp8", "--fp8", "true"],
-              "quantize-experts-fp8-compile": ["--quantize_experts", "fp8", "--fp8", "true", "--compile_layers", "true"]}
+              "quantize-experts-fp8-compile": ["--quantize_experts", "fp8", "--fp8", "true",
+                                               "--compile_layers", "true"]}
 # options every run of the check takes (the bf16 twins too) when a candidate needs them: the quantized experts are
 # dequantized layer by layer under activation checkpointing, which changes no loss
 SHARED_OPTIONS = {name: ["--activation_checkpointing", "true"]

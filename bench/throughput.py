@@ -188,7 +188,8 @@ MATRIX += [
                                      ("chunked", "sdpa", ("--chunked_loss", "true")),
                                      ("experts", "sdpa", ("--lora_experts", "true")),
                                      ("flex", "flex_attention", ()),
-                                     ("flex-fp8-chunked", "flex_attention", ("--fp8", "true", "--chunked_loss", "true")),
+                                     ("flex-fp8-chunked", "flex_attention", ("--fp8", "true", "--chunked_loss",
+                                                                             "true")),
                                      # ... and the routed experts held in e4m3, their grouped matmuls in FP8 as
                                      # held (sft/speed/fp8_experts.py: no bf16 copy, so no checkpoints needed)
                                      ("fp8-experts", "sdpa", ("--fp8", "true", "--quantize_experts", "fp8")),
