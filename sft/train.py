@@ -46,6 +46,7 @@ from sft.parallel.distributed import configure_nccl_env, exit_process, on_main_p
 from sft.machine import is_first_process
 from sft.errors import ConfigError, ModelNotFoundError, NothingToDo, UserFacingError
 from sft.parallel.fsdp import consolidate_fsdp_saves, fsdp_callbacks, hand_over_to_fsdp
+from sft.safety.early_stopping import early_stopping
 from sft.parallel.expert_parallel import autoep_block, check_expert_parallel
 from sft.safety.guards import LossSpikeLogger, NonFiniteGuard
 from sft.safety.interrupts import (SIGTERM_MARK, end_with_launcher, exit_code, ignore_further_interrupts,
@@ -238,6 +239,7 @@ def train(run: Run, seams: Seams) -> int:
         CompleteRunCheck(),  # a resumed run already at its last step trains no step past it
         guard,
         *([LossSpikeLogger(training_args.loss_spike_factor)] if training_args.loss_spike_factor > 0 else []),
+        *early_stopping(training_args),  # --early_stopping_patience: stop when evaluations stop improving
         *([PartialCheckpointing(skip)] if skip else []),
         *([MoeLoadLogger(balance)] if balance else []),  # MoE: aux loss, tokens per expert, imbalance
         *fsdp_callbacks(qlora=lora_args.qlora),  # FSDP only: the embedding's backward without an all-gather;

@@ -42,7 +42,8 @@ Substitutions (every other word stays as written):
   (output/docs-<page>-L<line>, so that a later block knows where it saved); the demo (neither) saves in a new
   directory of its own, which output/tiny-deepseek/full/latest then names.
 - every training command -> + `--max_steps 2 --max_length 512 --logging_steps 1 --save_strategy no --report_to none
-  --dataset_cache_dir <tmp>` (`--report_to tensorboard` where a `tensorboard --logdir` block reads its output).
+  --dataset_cache_dir <tmp>` (`--report_to tensorboard` where a `tensorboard --logdir` block reads its output;
+  no `--save_strategy no` where the command loads its best checkpoint at the end, whose saves it must keep).
 
 Training commands on a CPU machine:
 - needing nothing the machine lacks: they train. A multi-process accelerate config starts 2 processes (the configs
@@ -782,7 +783,10 @@ class ReadmeRun:
         output = Path(merged.get("output_dir", DEMO_OUTPUT))
         self.inside(output, "--output_dir")
         watched = any(output == w or w in output.parents or output in w.parents for w in self.watched)
-        args += CAPS + ["--report_to", "tensorboard" if watched else "none",
+        caps = CAPS
+        if truthy(merged.get("load_best_model_at_end")):  # its saves must fall on its evaluations: kept as given
+            caps = CAPS[:CAPS.index("--save_strategy")]      # (2 steps reach none of them)
+        args += caps + ["--report_to", "tensorboard" if watched else "none",
                         "--dataset_cache_dir", str(self.tmp / "cache")]
         launcher = Launcher.of(step.launcher, self.work)
         needs = self.gpu_needs(merged, launcher)

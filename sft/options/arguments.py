@@ -295,6 +295,13 @@ class SFTTrainingArguments(TrainingArguments):
         "help": "Warn (and count in the `loss_spikes` log) when a logged loss exceeds this many times the "
                 "running mean; 0 turns it off."})
 
+    early_stopping_patience: int = field(default=0, metadata={
+        "help": "Stop when the evaluation's --metric_for_best_model (default: the eval loss) has not improved for "
+                "this many evaluations in a row (transformers' EarlyStoppingCallback; Axolotl's option, "
+                "LLaMA-Factory's early_stopping_steps). Needs evaluation (--eval_strategy steps, held-out data). "
+                "0: off."})
+    early_stopping_threshold: float = field(default=0.0, metadata={
+        "help": "With --early_stopping_patience: the least change of the metric that counts as an improvement."})
     # transformers' own field is a dict that its parser cannot read from the command line: JSON here.
     liger_kernel_config: dict | str | None = field(default=None, metadata={
         "help": "Which Liger kernels --use_liger_kernel applies, as JSON, e.g. '{\"rms_norm\": false}' (keys: rope, "

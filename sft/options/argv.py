@@ -109,6 +109,7 @@ ALIASES: dict[str, Alias] = {
     "train_on_inputs": Alias("train_on_prompt", "Axolotl"),
     "val_set_size": Alias("eval_split", "Axolotl"),
     "val_size": Alias("eval_split", "LLaMA-Factory"),
+    "early_stopping_steps": Alias("early_stopping_patience", "LLaMA-Factory"),
     "lr_scheduler": Alias("lr_scheduler_type", "Axolotl"),
     "warmup_ratio": Alias("warmup_steps", "transformers 4"),  # transformers 5: a warmup_steps < 1 is a ratio
     "chat_template": Alias("template", "Axolotl", lambda v: [TEMPLATE_NAMES.get(v, v)]),

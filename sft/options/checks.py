@@ -121,6 +121,18 @@ def evaluation_has_data(o: Options, m: Machine) -> None:
                           f"FILE or --eval_split 0.05 (a share of the training data), or --eval_strategy no.")
 
 
+def early_stopping_evaluates(o: Options, m: Machine) -> None:
+    """--early_stopping_patience counts evaluations whose metric did not improve: it needs evaluations."""
+    t = o.training
+    if t.early_stopping_patience < 0 or t.early_stopping_threshold < 0:
+        raise ConfigError(f"--early_stopping_patience {t.early_stopping_patience} --early_stopping_threshold "
+                          f"{t.early_stopping_threshold:g}: give a number of evaluations (0: off) and a change >= 0.")
+    if t.early_stopping_patience and t.eval_strategy == "no":
+        raise ConfigError(f"--early_stopping_patience {t.early_stopping_patience} stops on the evaluation's metric, "
+                          f"and this run evaluates nothing: add --eval_strategy steps --eval_steps N with held-out "
+                          f"data (--eval_split 0.05 or --eval_dataset FILE).")
+
+
 def max_length_long_enough(o: Options, m: Machine) -> None:
     if o.data.max_length < 8:
         raise ConfigError(f"--max_length {o.data.max_length} is too short; give at least 8 tokens.")
@@ -741,6 +753,7 @@ def processes_name_one_run_directory(o: Options, m: Machine) -> None:
 Check = Callable[[Options, Machine], None]
 OPTION_CHECKS: list[Check] = [
     plan_value, dataset_given, data_option_values, mask_history_trains_replies, evaluation_has_data,
+    early_stopping_evaluates,
     max_length_long_enough, dtype_name,
     fp8_combinations, long_row_levers, quantized_experts_combinations, optimizer_arguments, lora_rank_positive,
     lora_options_need_lora, sizes_in_range, something_to_train, attention_name, packing_attention,

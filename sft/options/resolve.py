@@ -313,6 +313,14 @@ def output_dir_of_its_own(o: Options, m: Machine) -> None:
     t.output_dir = str(new_run_dir(o.model.model, method, started, unique=m.launch.world_size == 1))
 
 
+def early_stopping_watches_eval_loss(o: Options, m: Machine) -> None:
+    """--early_stopping_patience without --metric_for_best_model: the eval loss, lower is better (what the
+    Trainer's load_best_model_at_end picks by default)."""
+    t = o.training
+    if t.early_stopping_patience and t.metric_for_best_model is None:
+        t.metric_for_best_model, t.greater_is_better = "loss", False
+
+
 Derivation = Callable[[Options, Machine], None]
 # In order: --lora first (the others read it, the run directory's name too), the fast paths before Liger's kernel
 # choice (which reads --compile_layers), Liger's kernel choice before its loss reads that choice.
@@ -321,7 +329,7 @@ DERIVED: list[Derivation] = [
     sequence_parallel_slices_rows, fp8_training_pads_rows_to_16, tensor_parallel_saves_model_only, lora_skips_unused_parameter_search,
     compiled_layers_keep_liger_loss_only, liger_loss_on_labels, fsdp_checkpoints_activations, checkpoints_keep_attention,
     fsdp_reduce_scatters_each_micro_batch, our_rotation_keeps_checkpoints, nan_filter_only_where_steps_are_skipped,
-    batches_copied_without_wait,
+    batches_copied_without_wait, early_stopping_watches_eval_loss,
 ]
 
 

@@ -219,10 +219,13 @@ class RunOverview(TrainerCallback):
         held = holdings(model) if model is not None else {}
         self.held = held_text(held) if held and worth_saying(held) else None
         save = str(getattr(args.save_strategy, "value", args.save_strategy))
+        steps = state.save_steps or args.save_steps  # a float in transformers 5 (a ratio below 1)
+        steps = int(steps) if float(steps).is_integer() else steps
         saves = {"no": "none (--save_strategy no)", "epoch": "every epoch", "best": "the best one"}.get(
-            save, f"every {state.save_steps or args.save_steps:,} steps")
+            save, "every step" if steps == 1 else f"every {steps:,} steps")
         if save != "no" and args.checkpoints_to_keep:  # --save_total_limit, which our rotation keeps
-            saves += f" (the last {args.checkpoints_to_keep} kept)"
+            best = " and the best" if args.load_best_model_at_end else ""  # rotation keeps best_model_checkpoint
+            saves += f" (the last {args.checkpoints_to_keep}{best} kept)"
         self.text = run_overview(
             model=self.model_name, architecture=self.architecture, total_params=self.total,
             trainable_params=self.trainable, dtype=self.dtype, lora_rank=self.lora_rank, rslora=self.rslora,
