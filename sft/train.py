@@ -60,6 +60,7 @@ from sft.model.loading import (PartialCheckpointing, check_lora_targets, check_s
                                load_model, load_tokenizer, record_quantized_base, resolve_model_path)
 from sft.model.moe import MoeLoadLogger, install_moe
 from sft.model.rope_scaling import rope_line, rope_overrides, scaled, write_rope_record
+from sft.model.saved_modules import check_frozen_head
 from sft.data.packing import Collator, longest_document
 from sft.machine import Machine, machine
 from sft.options.checks import PICKED_NEW
@@ -195,7 +196,8 @@ def train(run: Run, seams: Seams) -> int:
             print(f"Plan (--plan auto) set: {' '.join(f'--{k} {v}' for k, v in planned.options.items()) or 'nothing'}"
                   f"\n{prediction_line(planned.plan)}", flush=True)
         elif training_args.plan == "auto":
-            print(nothing_planned_line(model_args.model, lora_args.lora), flush=True)
+            print(nothing_planned_line(model_args.model, lora_args.lora,
+                                       trained_whole=bool(lora_args.lora_modules_to_save)), flush=True)
         print(f"Loading model: {model_args.model}", flush=True)
 
     trainer_class = TensorParallelTrainer if model_args.tp_size > 1 else SFTTrainer  # TP: checkpoints that resume
@@ -208,11 +210,14 @@ def train(run: Run, seams: Seams) -> int:
     # The training loss from the labelled tokens' hidden states (sft/speed/chunked_loss.py): Liger's fused kernel where
     # Liger's own would run (sft/options/resolve.py), torch chunks under --chunked_loss (refused beside Liger).
     # Under --sequence_parallel always one of them (sft/speed/sequence_parallel_loss.py). LoRA under ZeRO-3 on several
-    # processes: the frozen lm_head gathered once for the loss (chunked_causal_lm_loss).
+    # processes: the frozen lm_head gathered once for the loss (chunked_causal_lm_loss); a trained one is refused
+    # there (sft/options/checks.py loss_in_chunks_under_zero3; here the lm_head tied to a trained embed_tokens).
+    zero3_lora = lora_args.lora and options.zero_stage(machine()) == "3" and training_args.world_size > 1
+    chunks = model_args.chunked_loss or training_args.sequence_parallel > 1
+    if zero3_lora and chunks:
+        check_frozen_head(model)
     labelled_token_loss = (liger_causal_lm_loss if training_args.liger_loss_on_labels
-                           else partial(chunked_causal_lm_loss, zero3_frozen_head=lora_args.lora and options.zero_stage(
-                               machine()) == "3" and training_args.world_size > 1)
-                           if model_args.chunked_loss or training_args.sequence_parallel > 1 else None)
+                           else partial(chunked_causal_lm_loss, zero3_frozen_head=zero3_lora) if chunks else None)
     use_cache = model.config.use_cache  # the base's, which a saved model keeps (restored once the Trainer exists)
     balance = install_moe(model, training_args.router_aux_loss_coef, pad_token_id=tokenizer.pad_token_id)  # MoE only
     verifier = make_verifier(training_args.verify_saves, model, resolve_model_path(model_args.model), lora_args.lora,

@@ -66,6 +66,7 @@ def changes_since(before: dict[str, int]) -> list[str]:
 # them, as collected.
 LONGEST_FILES = ("test_readme.py", "test_distributed.py", "test_lowbit.py", "test_regional_compile.py",
                  "test_fp8_training.py", "test_lowbit_resume.py", "test_user_paths.py", "test_train_e2e.py",
+                 "test_modules_to_save.py",
                  "test_bench.py", "test_quantized_experts.py", "test_resume_advice.py", "test_multinode.py",
                  "test_resume.py", "test_package.py", "test_nf4_loading.py", "test_lora_variants.py",
                  "test_expert_parallel.py", "test_sequence_parallel.py", "test_moe_sharded.py", "test_long_rows.py",

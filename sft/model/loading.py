@@ -22,6 +22,8 @@ from sft.machine import GIB, Machine, is_first_process, launch, machine
 from sft.model.moe import mark_moe_leaves
 from sft.model.nf4_base import nf4_settings
 from sft.model.rope_scaling import scaled
+from sft.model.saved_modules import (check_saved_modules, check_wrapped, embeddings_named, ties_embeddings,
+                                     train_copies_in_fp32)
 from sft.safety.run_dir import QUANTIZED_BASE
 
 
@@ -408,13 +410,24 @@ def attach_lora(model, lora_args: LoraArguments, gradient_checkpointing: bool):
         print(f"LoRA: lora_dropout {dropout} -> 0: peft cannot apply dropout to LoRA on weights targeted as "
               f"parameters (the DeepSeek MoE MLP: sft/model/families.py), and an adapter has one dropout.")
         dropout = 0.0
+    saved = lora_args.lora_modules_to_save or []  # trained whole beside the adapter
+    check_saved_modules(model, saved)  # peft would leave out a name that matches nothing, in silence
     config = LoraConfig(r=lora_args.lora_r, lora_alpha=lora_args.lora_alpha, lora_dropout=dropout,
                         use_rslora=lora_args.use_rslora, use_dora=lora_args.use_dora, target_modules=modules,
-                        target_parameters=parameters or None, task_type="CAUSAL_LM")
+                        target_parameters=parameters or None, task_type="CAUSAL_LM", modules_to_save=saved or None,
+                        # tied embeddings stay tied: two copies trained apart, the saved lm_head would be lost to
+                        # the tie when the merged model loads
+                        ensure_weight_tying=ties_embeddings(model) and embeddings_named(model, saved))
     if gradient_checkpointing:
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     try:
         model = get_peft_model(model, config)
+    except TypeError as e:  # peft: "modules_to_save cannot be applied to modules of type ...ParamWrapper"
+        if not saved or "modules_to_save" not in str(e):
+            raise
+        raise ConfigError(f"--lora_modules_to_save {' '.join(saved)}: names a module that the LoRA adapter adapts "
+                          f"as a parameter ({', '.join(parameters[:3])}, ...), which peft cannot also train whole. "
+                          f"Name modules outside the adapted ones (embed_tokens, lm_head).") from None
     except ValueError as e:  # peft: "Target modules {...} not found in the base model"
         if "use_dora" in str(e) and parameters:  # peft: "lora.ParamWrapper does not work with use_dora=True"
             raise ConfigError(f"--use_dora: peft has no DoRA for weights adapted as parameters, as "
@@ -427,6 +440,9 @@ def attach_lora(model, lora_args: LoraArguments, gradient_checkpointing: bool):
         raise ConfigError(f"--lora_target_modules {' '.join(lora_args.lora_target_modules)}: no module of "
                           f"{model.config.model_type} has that name. Its linear layers are named: "
                           f"{', '.join(linear_names(model))} (or give all-linear).") from None
+    if saved:
+        check_wrapped(model.get_base_model(), saved)
+        train_copies_in_fp32(model)
     if not launch().peft_input_cast:  # set: peft's own casts (bench/throughput.py's -peftcast rows)
         skip_input_casts_under_autocast(model)
     return model
@@ -438,9 +454,10 @@ def linear_names(model) -> list[str]:
 
 
 def check_lora_targets(model_args: ModelArguments, lora_args: LoraArguments) -> None:
-    """User-given LoRA targets (and --lora_experts, --use_dora) must fit this model: checked on a weightless (meta)
-    copy built from the config, before anything loads."""
-    if lora_args.lora and (lora_args.lora_target_modules or lora_args.lora_experts or lora_args.use_dora):
+    """User-given LoRA targets (and --lora_experts, --use_dora, --lora_modules_to_save) must fit this model: checked
+    on a weightless (meta) copy built from the config, before anything loads."""
+    if lora_args.lora and (lora_args.lora_target_modules or lora_args.lora_experts or lora_args.use_dora
+                           or lora_args.lora_modules_to_save):
         planned_lora_config(model_args, lora_args)
 
 

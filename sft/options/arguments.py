@@ -22,7 +22,7 @@ from sft.configs import DEMO_DATA
 from sft.errors import ConfigError, NeedsHardware
 from sft.machine import Machine, launch
 from sft.options.argv import (COMMON_TRAINING, Parser, apply_aliases, help_requested, model_hub_id, short_help,
-                              split_names, unknown_options_message)
+                              split_list, split_names, unknown_options_message)
 from sft.options.command import help_command as training_help_command
 from sft.options.checks import CHECKS, MACHINE_CHECKS, NEW_RUN_DIR, OPTION_CHECKS, Check, Options, check_options
 from sft.options.recipe import load_recipe, recipe_to_argv
@@ -138,6 +138,14 @@ class LoraArguments:
                 "double quantization, bf16 compute; implies --lora). Needs a CUDA GPU and "
                 "`pip install -e \".[qlora]\"`; runs under DDP or FSDP, not DeepSpeed. The adapter loads on the "
                 "unquantized base too (sft.tools.merge merges it there)."})
+    lora_modules_to_save: list[str] | None = field(default=None, metadata={
+        "help": "Modules trained whole beside the LoRA adapter and saved in it, comma-separated: embed_tokens,lm_head "
+                "where the data has tokens the base never learned (added tokens, a chat template's untrained special "
+                "tokens). peft's modules_to_save (Axolotl's and TRL's lora_modules_to_save; LLaMA-Factory's "
+                "additional_target). peft trains every module whose dotted path ends with a name: lm_head, "
+                "embed_tokens, or a path such as model.norm; a name that matches no module, or also ends another "
+                "module's name (norm: input_layernorm), is refused. They train in fp32 like the adapter, each at its "
+                "whole size in weights, gradients and AdamW states (embed_tokens,lm_head of a 7B: ~13 GB)."})
     lora_experts: bool = field(default=False, metadata={
         "help": "DeepSeek-V2/V3 (MoE): also adapt the routed experts (LoRA on the fused expert weights). Without "
                 "it a MoE LoRA adapts the MLA projections, the dense layers' MLP and the shared experts; the "
@@ -146,6 +154,8 @@ class LoraArguments:
     def __post_init__(self):
         if self.lora_target_modules:  # `q_proj, v_proj` (one YAML string, as LLaMA-Factory writes it) or `all`
             self.lora_target_modules = [name for value in self.lora_target_modules for name in split_names(value)]
+        if self.lora_modules_to_save is not None:  # `embed_tokens,lm_head` as one word, or a YAML list
+            self.lora_modules_to_save = [name for value in self.lora_modules_to_save for name in split_list(value)]
 
 
 @dataclass
@@ -396,7 +406,8 @@ HELP_GROUPS = [  # the one-screen --help: our options, then the TrainingArgument
                                     if f.init and f.name not in ("fp8_recipe", "mlp_tile_tokens",
                                                                  "quantize_experts", "rope_scaling"))),
     ("LoRA", LoraArguments, tuple(f.name for f in fields(LoraArguments)  # these: in --help all
-                                  if f.name not in ("use_rslora", "use_dora", "loraplus_lr_ratio"))),
+                                  if f.name not in ("use_rslora", "use_dora", "loraplus_lr_ratio",
+                                                    "lora_modules_to_save"))),
     ("Data", DataArguments, tuple(f.name for f in fields(DataArguments)  # these: in --help all
                                   if f.name not in ("dataset_columns", "dataset_tags", "pad_to_multiple_of",
                                                     "mask_history"))),

@@ -26,9 +26,15 @@ class Alias:
     note: str = ""        # what differs, or (no values) what this toolkit does instead, for the one-line note
 
 
+def split_list(value: str) -> list[str]:
+    """`embed_tokens,lm_head` (one YAML string or command-line word, as LLaMA-Factory and Axolotl write lists) -> the
+    names."""
+    return [v.strip() for v in value.replace(",", " ").split() if v.strip()]
+
+
 def split_names(value: str) -> list[str]:
     """LLaMA-Factory's `lora_target: q_proj,v_proj` (and `all`) -> our list of module names."""
-    names = [v.strip() for v in value.replace(",", " ").split() if v.strip()]
+    names = split_list(value)
     return ["all-linear"] if names == ["all"] else names
 
 
@@ -103,6 +109,8 @@ ALIASES: dict[str, Alias] = {
     "adapter": Alias("lora", "Axolotl", _method),
     "peft_use_rslora": Alias("use_rslora", "Axolotl"),
     "peft_use_dora": Alias("use_dora", "Axolotl"),
+    "additional_target": Alias("lora_modules_to_save", "LLaMA-Factory", split_list),
+    "modules_to_save": Alias("lora_modules_to_save", "peft", split_list),
     "micro_batch_size": Alias("per_device_train_batch_size", "Axolotl"),
     "num_epochs": Alias("num_train_epochs", "Axolotl"),
     "sample_packing": Alias("packing", "Axolotl"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -256,7 +257,10 @@ def lora_rank_positive(o: Options, m: Machine) -> None:
 
 
 LORA_ONLY_OPTIONS = ("lora_r", "lora_alpha", "lora_dropout", "lora_target_modules", "lora_experts", "use_rslora",
-                     "use_dora", "loraplus_lr_ratio")
+                     "use_dora", "loraplus_lr_ratio", "lora_modules_to_save")
+# A module's name or dotted path: peft matches it against the end of module paths, and also reads it as a regular
+# expression (where it keeps those modules out of the LoRA targets), so nothing else passes.
+MODULE_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z0-9_]+)*")
 
 
 def lora_options_need_lora(o: Options, m: Machine) -> None:
@@ -268,6 +272,19 @@ def lora_options_need_lora(o: Options, m: Machine) -> None:
         verb = "apply" if len(given) > 1 else "applies"
         raise ConfigError(f"{names} only {verb} to a LoRA adapter, and this run fine-tunes every weight: add --lora "
                           f"(or --qlora), or drop {names}.")
+
+
+def saved_module_names(o: Options, m: Machine) -> None:
+    """--lora_modules_to_save takes module names (whether the model has them is checked on it: sft/model/
+    saved_modules.py)."""
+    names = getattr(o.lora, "lora_modules_to_save", None)
+    if names is None:
+        return
+    bad = [name for name in names if not MODULE_NAME.fullmatch(name)]
+    if not names or bad:
+        raise ConfigError(f"--lora_modules_to_save {' '.join(map(repr, bad))}".rstrip() + ": give module names "
+                          f"(letters, digits and _, a path's parts joined by dots), comma-separated, e.g. "
+                          f"embed_tokens,lm_head.")
 
 
 def sizes_in_range(o: Options, m: Machine) -> None:
@@ -575,11 +592,19 @@ def loss_in_chunks_under_zero3(o: Options, m: Machine) -> None:
     once (sft/speed/chunked_loss.py gathered_head); a trained one would be gathered by its hooks at every chunk and
     every chunk's recomputation, which ranks with other counts of labelled tokens run different numbers of times."""
     chunks = getattr(o.model, "chunked_loss", False) or o.training.sequence_parallel > 1
-    if chunks and not o.lora.lora and o.zero_stage(m) == "3" and m.launch.world_size > 1:
-        what = "--sequence_parallel" if o.training.sequence_parallel > 1 else "--chunked_loss"
-        raise ConfigError(f"{what} with a full fine-tune under ZeRO-3 on several processes: the loss in chunks "
-                          f"cannot gather a trained lm_head there. Use ZeRO-2 (accelerate_configs/zero2.yaml) or "
-                          f"--lora.")
+    if not (chunks and trains_lm_head(o) and o.zero_stage(m) == "3" and m.launch.world_size > 1):
+        return
+    what = "--sequence_parallel" if o.training.sequence_parallel > 1 else "--chunked_loss"
+    run = "lm_head trained whole beside LoRA (--lora_modules_to_save)" if o.lora.lora else "a full fine-tune"
+    raise ConfigError(f"{what} with {run} under ZeRO-3 on several processes: the loss in chunks cannot gather a "
+                      f"trained lm_head there. Use ZeRO-2 (accelerate_configs/zero2.yaml), or "
+                      + ("leave lm_head out." if o.lora.lora else "--lora."))
+
+
+def trains_lm_head(o: Options) -> bool:
+    """A full fine-tune, or LoRA with the LM head trained whole beside the adapter."""
+    saved = getattr(o.lora, "lora_modules_to_save", None) or []
+    return not o.lora.lora or any(name.rsplit(".", 1)[-1] == "lm_head" for name in saved)
 
 
 def compiled_layers_combinations(o: Options, m: Machine) -> None:
@@ -756,7 +781,7 @@ OPTION_CHECKS: list[Check] = [
     early_stopping_evaluates,
     max_length_long_enough, dtype_name,
     fp8_combinations, long_row_levers, quantized_experts_combinations, optimizer_arguments, lora_rank_positive,
-    lora_options_need_lora, sizes_in_range, something_to_train, attention_name, packing_attention,
+    lora_options_need_lora, saved_module_names, sizes_in_range, something_to_train, attention_name, packing_attention,
     padding_positive, our_option_values, neftune_noise,
 ]
 MACHINE_CHECKS: list[Check] = [

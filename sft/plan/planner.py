@@ -83,8 +83,8 @@ def planned_options(model_args, lora_args, data_args, training_args, machine=Non
     from sft.machine import machine as this_machine
 
     m = machine or this_machine()
-    if not m.cuda:
-        return NOT_PLANNED  # nothing to plan without GPUs: the options stay as given
+    if not m.cuda or getattr(lora_args, "lora_modules_to_save", None):
+        return NOT_PLANNED  # nothing to plan without GPUs, nor with memory it does not count (nothing_planned_line)
     gpus, mem = cards(m)
     kind = gpu_kind(m.gpu_names[0])
     shape = resolve_shape(model_args.model)
@@ -136,14 +136,19 @@ def prediction_line(plan: Plan) -> str:
             + "".join(f"\n  {'':<12} {said}" for said in plan.fast.planned_off))
 
 
-def nothing_planned_line(model: str, lora: bool, machine=None) -> str:
-    """`--plan auto` that set nothing: why, in one line for the run's first screen (`machine`: this one when None)."""
+def nothing_planned_line(model: str, lora: bool, machine=None, trained_whole: bool = False) -> str:
+    """`--plan auto` that set nothing: why, in one line for the run's first screen (`machine`: this one when None;
+    `trained_whole`: modules trained whole beside the adapter, --lora_modules_to_save)."""
     from sft.machine import machine as this_machine
 
     m = machine or this_machine()
     if not m.cuda:
         return "Plan (--plan auto): nothing set: this machine has no CUDA GPU (the planner plans GPUs); the options " \
                "stay as given."
+    if trained_whole:
+        return ("Plan (--plan auto): nothing set: the planner counts a LoRA adapter's own weights, not the modules "
+                "trained whole beside it (--lora_modules_to_save: their fp32 weights, gradients and AdamW states); "
+                "the options stay as given.")
     gpus, mem = cards(m)
     return (f"Plan (--plan auto): nothing set: no plan fits {gpus} x {mem:.0f} GiB with {MARGIN_GIB:g} GiB to spare; "
             f"the options stay as given. "

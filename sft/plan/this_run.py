@@ -26,8 +26,8 @@ def why_no_prediction(model_args, machine) -> str | None:
 
 def predict_this_run(model_args, lora_args, data_args, training_args, machine) -> Plan | None:
     """The planner's plan equal to this run's configuration on `machine` (sft.machine.Machine), or None."""
-    if why_no_prediction(model_args, machine):
-        return None
+    if why_no_prediction(model_args, machine) or getattr(lora_args, "lora_modules_to_save", None):
+        return None  # (the planner counts no module trained whole beside the adapter)
     try:  # a prediction never stops a run: a model the planner cannot read, or a plan it cannot make, gives none
         return _matching_plan(resolve_shape(model_args.model), model_args, lora_args, data_args, training_args,
                               machine)

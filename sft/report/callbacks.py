@@ -9,6 +9,7 @@ import time
 import torch
 from transformers import TrainerCallback
 
+from sft.model.saved_modules import frozen_originals, trained_copies
 from sft.report.console import run_overview, tensorboard_dir
 from sft.report.placement import held_text, holdings, worth_saying
 from sft.machine import GIB, GPU_KINDS, Machine, is_first_process, machine
@@ -33,11 +34,22 @@ def flops_per_token(model, lora: bool) -> float:
     """Model FLOPs per trained token: 6N for full fine-tuning, 4N under LoRA (the frozen weights get no weight
     gradient), N = parameters of the matmuls a token passes through (all but the input embeddings; of an MoE
     layer's routed experts only the num_experts_per_tok of n_routed_experts it is sent to: MFU on ACTIVE
-    parameters, as bench/train_throughput.py and the planner count it). Attention scores are not counted."""
+    parameters, as bench/train_throughput.py and the planner count it). Attention scores are not counted.
+
+    A module trained whole beside LoRA (--lora_modules_to_save) runs once, in place of its frozen original (kept
+    beside it, never run: not counted), and gets a weight gradient: 2 more FLOPs per weight, 6 in all, as in a full
+    fine-tune. The input embedding stays out either way: its forward is a lookup and its weight gradient a scatter
+    of the incoming gradient's rows, no matmul."""
     embeddings = model.get_input_embeddings()
+    skipped = {id(p) for p in embeddings.parameters()} if embeddings is not None else set()  # peft's wrapper: both
+    whole: set[int] = set()
+    if lora:
+        skipped |= frozen_originals(model)
+        whole = {id(p) for copy in trained_copies(model).values() for p in copy.parameters()}
     share = routed_share(model.config)
-    n = sum(full_numel(p) * (share if ".mlp.experts." in name else 1) for name, p in model.named_parameters())
-    return (4 if lora else 6) * (n - (full_numel(embeddings.weight) if embeddings else 0))
+    return float(sum(full_numel(p) * (share if ".mlp.experts." in name else 1)
+                     * (4 if lora and id(p) not in whole else 6)
+                     for name, p in model.named_parameters() if id(p) not in skipped))
 
 
 def routed_share(config) -> float:
@@ -192,8 +204,14 @@ class RunOverview(TrainerCallback):
 
     def __init__(self, model, train_dataset, model_name: str, speed: tuple[str, ...] = (), memory: str | None = None):
         params = list(model.parameters())
-        self.total = sum(full_numel(p) for p in params)
+        # peft keeps the frozen original of each module trained whole (--lora_modules_to_save) beside its trained
+        # copy: counted once, as the model's own, not twice
+        originals = frozen_originals(model) if hasattr(model, "peft_config") else set()
+        self.total = sum(full_numel(p) for p in params if id(p) not in originals)
         self.trainable = sum(full_numel(p) for p in params if p.requires_grad)
+        copies = trained_copies(model) if originals else {}
+        self.whole = (sorted({path.rsplit(".", 1)[-1] for path in copies}),  # their names, and their parameters
+                      sum(full_numel(p) for p in {id(p): p for c in copies.values() for p in c.parameters()}.values()))
         base = model.get_base_model() if hasattr(model, "get_base_model") else model  # a peft model
         self.architecture = type(base).__name__
         self.dtype = str(getattr(base, "dtype", params[0].dtype)).removeprefix("torch.")
@@ -229,6 +247,7 @@ class RunOverview(TrainerCallback):
         self.text = run_overview(
             model=self.model_name, architecture=self.architecture, total_params=self.total,
             trainable_params=self.trainable, dtype=self.dtype, lora_rank=self.lora_rank, rslora=self.rslora,
+            trained_whole=self.whole,
             adapter_dtype=self.adapter_dtype if self.lora_rank and self.adapter_dtype != self.dtype else None,
             mixed_precision="bf16" if args.bf16 else "fp16" if args.fp16 else None,
             processes=args.world_size, strategy=strategy, devices=devices,

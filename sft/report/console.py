@@ -145,18 +145,23 @@ def run_overview(*, model: str, architecture: str, total_params: int, trainable_
                  per_device_batch: int, grad_accum: int, data_parallel: int, mean_row_tokens: float | None,
                  max_steps: int, epochs: float | None, resume_step: int, output_dir: str, saves: str,
                  tensorboard: str | None, speed: tuple[str, ...] = (), held: str | None = None,
-                 memory: str | None = None, rslora: bool = False) -> str:
+                 memory: str | None = None, rslora: bool = False,
+                 trained_whole: tuple[list[str], int] = ([], 0)) -> str:
     """The first screen of a run, from plain values (sft.report.callbacks.RunOverview gathers them at train begin).
     dtype: of the weights; adapter_dtype: of the LoRA weights when it differs; mixed_precision: "bf16", "fp16" or
     None; epochs: None when --max_steps set the length; speed: the fast paths chosen by default, and why
     (sft/options/resolve.py fast_paths_where_supported); held: what is held where (sft/report/placement.py) and
-    memory: the planner's peak for the run, both for MoE and quantized-base runs. The first line keeps the words
-    'Training on N process(es)' that the launch tests look for."""
+    memory: the planner's peak for the run, both for MoE and quantized-base runs; trained_whole: the modules
+    trained whole beside a LoRA adapter (--lora_modules_to_save) and their parameters. The first line keeps the
+    words 'Training on N process(es)' that the launch tests look for."""
     rows = per_device_batch * grad_accum * data_parallel
     if lora_rank:
         trained = (f"LoRA r={lora_rank}{' (rsLoRA: alpha / sqrt(r))' if rslora else ''}: {count(trainable_params)} "
                    f"trainable parameters "
                    f"({100 * trainable_params / max(total_params, 1):.2g}% of {count(total_params)})")
+        names, whole = trained_whole
+        if names:
+            trained += f", {count(whole)} of them in {', '.join(names)} (trained whole)"
     elif trainable_params == total_params:
         trained = f"all {count(trainable_params)} parameters (full fine-tune)"
     else:

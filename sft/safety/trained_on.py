@@ -19,9 +19,10 @@ from sft.options.command import command_with
 from sft.safety.run_dir import ADAPTER_CONFIG, QUANTIZED_BASE, TRAINED_ON, method_name
 
 # The options of the record, as a command line names them (data_hash and method have no option of their own):
-# the model, its data and what a checkpoint's state depends on (--rope_scaling's positions, LoRA+'s groups).
+# the model, its data and what a checkpoint's state depends on (--rope_scaling's positions, LoRA+'s groups, the
+# modules trained whole beside the adapter).
 OPTIONS = ("model", "dataset", "dataset_dir", "dataset_format", "template", "max_length", "packing", "rope_scaling",
-           "loraplus_lr_ratio")
+           "loraplus_lr_ratio", "lora_modules_to_save")
 
 
 def _where(value: str | None) -> str | None:
@@ -41,6 +42,8 @@ def this_run(model_args, data_args, lora_args, data_hash: str | None = None) -> 
             "rope_scaling": getattr(model_args, "rope_scaling", None),  # the positions the model trains at
             # LoRA+: the optimizer's groups, which a checkpoint's optimizer state must match (None: off)
             "loraplus_lr_ratio": getattr(lora_args, "loraplus_lr_ratio", 0.0) or None,
+            # the adapter's modules trained whole: the checkpoint's weights and optimizer state hold them (None: none)
+            "lora_modules_to_save": getattr(lora_args, "lora_modules_to_save", None) or None,
             "data_hash": data_hash}
 
 

@@ -5,7 +5,9 @@ base, or wrote nothing (ZeRO-3 without `stage3_gather_16bit_weights_on_model_sav
 of at the user's first inference.
 
 - LoRA (unsharded): the saved adapter is loaded with peft next to the trained one, on the same base in memory,
-  and the two are compared on the same device with the same kernels (cheap at any model size; exact).
+  and the two are compared on the same device with the same kernels (cheap at any model size; exact). Modules
+  trained whole beside it (--lora_modules_to_save) come back in the base's dtype, as a user's reload gives them (on
+  a bf16 base: at bf16's tolerance); tied ones are reloaded with the base (peft cannot tie a second adapter's).
 - Full models (and sharded LoRA): reloaded from the saved directory in the main process, on the model's own GPU
   when it has room (exact), else on CPU (other kernels: a looser tolerance, still far below what a wrong or
   missing tensor does). Every process computes the in-memory logits, since sharded models (ZeRO-3, FSDP) need
@@ -32,6 +34,7 @@ from sft.machine import GIB, is_first_process
 from sft.model.nf4_base import QUANT_METHOD, NF4Linear
 from sft.model.moe import expert_parallel_layers
 from sft.model.rope_scaling import scaled
+from sft.model.saved_modules import tied_copies, trained_copies
 from sft.safety.run_dir import ADAPTER_WEIGHTS
 from sft.safety.private_names import ACCELERATE_ORIGINAL_FORWARD, expect
 
@@ -224,13 +227,16 @@ class SaveVerifier:
             model.load_adapter(str(path), adapter_name="_saved", autocast_adapter_dtype=adapter_dtype == torch.float32)
             model.set_adapter("_saved")
             got = logits_of(model, input_ids)
+            # peft loads the modules trained whole (--lora_modules_to_save) in the base's dtype, as a user's
+            # PeftModel.from_pretrained does: on a bf16 base their fp32 weights come back rounded to bf16
+            rounded = {p.dtype for copy in trained_copies(model, "_saved").values() for p in copy.parameters()}
         except Exception as e:  # a save that cannot even be loaded is the loudest mismatch of all
             return f"{type(e).__name__}: {e}"
         finally:
             model.set_adapter(trained)  # also makes the trained adapter's weights trainable again
             if "_saved" in model.peft_config:
                 model.delete_adapter("_saved")
-        return compare(expected, got, torch.float32, same_device=True)
+        return compare(expected, got, next(iter(rounded - {adapter_dtype}), torch.float32), same_device=True)
 
     def reload_and_compare(self, model, base, path: Path, input_ids: torch.Tensor,
                            expected: torch.Tensor) -> str | None:
@@ -411,10 +417,11 @@ def make_verifier(mode: str, model, model_path: str, lora: bool, attn_implementa
     if mode == "no":
         return None
     n = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())  # ZeRO-3 holds shards
-    cheap = (lora and not is_sharded(model)) or n < CHEAP_PARAMETERS
+    in_place = not (lora and tied_copies(model))  # peft cannot load a second adapter's tied copies beside the first
+    cheap = (lora and in_place and not is_sharded(model)) or n < CHEAP_PARAMETERS
     every_checkpoint = mode == "all" or (mode == "auto" and cheap)
     return SaveVerifier(model_path, lora, attn_implementation, trust_remote_code, checkpoints=every_checkpoint,
-                        quantization=quantization_of(model), fp8_recipe=fp8_recipe,
+                        lora_in_place=in_place, quantization=quantization_of(model), fp8_recipe=fp8_recipe,
                         base_overrides=dict(base_overrides or {}))
 
 
