@@ -787,8 +787,8 @@ OPTION_CHECKS: list[Check] = [
 MACHINE_CHECKS: list[Check] = [
     partial_checkpointing, dequantized_experts_need_checkpoints, kept_attention_needs, precision_the_hardware_has,
     full_fine_tune_keeps_small_updates, quantized_base_not_under_zero3, qlora_needs,
-    qlora_under_fsdp_awaits_its_gpu_run, dora_reads_its_base, sharding_needs_gpus, attention_kernel_available, processes_fit_gpus, tensor_parallel_combinations,
-    compiled_layers_combinations, liger_kernel_available, fp8_base_needs, chunked_loss_combinations,
+    qlora_under_fsdp_awaits_its_gpu_run, dora_reads_its_base, sharding_needs_gpus, attention_kernel_available,
+    processes_fit_gpus, tensor_parallel_combinations, compiled_layers_combinations, liger_kernel_available, fp8_base_needs, chunked_loss_combinations,
     loss_in_chunks_under_zero3, sequence_parallel_combinations, expert_parallel_combinations, deepspeed_json_agrees,
     loraplus_needs_the_trainers_optimizer, launcher_agrees, processes_name_one_run_directory,
 ]
