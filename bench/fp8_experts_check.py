@@ -129,6 +129,20 @@ def main(argv: list[str] | None = None) -> int:
                 forward_backward(layer)  # warm-up: the compiled quantize kernels, cuBLAS/CUTLASS plans
             timing[f"{name}_ms"] = round(median_ms(lambda: forward_backward(layer), args.repeats), 3)
         timing["speedup"] = round(timing["bf16_dequantized_ms"] / timing["fp8_ms"], 3)
+        # where the FP8 layer's time goes: the first matmul's kernels alone, and what surrounds them
+        up = dequantize(held["gate_up"][0], held["gate_up"][2], torch.bfloat16)
+        parts = {
+            "bf16_grouped_mm_up_fwd": lambda: F.grouped_mm(x, up.transpose(-2, -1), offs=offsets),
+            "fp8_grouped_mm_up_fwd": lambda: fp8_grouped_mm(x_q, x_scale.view(-1), w_q, w_scale, offsets),
+            "fp8_grouped_mm_up_fwd_fast_accum": lambda: fp8_grouped_mm(x_q, x_scale.view(-1), w_q, w_scale, offsets,
+                                                                       True),
+            "fp8_grouped_mm_up_input_grad": lambda: fp8_grouped_mm(g_q, g_scale.view(-1), w_t, ones, offsets),
+            "dequantize_up": lambda: dequantize(held["gate_up"][0], held["gate_up"][2], torch.bfloat16),
+            "transpose_up_e4m3": lambda: w_q.transpose(-2, -1).contiguous(),
+            "quantize_scaled_grad_up": lambda: quantize_scaled_rows(up_grad, w_scale, expert_ids),
+            "quantize_tokens": lambda: quantize_tokens(x),
+        }
+        timing["parts_ms"] = {name: round(median_ms(fn, args.repeats), 3) for name, fn in parts.items()}
     passed = max(kernel_error.values()) < 0.01
     row = {"run_id": args.run_id, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
            "commit": _commit(), "bench": "fp8_experts_check", "shape": "tiny" if args.tiny else "deepseek-v2-lite",
