@@ -58,7 +58,8 @@ def median_ms(fn, repeats: int) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     from sft.model.quantized_experts import dequantize, quantize_rows
-    from sft.speed.fp8 import quantize_rows as quantize_tokens
+    from sft.speed.fp8 import call_compiled, quantize, quantize_rows as quantize_tokens
+    from sft.speed.fp8_experts import _compiled_quantize_scaled
     from sft.machine import machine
     from sft.speed.fp8_experts import emulated_fp8_grouped_mm, fp8_grouped_mm, grouped_linear, quantize_scaled_rows
 
@@ -139,8 +140,8 @@ def main(argv: list[str] | None = None) -> int:
             "fp8_grouped_mm_up_input_grad": lambda: fp8_grouped_mm(g_q, g_scale.view(-1), w_t, ones, offsets),
             "dequantize_up": lambda: dequantize(held["gate_up"][0], held["gate_up"][2], torch.bfloat16),
             "transpose_up_e4m3": lambda: w_q.transpose(-2, -1).contiguous(),
-            "quantize_scaled_grad_up": lambda: quantize_scaled_rows(up_grad, w_scale, expert_ids),
-            "quantize_tokens": lambda: quantize_tokens(x),
+            "quantize_scaled_grad_up": lambda: call_compiled(_compiled_quantize_scaled(), up_grad, w_scale, expert_ids),
+            "quantize_tokens": lambda: quantize(x),
         }
         timing["parts_ms"] = {name: round(median_ms(fn, args.repeats), 3) for name, fn in parts.items()}
     passed = max(kernel_error.values()) < 0.01
