@@ -47,13 +47,14 @@ def host_checked(row: dict, w: Workload) -> dict:
     """Whether a row's host RAM is held to the prediction ({"host_checked", "host_note"}): where the planner's
     estimate decides something, the offload plans and the resident plans (whose processes each load the base), but
     not the rows measured before a fix changed what they hold there: the resident rows that loaded the whole base
-    (resident.LOADED_WHOLE), the long rows whose offload copied the model's own tensors
-    (long_rows.OFFLOADED_MODEL_TENSORS); nor a row whose attention is not the one the planner plans (long-r1-32k-sdpa
+    (resident.LOADED_WHOLE) or were built on the GPU without a checkpoint (resident.NOT_FROM_A_CHECKPOINT), the long
+    rows whose offload copied the model's own tensors (long_rows.OFFLOADED_MODEL_TENSORS); nor a row whose attention is not the one the planner plans (long-r1-32k-sdpa
     held 11.3 GiB where its flex_attention twins held 18.4-20.5: no compile, no compile workers). Other rows are not
     checked: the same configuration measured 4.6 to 22.9 GiB (torch.compile/Triton worker processes and the bench's
     loading path; bench/RESULTS.md)."""
     key = (row.get("run_id"), row.get("name"))
-    old = resident.LOADED_WHOLE.get(key) if w.resident else long_rows.OFFLOADED_MODEL_TENSORS.get(key)
+    old = (resident.LOADED_WHOLE.get(key) or resident.NOT_FROM_A_CHECKPOINT.get(key) if w.resident
+           else long_rows.OFFLOADED_MODEL_TENSORS.get(key))
     ran, planned = attention_of_row(row)
     other = None if ran == planned else f"ran {ran}, where the planner plans {planned}"
     checked = (bool(STRATEGIES[w.strategy].offload) or w.offload_activations or w.resident) and not old and not other
