@@ -87,6 +87,24 @@ def test_an_unknown_value_is_one_error_line():
         parse_args(["--fp8", "maybe"], data_only=True)
 
 
+def test_packed_rows_take_one_length_where_the_layers_compile():
+    """The compiled layers compile again for a second row length (35-38 s at the second step of 32k rows of one
+    conversation each, run 20261206T0611Z-long-h100): packed rows are padded to --max_length, as under
+    flex_attention; unpacked rows, or a --pad_to_multiple_of of the user's, are left as they are."""
+    def padded_to(machine: Machine, *extra: str) -> int | None:
+        options = read_options(["--model", "m", "--dataset", DATA, "--output_dir", "/nonexistent/out", *extra])
+        return settle(options, machine).data.pad_to_multiple_of
+
+    packed = ("--packing", "true", "--max_length", "1000")
+    assert padded_to(gpu(), "--lora", *packed) == 1000  # --compile_layers auto: on
+    assert padded_to(gpu(), "--lora", *packed, "--compile_layers", "false") is None
+    assert padded_to(gpu(), "--lora", "--max_length", "1000") is None  # unpacked: the batch's longest row
+    assert padded_to(gpu(), "--lora", *packed, "--pad_to_multiple_of", "64") == 64
+    assert padded_to(gpu(gpus=0), "--lora", *packed) is None  # no GPU: nothing compiled
+    # a full fine-tune in FP8: one length, and a multiple of 16 for its weight gradients' matmuls
+    assert padded_to(gpu(), "--dtype", "bfloat16", "--optim", "adamw_bf16_sr", *packed) == 1008
+
+
 def test_a_full_fine_tune_in_fp8_pads_each_batch_to_16_tokens():
     """Its weight gradients' FP8 matmuls sum over the tokens, in multiples of 16 (an H200 run failed at a batch of
     4 x 1,234 tokens before this)."""

@@ -194,7 +194,8 @@ class DataArguments:
         "help": "Pack conversations into rows of --max_length (best-fit decreasing; no attention across them)."})
     pad_to_multiple_of: int | None = field(default=None, metadata={
         "help": "Pad every batch to a multiple of this many tokens. Default: --max_length for packed rows under "
-                "flex_attention (one shape, so its kernels compile once), else the batch's longest row."})
+                "flex_attention or --compile_layers (one shape, so their kernels compile once), else the batch's "
+                "longest row."})
     train_on_prompt: bool = field(default=False, metadata={"help": "Also train on prompt tokens, not only replies."})
     mask_history: bool = field(default=False, metadata={
         "help": "Train only the last reply of each conversation; the earlier ones are context (LLaMA-Factory's "

@@ -166,14 +166,28 @@ def fp8_combinations(o: Options, m: Machine) -> None:
 
 
 def rows_padded_to(o: Options) -> int | None:
-    """The multiple every batch's rows are padded to: --pad_to_multiple_of, or, where it is not given, --max_length
-    for packed rows under flex_attention (sft/options/resolve.py flex_pads_packed_rows)."""
+    """The multiple every batch's rows are padded to: --pad_to_multiple_of, or, where it is not given, the one
+    length packed rows take (packed_rows_length)."""
     d = o.data
     if d is None:  # the planner's described runs (sft/plan/fast_paths.py): its rows are multiples of 16 tokens
         return None
-    if d.pad_to_multiple_of is None and d.packing and o.model.attn_implementation == "flex_attention":
+    return d.pad_to_multiple_of if d.pad_to_multiple_of is not None else packed_rows_length(o)
+
+
+def packed_rows_length(o: Options) -> int | None:
+    """The one length packed rows are padded to where --pad_to_multiple_of is not given, for kernels that compile
+    for each new row length: --max_length under flex_attention, and under --compile_layers (a second length compiles
+    the layers again: 35-38 s at the second step of 32k rows of one conversation each, bench/RESULTS.md), there
+    rounded up to a multiple of 16 for a full fine-tune in FP8 (its weight gradients' matmuls need it). None: each
+    batch is padded to its longest row. A packed row is nearly full, so the padding costs little."""
+    d = o.data
+    if d.pad_to_multiple_of is not None or not d.packing:
+        return None
+    if o.model.attn_implementation == "flex_attention":
         return d.max_length
-    return d.pad_to_multiple_of
+    if o.model.compile_layers_on:
+        return -(-d.max_length // 16) * 16 if o.model.fp8_on and not o.lora.lora else d.max_length
+    return None
 
 
 def long_row_levers(o: Options, m: Machine) -> None:

@@ -21,7 +21,7 @@ from sft.errors import ConfigError
 from sft.machine import Machine, fp8_fast_accum_on
 from sft.options.checks import (NEW_RUN_DIR, PICKED_NEW, PICKED_NEWEST, PICKED_NOTHING,
                                SEQUENCE_PARALLEL_ATTENTIONS, Options,
-                               compiled_layers_combinations, fp8_base_needs, fp8_combinations)
+                               compiled_layers_combinations, fp8_base_needs, fp8_combinations, rows_padded_to)
 from sft.safety.run_dir import holds_a_run, method_name, new_run_dir, runs_of
 
 # --resume_from_checkpoint values that mean the newest complete checkpoint of the run
@@ -54,11 +54,10 @@ def qlora_trains_lora(o: Options, m: Machine) -> None:
         o.lora.lora = True
 
 
-def flex_pads_packed_rows(o: Options, m: Machine) -> None:
-    """flex_attention compiles its kernels for every new shape: packed rows are padded to --max_length unless told."""
-    d = o.data
-    if d.pad_to_multiple_of is None and d.packing and o.model.attn_implementation == "flex_attention":
-        d.pad_to_multiple_of = d.max_length
+def packed_rows_take_one_length(o: Options, m: Machine) -> None:
+    """flex_attention and the compiled layers compile their kernels for each new row length: packed rows are padded
+    to one (sft/options/checks.py packed_rows_length) unless told. After the fast paths settle --compile_layers."""
+    o.data.pad_to_multiple_of = rows_padded_to(o)
 
 
 def sequence_parallel_slices_rows(o: Options, m: Machine) -> None:
@@ -90,7 +89,8 @@ def parallelism_config(size: int, attention: str):
 def fp8_training_pads_rows_to_16(o: Options, m: Machine) -> None:
     """A full fine-tune in FP8: the weight gradient's matmul (grad_out^T @ x) sums over the batch's tokens, and
     torch's FP8 matmul needs its inner dimension in multiples of 16, so every batch's rows are padded to one
-    (unless padded already; after flex_pads_packed_rows, whose --max_length the checks hold to a multiple of 16)."""
+    (unless padded already; after packed_rows_take_one_length, whose --max_length under flex_attention the checks
+    hold to a multiple of 16)."""
     if o.model.fp8_on and not o.lora.lora and o.data.pad_to_multiple_of is None:
         o.data.pad_to_multiple_of = 16
 
@@ -325,7 +325,7 @@ Derivation = Callable[[Options, Machine], None]
 # In order: --lora first (the others read it, the run directory's name too), the fast paths before Liger's kernel
 # choice (which reads --compile_layers), Liger's kernel choice before its loss reads that choice.
 DERIVED: list[Derivation] = [
-    qlora_trains_lora, output_dir_of_its_own, fast_paths_where_supported, flex_pads_packed_rows,
+    qlora_trains_lora, output_dir_of_its_own, fast_paths_where_supported, packed_rows_take_one_length,
     sequence_parallel_slices_rows, fp8_training_pads_rows_to_16, tensor_parallel_saves_model_only, lora_skips_unused_parameter_search,
     compiled_layers_keep_liger_loss_only, liger_loss_on_labels, fsdp_checkpoints_activations, checkpoints_keep_attention,
     fsdp_reduce_scatters_each_micro_batch, our_rotation_keeps_checkpoints, nan_filter_only_where_steps_are_skipped,
