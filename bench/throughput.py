@@ -193,6 +193,10 @@ MATRIX += [
                                      # ... and the routed experts held in e4m3, their grouped matmuls in FP8 as
                                      # held (sft/speed/fp8_experts.py: no bf16 copy, so no checkpoints needed)
                                      ("fp8-experts", "sdpa", ("--fp8", "true", "--quantize_experts", "fp8")),
+                                     # torch's varlen FlashAttention: each packed document's attention alone
+                                     # (sft/speed/varlen_attention.py), MLA's values padded 128 -> 192
+                                     ("varlen", "varlen", ()),
+                                     ("varlen-fp8", "varlen", ("--fp8", "true")),
                                      ("flex-fp8-chunked-experts", "flex_attention", (
                                          "--fp8", "true", "--chunked_loss", "true", "--quantize_experts", "fp8")))],
     Row("trl-moe-lora", "lora", peer="trl", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
@@ -448,6 +452,9 @@ SCRIPTS = {script.name: script for script in [
     # the dequantized bf16 path, one MoE layer's forward and backward timed (sft/speed/fp8_experts.py)
     Script("fp8-experts-check", ("bench/fp8_experts_check.py", "--run_id", "{run_id}", "--results", "{results}"),
            n_gpus=1, seconds=120),
+    # --attn_implementation varlen's kernel against sdpa with the packed mask: MLA's and grouped heads' shapes
+    Script("varlen-check", ("bench/varlen_check.py", "--run_id", "{run_id}", "--results", "{results}"),
+           n_gpus=1, seconds=90),
 ]}
 assert not set(SCRIPTS) & set(ROWS), "script and row names must differ"
 
@@ -510,6 +517,9 @@ GROUPS = {
     # issue 26 item 3: V2-Lite's LoRA step uncapped, each lever beside the compiled row and TRL's, same run; and the
     # eager row, whose profiled step's idle_ms says what the balance loss's host waits cost (58.9 ms in run
     # 20261205T0515Z-next, with them)
+    # issue 26 item 3: packed rows' attention per document (varlen) beside the compiled rows, TRL's and the kernel check
+    "moe-varlen": ["moe-lora-compile-varlen-fp8", "moe-lora-compile-varlen", "moe-lora-compile-fp8", "trl-moe-lora",
+                   "varlen-check"],
     "moe-levers": ["trl-moe-lora", "moe-lora-compile", "moe-lora-compile-flex", "moe-lora-compile-flex-fp8-chunked",
                    "moe-lora-compile-fp8-experts", "moe-lora-compile-flex-fp8-chunked-experts", "moe-lora-compile-fp8",
                    "moe-lora-compile-chunked", "moe-lora-compile-experts", "moe-lora", "fp8-experts-check"],

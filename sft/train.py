@@ -54,6 +54,7 @@ from sft.safety.interrupts import (SIGTERM_MARK, end_with_launcher, exit_code, i
 from sft.speed.gc_freeze import FreezeLongLivedObjects
 from sft.speed.kept_attention import offload_prefetch
 from sft.speed.packed_mask import builds_packed_mask, dense_mask_note
+from sft.speed.varlen_attention import NAME as VARLEN
 from sft.speed.lowbit import prepare_optimizer
 from sft.model.families import check_family, positions_warning, refuse_unsupported
 from sft.model.loading import (PartialCheckpointing, check_lora_targets, check_safetensors_weights, load_config,
@@ -270,6 +271,8 @@ def train(run: Run, seams: Seams) -> int:
                                labelled_positions=labelled_token_loss is not None and not sequence_parallel,
                                # packed rows' documents, their mask built from them (sft/speed/packed_mask.py)
                                document_ids=documents,
+                               # ... or their start offsets, the varlen kernel's (sft/speed/varlen_attention.py)
+                               document_starts=model_args.attn_implementation == VARLEN and not sequence_parallel,
                                # the real tokens and their sequences (MoE: the balance loss and the expert load)
                                token_sequences=balance is not None and not sequence_parallel,
                                # each token's sequence length (NEFTune's noise scale, sft/model/neftune.py)

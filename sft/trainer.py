@@ -60,7 +60,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from transformers import PrinterCallback, ProgressCallback, Trainer
 from transformers.integrations import TensorBoardCallback
 
-from sft.data.packing import COLLATOR_KEYS, DOCUMENT_IDS, LABELLED_POSITIONS, NOISE_LENGTHS, NUM_INPUT_TOKENS
+from sft.data.packing import (COLLATOR_KEYS, CU_SEQ_LENS, DOCUMENT_IDS, LABELLED_POSITIONS, NOISE_LENGTHS,
+                              NUM_INPUT_TOKENS)
 from sft.data.tokenization import IGNORE
 from sft.machine import is_first_process
 from sft.model.lora_plus import split_b_matrices
@@ -72,6 +73,7 @@ from sft.safety.private_names import CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPO
 from sft.speed.activation_offload import PREFETCH, OffloadedActivations
 from sft.speed.chunked_loss import LossFn
 from sft.speed.packed_mask import packed_causal_mask
+from sft.speed.varlen_attention import batch_kwargs as varlen_batch_kwargs
 from sft.speed.fp8_training import Float8ScalesAfterStep, gathers_in_fp8
 from sft.speed.sequence_parallel_loss import mean_over_slices, sequence_parallel_group
 from sft.speed.lowbit import LOW_BIT_OPTIMIZERS, SR_ADAMW
@@ -156,12 +158,16 @@ class SFTTrainer(Trainer):
         """The batch as the model takes it: without the collator's host-made keys (sft/data/packing.py), and with
         packed rows' mask built from their documents (sft/speed/packed_mask.py), which the collator gives only
         where the model's attention takes that mask (sft/train.py: builds_packed_mask); elsewhere their position_ids
-        let transformers find the documents itself."""
+        let transformers find the documents itself. Under --attn_implementation varlen the documents' start
+        offsets go to the attention as the kernel's arguments instead (sft/speed/varlen_attention.py)."""
         documents = inputs.get(DOCUMENT_IDS) if isinstance(inputs, dict) else None
+        starts = inputs.get(CU_SEQ_LENS) if isinstance(inputs, dict) else None
         inputs = without_collator_keys(inputs)
         if documents is not None:
             inputs["attention_mask"] = packed_causal_mask(_causal_lm(self.model).config, documents,
                                                           self.model.get_input_embeddings().weight.dtype)
+        if starts is not None:
+            inputs.update(varlen_batch_kwargs(starts, inputs["input_ids"].shape[-1]))
         return inputs
 
     def _track_num_input_tokens(self, inputs):

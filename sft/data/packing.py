@@ -13,6 +13,7 @@ document's first label is already -100 (sft/data/tokenization.py), so no target 
 from __future__ import annotations
 
 import bisect
+import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -132,8 +133,11 @@ SEQUENCE_COUNT = "sequence_count"
 # each token's sequence length (rows x length): its document's in a packed row, the row's real length in a padded
 # one (padding: the padding's own length); --neftune_noise_alpha scales its noise by it (sft/model/neftune.py)
 NOISE_LENGTHS = "noise_lengths"
+# packed rows' documents for --attn_implementation varlen (sft/speed/varlen_attention.py): their start offsets over
+# the batch's flattened tokens and the end, [0, l0, l0+l1, ...] (int32; a row's padding counted in its last document)
+CU_SEQ_LENS = "cu_seq_lens"
 COLLATOR_KEYS = (NUM_INPUT_TOKENS, LABELLED_POSITIONS, DOCUMENT_IDS, REAL_TOKENS, TOKEN_SEQUENCES, SEQUENCE_COUNT,
-                 NOISE_LENGTHS)
+                 NOISE_LENGTHS, CU_SEQ_LENS)
 
 
 def labelled_positions(labels: torch.Tensor) -> torch.Tensor:
@@ -170,7 +174,8 @@ class Collator:
     neither them nor position_ids (the model's own positions are the same 0..length-1). `token_sequences`: the real
     tokens and their sequences (a padded row, a packed document) under REAL_TOKENS, TOKEN_SEQUENCES and
     SEQUENCE_COUNT (the MoE balance loss, sft/model/moe.py). `noise_lengths`: each token's sequence length under
-    NOISE_LENGTHS (NEFTune's scale, sft/model/neftune.py)."""
+    NOISE_LENGTHS (NEFTune's scale, sft/model/neftune.py). `document_starts`: packed rows' documents' start offsets
+    under CU_SEQ_LENS (--attn_implementation varlen)."""
 
     pad_token_id: int
     pad_to_multiple_of: int | None = None
@@ -180,6 +185,7 @@ class Collator:
     document_ids: bool = False
     token_sequences: bool = False
     noise_lengths: bool = False
+    document_starts: bool = False
 
     def __call__(self, rows: list[dict]) -> dict[str, torch.Tensor | bool | int]:
         import torch
@@ -197,6 +203,7 @@ class Collator:
         else:
             batch["attention_mask"] = torch.zeros((len(rows), longest), dtype=torch.long)
         documents = [] if packed and self.document_ids else None
+        starts = [0] if packed and self.document_starts else None  # CU_SEQ_LENS
         real_documents = [] if self.token_sequences else None  # each row's real documents' lengths (padded: one)
         if self.noise_lengths:
             batch[NOISE_LENGTHS] = torch.zeros((len(rows), longest), dtype=torch.long)
@@ -218,6 +225,8 @@ class Collator:
                 batch["position_ids"][i] = position_ids_for(lengths)
                 if documents is not None:
                     documents.append(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)))
+                if starts is not None:
+                    starts += [starts[-1] + end for end in itertools.accumulate(lengths)]  # built, then added
             else:
                 batch["attention_mask"][i, :n] = 1
         if documents is not None:
@@ -225,6 +234,8 @@ class Collator:
                 batch[DOCUMENT_IDS] = torch.stack(documents)
             else:
                 del batch["position_ids"]
+        if starts is not None:
+            batch[CU_SEQ_LENS] = torch.tensor(starts, dtype=torch.int32)
         if self.labelled_positions:
             batch[LABELLED_POSITIONS] = labelled_positions(batch["labels"])
         if real_documents is not None:

@@ -25,6 +25,7 @@ from sft.model.rope_scaling import scaled
 from sft.model.saved_modules import (check_saved_modules, check_wrapped, embeddings_named, ties_embeddings,
                                      train_copies_in_fp32)
 from sft.safety.run_dir import QUANTIZED_BASE
+from sft.speed import varlen_attention
 
 
 @functools.lru_cache(maxsize=None)
@@ -148,6 +149,8 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
                model_factory=None, config_overrides: dict | None = None):
     """`model_factory`: called as from_pretrained would be, e.g. random weights from the config (bench/).
     `config_overrides`: config values the model loads with (--rope_scaling: sft/model/rope_scaling.py)."""
+    if model_args.attn_implementation == varlen_attention.NAME:  # our attention, named before transformers meets it
+        varlen_attention.register()
     qlora = qlora_requested(lora_args)
     nf4_for_fsdp = qlora and machine().launch.fsdp  # the base as NF4 bytes (sft/model/nf4_base.py)
     streamed = nf4_for_fsdp and model_factory is None

@@ -25,9 +25,10 @@ from sft.model.rope_scaling import ROPE_SCALINGS
 NEW_RUN_DIR = "output/<model>/<method>/<start time>"
 PICKED_NEW, PICKED_NEWEST, PICKED_NOTHING = "new", "newest", "nothing to resume"
 
-ATTENTIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4")
-# The attentions that keep packed documents apart by position_ids (the rest would let them attend to each other).
-PACKING_ATTENTIONS = ("sdpa", "eager", "flex_attention", "flash_attention_2", "flash_attention_3")
+ATTENTIONS = ("sdpa", "eager", "flex_attention", "varlen", "flash_attention_2", "flash_attention_3", "flash_attention_4")
+# The attentions that keep packed documents apart (the rest would let them attend to each other): by position_ids, or
+# by the collator's document offsets (varlen, sft/speed/varlen_attention.py).
+PACKING_ATTENTIONS = ("sdpa", "eager", "flex_attention", "varlen", "flash_attention_2", "flash_attention_3")
 
 
 @dataclass(frozen=True)
@@ -542,6 +543,31 @@ def attention_kernel_available(o: Options, m: Machine) -> None:
     if attn == "flex_attention" and not m.cuda:
         raise NeedsHardware("--attn_implementation flex_attention cannot train on CPU (no backward there); use "
                             "sdpa.", "--attn_implementation flex_attention")
+    if attn == "varlen":
+        varlen_attention_runs(o, m)
+
+
+def varlen_attention_runs(o: Options, m: Machine) -> None:
+    """torch's varlen FlashAttention (sft/speed/varlen_attention.py): in torch 2.9 and later, on GPUs of compute
+    capability 8.0 and later, on half-precision activations (autocast, or a bf16/fp16 base: LoRA's default on
+    GPUs that have bf16). Without CUDA the same attention runs through sdpa."""
+    import torch
+
+    from sft.speed import varlen_attention
+
+    if varlen_attention.kernel() is None:
+        raise ConfigError(f"--attn_implementation varlen needs torch >= 2.9 (torch.nn.attention.varlen; this is "
+                          f"{torch.__version__}): pip install -U torch, or use sdpa or flex_attention.")
+    if not m.cuda:
+        return
+    old = [c for c in m.gpu_capabilities if tuple(c) < varlen_attention.MIN_CAPABILITY]
+    if old:
+        raise ConfigError(f"--attn_implementation varlen needs GPUs of compute capability 8.0 or later "
+                          f"(FlashAttention-2; this one is {old[0][0]}.{old[0][1]}): use sdpa.")
+    half_weights = o.model.dtype in ("bfloat16", "float16") or (o.model.dtype == "auto" and o.lora.lora and m.bf16)
+    if not (o.training.bf16 or o.training.fp16 or half_weights):
+        raise ConfigError("--attn_implementation varlen computes in bf16 or fp16 (FlashAttention-2), and this run "
+                          "computes in fp32: add --bf16 (or --fp16), or use sdpa.")
 
 
 def liger_kernel_available(o: Options, m: Machine) -> None:
