@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -27,6 +26,8 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+
+from kernel_measures import median_ms, relative  # noqa: E402
 
 V2_LITE = {"experts": 64, "hidden": 2048, "intermediate": 1408, "top_k": 6, "tokens": 4 * 2048}
 TINY = {"experts": 4, "hidden": 64, "intermediate": 32, "top_k": 2, "tokens": 48}
@@ -38,22 +39,6 @@ def routing(tokens: int, top_k: int, experts: int, device: str) -> tuple[torch.T
     choice = torch.rand(tokens, experts, generator=g, device=device).topk(top_k, dim=-1).indices
     expert_ids = torch.sort(choice.reshape(-1))[0]
     return expert_ids, torch.cumsum(torch.bincount(expert_ids, minlength=experts), 0).to(torch.int32)
-
-
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
-
-
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -19,7 +19,6 @@ import argparse
 import datetime as dt
 import json
 import random
-import statistics
 import sys
 from pathlib import Path
 
@@ -29,6 +28,8 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+
+from kernel_measures import median_ms, relative  # noqa: E402
 
 SHAPES = {  # heads, key/value heads, query/key size, value size, scale
     "deepseek-v2-lite-mla": (16, 16, 192, 128, 0.1147),  # 192 ** -0.5 times yarn's mscale squared (1.589)
@@ -51,22 +52,6 @@ def packed_documents(rows: int, length: int, seed: int = 0) -> list[list[int]]:
             left -= n
         packed.append(lengths)
     return packed
-
-
-def relative(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm()).item()
-
-
-def median_ms(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ import torch
 from conftest import lora_demo_run, tiny_config
 from sft.data.packing import CU_SEQ_LENS, Collator, pack_rows
 from sft.speed import varlen_attention
-from test_packing import assert_same_loss_and_gradients, documents
+from test_packing import assert_same_loss_and_gradients, documents, per_document_loss
 
 
 def test_the_collator_gives_each_documents_start_over_the_batchs_tokens():
@@ -63,14 +63,7 @@ def test_packed_loss_and_gradients_equal_per_document(varlen_models, model_type,
     packed.backward()
     packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad()
-    from sft.data.tokenization import IGNORE
-
-    total, count = 0.0, 0
-    for ids, labels in docs:
-        out = model(input_ids=torch.tensor([ids]), labels=torch.tensor([labels]), use_cache=False)
-        n = sum(label != IGNORE for label in labels[1:])
-        total, count = total + out.loss * n, count + n
-    assert_same_loss_and_gradients(model, packed, packed_grads, total / count)
+    assert_same_loss_and_gradients(model, packed, packed_grads, per_document_loss(model, docs))
 
 
 class spy_on_attention:

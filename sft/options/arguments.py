@@ -104,7 +104,8 @@ class ModelArguments(FastPathSwitches):  # fp8_on, compile_layers_on
                 "yarn (LLaMA-Factory's option). A LoRA adapter's base then loads with the same RoPE "
                 "(rope_scaling.json beside it; docs/speed.md, Long rows)."})
     attn_implementation: str = field(default="sdpa", metadata={
-        "help": "Attention kernel: sdpa, eager, flex_attention, flash_attention_2 (needs flash-attn)."})
+        "help": "Attention kernel: sdpa, eager, flex_attention, varlen (packed rows' documents each alone, torch's "
+                "FlashAttention-2; GPUs 8.0+), flash_attention_2 (needs flash-attn)."})
     trust_remote_code: bool = field(default=False, metadata={
         "help": "Run Python code shipped with a hub model. Off by default: DeepSeek models are native in "
                 "transformers."})
