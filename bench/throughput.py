@@ -250,6 +250,11 @@ MATRIX += [
     Row("lora-best-default", "lora", micro_batch=8, mem_cap_gib=0, warmup=3, steps=RATIO_STEPS,
         args=(*LIGER, "--lora_dropout", "0", *FLEX, "--fp8", "auto", "--compile_layers", "auto"),
         vs="trl-lora-best", timeout=420),
+    # ... with each packed document's attention alone (torch's varlen FlashAttention, sft/speed/varlen_attention.py)
+    # instead of flex_attention's masked blocks: 1.20x on V2-Lite's compiled step (run 20261206T0640Z-varlen-h100)
+    Row("lora-best-default-varlen", "lora", micro_batch=8, mem_cap_gib=0, warmup=3, steps=RATIO_STEPS,
+        args=(*LIGER, "--lora_dropout", "0", "--attn_implementation", "varlen", "--fp8", "auto", "--compile_layers",
+              "auto"), vs="trl-lora-best", timeout=420),
     # the same with the FP8 forward keeping cuBLAS's fp32 promotion (the default before; run 20261205T0550Z-lora2x
     # measured fast accumulation at 1.07x it, as row lora-best-default-fastaccum)
     Row("lora-best-default-promoted", "lora", micro_batch=8, mem_cap_gib=0, warmup=3, steps=RATIO_STEPS,
@@ -509,6 +514,8 @@ GROUPS = {
     "lora2x": ["trl-lora-best", "lora-best-default", "lora-best-default-promoted", "lora-best-default-chunked",
                "lora-best-default-chunked-mb12"],
     # the same ratio on an 80 GB H100 (device kind nvidia-h100-x1), each peer at micro-batch 4 x 2, then ours at 8
+    # issue 28 item 2 on an H200: TRL's best against ours with flex_attention and with varlen, same run
+    "lora2x-varlen": ["trl-lora-best", "lora-best-default", "lora-best-default-varlen"],
     "lora2x-h100": ["trl-lora-best-mb4", "lora-best-default-mb4", "lora-best-default"],
     # issue 27 item 1 at 16k: the first step's wait (285 s for long-r1-16k's flex_attention) with and without it
     "long16": ["long-r1-16k-sdpa-default", "long-r1-16k-default", "long-r1-16k"],

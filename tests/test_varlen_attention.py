@@ -143,3 +143,21 @@ def test_varlen_is_refused_before_loading_where_its_kernel_cannot_run():
     # bf16 weights with a bf16 optimizer (--bf16's autocast cannot be asked for on this CPU machine)
     assert settled((8, 9), "--dtype", "bfloat16", "--optim", "adamw_bf16_sr", "--fp8", "false").model.attn_implementation \
         == "varlen"
+
+
+def test_unpacked_rows_with_padding_give_sdpas_loss(varlen_models):
+    """Without packing each row is one sequence and its padding follows it: the attention needs no offsets (the
+    padding's own outputs train nothing), and the loss is sdpa's with its padding mask."""
+    from transformers import AutoModelForCausalLM
+
+    docs = documents(1024)
+    rows = [{"input_ids": ids, "labels": labels} for ids, labels in docs]
+    batch = Collator(pad_token_id=0, document_starts=True)(rows)
+    assert CU_SEQ_LENS not in batch and "attention_mask" in batch
+    losses = {}
+    for attention in ("varlen", "sdpa"):
+        model = AutoModelForCausalLM.from_pretrained(varlen_models["llama"], dtype=torch.float32,
+                                                     attn_implementation=attention)
+        with torch.no_grad():
+            losses[attention] = model(**batch).loss.item()
+    assert losses["varlen"] == pytest.approx(losses["sdpa"], rel=1e-5)
