@@ -312,6 +312,12 @@ MATRIX += [
     Row("moe-lora-resident-1-mb4-compile", "lora", "single", 1, model="deepseek-v2-lite", micro_batch=4, grad_accum=2,
         warmup=3, steps=4, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--chunked_loss",
                                  "true", "--quantize_experts", "fp8", "--compile_layers", "true"), timeout=600),
+    # ... with each packed document's attention alone (varlen: 1.20x uncapped, run 20261206T0640Z-varlen-h100), what
+    # the V2-Lite recipe would take once this row has run
+    Row("moe-lora-resident-1-mb4-compile-varlen", "lora", "single", 1, model="deepseek-v2-lite", micro_batch=4,
+        grad_accum=2, warmup=3, steps=4, args=("--lora_dropout", "0", "--attn_implementation", "varlen", *CKPT,
+                                               "--chunked_loss", "true", "--quantize_experts", "fp8",
+                                               "--compile_layers", "true"), timeout=600),
     # ... with --fp8: the experts' grouped matmuls in FP8 as held (no bf16 copy per layer: sft/speed/fp8_experts.py)
     # and the MLA/shared-expert projections in FP8
     Row("moe-lora-resident-1-mb4-fp8", "lora", "single", 1, model="deepseek-v2-lite", micro_batch=4, grad_accum=2,
@@ -532,6 +538,8 @@ GROUPS = {
     "moe-varlen": ["moe-lora-compile-varlen-fp8", "moe-lora-compile-varlen", "moe-lora-compile-fp8", "trl-moe-lora",
                    "varlen-check"],
     "moe-varlen-h200": ["moe-lora-compile-varlen-mb8", "moe-lora-compile-varlen", "trl-moe-lora"],
+    # the V2-Lite recipe's resident plan (24 GiB) with varlen, beside its sdpa twin, before the recipe takes it
+    "resident-varlen": ["moe-lora-resident-1-mb4-compile-varlen", "moe-lora-resident-1-mb4-compile"],
     "moe-levers": ["trl-moe-lora", "moe-lora-compile", "moe-lora-compile-flex", "moe-lora-compile-flex-fp8-chunked",
                    "moe-lora-compile-fp8-experts", "moe-lora-compile-flex-fp8-chunked-experts", "moe-lora-compile-fp8",
                    "moe-lora-compile-chunked", "moe-lora-compile-experts", "moe-lora", "fp8-experts-check"],
