@@ -535,7 +535,8 @@ def attention_kernel_available(o: Options, m: Machine) -> None:
         package = "flash_attn_interface" if attn == "flash_attention_3" else "flash_attn"
         message = (f"--attn_implementation {attn} needs a GPU and the `{package}` package "
                    f"({'no GPU here' if not m.cuda else 'not installed'}). Use sdpa (it also separates packed "
-                   f"documents).")
+                   f"documents)" + (", or on a GPU varlen (torch's own FlashAttention-2, each packed document "
+                                    "alone)." if attn == "flash_attention_2" else "."))
         if not m.cuda:
             raise NeedsHardware(message, f"--attn_implementation {attn}")
         if not m.has(package):
