@@ -66,7 +66,6 @@ def changes_since(before: dict[str, int]) -> list[str]:
 # them, as collected.
 LONGEST_FILES = ("test_readme.py", "test_distributed.py", "test_lowbit.py", "test_regional_compile.py",
                  "test_fp8_training.py", "test_lowbit_resume.py", "test_user_paths.py", "test_train_e2e.py",
-                 "test_modules_to_save.py",
                  "test_bench.py", "test_quantized_experts.py", "test_resume_advice.py", "test_multinode.py",
                  "test_resume.py", "test_package.py", "test_nf4_loading.py", "test_lora_variants.py",
                  "test_expert_parallel.py", "test_sequence_parallel.py", "test_moe_sharded.py", "test_long_rows.py",
@@ -259,6 +258,23 @@ def train_help(session_dir) -> subprocess.CompletedProcess:
 
     folder = built_once(session_dir / "train-help", run)
     return subprocess.CompletedProcess(*json.loads((folder / "help.json").read_text()))
+
+
+@pytest.fixture(scope="session")
+def fsdp_two_ranks(session_dir) -> dict:
+    """tests/fsdp_two_ranks_worker.py's parts, {part: what rank 0 found}: one start of two gloo ranks per session
+    for the FSDP2 tests of test_fsdp_embedding, test_distributed and test_modules_to_save (three starts of two
+    processes importing torch, transformers and peft cost ~15 s more on 2 cores)."""
+    def run(folder: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        workers = [subprocess.Popen([sys.executable, str(REPO / "tests" / "fsdp_two_ranks_worker.py"),
+                                     str(folder / "rendezvous"), str(rank), str(folder)], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+        outputs = [w.communicate(timeout=600)[0] for w in workers]
+        assert [w.returncode for w in workers] == [0, 0], [out[-3000:] for out in outputs]
+
+    folder = built_once(session_dir / "fsdp-two-ranks", run)
+    return {**json.loads((folder / "found.json").read_text()), "folder": str(folder)}
 
 
 def tensorboard_scalars(logdir: Path, tag: str) -> list[float]:
