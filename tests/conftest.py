@@ -223,6 +223,37 @@ def run_train(args: list[str], *, launcher: list[str] | None = None, env: dict |
     return subprocess.run(command, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def train_here(args: list[str], *, env: dict | None = None) -> subprocess.CompletedProcess:
+    """sft.train.main(args) in this process, with run_train's environment: -> what run_train returns (the exit code,
+    stdout, stderr). For a test whose point is the run, not the process: a new Python with torch, transformers and
+    peft costs ~5 s of CPU before it trains. The launch's and machine's cached facts are read anew for the run and
+    after it (they read the environment: SFT_FP8_ON_CPU, ...)."""
+    import contextlib
+    import io
+
+    from sft.machine import launch, machine
+    from sft.train import main
+
+    added = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **(env or {})}
+    before = {key: os.environ.get(key) for key in added}
+    out, err = io.StringIO(), io.StringIO()
+    os.environ.update(added)
+    launch.cache_clear()
+    machine.cache_clear()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        launch.cache_clear()
+        machine.cache_clear()
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def logged_losses(output: Path) -> list[float]:
     """The training losses a run logged, step by step (its trainer_log.jsonl)."""
     return [json.loads(line)["loss"] for line in (output / "trainer_log.jsonl").read_text().splitlines()
@@ -230,9 +261,10 @@ def logged_losses(output: Path) -> list[float]:
 
 
 def lora_demo_run(folder: Path, name: str, *extra: str) -> tuple[list[float], str]:
-    """3 logged steps of the demo's LoRA with activation checkpointing, into folder/name: -> its losses, stdout."""
+    """3 logged steps of the demo's LoRA with activation checkpointing, into folder/name: -> its losses, stdout. In
+    this process (train_here)."""
     output = folder / name
-    result = run_train(["--max_steps", "3", "--logging_steps", "1", "--lora", "--report_to", "none",
+    result = train_here(["--max_steps", "3", "--logging_steps", "1", "--lora", "--report_to", "none",
                         "--eval_strategy", "no", "--seed", "0", "--activation_checkpointing", "true",
                         "--output_dir", str(output), "--dataset_cache_dir", str(folder / "cache"), *extra])
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_train, tensorboard_scalars
+from conftest import tensorboard_scalars, train_here
 from sft.errors import ConfigError
 from test_long_rows import tiny_lora_llama
 
@@ -59,9 +59,9 @@ def test_the_demo_trains_with_rslora_dora_and_loraplus_and_the_adapter_loads_wit
     from peft import PeftConfig
 
     output = tmp_path / "run"
-    result = run_train(["--lora", "--use_rslora", "--use_dora", "--loraplus_lr_ratio", "16", "--max_steps", "3", "--logging_steps",
-                        "1", "--lora_r", "16", "--lora_alpha", "16", "--learning_rate", "1e-4",
-                        "--output_dir", str(output), "--dataset_cache_dir", str(tmp_path / "cache")])
+    result = train_here(["--lora", "--use_rslora", "--use_dora", "--loraplus_lr_ratio", "16", "--max_steps", "3",
+                         "--logging_steps", "1", "--lora_r", "16", "--lora_alpha", "16", "--learning_rate", "1e-4",
+                         "--output_dir", str(output), "--dataset_cache_dir", str(tmp_path / "cache")])
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "LoRA+: 28 B matrices learn at 16x the learning rate (--loraplus_lr_ratio)" in result.stdout  # not DoRA's
     # magnitude vectors, which peft names lora_magnitude_vector
