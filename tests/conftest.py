@@ -227,7 +227,8 @@ def train_here(args: list[str], *, env: dict | None = None) -> subprocess.Comple
     """sft.train.main(args) in this process, with run_train's environment: -> what run_train returns (the exit code,
     stdout, stderr). For a test whose point is the run, not the process: a new Python with torch, transformers and
     peft costs ~5 s of CPU before it trains. The launch's and machine's cached facts are read anew for the run and
-    after it (they read the environment: SFT_FP8_ON_CPU, ...)."""
+    after it (they read the environment: SFT_FP8_ON_CPU, ...). What a library reads at its import (huggingface_hub's
+    HF_HUB_OFFLINE) is this process's: .ci/run exports HF_HUB_OFFLINE=1 and TOKENIZERS_PARALLELISM=false."""
     import contextlib
     import io
 
