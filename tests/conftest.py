@@ -66,7 +66,6 @@ def changes_since(before: dict[str, int]) -> list[str]:
 # them, as collected.
 LONGEST_FILES = ("test_readme.py", "test_distributed.py", "test_lowbit.py", "test_regional_compile.py",
                  "test_fp8_training.py", "test_lowbit_resume.py", "test_user_paths.py", "test_train_e2e.py",
-                 "test_modules_to_save.py",
                  "test_bench.py", "test_quantized_experts.py", "test_resume_advice.py", "test_multinode.py",
                  "test_resume.py", "test_package.py", "test_nf4_loading.py", "test_lora_variants.py",
                  "test_expert_parallel.py", "test_sequence_parallel.py", "test_moe_sharded.py", "test_long_rows.py",
@@ -224,6 +223,38 @@ def run_train(args: list[str], *, launcher: list[str] | None = None, env: dict |
     return subprocess.run(command, cwd=cwd or REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
 
 
+def train_here(args: list[str], *, env: dict | None = None) -> subprocess.CompletedProcess:
+    """sft.train.main(args) in this process, with run_train's environment: -> what run_train returns (the exit code,
+    stdout, stderr). For a test whose point is the run, not the process: a new Python with torch, transformers and
+    peft costs ~5 s of CPU before it trains. The launch's and machine's cached facts are read anew for the run and
+    after it (they read the environment: SFT_FP8_ON_CPU, ...). What a library reads at its import (huggingface_hub's
+    HF_HUB_OFFLINE) is this process's: .ci/run exports HF_HUB_OFFLINE=1 and TOKENIZERS_PARALLELISM=false."""
+    import contextlib
+    import io
+
+    from sft.machine import launch, machine
+    from sft.train import main
+
+    added = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **(env or {})}
+    before = {key: os.environ.get(key) for key in added}
+    out, err = io.StringIO(), io.StringIO()
+    os.environ.update(added)
+    launch.cache_clear()
+    machine.cache_clear()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+        launch.cache_clear()
+        machine.cache_clear()
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def logged_losses(output: Path) -> list[float]:
     """The training losses a run logged, step by step (its trainer_log.jsonl)."""
     return [json.loads(line)["loss"] for line in (output / "trainer_log.jsonl").read_text().splitlines()
@@ -231,9 +262,10 @@ def logged_losses(output: Path) -> list[float]:
 
 
 def lora_demo_run(folder: Path, name: str, *extra: str) -> tuple[list[float], str]:
-    """3 logged steps of the demo's LoRA with activation checkpointing, into folder/name: -> its losses, stdout."""
+    """3 logged steps of the demo's LoRA with activation checkpointing, into folder/name: -> its losses, stdout. In
+    this process (train_here)."""
     output = folder / name
-    result = run_train(["--max_steps", "3", "--logging_steps", "1", "--lora", "--report_to", "none",
+    result = train_here(["--max_steps", "3", "--logging_steps", "1", "--lora", "--report_to", "none",
                         "--eval_strategy", "no", "--seed", "0", "--activation_checkpointing", "true",
                         "--output_dir", str(output), "--dataset_cache_dir", str(folder / "cache"), *extra])
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
@@ -259,6 +291,23 @@ def train_help(session_dir) -> subprocess.CompletedProcess:
 
     folder = built_once(session_dir / "train-help", run)
     return subprocess.CompletedProcess(*json.loads((folder / "help.json").read_text()))
+
+
+@pytest.fixture(scope="session")
+def fsdp_two_ranks(session_dir) -> dict:
+    """tests/fsdp_two_ranks_worker.py's parts, {part: what rank 0 found}: one start of two gloo ranks per session
+    for the FSDP2 tests of test_fsdp_embedding, test_distributed and test_modules_to_save (three starts of two
+    processes importing torch, transformers and peft cost ~15 s more on 2 cores)."""
+    def run(folder: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(REPO)}
+        workers = [subprocess.Popen([sys.executable, str(REPO / "tests" / "fsdp_two_ranks_worker.py"),
+                                     str(folder / "rendezvous"), str(rank), str(folder)], env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+        outputs = [w.communicate(timeout=600)[0] for w in workers]
+        assert [w.returncode for w in workers] == [0, 0], [out[-3000:] for out in outputs]
+
+    folder = built_once(session_dir / "fsdp-two-ranks", run)
+    return {**json.loads((folder / "found.json").read_text()), "folder": str(folder)}
 
 
 def tensorboard_scalars(logdir: Path, tag: str) -> list[float]:

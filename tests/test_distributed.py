@@ -446,72 +446,14 @@ def test_fsdp_yaml_through_the_launcher(tmp_path):
                      "activation_checkpointing": True, "wrap": ["LlamaDecoderLayer"]}
 
 
-FSDP_LORA_WORKER = textwrap.dedent("""
-    import json, sys, torch, torch.distributed as dist
-    from peft import LoraConfig, get_peft_model
-    from safetensors.torch import load_file
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl, apply_activation_checkpointing, checkpoint_wrapper)
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    from sft.parallel.fsdp import remove_checkpoint_wrappers
-
-    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=int(sys.argv[2]), world_size=2)
-    torch.manual_seed(0)
-    config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                  num_attention_heads=4, vocab_size=128)
-    model = get_peft_model(AutoModelForCausalLM.from_config(config),
-                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
-    # What accelerate does for fsdp.yaml + activation checkpointing: wrap each layer, then shard each layer.
-    apply_activation_checkpointing(
-        model, checkpoint_wrapper_fn=lambda m: checkpoint_wrapper(m, checkpoint_impl=CheckpointImpl.NO_REENTRANT),
-        check_fn=lambda m: isinstance(m, LlamaDecoderLayer))
-    for module in list(model.modules()):
-        if isinstance(module, LlamaDecoderLayer):
-            fully_shard(module)
-    fully_shard(model)
-    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(dist.get_rank()))
-    for _ in range(2):
-        model(input_ids=ids, labels=ids).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    trained = {n.replace("_checkpoint_wrapped_module.", "").replace(".default", ""): p.full_tensor().detach()
-               for n, p in model.named_parameters() if p.requires_grad}
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    counts = {}
-    for case in ("as_is", "unwrapped"):
-        if case == "unwrapped":
-            counts["removed"] = remove_checkpoint_wrappers(model)
-        state = get_model_state_dict(model, options=options)  # what Trainer.save_model gathers under FSDP2
-        if dist.get_rank() == 0:
-            model.save_pretrained(sys.argv[3] + "/" + case, state_dict=state)
-            adapter = load_file(sys.argv[3] + "/" + case + "/adapter_model.safetensors")
-            counts[case] = len(adapter)
-            if adapter:
-                counts["equal"] = all(torch.equal(adapter[k], v) for k, v in trained.items())
-    if dist.get_rank() == 0:
-        print(json.dumps(counts))
-    dist.barrier()  # no rank leaves while another still works
-    from sft.parallel.distributed import exit_process
-    exit_process(0)  # gloo's threads can abort the interpreter's teardown of a finished run (seen in CI: -6)
-""")
-
-
-def test_fsdp_lora_adapter_is_saved_complete(tmp_path):
+def test_fsdp_lora_adapter_is_saved_complete(fsdp_two_ranks):
     """FSDP2 + FSDP's activation checkpointing + LoRA, on two gloo processes (raw fully_shard, as accelerate
     applies it): peft derives the adapter's keys from module names, which carry the checkpoint wrapper's prefix
     while the state dict does not, so it saves an EMPTY adapter (seen on 2 x H200 with fsdp.yaml). After
-    remove_checkpoint_wrappers (done by consolidate_fsdp_saves) it holds every tensor, equal to the trained ones."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    workers = [subprocess.Popen([sys.executable, "-c", FSDP_LORA_WORKER, str(tmp_path / "rendezvous"), str(rank),
-                                 str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-               for rank in (0, 1)]
-    outputs = [w.communicate(timeout=600)[0] for w in workers]
-    assert [w.returncode for w in workers] == [0, 0], outputs
-    counts = json.loads(next(line for line in outputs[0].splitlines() if line.startswith("{")))
+    remove_checkpoint_wrappers (done by consolidate_fsdp_saves) it holds every tensor, equal to the trained ones.
+    The ranks: conftest's fsdp_two_ranks (tests/fsdp_two_ranks_worker.py, part lora_checkpoint_wrappers)."""
+    counts = fsdp_two_ranks["lora_checkpoint_wrappers"]
+    assert "error" not in counts, counts.get("error")
     assert counts["as_is"] in (0, 8)  # 0 with peft 0.21: the bug; 8 once peft strips the wrapper's prefix itself
     assert counts["removed"] == 2 and counts["unwrapped"] == 8 and counts["equal"]  # 2 layers x q,v x A,B
 
@@ -646,22 +588,33 @@ def test_zero3_and_zero2_full_fine_tune_on_cpu(tmp_path, tiny_llama):
 
 
 @pytest.mark.slow
-def test_zero3_lora_adapter_is_complete_and_resumes(tmp_path, tiny_llama):
-    """LoRA under ZeRO-3: the adapter holds every A and B (peers save empty ones: trl #4416), equal to the trained
-    weights in the ZeRO shards; a run resumed from checkpoint-2 ends with the same adapter as the uninterrupted
-    run."""
+def test_zero3_lora_adapter_with_modules_trained_whole_is_complete_and_resumes(tmp_path, tiny_llama):
+    """LoRA under ZeRO-3 with --lora_modules_to_save embed_tokens,lm_head: the adapter holds every A and B (peers save
+    empty ones: trl #4416) and the two modules trained whole (peft copies each from its gathered ZeRO-3 partitions:
+    the model is created partitioned), equal to the trained weights in the ZeRO shards (DeepSpeed's own
+    consolidation), the modules changed from the base; checkpoint and final save pass the verified reload. A run
+    resumed from checkpoint-2 ends with the same adapter, modules included, as the uninterrupted run.
+    (Also what tests/test_modules_to_save.py's ZeRO-3 test checked, in one launch fewer.)"""
     import torch
 
     first, resumed = tmp_path / "first", tmp_path / "resumed"
-    lora = ["--lora", "true", "--lora_dropout", "0"]
-    run_deepspeed("zero3.yaml", 29623, short_run(tiny_llama, first, *lora))
+    lora = ["--lora", "true", "--lora_dropout", "0", "--lora_modules_to_save", "embed_tokens,lm_head"]
+    result = run_deepspeed("zero3.yaml", 29623, short_run(tiny_llama, first, *lora))
+    assert "ZeRO-3: model loaded partitioned" in result.stdout and "(trained whole)" in result.stdout
     adapter = tensors(first / "adapter_model.safetensors")
     layers = json.loads((tiny_llama / "config.json").read_text())["num_hidden_layers"]
-    assert len(adapter) == 2 * 7 * layers and all(v.numel() > 0 for v in adapter.values())
+    whole = {"base_model.model.lm_head.weight", "base_model.model.model.embed_tokens.weight"}
+    assert {k for k in adapter if ".lora_" not in k} == whole
+    assert len(adapter) == 2 * 7 * layers + 2 and all(v.numel() > 0 for v in adapter.values())
     assert all(v.abs().max() > 0 for k, v in adapter.items() if "lora_B" in k)  # B starts at zero: it trained
     shards = zero_checkpoint(first / "checkpoint-4")
+    base = tensors(tiny_llama / "model.safetensors")
     for key, value in adapter.items():
-        assert torch.equal(value, shards[key]), key
+        if key in whole:
+            assert torch.equal(value, shards[key.replace(".weight", ".modules_to_save.weight")]), key
+            assert not torch.equal(value, base[key.removeprefix("base_model.model.")]), f"{key} did not train"
+        else:
+            assert torch.equal(value, shards[key]), key
 
     result = run_deepspeed("zero3.yaml", 29625, short_run(tiny_llama, resumed, *lora, "--resume_from_checkpoint",
                                                          str(first / "checkpoint-2")))

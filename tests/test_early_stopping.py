@@ -7,27 +7,32 @@ import json
 
 import pytest
 
-from conftest import run_train
 
 
-def test_a_run_whose_eval_loss_stops_improving_stops_and_keeps_its_best_checkpoint(tmp_path):
+def test_a_run_whose_eval_loss_stops_improving_stops_and_keeps_its_best_checkpoint(tmp_path, monkeypatch, capsys):
     """At learning rate 0 the eval loss never improves after the first evaluation: with patience 2 the run stops at
     its third evaluation (step 3 of 20), says so, ends on the best (first) checkpoint's weights, and our rotation
-    (--save_total_limit 1) keeps that checkpoint beside the last one."""
+    (--save_total_limit 1) keeps that checkpoint beside the last one. The run is sft.train.main in this process (as
+    test_modules_to_save's run), not a new one: a Python start with torch and transformers is ~5 s of the ~8."""
+    from sft.train import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     output = tmp_path / "out"
-    result = run_train(["--lora", "--max_steps", "20", "--eval_strategy", "steps", "--eval_steps", "1",
-                        "--early_stopping_steps", "2",  # LLaMA-Factory's name for --early_stopping_patience
-                        "--learning_rate", "0", "--logging_steps", "1", "--report_to", "none",
-                        "--load_best_model_at_end", "true", "--save_strategy", "steps", "--save_steps", "1",
-                        "--save_total_limit", "1", "--max_samples", "48", "--max_length", "128",
-                        "--output_dir", str(output),
-                        "--dataset_cache_dir", str(tmp_path / "cache")])
-    assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
-    assert "--early_stopping_steps is LLaMA-Factory's name for --early_stopping_patience" in result.stderr
+    code = main(["--lora", "--max_steps", "20", "--eval_strategy", "steps", "--eval_steps", "1",
+                 "--early_stopping_steps", "2",  # LLaMA-Factory's name for --early_stopping_patience
+                 "--learning_rate", "0", "--logging_steps", "1", "--report_to", "none",
+                 "--load_best_model_at_end", "true", "--save_strategy", "steps", "--save_steps", "1",
+                 "--save_total_limit", "1", "--max_samples", "48", "--max_length", "128",
+                 "--output_dir", str(output),
+                 "--dataset_cache_dir", str(tmp_path / "cache")])
+    said = capsys.readouterr()
+    assert code == 0, (said.out + said.err)[-3000:]
+    assert "--early_stopping_steps is LLaMA-Factory's name for --early_stopping_patience" in said.err
     assert ("Stopped early at step 3: eval_loss has not improved for 2 evaluations (best "
-            in result.stdout), result.stdout[-2000:]
-    assert f"checkpoint {output / 'checkpoint-1'})" in result.stdout
-    assert "checkpoints  every step (the last 1 and the best kept)" in result.stdout
+            in said.out), said.out[-2000:]
+    assert f"checkpoint {output / 'checkpoint-1'})" in said.out
+    assert "checkpoints  every step (the last 1 and the best kept)" in said.out
     assert sorted(p.name for p in output.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-3"]
     steps = [json.loads(line)["step"] for line in (output / "trainer_log.jsonl").read_text().splitlines()
              if '"loss"' in line and '"step"' in line]

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, run_train
+from conftest import REPO, train_here
 
 pytest.importorskip("torchao")
 
@@ -80,10 +80,10 @@ def short_full_run(tmp_path, name: str, *extra: str):
     # Rows of 64 tokens, not the demo's 256 (its conversations are at most 57): torch's CPU FP8 matmul is slow (~11 s
     # a step at 256), and the losses compared, the layers converted and the saved model do not depend on the length.
     output = tmp_path / name
-    result = run_train(["--max_steps", "3", "--logging_steps", "1", "--dtype", "bfloat16", "--optim", "adamw_bf16_sr",
-                        "--max_length", "64", "--report_to", "none", "--eval_strategy", "no", "--seed", "0",
-                        "--output_dir", str(output), "--dataset_cache_dir", str(tmp_path / "cache"), *extra],
-                       env={"SFT_FP8_ON_CPU": "1"})
+    result = train_here(["--max_steps", "3", "--logging_steps", "1", "--dtype", "bfloat16", "--optim", "adamw_bf16_sr",
+                         "--max_length", "64", "--report_to", "none", "--eval_strategy", "no", "--seed", "0",
+                         "--output_dir", str(output), "--dataset_cache_dir", str(tmp_path / "cache"), *extra],
+                        env={"SFT_FP8_ON_CPU": "1"})
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     losses = [json.loads(line)["loss"] for line in (output / "trainer_log.jsonl").read_text().splitlines()
               if '"loss"' in line and '"step"' in line]

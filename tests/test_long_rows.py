@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from conftest import lora_demo_run, run_train
+from conftest import lora_demo_run, train_here
 
 
 def tiny_lora_llama(checkpointing: bool):
@@ -157,9 +157,9 @@ def test_conversations_past_the_models_positions_are_warned_of_before_loading(tm
                                              {"role": "assistant", "content": words}]}) + "\n"
                     + json.dumps({"messages": [{"role": "user", "content": "Hi"},
                                                {"role": "assistant", "content": "Hello."}]}) + "\n")
-    result = run_train(["--model", str(tiny_llama), "--dataset", str(data), "--max_length", "4096", "--max_steps", "1",
-                        "--eval_strategy", "no", "--report_to", "none", "--output_dir", str(tmp_path / "out"),
-                        "--dataset_cache_dir", str(tmp_path / "cache")])
+    result = train_here(["--model", str(tiny_llama), "--dataset", str(data), "--max_length", "4096", "--max_steps",
+                         "1", "--eval_strategy", "no", "--report_to", "none", "--output_dir", str(tmp_path / "out"),
+                         "--dataset_cache_dir", str(tmp_path / "cache")])
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     warned = [line for line in result.stdout.splitlines() if line.startswith("warning: the longest conversation")]
     assert len(warned) == 1 and "past the 512 positions" in warned[0], result.stdout[-2000:]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import run_train, tensorboard_scalars
+from conftest import tensorboard_scalars, train_here
 from sft.errors import ConfigError
 from test_long_rows import tiny_lora_llama
 
@@ -59,9 +59,9 @@ def test_the_demo_trains_with_rslora_dora_and_loraplus_and_the_adapter_loads_wit
     from peft import PeftConfig
 
     output = tmp_path / "run"
-    result = run_train(["--lora", "--use_rslora", "--use_dora", "--loraplus_lr_ratio", "16", "--max_steps", "3", "--logging_steps",
-                        "1", "--lora_r", "16", "--lora_alpha", "16", "--learning_rate", "1e-4",
-                        "--output_dir", str(output), "--dataset_cache_dir", str(tmp_path / "cache")])
+    result = train_here(["--lora", "--use_rslora", "--use_dora", "--loraplus_lr_ratio", "16", "--max_steps", "3",
+                         "--logging_steps", "1", "--lora_r", "16", "--lora_alpha", "16", "--learning_rate", "1e-4",
+                         "--output_dir", str(output), "--dataset_cache_dir", str(tmp_path / "cache")])
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "LoRA+: 28 B matrices learn at 16x the learning rate (--loraplus_lr_ratio)" in result.stdout  # not DoRA's
     # magnitude vectors, which peft names lora_magnitude_vector
@@ -85,19 +85,27 @@ def test_rslora_scales_by_the_square_root_of_the_rank():
 
 
 @pytest.mark.slow
-def test_a_loraplus_checkpoint_resumes_only_with_loraplus(tmp_path):
+def test_a_loraplus_checkpoint_resumes_only_with_loraplus(tmp_path, monkeypatch, capsys):
     """Its optimizer state holds the B matrices' own groups: a resume without the option is refused by name, before
-    any model loads (else torch's optimizer would stop on a group that does not match)."""
+    any model loads (else torch's optimizer would stop on a group that does not match). The three runs are
+    sft.train.main in this process (a new Python with torch and transformers for each cost ~5 s apiece)."""
+    from sft.train import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
     output = tmp_path / "run"
     common = ["--lora", "--output_dir", str(output), "--dataset_cache_dir", str(tmp_path / "cache"), "--report_to",
               "none", "--eval_strategy", "no"]
-    first = run_train([*common, "--loraplus_lr_ratio", "16", "--max_steps", "2", "--save_steps", "1"])
-    assert first.returncode == 0, first.stderr[-2000:]
-    again = run_train([*common, "--max_steps", "3", "--resume_from_checkpoint", "true"])
-    assert again.returncode == 2 and "trained with --loraplus_lr_ratio 16.0 (this run: none)" in again.stderr
-    assert "Loading model" not in again.stdout
-    resumed = run_train([*common, "--loraplus_lr_ratio", "16", "--max_steps", "3", "--resume_from_checkpoint", "true"])
-    assert resumed.returncode == 0 and "resuming after step 2" in resumed.stdout, resumed.stderr[-2000:]
+    code = main([*common, "--loraplus_lr_ratio", "16", "--max_steps", "2", "--save_steps", "1"])
+    first = capsys.readouterr()
+    assert code == 0, first.err[-2000:]
+    code = main([*common, "--max_steps", "3", "--resume_from_checkpoint", "true"])
+    again = capsys.readouterr()
+    assert code == 2 and "trained with --loraplus_lr_ratio 16.0 (this run: none)" in again.err
+    assert "Loading model" not in again.out
+    code = main([*common, "--loraplus_lr_ratio", "16", "--max_steps", "3", "--resume_from_checkpoint", "true"])
+    resumed = capsys.readouterr()
+    assert code == 0 and "resuming after step 2" in resumed.out, resumed.err[-2000:]
 
 
 def test_dora_on_moe_mlp_weights_is_refused_before_loading(tmp_path):

@@ -7,10 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
-import textwrap
 from types import SimpleNamespace as NS
 
 import pytest
@@ -330,75 +326,15 @@ def test_the_checks_the_planner_and_resumes_around_it():
 
 # ---- FSDP ---------------------------------------------------------------------------------------------------------
 
-FSDP_WORKER = textwrap.dedent("""
-    import json, sys, torch, torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from torch.distributed.fsdp import fully_shard
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
-    from safetensors.torch import load_file
-    from sft.model.loading import attach_lora
-    from sft.options.arguments import LoraArguments
-    from sft.parallel.fsdp import skip_embedding_unshard_in_backward
-
-    dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=int(sys.argv[2]), world_size=2)
-
-    def build():
-        torch.manual_seed(0)
-        config = AutoConfig.for_model("llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, vocab_size=256, tie_word_embeddings=False)
-        lora = LoraArguments(lora=True, lora_r=4, lora_dropout=0.0, lora_modules_to_save=["embed_tokens", "lm_head"])
-        return attach_lora(AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16), lora, False)
-
-    def train(model):
-        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
-        ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))  # one batch on both ranks
-        for _ in range(3):
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-
-    reference = build()
-    train(reference)
-    model = build()  # the units of accelerate 1.15's fsdp2_prepare_model: layers, embedding, tail, root
-    for module in list(model.modules()):
-        if isinstance(module, LlamaDecoderLayer):
-            fully_shard(module)
-    inner = model.get_base_model()
-    fully_shard(inner.get_input_embeddings())
-    fully_shard([inner.model.norm, inner.lm_head], reshard_after_forward=False)
-    fully_shard(model)
-    applied = skip_embedding_unshard_in_backward(model)
-    train(model)
-    full = {n: p.full_tensor() for n, p in model.named_parameters()}
-    gaps = {n: (full[n] - p).abs().max().item() for n, p in reference.named_parameters() if p.requires_grad}
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    found = {"applied": applied, "gap": max(gaps.values()), "copies": sorted(n for n in gaps if "modules_to_save" in n)}
-    if dist.get_rank() == 0:  # the consolidated save, as Trainer.save_model writes it under FSDP2
-        model.save_pretrained(sys.argv[3], state_dict=state)
-        saved = load_file(sys.argv[3] + "/adapter_model.safetensors")
-        found["saved"] = {k: torch.equal(v, full[k.replace(".weight", ".modules_to_save.default.weight")])
-                          for k, v in saved.items() if ".lora_" not in k}
-        print(json.dumps(found))
-    dist.barrier()
-    from sft.parallel.distributed import exit_process
-    exit_process(0)
-""")
-
-
 @pytest.mark.slow
-def test_under_fsdp2_they_train_as_unsharded_and_save_consolidated(tmp_path):
+def test_under_fsdp2_they_train_as_unsharded_and_save_consolidated(fsdp_two_ranks):
     """Two gloo ranks with raw fully_shard in accelerate's units (its FSDP becomes DDP on CPU), a bf16 base as on
     GPUs: the fp32 copies (the only trained weights of the embedding's and the tail's units: FSDP2 wants one dtype
     among a unit's trained weights) train as in one process, the embedding's backward still skips its all-gather,
-    and the consolidated adapter holds them."""
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    workers = [subprocess.Popen([sys.executable, "-c", FSDP_WORKER, str(tmp_path / "rendezvous"), str(rank),
-                                 str(tmp_path / "adapter")], env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    outputs = [w.communicate(timeout=600)[0] for w in workers]
-    assert [w.returncode for w in workers] == [0, 0], [out[-3000:] for out in outputs]
-    found = json.loads(next(line for line in outputs[0].splitlines() if line.startswith("{")))
+    and the consolidated adapter holds them. The ranks: conftest's fsdp_two_ranks (tests/fsdp_two_ranks_worker.py,
+    part modules_to_save), one start shared with two other FSDP2 tests."""
+    found = fsdp_two_ranks["modules_to_save"]
+    assert "error" not in found, found.get("error")
     assert found["applied"] is True and found["gap"] < 1e-5, found
     assert found["copies"] == ["base_model.model.lm_head.modules_to_save.default.weight",
                                "base_model.model.model.embed_tokens.modules_to_save.default.weight"]
@@ -408,22 +344,8 @@ def test_under_fsdp2_they_train_as_unsharded_and_save_consolidated(tmp_path):
 
 # ---- DeepSpeed ZeRO-3 -----------------------------------------------------------------------------------------------
 
-@pytest.mark.slow
-def test_under_zero3_they_train_partitioned_and_the_verified_adapter_holds_them(tmp_path, tiny_llama):
-    """accelerate_configs/zero3.yaml, 2 gloo ranks: peft copies each module from its gathered ZeRO-3 partitions
-    (the model is created partitioned); checkpoint and final save pass the verified reload, and the adapter's modules
-    are DeepSpeed's own consolidation of the checkpoint's shards, changed from the base."""
-    from safetensors.torch import load_file
-
-    from test_distributed import run_deepspeed, short_run, zero_checkpoint
-
-    out = tmp_path / "run"
-    result = run_deepspeed("zero3.yaml", 29629, short_run(tiny_llama, out, "--lora", "true", "--lora_dropout", "0",
-                                                          "--lora_modules_to_save", "embed_tokens,lm_head"))
-    assert "ZeRO-3: model loaded partitioned" in result.stdout and "(trained whole)" in result.stdout
-    adapter, base = load_file(out / "adapter_model.safetensors"), load_file(tiny_llama / "model.safetensors")
-    shards = zero_checkpoint(out / "checkpoint-4")
-    for name in EMBEDDINGS:
-        key = next(k for k in adapter if k.endswith(f"{name}.weight"))
-        assert torch.equal(adapter[key], shards[key.replace(".weight", ".modules_to_save.weight")]), key
-        assert not torch.equal(adapter[key], base[key.removeprefix("base_model.model.")]), key
+# The run under accelerate_configs/zero3.yaml on 2 gloo ranks with --lora_modules_to_save embed_tokens,lm_head (peft
+# copies each module from its gathered ZeRO-3 partitions; the verified checkpoint and final save; the adapter's
+# modules equal to DeepSpeed's own consolidation of the shards, changed from the base) is
+# tests/test_distributed.py::test_zero3_lora_adapter_with_modules_trained_whole_is_complete_and_resumes: the LoRA
+# run under ZeRO-3 there trains them too, and its resumed run checks that they resume.

@@ -74,7 +74,7 @@ def test_long_packed_rows_under_sdpa_get_a_note_on_their_dense_mask(tmp_path):
     short rows and rows of one document each get no note."""
     from datasets import Dataset
 
-    from conftest import run_train
+    from conftest import train_here
     from sft.data.packing import rows_with_several_documents
     from sft.speed.packed_mask import dense_mask_note
 
@@ -91,9 +91,9 @@ def test_long_packed_rows_under_sdpa_get_a_note_on_their_dense_mask(tmp_path):
 
     # the demo's short conversations packed into rows of 8,192 tokens: every row holds several, said once (the note
     # counts the rows before training; a step of one of the two rows trains through the dense mask as well)
-    result = run_train(["--max_length", "8192", "--packing", "true", "--max_steps", "1", "--eval_strategy", "no",
-                        "--per_device_train_batch_size", "1", "--report_to", "none", "--output_dir",
-                        str(tmp_path / "out"), "--dataset_cache_dir", str(tmp_path / "cache")])
+    result = train_here(["--max_length", "8192", "--packing", "true", "--max_steps", "1", "--eval_strategy", "no",
+                         "--per_device_train_batch_size", "1", "--report_to", "none", "--output_dir",
+                         str(tmp_path / "out"), "--dataset_cache_dir", str(tmp_path / "cache")])
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     lines = [line for line in result.stdout.splitlines() if "packed rows hold two documents or more" in line]
     assert len(lines) == 1 and "(64 MiB a row at 8,192 tokens)" in lines[0], result.stdout[-2000:]

@@ -11,7 +11,7 @@ import re
 import pytest
 import torch
 
-from conftest import REPO, needs_shared, run_train, save_tiny_model, tiny_config
+from conftest import REPO, needs_shared, run_train, save_tiny_model, tiny_config, train_here
 
 
 def tiny_moe(model_type: str = "deepseek_v2"):
@@ -60,11 +60,11 @@ def test_a_lora_run_on_quantized_experts_verifies_and_its_adapter_loads_on_the_b
 
     model_dir = save_tiny_model(tmp_path / "v2", "deepseek_v2")
     output = tmp_path / "out"
-    result = run_train(["--model", str(model_dir), "--dataset", str(REPO / "data" / "alpaca_demo.json"),
-                        "--max_samples", "64", "--max_length", "128", "--lora", "--quantize_experts", "fp8",
-                        "--activation_checkpointing", "true", "--max_steps", "3", "--logging_steps", "1",
-                        "--report_to", "none", "--eval_strategy", "no", "--output_dir", str(output),
-                        "--dataset_cache_dir", str(tmp_path / "cache")])
+    result = train_here(["--model", str(model_dir), "--dataset", str(REPO / "data" / "alpaca_demo.json"),
+                         "--max_samples", "64", "--max_length", "128", "--lora", "--quantize_experts", "fp8",
+                         "--activation_checkpointing", "true", "--max_steps", "3", "--logging_steps", "1",
+                         "--report_to", "none", "--eval_strategy", "no", "--output_dir", str(output),
+                         "--dataset_cache_dir", str(tmp_path / "cache")])
     assert result.returncode == 0, (result.stdout + result.stderr)[-3000:]
     assert "routed experts held in e4m3" in result.stdout
     # the first screen says what is held where (issue 26 item 5), and why it predicts no peak here

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from conftest import run_train
+from conftest import train_here
 from sft.errors import ConfigError
 from sft.model.rope_scaling import ROPE_RECORD, rope_line, rope_overrides, rope_record
 
@@ -81,9 +81,9 @@ def long_data(tmp_path):
 
 def train(tmp_path, model, name: str, *extra: str):
     output = tmp_path / name
-    result = run_train(["--model", str(model), "--dataset", str(long_data(tmp_path)), "--max_length", "1024",
-                        "--max_steps", "2", "--save_steps", "1", "--eval_strategy", "no", "--report_to", "none",
-                        "--output_dir", str(output), "--dataset_cache_dir", str(tmp_path / "cache"), *extra])
+    result = train_here(["--model", str(model), "--dataset", str(long_data(tmp_path)), "--max_length", "1024",
+                         "--max_steps", "2", "--save_steps", "1", "--eval_strategy", "no", "--report_to", "none",
+                         "--output_dir", str(output), "--dataset_cache_dir", str(tmp_path / "cache"), *extra])
     return output, result
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_train, save_tiny_model
+from conftest import REPO, run_train, save_tiny_model, train_here
 from test_config import box, parse
 from test_distributed import EXTENSIONS, launch_with
 from sft.data.packing import Collator
@@ -116,7 +116,7 @@ def test_two_ranks_train_the_rows_of_one_process(tmp_path):
               "--max_length", "128", "--per_device_train_batch_size", "1", "--max_steps", "4", "--logging_steps", "1",
               "--learning_rate", "1e-2", "--lr_scheduler_type", "constant", "--report_to", "none", "--seed", "0",
               "--save_strategy", "no", "--lora", "--lora_dropout", "0"]  # dropout: each rank draws its own masks
-    one = run_train([*common, "--output_dir", str(tmp_path / "one")])
+    one = train_here([*common, "--output_dir", str(tmp_path / "one")])  # the one process: this one
     assert one.returncode == 0, one.stderr[-3000:]
     expected = logged(tmp_path / "one")
     adapter = load_file(tmp_path / "one" / "adapter_model.safetensors")

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, run_train
+from conftest import REPO, train_here
 
 from sft.safety.checkpoints import mark_complete
 from sft.options.arguments import ConfigError
@@ -115,9 +115,8 @@ def test_resuming_a_tensor_parallel_checkpoint_without_tp_is_refused_before_load
     """Without --tp_size the Trainer would load the weights, find no optimizer.pt and silently restart AdamW."""
     checkpoint = fake_checkpoint(tmp_path / "run" / "checkpoint-2", 2)
     mark_complete(checkpoint)
-    done = run_train(["--model", str(tiny_llama), "--dataset", str(REPO / "data" / "alpaca_demo.json"),
-                      "--output_dir", str(tmp_path / "run"),
-                      "--resume_from_checkpoint", str(checkpoint)], timeout=600)
+    done = train_here(["--model", str(tiny_llama), "--dataset", str(REPO / "data" / "alpaca_demo.json"),
+                       "--output_dir", str(tmp_path / "run"), "--resume_from_checkpoint", str(checkpoint)])
     assert done.returncode == 2, done.stderr[-3000:]
     assert "resume it with --tp_size 2" in done.stderr
     assert "Loading model:" not in done.stdout  # refused before any model loads
