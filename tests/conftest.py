@@ -231,12 +231,14 @@ def train_here(args: list[str], *, env: dict | None = None) -> subprocess.Comple
     HF_HUB_OFFLINE) is this process's: .ci/run exports HF_HUB_OFFLINE=1 and TOKENIZERS_PARALLELISM=false."""
     import contextlib
     import io
+    import signal
 
     from sft.machine import launch, machine
     from sft.train import main
 
     added = {"TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", **(env or {})}
     before = {key: os.environ.get(key) for key in added}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}  # the run sets its own
     out, err = io.StringIO(), io.StringIO()
     os.environ.update(added)
     launch.cache_clear()
@@ -250,6 +252,8 @@ def train_here(args: list[str], *, env: dict | None = None) -> subprocess.Comple
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
         launch.cache_clear()
         machine.cache_clear()
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
