@@ -4,7 +4,7 @@
 A packed row of short documents needs attention only inside each document. sdpa takes the packed row's
 block-diagonal mask as a dense [tokens x tokens] mask, computes every pair of the row and masks most of them away
 (and loses its fused causal kernel); flex_attention skips the masked blocks but compiles per row length and, at
-MLA's query size of 192, runs slower than sdpa (bench/RESULTS.md). The varlen kernel takes the documents as one
+MLA's query size of 192, stepped slower than sdpa on V2-Lite (bench/RESULTS.md, run 20261206T0504Z-flex-h100). The varlen kernel takes the documents as one
 sequence of tokens and their start offsets (`cu_seq_lens`, which the collator makes on the host:
 sft/data/packing.py CU_SEQ_LENS) and computes each document's causal attention alone: Alpaca-sized documents
 packed into 2,048-token rows need about a fifteenth of the row's pairs. This is what TRL's padding-free batches
