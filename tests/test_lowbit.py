@@ -135,6 +135,7 @@ def test_chunked_update_is_bit_identical_and_needs_fewer_temporaries(monkeypatch
     nearest). Memory: peak RSS of this process during a step, over a 16M-value parameter, chunks of 2M values
     (with 4M-value chunks the reading varied from 16 to 84 MiB, against ~128 MiB for one call, and crossed the
     half bound in 3 of 10 runs: how much freed heap the allocator reuses varies)."""
+    import ctypes
     import threading
     import time
 
@@ -162,6 +163,9 @@ def test_chunked_update_is_bit_identical_and_needs_fewer_temporaries(monkeypatch
         for step in range(2):  # the first step compiles and creates the states; the second is measured
             p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
             if step:
+                # freed heap that earlier work in this worker left (glibc keeps it) would serve the step's
+                # temporaries without growing the RSS: handed back first, so that the growth counts them
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
                 base = process.memory_info().rss
                 watcher = threading.Thread(target=watch)
                 watcher.start()
