@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import sys
 from pathlib import Path
 
@@ -27,7 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from kernel_measures import median_ms, relative  # noqa: E402
+from kernel_measures import commit, median_ms, record, relative  # noqa: E402
 
 V2_LITE = {"experts": 64, "hidden": 2048, "intermediate": 1408, "top_k": 6, "tokens": 4 * 2048}
 TINY = {"experts": 4, "hidden": 64, "intermediate": 32, "top_k": 2, "tokens": 48}
@@ -131,24 +130,14 @@ def main(argv: list[str] | None = None) -> int:
         timing["parts_ms"] = {name: round(median_ms(fn, args.repeats), 3) for name, fn in parts.items()}
     passed = max(kernel_error.values()) < 0.01
     row = {"run_id": args.run_id, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-           "commit": _commit(), "bench": "fp8_experts_check", "shape": "tiny" if args.tiny else "deepseek-v2-lite",
+           "commit": commit(), "bench": "fp8_experts_check", "shape": "tiny" if args.tiny else "deepseek-v2-lite",
            "gpu": torch.cuda.get_device_name() if device == "cuda" else "cpu", "pairs": int(expert_ids.numel()),
            "kernel_vs_emulation": {k: round(v, 6) for k, v in kernel_error.items()},
            "fp8_vs_bf16": {k: round(v, 6) for k, v in vs_bf16.items()}, **timing, "pass": passed,
            "weights": "random init, random routing (V2-Lite's shapes)"}
-    print(json.dumps(row), flush=True)
-    print(f"{'PASS' if passed else 'FAIL'} fp8-experts-check: kernel vs emulation {kernel_error}, FP8 vs bf16 "
-          f"{vs_bf16}{f', {timing}' if timing else ''}", flush=True)
-    if args.results:
-        with open(args.results, "a") as f:
-            f.write(json.dumps(row) + "\n")
+    record(row, f"{'PASS' if passed else 'FAIL'} fp8-experts-check: kernel vs emulation {kernel_error}, FP8 vs bf16 "
+           f"{vs_bf16}{f', {timing}' if timing else ''}", args.results)
     return 0 if passed else 1
-
-
-def _commit() -> str:
-    from train_throughput import git_commit
-
-    return git_commit()
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import torch
@@ -24,3 +25,20 @@ def median_ms(fn, repeats: int) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+def commit() -> str:
+    """The commit the check ran at (bench/train_throughput.py's reading, BENCH_COMMIT where the tree has no git)."""
+    from train_throughput import git_commit
+
+    return git_commit()
+
+
+def record(row: dict, verdict: str, results) -> None:
+    """Print the check's row and its PASS/FAIL line (what bench/throughput.py shows), and append the row to the
+    results file where one is given."""
+    print(json.dumps(row), flush=True)
+    print(verdict, flush=True)
+    if results:
+        with open(results, "a") as f:
+            f.write(json.dumps(row) + "\n")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
-import json
 import random
 import sys
 from pathlib import Path
@@ -29,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
 
-from kernel_measures import median_ms, relative  # noqa: E402
+from kernel_measures import commit, median_ms, record, relative  # noqa: E402
 
 SHAPES = {  # heads, key/value heads, query/key size, value size, scale
     "deepseek-v2-lite-mla": (16, 16, 192, 128, 0.1147),  # 192 ** -0.5 times yarn's mscale squared (1.589)
@@ -110,24 +109,14 @@ def main(argv: list[str] | None = None) -> int:
                 results[name][f"{path}_fwd_bwd_ms"] = round(median_ms(lambda: run(attend, dtype), args.repeats), 3)
             results[name]["speedup"] = round(results[name]["sdpa_fwd_bwd_ms"] / results[name]["varlen_fwd_bwd_ms"], 3)
     row = {"run_id": args.run_id, "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-           "commit": _commit(), "bench": "varlen_check", "gpu": torch.cuda.get_device_name() if device == "cuda"
+           "commit": commit(), "bench": "varlen_check", "gpu": torch.cuda.get_device_name() if device == "cuda"
            else "cpu", "torch": torch.__version__, "rows": rows, "length": length,
            "documents": sum(len(r) for r in docs), "shapes": results, "pass": passed}
-    print(json.dumps(row), flush=True)
-    print(f"{'PASS' if passed else 'FAIL'} varlen-check: " + "; ".join(
+    record(row, f"{'PASS' if passed else 'FAIL'} varlen-check: " + "; ".join(
         f"{name}: varlen vs fp32 {r['errors_vs_fp32']['varlen']}, sdpa vs fp32 {r['errors_vs_fp32']['sdpa']}"
         + (f", {r['sdpa_fwd_bwd_ms']} ms sdpa against {r['varlen_fwd_bwd_ms']} ms varlen" if "speedup" in r else "")
-        for name, r in results.items()), flush=True)
-    if args.results:
-        with open(args.results, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        for name, r in results.items()), args.results)
     return 0 if passed else 1
-
-
-def _commit() -> str:
-    from train_throughput import git_commit
-
-    return git_commit()
 
 
 if __name__ == "__main__":
