@@ -255,6 +255,12 @@ MATRIX += [
     Row("lora-best-default-varlen", "lora", micro_batch=8, mem_cap_gib=0, warmup=3, steps=RATIO_STEPS,
         args=(*LIGER, "--lora_dropout", "0", "--attn_implementation", "varlen", "--fp8", "auto", "--compile_layers",
               "auto"), vs="trl-lora-best", timeout=420),
+    # ... with the loss in torch chunks instead of Liger's (no `.item()` in the step; 1.04x Liger's on an H100, run
+    # 20261205T1525Z-lora2x): the two levers measured apart, together
+    *[Row(f"lora-best-default-varlen-chunked{'-mb12' if mb == 12 else ''}", "lora", micro_batch=mb, mem_cap_gib=0,
+          warmup=3, steps=RATIO_STEPS, args=("--chunked_loss", "true", "--lora_dropout", "0", "--attn_implementation",
+                                             "varlen", "--fp8", "auto", "--compile_layers", "auto"),
+          vs="trl-lora-best", timeout=420) for mb in (8, 12)],
     # the same with the FP8 forward keeping cuBLAS's fp32 promotion (the default before; run 20261205T0550Z-lora2x
     # measured fast accumulation at 1.07x it, as row lora-best-default-fastaccum)
     Row("lora-best-default-promoted", "lora", micro_batch=8, mem_cap_gib=0, warmup=3, steps=RATIO_STEPS,
@@ -521,7 +527,8 @@ GROUPS = {
                "lora-best-default-chunked-mb12"],
     # the same ratio on an 80 GB H100 (device kind nvidia-h100-x1), each peer at micro-batch 4 x 2, then ours at 8
     # issue 28 item 2 on an H200: TRL's best against ours with flex_attention and with varlen, same run
-    "lora2x-varlen": ["trl-lora-best", "lora-best-default", "lora-best-default-varlen"],
+    "lora2x-varlen": ["trl-lora-best", "lora-best-default-varlen-chunked", "lora-best-default-varlen",
+                      "lora-best-default-varlen-chunked-mb12", "lora-best-default"],
     "lora2x-h100": ["trl-lora-best-mb4", "lora-best-default-mb4", "lora-best-default"],
     # issue 27 item 1 at 16k: the first step's wait (285 s for long-r1-16k's flex_attention) with and without it
     "long16": ["long-r1-16k-sdpa-default", "long-r1-16k-default", "long-r1-16k"],
