@@ -476,6 +476,9 @@ SCRIPTS = {script.name: script for script in [
     # --attn_implementation varlen's kernel against sdpa with the packed mask: MLA's and grouped heads' shapes
     Script("varlen-check", ("bench/varlen_check.py", "--run_id", "{run_id}", "--results", "{results}"),
            n_gpus=1, seconds=90),
+    # issue 27 item 1: a 32k conversation's attention under each of sdpa's kernels (and varlen), which one sdpa picks
+    Script("long-attention-check", ("bench/long_attention_check.py", "--run_id", "{run_id}", "--results",
+                                    "{results}"), n_gpus=1, seconds=90),
 ]}
 assert not set(SCRIPTS) & set(ROWS), "script and row names must differ"
 
@@ -528,7 +531,7 @@ GROUPS = {
     # the same ratio on an 80 GB H100 (device kind nvidia-h100-x1), each peer at micro-batch 4 x 2, then ours at 8
     # issue 28 item 2 on an H200: TRL's best against ours with flex_attention and with varlen, same run
     "lora2x-varlen": ["trl-lora-best", "lora-best-default-varlen-chunked", "lora-best-default-varlen",
-                      "lora-best-default-varlen-chunked-mb12", "lora-best-default"],
+                      "lora-best-default-varlen-chunked-mb12", "lora-best-default", "long-attention-check"],
     "lora2x-h100": ["trl-lora-best-mb4", "lora-best-default-mb4", "lora-best-default"],
     # issue 27 item 1 at 16k: the first step's wait (285 s for long-r1-16k's flex_attention) with and without it
     "long16": ["long-r1-16k-sdpa-default", "long-r1-16k-default", "long-r1-16k"],

@@ -164,3 +164,15 @@ def test_conversations_past_the_models_positions_are_warned_of_before_loading(tm
     warned = [line for line in result.stdout.splitlines() if line.startswith("warning: the longest conversation")]
     assert len(warned) == 1 and "past the 512 positions" in warned[0], result.stdout[-2000:]
     assert "Stretch its RoPE over them (--rope_scaling yarn or linear)" in warned[0]  # the option that covers them
+
+
+def test_the_long_attention_check_runs_its_plumbing_on_cpu(capsys):
+    """bench/long_attention_check.py --tiny: sdpa's own choice, shared and repeated key/value heads, against fp32."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+    from long_attention_check import main
+
+    assert main(["--tiny"]) == 0
+    assert "PASS long-attention-check: r1-distill-qwen-7b" in capsys.readouterr().out
