@@ -203,6 +203,13 @@ MATRIX += [
     Row("moe-lora-compile-varlen-mb8", "lora", model="deepseek-v2-lite", micro_batch=8, mem_cap_gib=0, warmup=3,
         args=("--lora_dropout", "0", "--attn_implementation", "varlen", "--compile_layers", "true", "--chunked_loss",
               "true"), vs="trl-moe-lora", timeout=420, needs_gib=110.0),
+    # --lora_experts (LoRA on the 64 routed experts, fused) beside its twin without: moe-lora-compile-experts ran out
+    # of an 80 GB H100 (run 20261206T0903Z-resident-varlen-h100: without checkpoints the backward keeps each MoE
+    # layer's weight-sized LoRA delta), so both checkpointed, the loss in chunks, varlen: the plan a user would run
+    *[Row(f"moe-lora-ckpt-varlen{name}", "lora", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
+          args=("--lora_dropout", "0", "--attn_implementation", "varlen", "--compile_layers", "true", *CKPT,
+                "--chunked_loss", "true", *lever), timeout=420)
+      for name, lever in (("", ()), ("-experts", ("--lora_experts", "true")))],
     Row("trl-moe-lora", "lora", peer="trl", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
         args=trl_args("sdpa", "bfloat16", 4, 2048)),
     Row("qlora-1", "qlora", micro_batch=4, args=("--lora_dropout", "0", *FLEX, *CKPT)),
@@ -550,6 +557,8 @@ GROUPS = {
     "moe-varlen-h200": ["moe-lora-compile-varlen-mb8", "moe-lora-compile-varlen", "trl-moe-lora"],
     # the V2-Lite recipe's resident plan (24 GiB) with varlen, beside its sdpa twin, before the recipe takes it
     "resident-varlen": ["moe-lora-resident-1-mb4-compile-varlen", "moe-lora-resident-1-mb4-compile"],
+    # issue 26 item 3's last lever, --lora_experts, checkpointed beside its twin
+    "moe-experts": ["moe-lora-ckpt-varlen-experts", "moe-lora-ckpt-varlen"],
     "moe-levers": ["trl-moe-lora", "moe-lora-compile", "moe-lora-compile-flex", "moe-lora-compile-flex-fp8-chunked",
                    "moe-lora-compile-fp8-experts", "moe-lora-compile-flex-fp8-chunked-experts", "moe-lora-compile-fp8",
                    "moe-lora-compile-chunked", "moe-lora-compile-experts", "moe-lora", "fp8-experts-check"],
