@@ -220,7 +220,8 @@ def test_host_ram_of_the_offload_and_resident_rows_within_10_percent():
     resident_rows = [x for x in rows if x["resident"]]
     assert resident_rows and all(x["host_checked"] or x["host_note"] for x in resident_rows)
     old = [x for x in resident_rows if not x["host_checked"]
-           and (x["run_id"], x["name"]) not in resident.NOT_FROM_A_CHECKPOINT]
+           and (x["run_id"], x["name"]) not in resident.NOT_FROM_A_CHECKPOINT
+           and "where the planner plans" not in x["host_note"]]  # a twin of another attention: not the plan's
     assert {(x["run_id"], x["name"]) for x in old} <= set(resident.LOADED_WHOLE)
     assert all(x["host"] > x["pred_host"] for x in old), [(x["name"], x["pred_host"], x["host"]) for x in old]
 
@@ -243,7 +244,7 @@ def test_the_resident_plans_count_each_process_loading_its_base():
                  if p.w.resident]
         assert plans and max(p.w.world for p in plans) == gpus  # DDP: one process per GPU
         for p in plans:
-            want = (8 + 4 * p.w.world) + p.w.world * resident.load_host_bytes(v2) / GIB
+            want = max(8 + 4 * p.w.world, 8 + p.w.world * resident.load_host_bytes(v2) / GIB)
             assert p.prediction.host_gib == pytest.approx(want), (gpus, p.w.strategy)
 
 
@@ -393,9 +394,10 @@ def test_resident_speed_is_read_from_its_own_rows():
     assert "resident" not in plain
     # the median of the eager rows at today's speed predicts each measured configuration within 8% (2040Z's 10,694
     # had the eager dequantization): one MFU per kind of plan, and micro-batches 4 to 8 moved it by 7% either way;
-    # the compiled layers' one row predicts itself (runs 20261204T2105Z-resident, 20261205T0235Z-next, 0515Z-next)
+    # the compiled layers' row of the planned attention (varlen) predicts itself (runs 20261204T2105Z-resident,
+    # 20261205T0235Z-next, 0515Z-next; 20261206T0903Z-resident-varlen-h100, whose sdpa twin ran 17,407)
     for micro_batch, compiled, measured in ((8, False, 12273), (4, False, 11386), (6, False, 13182),
-                                            (4, True, 16922)):
+                                            (4, True, 21386)):
         w = Workload("single_gpu", Setup("lora"), 1, micro_batch, 2048, True, fused_loss=False,
                           chunked_loss=True, resident=True, compiled=compiled)
         tok_s, _ = tokens_per_second(shape, w, GPU_KINDS["H200"].peak_flops)
@@ -720,7 +722,7 @@ def test_the_header_names_each_strategys_kernels():
     dense, mla = SHAPES["deepseek-coder-1.3b"], SHAPES["deepseek-v2-lite"]
     assert kernels_text(dense, ["ddp", "fsdp"]) == "flex_attention + Liger"
     assert kernels_text(dense, ["ddp", "tp", "fsdp"]) == "flex_attention + Liger (tp: sdpa, no Liger)"
-    assert kernels_text(mla, ["zero3_offload", "zero3"]) == "sdpa, no Liger"
+    assert kernels_text(mla, ["zero3_offload", "zero3"]) == "varlen, no Liger"
 
 
 # ---- issue 28: a plan runs with the fast paths its run gets (--fp8 / --compile_layers auto), and predicts them

@@ -261,8 +261,10 @@ def predict(shape: Shape, w: Workload, with_fast_paths: bool = True) -> Predicti
                                                  + pinned["activations"] * offloaded)
     if strategy.sharded_kind == "fsdp" and w.setup.method == "qlora":
         host = max(host, (8 + 4 * w.world) * GIB + w.world * nf4_load_host_bytes(shape))
-    if w.resident:  # each process quantizes its own copy of the experts as it reads the checkpoint
-        host = max(host, (8 + 4 * w.world) * GIB + w.world * resident.load_host_bytes(shape))
+    if w.resident:  # each process quantizes its own copy of the experts as it reads the checkpoint, before its
+        # training-time share (CUDA's host side, compile workers, pinned buffers) exists: the first rows that loaded
+        # a checkpoint this way held 12.2-12.8 GiB at their peak, training's (run 20261206T0903Z-resident-varlen-h100)
+        host = max(host, 8 * GIB + w.world * resident.load_host_bytes(shape))
     parts = {"weights": state.weights, "gradients": state.gradients, "optimizer": state.optimizer,
              "masters": state.masters, "buckets": state.buckets, "activations": activations,
              "lora_weights": kept_deltas, "kept_attention": attention_kept, "fast_paths": fast,

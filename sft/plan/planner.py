@@ -31,7 +31,7 @@ from sft.plan.bench_check import check_rows, check_summary, check_table
 from sft.plan.fast_paths import Asked
 from sft.plan.long_rows import is_long
 from sft.plan.plan_text import command, fast_paths_text, kernels_text, plan_summary, plan_table
-from sft.plan.kernels import kernels
+from sft.plan.kernels import VARLEN_MODULE, kernels
 from sft.plan.plans import (AWAITED_CHECK, MARGIN_GIB, Box, Plan, awaiting_plan, best_plan, cards, closest_plan,
                             enumerate_plans, launched_strategy, shown_gib, split_plan)
 from sft.plan.refit import write_snapshot
@@ -118,6 +118,8 @@ def planned_options(model_args, lora_args, data_args, training_args, machine=Non
     wanted = options_of(chosen)
     if wanted.get("use_liger_kernel") and not m.has("liger_kernel"):
         wanted["use_liger_kernel"] = False  # not installed here: the plan's other options still hold
+    if wanted.get("attn_implementation") == "varlen" and not m.has(VARLEN_MODULE):
+        wanted["attn_implementation"] = "sdpa"  # torch before 2.9: MLA's attention as before varlen
     if method == "full" and "dtype" in given:  # the user's precision wins: keep plans of that precision
         wanted = {k: v for k, v in wanted.items() if k not in ("dtype", "optim", "optim_args")}
     if chosen.w.strategy == "fsdp" and method == "full" and "dtype" in wanted:

@@ -92,7 +92,7 @@ def dequantized_layer_bytes(shape: "Shape") -> float:
 
 def load_host_bytes(shape: "Shape", experts_on_host: bool = False) -> float:
     """Host RAM one process holds at its peak while it loads the base, from the code (sft/model/experts_on_load.py:
-    the experts quantized as the checkpoint is read), not measured on a GPU yet: the rest of the base in bf16, one
+    the experts quantized as the checkpoint is read; below the training's peak in the rows that measured it): the rest of the base in bf16, one
     MoE layer's fused gate_up_proj in flight three times over in bf16 (the per-expert pages read, until they are
     dropped after the layer; the stacked gate and up halves; their concatenation), and the e4m3 experts with their
     scales only where no GPU holds them (`experts_on_host`; a GPU run quantizes on its GPU and keeps them there).

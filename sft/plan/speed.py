@@ -163,6 +163,8 @@ def _resident_mfu(strategy: str, checkpointing: bool, path: Path | None, model: 
     with_them = [r for r in rows if fast_of_row(r).label == fast]
     if not with_them:
         with_them, note = [r for r in rows if not fast_of_row(r).label], note + unmeasured_fast_note(fast)
+    # the attention the plan runs (varlen: 1.23x sdpa's compiled resident row in one run) where a row ran it
+    with_them = [r for r in with_them if ran_planned_attention(r)] or with_them
     mfu, why = _median_mfu(with_them, strategy, "lora", checkpointing, model)
     return mfu, why + f", rows with {resident.OPTION}, their MFU over the routed experts' measured cost" + note
 
