@@ -411,6 +411,13 @@ MATRIX += [
         args=(*LIGER, "--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--offload_activations", "true",
               "--mlp_tile_tokens", "4096", "--fp8", "auto", "--compile_layers", "auto",
               "--activation_checkpointing_keep_attention", "true")),
+    # ... profiled (one step after the measured ones: top kernels, the GPU's idle time by host op): where the 32k
+    # step's time goes besides attention, the kept row being 0.676 of the 4k recipe (run 20261206T0611Z-long-h100)
+    Row("long-r1-32k-sdpa-keep-profiled", "lora", model="r1-distill-qwen-7b", seq_len=32768, warmup=2, steps=2,
+        profile_steps=1, repeat_data=1, long_docs=True, timeout=480,
+        args=(*LIGER, "--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--offload_activations", "true",
+              "--mlp_tile_tokens", "4096", "--fp8", "auto", "--compile_layers", "auto",
+              "--activation_checkpointing_keep_attention", "true")),
     # 16k rows with the fast paths: long-r1-16k (flex_attention, none) took 285 s for its first step where the 32k
     # rows took 47-58 s (run 20261205T1855Z-next-h100): is it flex_attention's compile at 16,384 tokens (sdpa
     # compiles nothing per length), and how do the fast paths run between 4k and 32k
@@ -559,6 +566,8 @@ GROUPS = {
     "resident-varlen": ["moe-lora-resident-1-mb4-compile-varlen", "moe-lora-resident-1-mb4-compile"],
     # issue 26 item 3's last lever, --lora_experts, checkpointed beside its twin
     "moe-experts": ["moe-lora-ckpt-varlen-experts", "moe-lora-ckpt-varlen"],
+    # issue 27 item 1: which attention kernel is fastest at 32k, and the kept 32k step's profile
+    "long-profile": ["long-attention-check", "long-r1-32k-sdpa-keep-profiled"],
     "moe-levers": ["trl-moe-lora", "moe-lora-compile", "moe-lora-compile-flex", "moe-lora-compile-flex-fp8-chunked",
                    "moe-lora-compile-fp8-experts", "moe-lora-compile-flex-fp8-chunked-experts", "moe-lora-compile-fp8",
                    "moe-lora-compile-chunked", "moe-lora-compile-experts", "moe-lora", "fp8-experts-check"],
