@@ -193,7 +193,8 @@ def train(args, model: Path, seed: int, label: str) -> dict:
                str(args.micro_batch), "--max_steps", str(args.steps), "--logging_steps", "1", "--learning_rate",
                str(args.learning_rate), "--lr_scheduler_type", "constant", "--warmup_steps", "0", *METHODS[args.method],
                "--save_strategy", "no", "--eval_strategy", "no", "--report_to", "none",
-               "--fp8", "false", "--compile_layers", "false",
+               "--fp8", "false", "--compile_layers", "false",  # every `auto` pinned: the runs as measured before it
+               "--chunked_loss", "false",
                "--verify_saves", "final", "--seed", str(seed), "--output_dir", str(out),
                "--dataset_cache_dir", str(args.workdir / "dataset-cache"),
                *([] if args.cpu_smoke else ["--bf16", "true"]),

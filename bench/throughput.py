@@ -86,6 +86,8 @@ class Row:
 LIGER = ("--use_liger_kernel", "true")
 FLEX = ("--attn_implementation", "flex_attention")
 CKPT = ("--activation_checkpointing", "true")
+# V2-Lite's rows from before --chunked_loss auto (on for MLA models) measured the whole logits: they keep doing so
+WHOLE_LOGITS = ("--chunked_loss", "false")
 NO_UNUSED = ("--ddp_find_unused_parameters", "false")
 SR8 = ("--optim", "adamw_torch_8bit", "--optim_args", "bf16_stochastic_round=True")
 SR4 = ("--optim", "adamw_torch_4bit", "--optim_args", "bf16_stochastic_round=True,block_size=128")
@@ -171,18 +173,19 @@ MATRIX += [
         args=trl_args("flex_attention", "bfloat16", 4, 2048, *LIGER, "--optim", "adamw_torch_fused")),
     # DeepSeek-V2-Lite (MoE, MLA; MFU on the active parameters): sdpa (MLA's value and key head sizes differ)
     Row("moe-lora", "lora", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
-        args=("--lora_dropout", "0", "--attn_implementation", "sdpa"), vs="trl-moe-lora"),
+        args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *WHOLE_LOGITS), vs="trl-moe-lora"),
     # the same with the MoE layers compiled whole (issue 26 item 3's first lever; sft/speed/traced_param_lora.py)
     Row("moe-lora-compile", "lora", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
-        args=("--lora_dropout", "0", "--attn_implementation", "sdpa", "--compile_layers", "true"), vs="trl-moe-lora",
-        timeout=420),
+        args=("--lora_dropout", "0", "--attn_implementation", "sdpa", "--compile_layers", "true", *WHOLE_LOGITS),
+        vs="trl-moe-lora", timeout=420),
     # issue 26 item 3's other levers, each beside moe-lora-compile: FP8 matmuls for MLA and the dense MLP, the loss in
     # chunks (no Liger for MLA models: the whole logits otherwise), LoRA on the routed experts too; flex_attention,
     # which skips the masked blocks of packed rows (~15 Alpaca conversations a 2,048-token row) where sdpa computes
     # the whole causal square: MLA's attention under sdpa took 75 of the compiled step's 313 ms (run
     # 20261205T1855Z-next-h100); flex pads MLA's key size 192 to 256 inside its kernel
     *[Row(f"moe-lora-compile-{name}", "lora", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
-          args=("--lora_dropout", "0", "--attn_implementation", attention, "--compile_layers", "true", *lever),
+          args=("--lora_dropout", "0", "--attn_implementation", attention, "--compile_layers", "true",
+                *(lever if "--chunked_loss" in lever else (*lever, *WHOLE_LOGITS))),
           vs="trl-moe-lora", timeout=420)
       for name, attention, lever in (("fp8", "sdpa", ("--fp8", "true")),
                                      ("chunked", "sdpa", ("--chunked_loss", "true")),
@@ -301,10 +304,11 @@ MATRIX += [
     # DeepSeek-V2-Lite on ONE 24 GiB card: its 29 GiB bf16 base only fits with the weights in host RAM (ZeRO-3
     # parameter offload; sft/plan/planner.py's only plan that fits one card)
     Row("moe-lora-offload-1", "lora", "zero3_offload", 1, model="deepseek-v2-lite", micro_batch=4, warmup=2,
-        steps=4, profile_steps=0, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT), timeout=420),
+        steps=4, profile_steps=0, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, *WHOLE_LOGITS),
+        timeout=420),
     # ... and on every GPU (the recipe's plan on 2-3 cards): the weights stream from host RAM to each GPU
     Row("moe-lora-offload", "lora", "zero3_offload", 0, model="deepseek-v2-lite", micro_batch=4, warmup=2, steps=4,
-        profile_steps=0, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT),
+        profile_steps=0, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, *WHOLE_LOGITS),
         scaling_of="moe-lora-offload-1", timeout=420),
     # ... with --chunked_loss at micro-batch 8 (no whole logits: what micro-batch 4 could not hold)
     Row("moe-lora-offload-1-chunked", "lora", "zero3_offload", 1, model="deepseek-v2-lite", micro_batch=8, warmup=2,
@@ -360,7 +364,8 @@ MATRIX += [
     # DeepSeek-V2-Lite on TWO 24 GiB cards: ZeRO-3 shards the bf16 base (micro-batch 4 ran out of memory: the
     # logits of MLA models are whole, no Liger; run 20261201T0930Z-x2)
     Row("moe-lora-z3-2", "lora", "zero3", 2, model="deepseek-v2-lite", micro_batch=1, grad_accum=4, warmup=2, steps=4,
-        profile_steps=0, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT), timeout=420),
+        profile_steps=0, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, *WHOLE_LOGITS),
+        timeout=420),
     # issue 27 item 1: long rows on one card held to 24 GiB, each row one conversation of its length; the 4k rows
     # are the reference of the same model in the same run (attention's own FLOPs make ~80% of 4k's tok/s the ideal
     # at 32k). The long rows run the MLP 4,096 tokens at a time; at 32k the checkpoints wait in host RAM too (28-30
@@ -439,7 +444,8 @@ MATRIX += [
         args=("--config", str(REPO / "recipes" / "deepseek-coder-6.7b-lora.yaml")), timeout=300),
     Row("recipe-r1-lora", "lora", "ddp", 0, model="r1-distill-qwen-7b", seq_len=4096, micro_batch=2, grad_accum=8,
         steps=3, args=("--config", str(REPO / "recipes" / "r1-distill-qwen-7b-lora.yaml")), timeout=300),
-    # (run 20261201T0940Z-x2 measured this recipe's first version: zero3.yaml, micro-batch 1 x 16)
+    # (run 20261201T0940Z-x2 measured this recipe's first version: zero3.yaml, micro-batch 1 x 16; its rows before
+    # --chunked_loss auto ran the whole logits, later ones the loss in chunks, as the recipe runs: they record it)
     Row("recipe-v2-lite-lora", "lora", "zero3_offload", 0, model="deepseek-v2-lite", micro_batch=4, grad_accum=4,
         warmup=1, steps=2, profile_steps=0, args=("--config", str(REPO / "recipes" / "deepseek-v2-lite-lora.yaml")),
         timeout=420),

@@ -430,6 +430,8 @@ def make_row(args, ranks: list[dict], monitor: Monitor, wall: float, cpu: bool) 
         # by the GPU, so the options alone do not say (sft/plan/rows.py fast_of_row)
         "fp8_layers": r0.get("fp8_layers"),
         "compiled_layers": r0.get("compiled_layers"),
+        # ... and its loss, read off the trainer: --chunked_loss auto settles by the model (sft/plan/rows.py)
+        "loss_in_chunks": r0.get("loss_in_chunks"),
         "measured_steps": r0.get("measured_steps"),
         "loss_first_last": r0.get("loss_first_last"),
         "wall_s": round(wall, 1),
@@ -634,6 +636,16 @@ def fast_paths_ran(model) -> dict[str, int]:
             "compiled_layers": sum(m._compiled_call_impl is not None for m in modules)}
 
 
+def loss_in_chunks(trainer) -> bool | None:
+    """Whether our trainer computes its loss in chunks (--chunked_loss, `auto` settled by the model, and always
+    under --sequence_parallel: sft/train.py); None for TRL's."""
+    from sft.speed.chunked_loss import chunked_causal_lm_loss
+
+    if trainer is None or not hasattr(trainer, "labelled_token_loss"):
+        return None
+    return getattr(trainer.labelled_token_loss, "func", None) is chunked_causal_lm_loss
+
+
 def _bench_callback(spec: dict, rank: int):
     """-> the bench clock's class: per optimizer step, real tokens (the Trainer's non-padding count, summed over
     ranks) and seconds (step end to step end; pauses for evaluation and saving left out), the same for both peers;
@@ -654,7 +666,7 @@ def _bench_callback(spec: dict, rank: int):
             self.prof_t0 = 0.0
             self.comm = None
             self.trainer = None  # ours: each rank's host count, summed over ranks once at the end
-            self.fast_paths: dict[str, int] = {}
+            self.fast_paths: dict[str, int | bool | None] = {}
 
         def count_with(self, trainer) -> None:
             self.trainer = trainer
@@ -667,7 +679,8 @@ def _bench_callback(spec: dict, rank: int):
             return (local, True) if local is not None else (state.num_input_tokens_seen, False)
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
-            self.fast_paths = fast_paths_ran(model) if model is not None else {}
+            self.fast_paths = {**(fast_paths_ran(model) if model is not None else {}),
+                               "loss_in_chunks": loss_in_chunks(self.trainer)}
             self.mark, self.seen = time.perf_counter(), self.tokens_now(state)[0]
             self.gc_pauses: list[tuple[int, int, float]] = []  # (step under way, generation, ms) of each collection
             self.gc_started = 0.0

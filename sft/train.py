@@ -209,12 +209,13 @@ def train(run: Run, seams: Seams) -> int:
     set_seed(training_args.seed)  # the LoRA init happens before the Trainer seeds: make it follow --seed too
     model = load_model(model_args, lora_args, training_args.activation_checkpointing, seams.model_factory, rope)
     # The training loss from the labelled tokens' hidden states (sft/speed/chunked_loss.py): Liger's fused kernel where
-    # Liger's own would run (sft/options/resolve.py), torch chunks under --chunked_loss (refused beside Liger).
+    # Liger's own would run (sft/options/resolve.py), torch chunks under --chunked_loss (refused beside Liger; on by
+    # default for MLA models, which Liger has no loss for: resolve.py chunked_loss_where_liger_has_no_loss).
     # Under --sequence_parallel always one of them (sft/speed/sequence_parallel_loss.py). LoRA under ZeRO-3 on several
     # processes: the frozen lm_head gathered once for the loss (chunked_causal_lm_loss); a trained one is refused
     # there (sft/options/checks.py loss_in_chunks_under_zero3; here the lm_head tied to a trained embed_tokens).
     zero3_lora = lora_args.lora and options.zero_stage(machine()) == "3" and training_args.world_size > 1
-    chunks = model_args.chunked_loss or training_args.sequence_parallel > 1
+    chunks = model_args.chunked_loss_on or training_args.sequence_parallel > 1
     if zero3_lora and chunks:
         check_frozen_head(model)
     labelled_token_loss = (liger_causal_lm_loss if training_args.liger_loss_on_labels

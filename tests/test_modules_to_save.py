@@ -299,7 +299,7 @@ def test_the_checks_the_planner_and_resumes_around_it():
     from sft.safety.trained_on import check_same_training, this_run
 
     def run(saved):
-        return NS(model=NS(chunked_loss=True), training=NS(sequence_parallel=1), zero_stage=lambda m: "3",
+        return NS(model=NS(chunked_loss_on=True), training=NS(sequence_parallel=1), zero_stage=lambda m: "3",
                   lora=NS(lora=True, lora_modules_to_save=saved))
 
     machine = NS(launch=NS(world_size=2))

@@ -117,13 +117,13 @@ def test_the_memory_line_is_the_planners_plan_of_the_run_as_configured():
     assert predicted_text(plan, model, box).startswith(f"predicted peak {plan.prediction.smi_gib:.1f} GiB per GPU")
     assert plan.prediction.smi_gib > 24  # V2-Lite's bf16 base whole on each card: the user sees it cannot fit
 
-    quantized = NS(**{**vars(model), "quantize_experts": "fp8", "chunked_loss": True})
+    quantized = NS(**{**vars(model), "quantize_experts": "fp8", "chunked_loss_on": True})
     resident = predict_this_run(quantized, lora, data, training, box)  # the experts in e4m3: it fits a card
     assert (resident.w.strategy, resident.w.resident, resident.w.chunked_loss) == ("ddp", True, True)
     assert resident.prediction.smi_gib < 23
     four = NS(**{**vars(training), "per_device_train_batch_size": 4})  # the run's own --chunked_loss is predicted
     chunks = predict_this_run(quantized, lora, data, four, box)
-    whole_logits = predict_this_run(NS(**{**vars(quantized), "chunked_loss": False}), lora, data, four, box)
+    whole_logits = predict_this_run(NS(**{**vars(quantized), "chunked_loss_on": False}), lora, data, four, box)
     assert whole_logits.w.resident and not whole_logits.w.chunked_loss
     assert whole_logits.prediction.smi_gib > chunks.prediction.smi_gib + 1
     unreadable = NS(**{**vars(model), "model": "no/such-model-anywhere"})

@@ -24,6 +24,7 @@ from sft.plan.plan_text import command, fast_paths_said, kernels_text
 from sft.plan.planner import (NOT_PLANNED, main, nothing_planned_line, options_of, planned_options,
                               prediction_line)
 from sft.plan.plans import (AWAITED_CHECK, HEADROOM, MARGIN_GIB, Box, awaiting_plan, best_plan, enumerate_plans,
+                            judged_plan,
                             ranked, recommended, safe, shown_gib, split_plan)
 from sft.plan.refit import fitted_numbers
 from sft.plan.rows import RESULTS, measured_rows, option_value, row_shape, workload_of_row
@@ -318,8 +319,10 @@ def test_resident_plan_is_recommended_for_v2_lite_lora_on_one_24gb_card():
     assert best.w.resident and offload is not None and best.tok_s > 5 * offload.tok_s
     cmd = command(best, "deepseek-v2-lite", box)
     assert cmd.startswith("accelerate launch -q --config_file accelerate_configs/single_gpu.yaml sft/train.py")
-    assert "--lora" in cmd and "--quantize_experts fp8 --activation_checkpointing true --chunked_loss" in cmd
+    # its loss in chunks is the run's default for an MLA model (--chunked_loss auto): the command does not ask
+    assert "--lora" in cmd and cmd.endswith("--quantize_experts fp8 --activation_checkpointing true")
     assert options_of(best)["quantize_experts"] == "fp8" and options_of(best)["activation_checkpointing"]
+    assert "chunked_loss" not in options_of(best)
     # weights: the bf16 base less 1 byte a routed expert weight, plus 4 bytes a row; the transient: one layer's
     experts = 26 * 64 * 3 * 2048 * 1408
     bf16 = predict(shape, dataclasses.replace(best.w, resident=False)).parts["weights"]
@@ -444,14 +447,22 @@ def test_checkpointing_off_is_estimated_from_checkpointed_rows_by_the_recomputed
 
 
 def test_mla_plans_count_the_logits_they_materialise():
-    """MLA models get no Liger (kernels), so their plans hold the whole logits: measured on two H200s held to
+    """MLA models get no Liger (kernels): with the whole logits (--chunked_loss false), measured on two H200s held to
     24 GiB, DeepSeek-V2-Lite LoRA under ZeRO-3 at micro-batch 4 ran out of memory in its first backward (3.1 GiB of
-    logits asked for), where a plan counting Liger's fused loss had it fit; at micro-batch 1 it trained."""
+    logits asked for), where a plan counting Liger's fused loss had it fit; at micro-batch 1 it trained. Their plans
+    take the loss in chunks, as their runs' --chunked_loss auto does, except under TP (refused there)."""
     shape = SHAPES["deepseek-v2-lite"]
-    plans = enumerate_plans(shape, Box(2, 24, host_ram_gib=128), "lora", 2048)
+    box = Box(2, 24, host_ram_gib=128)
+    plans = enumerate_plans(shape, box, "lora", 2048)
     assert not any(p.w.fused_loss for p in plans)
-    zero3 = {(p.w.micro_batch, p.w.checkpointing): p.fits for p in plans if p.w.strategy == "zero3"}
-    assert zero3[(4, True)] is False and zero3[(1, True)] is True
+    assert all(p.w.chunked_loss for p in plans)
+    zero3 = {(p.w.micro_batch, p.w.checkpointing): p for p in plans if p.w.strategy == "zero3"}
+    whole = {key: judged_plan(shape, box, dataclasses.replace(p.w, chunked_loss=False), p.fast, p.asked).fits
+             for key, p in zero3.items()}
+    assert whole[(4, True)] is False and whole[(1, True)] is True and zero3[(4, True)].fits
+    full = enumerate_plans(shape, box, "full", 2048, (1,))
+    assert {p.w.strategy for p in full if not p.w.chunked_loss} >= {"tp", "zero3"}  # refused: TP; a trained
+    assert all(p.w.chunked_loss for p in full if p.w.strategy in ("ddp", "fsdp"))  # lm_head under ZeRO-3
     dense = enumerate_plans(SHAPES["deepseek-llm-7b"], Box(2, 24), "lora", 2048)
     assert all(p.w.fused_loss for p in dense if p.w.strategy != "tp")
 
@@ -621,6 +632,8 @@ def test_the_recommended_command_runs_as_printed(model, method, gpus):
     model_args.attn_implementation = attention
     training_args.bf16, training_args.use_liger_kernel = "--bf16" in given, liger
     lora_args.qlora = "--qlora" in given
+    if "--chunked_loss" not in args:  # settled again on the box's launch, as the run settles it
+        model_args.chunked_loss = "auto"
     assert model_args.model.startswith("deepseek-ai/")
     launch = Launch(world_size=gpus, local_world_size=gpus, launched=True, fsdp=config == "fsdp.yaml",
                     launcher_started=1.8e9,  # names the run's new directory alike on every rank
@@ -1097,7 +1110,8 @@ def test_the_autoep_plan_holds_its_share_of_the_experts_and_is_never_recommended
     assert ranked([faster, *plans])[0] is not faster
     line = command(autoep, "deepseek-v2-lite", Box(2, 24))
     assert "--config_file accelerate_configs/autoep.yaml --num_processes 2" in line
-    assert line.endswith("--activation_checkpointing --chunked_loss") and "--quantize_experts" not in line
+    # the loss in chunks without asking: --chunked_loss auto takes it for an MLA model
+    assert line.endswith("--activation_checkpointing") and "--quantize_experts" not in line
     # its command runs as printed: parsed with the DeepSpeed JSON its accelerate config names, checked on its box
     import shlex
 

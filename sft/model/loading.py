@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Traine
 from sft.options.arguments import TINY_MODEL, LoraArguments, ModelArguments
 from sft.errors import ConfigError, ModelNotFoundError
 from sft.model.families import MLP_PROJECTIONS, family_of
+from sft.model.model_type import check_hub_model
 from sft.machine import GIB, Machine, is_first_process, launch, machine
 from sft.model.moe import mark_moe_leaves
 from sft.model.nf4_base import nf4_settings
@@ -70,45 +71,6 @@ def check_safetensors_weights(name: str) -> None:
         f"which can run code as they load; runs load only safetensors. If you trust them, convert them once: "
         f"python -c \"from transformers import AutoModelForCausalLM as M; M.from_pretrained('{path}', dtype='auto')"
         f".save_pretrained('{path}-safetensors')\" and give --model {path}-safetensors (copy its tokenizer files too).")
-
-
-def check_hub_model(repo_id: str, option: str) -> None:
-    """The hub id is in the local cache, or the hub answers for it now (a 3-second connection test first)."""
-    import socket
-    from urllib.parse import urlparse
-
-    from huggingface_hub import constants, try_to_load_from_cache
-
-    if isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
-        return  # cached: transformers loads it (and checks for updates if online)
-    cache = constants.HF_HUB_CACHE
-    if constants.HF_HUB_OFFLINE:
-        raise ModelNotFoundError(f"{option} {repo_id}: not in the local Hugging Face cache ({cache}), and "
-                                 f"HF_HUB_OFFLINE=1 forbids downloading it. Download it once where there is network "
-                                 f"(`hf download {repo_id}`), or give a local directory.")
-    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
-    if not launch().hub_proxied:  # through a proxy, a direct connection test says nothing
-        try:
-            socket.create_connection((host, 443), timeout=3).close()
-        except OSError as e:
-            raise ModelNotFoundError(
-                f"{option} {repo_id}: not in the local Hugging Face cache ({cache}) and {host} cannot be reached "
-                f"({e.strerror or e}). Connect to the network, or work offline: give a local directory, or set "
-                f"HF_HUB_OFFLINE=1 to use only the cache.") from None
-    from huggingface_hub import model_info
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
-
-    try:
-        model_info(repo_id, timeout=15)
-    except GatedRepoError:
-        raise ModelNotFoundError(f"{option} {repo_id}: the model is gated; accept its licence on {host} and log in "
-                                 f"(`hf auth login`).") from None
-    except RepositoryNotFoundError:
-        raise ModelNotFoundError(f"{option} {repo_id}: no such model on {host} (or it is private: `hf auth login`). "
-                                 f"Check the name, or give a local directory.") from None
-    except (HfHubHTTPError, OSError) as e:
-        raise ModelNotFoundError(f"{option} {repo_id}: the hub did not answer ({e}). Retry, or set "
-                                 f"HF_HUB_OFFLINE=1 to use only the local cache.") from None
 
 
 def load_config(model_args: ModelArguments):

@@ -56,8 +56,14 @@ DEMO_YIELDS_TO = {"save_strategy": ("save_steps",), "eval_strategy": ("eval_step
                   "num_train_epochs": ("max_steps",), "logging_steps": ("logging_strategy",)}
 
 
+def auto_switch(help_text: str):
+    """An auto/true/false option whose `auto` (the default) sft/options/resolve.py settles; the bare flag means
+    true (`--fp8` as `--fp8 true`)."""
+    return field(default="auto", metadata={"nargs": "?", "const": "true", "help": help_text})
+
+
 @dataclass
-class ModelArguments(FastPathSwitches):  # fp8_on, compile_layers_on
+class ModelArguments(FastPathSwitches):  # fp8_on, compile_layers_on, chunked_loss_on
     model: str = field(default=TINY_MODEL, metadata={
         "help": f"Hub id or local directory of the model to fine-tune; `{TINY_MODEL}` builds the embedded tiny "
                 "DeepSeek-architecture model (no download)."})
@@ -65,21 +71,22 @@ class ModelArguments(FastPathSwitches):  # fp8_on, compile_layers_on
     dtype: str = field(default="auto", metadata={
         "help": "Weights dtype: auto (fp32 master weights for full fine-tuning, bf16 base weights under LoRA "
                 "where the hardware has bf16), bfloat16, float16 or float32."})
-    fp8: Literal["auto", "true", "false"] = field(default="auto", metadata={
-        "nargs": "?", "const": "true", "help":
+    fp8: Literal["auto", "true", "false"] = auto_switch(
         "Linear layers compute in FP8 (e4m3) on GPUs with FP8 matmuls (compute capability 8.9+: RTX 4090, L40, "
         "H100, H200). auto (the default): on wherever the GPU and the run allow it, and the first screen says "
         "so; false turns it off. With --lora the frozen base's matmuls (forward, input gradient; ours, "
         "sft/speed/fp8.py) under one GPU or DDP; without it every decoder linear layer's three matmuls through "
         "torchao's float8 training (--fp8_recipe), weights kept as they are, under one GPU, DDP or FSDP2. Not "
-        "with --qlora, DeepSpeed or --tp_size. bench/RESULTS.md compares its loss and speed with bf16's."})
+        "with --qlora, DeepSpeed or --tp_size. bench/RESULTS.md compares its loss and speed with bf16's.")
     fp8_recipe: Literal["tensorwise", "rowwise"] = field(default="tensorwise", metadata={
         "help": "A full fine-tune under --fp8: torchao's scales, one per tensor (tensorwise, the fastest) or one per "
                 "row (rowwise: finer, slower)."})
-    chunked_loss: bool = field(default=False, metadata={
-        "help": "The training loss from the last hidden states, 1024 labelled tokens at a time, each chunk's logits "
-                "recomputed in the backward: no [tokens x vocabulary] logits tensor (sft/speed/chunked_loss.py). For "
-                "models without Liger's fused loss (DeepSeek-V2/V3); not with --use_liger_kernel or --tp_size."})
+    chunked_loss: Literal["auto", "true", "false"] = auto_switch(
+        "The training loss from the last hidden states, 1024 labelled tokens at a time, each chunk's logits "
+        "recomputed in the backward: no [tokens x vocabulary] logits tensor (sft/speed/chunked_loss.py). auto (the "
+        "default): on for models Liger's fused loss has no patch for (MLA: DeepSeek-V2/V3, whose logits would "
+        "otherwise be whole; V2-Lite LoRA: same speed, 9.7 GiB less memory), and the first screen says so; false "
+        "turns it off. Not with --use_liger_kernel or --tp_size.")
     quantize_experts: Literal["none", "fp8"] = field(default="none", metadata={
         "help": "With --lora on DeepSeek-V2/V3 (MoE): hold the frozen routed experts in e4m3 (one scale per row) "
                 "on the GPU, dequantized layer by layer: V2-Lite's base resident on one 24 GB card instead of "
@@ -88,15 +95,14 @@ class ModelArguments(FastPathSwitches):  # fp8_on, compile_layers_on
         "help": "Run each decoder layer's dense MLP this many tokens at a time, each tile checkpointed (ALST's "
                 "tiled MLP; sft/speed/tiled_mlp.py): the MLP's [tokens x intermediate] tensors of a long row exist "
                 "one tile at a time. 0: off. For rows of 16k+ tokens, e.g. 4096."})
-    compile_layers: Literal["auto", "true", "false"] = field(default="auto", metadata={
-        "nargs": "?", "const": "true", "help":
+    compile_layers: Literal["auto", "true", "false"] = auto_switch(
         "torch.compile each decoder layer in place (one compile shared by all layers; the first step "
         "compiles, later runs reuse inductor's cache): inductor fuses norms, RoPE, SwiGLU and LoRA's adds "
         "between the matmuls. auto (the default): on GPUs wherever the run allows it; false turns it off. With "
         "--use_liger_kernel only Liger's fused loss stays on. Single GPU, DDP or FSDP; with --fp8 too; not "
-        "DeepSpeed, --tp_size or the Trainer's --torch_compile."})
+        "DeepSpeed, --tp_size or the Trainer's --torch_compile.")
     # Not options: what sft/options/resolve.py's fast_paths_where_supported chose for --fp8/--compile_layers auto
-    # on a GPU, and why, for the first screen.
+    # on a GPU, and chunked_loss_where_liger_has_no_loss for --chunked_loss auto, and why, for the first screen.
     speed_choices: tuple[str, ...] = field(default=(), init=False)
     rope_scaling: str | None = field(default=None, metadata={
         "help": "Train rows past the model's positions (--max_length over max_position_embeddings: deepseek-llm-7b "

@@ -618,7 +618,7 @@ def fp8_base_needs(o: Options, m: Machine) -> None:
 
 def chunked_loss_combinations(o: Options, m: Machine) -> None:
     """--chunked_loss replaces the loss that Liger's fused loss also replaces; under TP the lm_head is sharded."""
-    if not getattr(o.model, "chunked_loss", False):
+    if not o.model.chunked_loss_on:
         return
     if o.training.use_liger_kernel:
         raise ConfigError("--chunked_loss with --use_liger_kernel: Liger's fused loss already avoids whole logits; "
@@ -632,7 +632,7 @@ def loss_in_chunks_under_zero3(o: Options, m: Machine) -> None:
     """The loss in chunks (--chunked_loss, and always under --sequence_parallel) gathers a frozen ZeRO-3 lm_head
     once (sft/speed/chunked_loss.py gathered_head); a trained one would be gathered by its hooks at every chunk and
     every chunk's recomputation, which ranks with other counts of labelled tokens run different numbers of times."""
-    chunks = getattr(o.model, "chunked_loss", False) or o.training.sequence_parallel > 1
+    chunks = o.model.chunked_loss_on or o.training.sequence_parallel > 1
     if not (chunks and trains_lm_head(o) and o.zero_stage(m) == "3" and m.launch.world_size > 1):
         return
     what = "--sequence_parallel" if o.training.sequence_parallel > 1 else "--chunked_loss"

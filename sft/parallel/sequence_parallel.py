@@ -27,8 +27,7 @@ conversation (sft/options/checks.py sequence_parallel_combinations).
 from __future__ import annotations
 
 from sft.errors import ConfigError
-
-MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
+from sft.model.model_type import MLA_MODEL_TYPES
 
 
 def check_model(config, size: int) -> None:

@@ -42,10 +42,10 @@ def command(plan: Plan, model: str, box: Box) -> str:
              for k, v in kernels(plan.w.strategy, plan.shape, w.sequence_parallel).items() if v is not False]
     if s.name == "tp":
         opts += [f"--tp_size {w.world}"]
-    if w.resident:  # its option, the checkpointing the run requires for it, the chunked loss
-        opts += resident.flags(w.chunked_loss)
+    if w.resident:  # its option, the checkpointing the run requires for it, the chunked loss where auto does not
+        opts += resident.flags(plan.chunked_loss_asked)
     else:
-        opts += ["--activation_checkpointing"] * w.checkpointing + ["--chunked_loss"] * (w.chunked_loss and not split)
+        opts += ["--activation_checkpointing"] * w.checkpointing + ["--chunked_loss"] * plan.chunked_loss_asked
     opts += w.levers.flags()  # long rows: what they need to leave the card its margin
     opts += sequence_parallel.flags(w.sequence_parallel) if split else []
     opts += plan.asked.flags()  # auto, the default, settles as planned on the box: no option needed for it

@@ -49,9 +49,9 @@ def options_of(plan: Plan) -> dict:
     if w.sequence_parallel > 1:  # its loss is in chunks without asking; one conversation per row under sdpa
         opts.update(sequence_parallel=w.sequence_parallel, packing=False)
     if w.resident:
-        opts.update(quantize_experts="fp8", chunked_loss=w.chunked_loss)
-    elif w.chunked_loss and w.sequence_parallel == 1:
-        opts.update(chunked_loss=True)
+        opts.update(quantize_experts="fp8")
+    if plan.chunked_loss_asked:  # (where --chunked_loss auto takes it, nothing to set)
+        opts.update(chunked_loss="true")
     if is_long(w.seq_len):  # set either way: a long plan without a lever says so
         opts.update(mlp_tile_tokens=w.mlp_tile_tokens, offload_activations=w.offload_activations)
     for option in ("compile_layers", "fp8"):  # where the planner turned one off for memory (plans._with_levers)

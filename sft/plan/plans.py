@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from sft.machine import Machine
 from sft.parallel.strategies import STRATEGIES, Setup
 from sft.plan import expert_parallel, resident, sequence_parallel
-from sft.plan.fast_paths import Asked, FastPaths, described_machine, fast_paths, refused_today
+from sft.plan.fast_paths import (Asked, FastPaths, described_machine, fast_paths, loss_in_chunks_by_default,
+                                 refused_today)
 from sft.plan.kernels import kernels
 from sft.plan.long_rows import ladder
 from sft.plan.memory import Prediction, predict
@@ -101,6 +102,15 @@ class Plan:
     def host_short(self) -> bool:
         """It needs more host RAM than the box is known to have."""
         return self.host_ram_gib is not None and self.prediction.host_gib > self.host_ram_gib
+
+    @property
+    def chunked_loss_asked(self) -> bool:
+        """Its loss in chunks needs --chunked_loss in its command: the run's `auto` would not take it there
+        (loss_in_chunks_by_default: it does for MLA models without Liger), and no --sequence_parallel, whose loss is
+        in chunks anyway. A resident plan of an MoE model that is not MLA asks for it (its bench rows ran so)."""
+        w = self.w
+        return w.chunked_loss and w.sequence_parallel == 1 and not loss_in_chunks_by_default(
+            w.strategy, w.world, w.setup.method, self.shape.model_type, w.fused_loss)
 
     def mark(self) -> str:
         """The table's `fits?`: "yes" only for a plan with its margin on a box whose host RAM is known to hold it."""
@@ -194,13 +204,14 @@ def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: in
                 continue
             for ckpt in (True, False):
                 for mb in micro_batches:
+                    fused = kernels(strategy.name, shape)["use_liger_kernel"]
+                    # the loss in chunks where the run's --chunked_loss auto takes it (MLA models without Liger)
                     w = Workload(strategy.name, Setup(method, precision), world, mb, max_length, ckpt,
-                                 fused_loss=kernels(strategy.name, shape)["use_liger_kernel"], lora_r=lora_r,
-                                 grad_accum=grad_accum)
-                    if strategy.name == expert_parallel.STRATEGY:
-                        if not expert_parallel.offered(shape, method):
-                            continue
-                        w = dataclasses.replace(w, chunked_loss=not w.fused_loss)  # as its bench row: no whole logits
+                                 fused_loss=fused, lora_r=lora_r, grad_accum=grad_accum,
+                                 chunked_loss=loss_in_chunks_by_default(strategy.name, world, method,
+                                                                        shape.model_type, fused))
+                    if strategy.name == expert_parallel.STRATEGY and not expert_parallel.offered(shape, method):
+                        continue
                     kinds = [w, _resident(w)] if resident.offered(shape, strategy.name, method, ckpt) else [w]
                     if sequence_parallel.offered(strategy.name, method, max_length):
                         kinds += [_split(w, n, box.gpus) for n in sequence_parallel.sizes(shape, box.gpus)]

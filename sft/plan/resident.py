@@ -5,8 +5,8 @@ fp32 scale per output row) instead of bf16, the rest of the base in bf16; each M
 bf16 for that layer's forward only, and again in its recomputation: activation checkpointing is required, and one
 layer's bf16 experts are the plan's own transient. The experts stay whole on every GPU: one GPU or DDP
 (sft/options/checks.py quantized_experts_combinations). MLA models have no Liger (plans.kernels), so the plan
-computes its loss in chunks (--chunked_loss), as its bench rows ran: the whole logits of micro-batch 8 would take
-more than the card.
+computes its loss in chunks (--chunked_loss, their run's default), as its bench rows ran: the whole logits of
+micro-batch 8 would take more than the card.
 
 Under --compile_layers the plan held less than eager at the same micro-batch (moe-lora-resident-1-mb4-compile,
 run 20261205T0515Z-next: 19.96 against 20.82 GiB reserved), where a dense LoRA's compiled layers hold more: the
@@ -113,7 +113,8 @@ def loss_chunk_bytes(vocab: int) -> float:
 
 def flags(chunked_loss: bool) -> list[str]:
     """What a resident plan's command passes: the option, the checkpointing it needs said explicitly (the run refuses
-    the option without it), and the chunked loss where the plan has no Liger (its bench rows ran with it)."""
+    the option without it), and `chunked_loss`: --chunked_loss where the plan has no Liger and the run's `auto` would
+    not take it (its bench rows ran with it; an MLA model's run takes it by default: plans.Plan.chunked_loss_asked)."""
     return [OPTION, "--activation_checkpointing true"] + ["--chunked_loss"] * chunked_loss
 
 

@@ -17,7 +17,7 @@ from sft.configs import RECIPES
 from sft.options.recipe import load_recipe
 from sft.parallel.strategies import PRECISION_OPTIONS, REPO, Setup
 from sft.plan import resident, sequence_parallel
-from sft.plan.fast_paths import Asked, FastPaths, described_machine, fast_paths
+from sft.plan.fast_paths import Asked, FastPaths, described_machine, fast_paths, loss_in_chunks_by_default
 from sft.plan.kernels import kernels
 from sft.plan.shapes import SHAPES, Shape, shape_name
 from sft.plan.workload import Workload
@@ -71,19 +71,35 @@ def workload_of_row(row: dict) -> Workload:
         row.get("commit", "").split("-")[0] in PEFT_CAST_COMMITS or row.get("name", "").endswith("-peftcast"))
     fast = fast_of_row(row)
     size = int(option_value(args, sequence_parallel.OPTION, 1))
+    fused = option_value(args, "--use_liger_kernel", "false") == "true"
     return Workload(strategy=strategy, setup=Setup(row["method"], precision), world=row["n_gpus"],
                     peft_input_cast=cast,
                     micro_batch=row["micro_batch"], seq_len=row["seq_len"],
                     checkpointing=option_value(args, "--activation_checkpointing", "false") == "true",
                     skip_layers=int(option_value(args, "--activation_checkpointing_skip_layers", 0)),
-                    fused_loss=option_value(args, "--use_liger_kernel", "false") == "true",
+                    fused_loss=fused,
                     grad_accum=row.get("grad_accum", 1), fp8=fast.fp8, compiled=fast.compiled,
                     mlp_tile_tokens=int(option_value(args, "--mlp_tile_tokens", 0)),
                     offload_activations=option_value(args, "--offload_activations", "false") == "true",
                     keep_attention=option_value(args, "--activation_checkpointing_keep_attention", "false") == "true",
-                    # the loss in chunks: asked for, or always under --sequence_parallel (sft/train.py)
-                    chunked_loss=option_value(args, "--chunked_loss", "false") == "true" or size > 1,
+                    # the loss in chunks: as the row ran it, and always under --sequence_parallel (sft/train.py)
+                    chunked_loss=loss_in_chunks_of_row(row, args, strategy, fused) or size > 1,
                     resident=resident.is_resident_row(args), sequence_parallel=size)
+
+
+def loss_in_chunks_of_row(row: dict, args: list[str], strategy: str, fused_loss: bool) -> bool:
+    """Whether a bench row computed its loss in chunks: what it recorded (`loss_in_chunks`, read off its trainer by
+    bench/train_throughput.py), else its --chunked_loss (`auto` as the run's rule settles it), else false: a row that
+    records neither ran before `auto` became the default, with whole logits unless it named the option."""
+    if row.get("loss_in_chunks") is not None:
+        return bool(row["loss_in_chunks"])
+    if "--chunked_loss" not in args:
+        return False
+    value = option_value(args, "--chunked_loss", "true")  # a bare flag last: true
+    if value == "auto":
+        return loss_in_chunks_by_default(strategy, row["n_gpus"], row["method"], row_shape(row).model_type,
+                                         fused_loss)
+    return value != "false"  # true, or a bare flag with another option after it
 
 
 def attention_of_row(row: dict) -> tuple[str, str]:

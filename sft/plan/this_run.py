@@ -54,9 +54,9 @@ def _matching_plan(shape, model_args, lora_args, data_args, training_args, machi
                   and p.w.resident == experts), None)
     if found is None:
         return None
-    own = {  # the run's own options where the plans have other values: without --chunked_loss the run holds the
+    own = {  # the run's own options where the plans have other values: with --chunked_loss false the run holds the
         # whole logits (the loss in chunks is refused beside Liger), and no plan keeps attention outputs
-        "chunked_loss": bool(getattr(model_args, "chunked_loss", False)) and not found.w.fused_loss,
+        "chunked_loss": bool(getattr(model_args, "chunked_loss_on", False)) and not found.w.fused_loss,
         "keep_attention": bool(getattr(training_args, "activation_checkpointing_keep_attention", False))}
     if all(getattr(found.w, name) == value for name, value in own.items()):
         return found
