@@ -293,6 +293,10 @@ MATRIX += [
     Row("lora-best-default-mb4", "lora", micro_batch=4, grad_accum=2, mem_cap_gib=0, warmup=3, steps=RATIO_STEPS,
         args=(*LIGER, "--lora_dropout", "0", *FLEX, "--fp8", "auto", "--compile_layers", "auto"),
         vs="trl-lora-best-mb4", timeout=420),
+    # ... with varlen attention and the loss in chunks (the two levers of lora-best-default-varlen-chunked)
+    Row("lora-best-default-varlen-chunked-mb4", "lora", micro_batch=4, grad_accum=2, mem_cap_gib=0, warmup=3,
+        steps=RATIO_STEPS, args=("--chunked_loss", "true", "--lora_dropout", "0", "--attn_implementation", "varlen",
+                                 "--fp8", "auto", "--compile_layers", "auto"), vs="trl-lora-best-mb4", timeout=420),
     # ... and the box's LoRA plan on one 24 GiB card (lora-1's options) with them
     Row("lora-1-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--compile_layers", "true"), timeout=420),
     Row("lora-1-fp8-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--fp8", "true", "--compile_layers", "true"),
@@ -553,6 +557,9 @@ GROUPS = {
     "lora2x-varlen": ["trl-lora-best", "lora-best-default-varlen-chunked", "lora-best-default-varlen",
                       "lora-best-default-varlen-chunked-mb12", "lora-best-default", "long-attention-check"],
     "lora2x-h100": ["trl-lora-best-mb4", "lora-best-default-mb4", "lora-best-default"],
+    # ... with varlen attention and the loss in chunks, beside the same TRL row and today's default
+    "lora2x-h100-varlen": ["trl-lora-best-mb4", "lora-best-default-varlen-chunked-mb4", "lora-best-default-mb4",
+                           "lora-best-default-varlen-chunked"],
     # issue 27 item 1 at 16k: the first step's wait (285 s for long-r1-16k's flex_attention) with and without it
     "long16": ["long-r1-16k-sdpa-default", "long-r1-16k-default", "long-r1-16k"],
     # issue 27 item 1's next lever, with its references in the same run: the 4k recipe and the 32k row without it
