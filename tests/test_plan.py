@@ -161,6 +161,23 @@ def test_plan_auto_is_applied_after_parsing_and_checked_like_the_users_options()
     assert options.training.liger_loss_on_labels == bool(planned.options.get("use_liger_kernel"))  # the plan's Liger
 
 
+@pytest.mark.parametrize("packages, attention", [(frozenset({"torch.nn.attention.varlen"}), "varlen"),
+                                                 (frozenset(), "sdpa")])
+def test_an_mla_plan_takes_varlen_where_this_torch_has_it(packages, attention):
+    """V2-Lite's plans run varlen (1.20-1.23x sdpa's step, bench/RESULTS.md); a torch without torch's varlen kernel
+    (before 2.9) gets sdpa, the plan's other options as they were."""
+    from sft.machine import Launch, Machine
+
+    m = Machine(gpu_names=("NVIDIA GeForce RTX 4090",), gpu_memory_gib=(23.99,), bf16=True, host_ram_gib=128,
+                launch=Launch(world_size=1, local_world_size=1, launched=True), packages=packages)
+    model = SimpleNamespace(model="deepseek-v2-lite", dtype="auto", attn_implementation="sdpa",
+                            quantize_experts="fp8")
+    lora = SimpleNamespace(lora=True, qlora=False, lora_r=16, lora_dropout=0.0)
+    training = SimpleNamespace(per_device_train_batch_size=1, activation_checkpointing=False, use_liger_kernel=False)
+    done, chosen = planned_options(model, lora, SimpleNamespace(max_length=2048), training, m, given=set())
+    assert chosen.w.resident and done["attn_implementation"] == attention and "use_liger_kernel" in done
+
+
 def run_planner(*args: str, host_ram: str = "64") -> subprocess.CompletedProcess:
     """`python -m sft.plan.planner ...` on a machine of `host_ram` GiB (SFT_HOST_RAM_GIB: sft/machine.py reads it)."""
     env = {**os.environ, "SFT_HOST_RAM_GIB": host_ram}
