@@ -209,8 +209,9 @@ def chunked_loss_where_liger_has_no_loss(o: Options, m: Machine) -> None:
     """--chunked_loss auto (the default): on for an MLA model (its config's model_type deepseek_v2/deepseek_v3),
     whose logits are otherwise whole: Liger's fused loss has no patch for them. Measured on DeepSeek-V2-Lite LoRA,
     one H100: the same speed as the whole logits and 9.7 GiB less peak memory (run 20261206T0619Z-moe-h100). The
-    model type comes from the model's config before any weights load (sft/model/model_type.py); a config that cannot be read gives off, and the run's own error says why when the
-    model loads. The first screen says when it is on. The user's true/false wins."""
+    model type comes from the model's config before any weights load (sft/model/model_type.py); a config that
+    cannot be read gives off, and the run's own error says why when the model loads. The first screen says when it
+    is on. The user's true/false wins."""
     md = o.model
     if md.chunked_loss != "auto":
         return
