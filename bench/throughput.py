@@ -352,6 +352,13 @@ MATRIX += [
         steps=4,
         args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--chunked_loss", "true",
               "--quantize_experts", "fp8", *NO_UNUSED), scaling_of="moe-lora-resident-1-mb4", timeout=420),
+    # ... as the planner plans it now: varlen and compiled layers (1.23x sdpa's on one card held to 24 GiB, run
+    # 20261206T0903Z-resident-varlen-h100), beside that one-card row
+    Row("moe-lora-resident-ddp-compile-varlen", "lora", "ddp", 0, model="deepseek-v2-lite", micro_batch=4,
+        grad_accum=2, warmup=3, steps=4,
+        args=("--lora_dropout", "0", "--attn_implementation", "varlen", *CKPT, "--chunked_loss", "true",
+              "--quantize_experts", "fp8", "--compile_layers", "true", *NO_UNUSED),
+        scaling_of="moe-lora-resident-1-mb4-compile-varlen", timeout=600),
     # ... against expert parallelism through DeepSpeed AutoEP (issue 26 item 2; accelerate_configs/autoep.yaml,
     # ZeRO-0), the experts in bf16, 32 of each layer's 64 on each of 2 cards held to 24 GiB. Per card (V2-Lite:
     # hidden 2048, 27 layers, the first dense, 64 routed experts of 3 x 2048 x 1408, 2 shared, vocab 102,400):
@@ -365,6 +372,10 @@ MATRIX += [
     Row("moe-lora-autoep-ddp", "lora", "autoep", 2, model="deepseek-v2-lite", micro_batch=4, grad_accum=2, warmup=2,
         steps=4, args=("--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--chunked_loss", "true"),
         timeout=600),
+    # ... with varlen (DeepSpeed's engine takes no compiled layers): AutoEP's best against the resident plan's
+    Row("moe-lora-autoep-ddp-varlen", "lora", "autoep", 2, model="deepseek-v2-lite", micro_batch=4, grad_accum=2,
+        warmup=2, steps=4, args=("--lora_dropout", "0", "--attn_implementation", "varlen", *CKPT, "--chunked_loss",
+                                 "true"), timeout=600),
     # DeepSeek-V2-Lite on TWO 24 GiB cards: ZeRO-3 shards the bf16 base (micro-batch 4 ran out of memory: the
     # logits of MLA models are whole, no Liger; run 20261201T0930Z-x2)
     Row("moe-lora-z3-2", "lora", "zero3", 2, model="deepseek-v2-lite", micro_batch=1, grad_accum=4, warmup=2, steps=4,
@@ -523,7 +534,10 @@ GROUPS = {
     # and (issue 26 item 4) the FSDP QLoRA check, bench/qlora_check.py --fsdp two, which lifts its refusal
     "issue30": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit-fp8", "full-fsdp-4bit", "peer-mb1",
                 "moe-lora-resident-1-mb4", "moe-lora-resident-ddp", "moe-lora-autoep-ddp", "moe-lora-z3-2",
-                "long-r1-32k", "long-r1-64k-sp2", "fsdp-qlora-check"],
+                "long-r1-32k", "long-r1-64k-sp2", "fsdp-qlora-check",
+                # the V2-Lite plan the planner gives now (varlen, compiled layers) under DDP and AutoEP's with varlen
+                "moe-lora-resident-1-mb4-compile-varlen", "moe-lora-resident-ddp-compile-varlen",
+                "moe-lora-autoep-ddp-varlen"],
     # issue 15 on two or three GPUs held to 24 GiB: the LoRA plan's DDP scaling, the full plan on a fresh machine
     # against the peers' offload recipe (run with --fresh_cache)
     "box": ["lora-1-fp8-compile", "lora-ddp-fp8-compile", "full-fsdp-4bit-fp8", "full-fsdp-4bit", "peer-mb1"],
