@@ -161,3 +161,36 @@ def test_unpacked_rows_with_padding_give_sdpas_loss(varlen_models):
         with torch.no_grad():
             losses[attention] = model(**batch).loss.item()
     assert losses["varlen"] == pytest.approx(losses["sdpa"], rel=1e-5)
+
+
+# ---- the attention left at its default on an MLA model's packed rows on a GPU: varlen (sft/options/resolve.py)
+
+H200 = dict(gpu_names=("NVIDIA H200",), gpu_capabilities=((9, 0),), gpu_memory_gib=(139.0,), bf16=True)
+
+
+def settled_attention(tmp_path, model_type: str, *extra: str, gpu: bool = True):
+    from sft.machine import Machine
+    from sft.options.arguments import read_options, settle
+
+    path = tmp_path / model_type
+    tiny_config(model_type).save_pretrained(path)
+    options = read_options(["--model", str(path), "--dataset", "data/alpaca_demo.json", "--output_dir",
+                            "/nonexistent/out", "--lora", *extra])
+    return settle(options, Machine(**H200) if gpu else Machine()).model
+
+
+@pytest.mark.parametrize("model_type, extra, gpu, want", [
+    ("deepseek_v2", ("--packing",), True, "varlen"),
+    ("deepseek_v3", ("--packing",), True, "varlen"),
+    ("deepseek_v2", ("--packing", "--attn_implementation", "sdpa"), True, "sdpa"),  # given: kept
+    ("deepseek_v2", (), True, "sdpa"),  # unpacked rows: varlen not measured there
+    ("deepseek_v2", ("--packing",), False, "sdpa"),  # no GPU: no kernel
+    ("llama", ("--packing",), True, "sdpa"),  # not MLA: the plans' flex_attention is for --plan auto to choose
+    ("deepseek_v2", ("--packing", "--activation_checkpointing", "true", "--activation_checkpointing_keep_attention",
+                     "true"), True, "sdpa"),  # the kept attention needs sdpa's kernels
+])
+def test_mla_packed_rows_attend_per_document_unless_told_otherwise(tmp_path, model_type, extra, gpu, want):
+    model = settled_attention(tmp_path, model_type, *extra, gpu=gpu)
+    assert model.attn_implementation == want
+    said = any(note.startswith("attention per packed document (varlen") for note in model.speed_choices)
+    assert said is (want == "varlen")

@@ -6,6 +6,7 @@ sft/model/loading.py does.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 from sft.errors import ModelNotFoundError, UserFacingError
@@ -15,6 +16,7 @@ from sft.machine import launch
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
+@functools.lru_cache(maxsize=None)  # several options settle by it (--chunked_loss, --attn_implementation): one read
 def model_type_before_loading(model: str) -> str | None:
     """The model_type of `model`'s config: a local directory's config.json, or a hub id's where it is cached or the
     hub answers now (check_hub_model: in seconds, where transformers retries an unreachable hub for ~25 s). None

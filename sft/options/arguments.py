@@ -111,7 +111,8 @@ class ModelArguments(FastPathSwitches):  # fp8_on, compile_layers_on, chunked_lo
                 "(rope_scaling.json beside it; docs/speed.md, Long rows)."})
     attn_implementation: str = field(default="sdpa", metadata={
         "help": "Attention kernel: sdpa, eager, flex_attention, varlen (packed rows' documents each alone, torch's "
-                "FlashAttention-2; GPUs 8.0+), flash_attention_2 (needs flash-attn)."})
+                "FlashAttention-2; GPUs 8.0+), flash_attention_2 (needs flash-attn). Not given: sdpa, except an "
+                "MLA model's (DeepSeek-V2/V3) packed rows on a GPU, which take varlen where it runs (1.2x)."})
     trust_remote_code: bool = field(default=False, metadata={
         "help": "Run Python code shipped with a hub model. Off by default: DeepSeek models are native in "
                 "transformers."})

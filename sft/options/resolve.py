@@ -21,8 +21,9 @@ from sft.errors import ConfigError
 from sft.machine import Machine, fp8_fast_accum_on
 from sft.options.checks import (NEW_RUN_DIR, PICKED_NEW, PICKED_NEWEST, PICKED_NOTHING,
                                SEQUENCE_PARALLEL_ATTENTIONS, Options, chunked_loss_combinations,
-                               compiled_layers_combinations, fp8_base_needs, fp8_combinations,
-                               loss_in_chunks_under_zero3, rows_padded_to)
+                               compiled_layers_combinations, fp8_base_needs, fp8_combinations, kept_attention_needs,
+                               loss_in_chunks_under_zero3, rows_padded_to, sequence_parallel_combinations,
+                               varlen_attention_runs)
 from sft.model.model_type import MLA_MODEL_TYPES, model_type_before_loading
 from sft.safety.run_dir import holds_a_run, method_name, new_run_dir, runs_of
 
@@ -205,6 +206,28 @@ def _refusal(check: Callable[[Options, Machine], None], o: Options, m: Machine, 
     return None
 
 
+def packed_mla_documents_attend_alone(o: Options, m: Machine) -> None:
+    """An MLA model's packed rows on a GPU, the attention not given: varlen, each packed document's attention alone
+    (sft/speed/varlen_attention.py), instead of sdpa over the whole row behind a mask: 1.20x sdpa's compiled V2-Lite
+    step uncapped and 1.23x its 24 GiB resident plan (runs 20261206T0640Z-varlen-h100, 0903Z-resident-varlen-h100),
+    the same loss to four digits. Only where varlen's own checks pass (torch >= 2.9, compute capability 8.0+, bf16
+    or fp16 activations, not beside the kept attention or --sequence_parallel), and not under --tp_size (not
+    measured there). The first screen says so; --attn_implementation sdpa keeps sdpa."""
+    md = o.model
+    if ("attn_implementation" in o.given or md.attn_implementation != "sdpa" or not m.cuda or not o.data.packing
+            or md.tp_size > 1 or model_type_before_loading(md.model) not in MLA_MODEL_TYPES):
+        return
+    md.attn_implementation = "varlen"
+    for check in (varlen_attention_runs, kept_attention_needs, sequence_parallel_combinations):
+        try:
+            check(o, m)
+        except ConfigError:
+            md.attn_implementation = "sdpa"
+            return
+    md.speed_choices += ("attention per packed document (varlen: MLA's packed rows, 1.20-1.23x sdpa's step; "
+                         "--attn_implementation sdpa keeps sdpa)",)
+
+
 def chunked_loss_where_liger_has_no_loss(o: Options, m: Machine) -> None:
     """--chunked_loss auto (the default): on for an MLA model (its config's model_type deepseek_v2/deepseek_v3),
     whose logits are otherwise whole: Liger's fused loss has no patch for them. Measured on DeepSeek-V2-Lite LoRA,
@@ -355,6 +378,7 @@ Derivation = Callable[[Options, Machine], None]
 # after the fast paths, whose first-screen notes it follows.
 DERIVED: list[Derivation] = [
     qlora_trains_lora, output_dir_of_its_own, fast_paths_where_supported, chunked_loss_where_liger_has_no_loss,
+    packed_mla_documents_attend_alone,
     packed_rows_take_one_length,
     sequence_parallel_slices_rows, fp8_training_pads_rows_to_16, tensor_parallel_saves_model_only, lora_skips_unused_parameter_search,
     compiled_layers_keep_liger_loss_only, liger_loss_on_labels, fsdp_checkpoints_activations, checkpoints_keep_attention,
