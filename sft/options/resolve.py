@@ -193,16 +193,17 @@ def resident_fp8_unmeasured(o: Options) -> str | None:
     return None
 
 
-def _refusal(check: Callable[[Options, Machine], None], o: Options, m: Machine, option: str) -> str | None:
-    """The reason `check` would refuse --OPTION true on this run (None if it would pass): its message up to the
-    first full stop, without the option's own name."""
-    setattr(o.model, option, "true")
+def _refusal(check: Callable[[Options, Machine], None], o: Options, m: Machine, option: str, value: str = "true",
+             before: str = "auto") -> str | None:
+    """The reason `check` would refuse --OPTION VALUE on this run (None if it would pass): its message up to the
+    first full stop, without the option's own name. The option is `before` again afterwards."""
+    setattr(o.model, option, value)
     try:
         check(o, m)
     except ConfigError as e:
         return str(e).split(". ")[0].removeprefix(f"--{option} with ").removeprefix(f"--{option}: ")
     finally:
-        setattr(o.model, option, "auto")
+        setattr(o.model, option, before)
     return None
 
 
@@ -217,13 +218,10 @@ def packed_mla_documents_attend_alone(o: Options, m: Machine) -> None:
     if ("attn_implementation" in o.given or md.attn_implementation != "sdpa" or not m.cuda or not o.data.packing
             or md.tp_size > 1 or model_type_before_loading(md.model) not in MLA_MODEL_TYPES):
         return
+    if any(_refusal(check, o, m, "attn_implementation", "varlen", "sdpa")
+           for check in (varlen_attention_runs, kept_attention_needs, sequence_parallel_combinations)):
+        return
     md.attn_implementation = "varlen"
-    for check in (varlen_attention_runs, kept_attention_needs, sequence_parallel_combinations):
-        try:
-            check(o, m)
-        except ConfigError:
-            md.attn_implementation = "sdpa"
-            return
     md.speed_choices += ("attention per packed document (varlen: MLA's packed rows, 1.20-1.23x sdpa's step; "
                          "--attn_implementation sdpa keeps sdpa)",)
 
