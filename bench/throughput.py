@@ -438,6 +438,19 @@ MATRIX += [
         args=(*LIGER, "--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--offload_activations", "true",
               "--mlp_tile_tokens", "4096", "--fp8", "auto", "--compile_layers", "auto",
               "--activation_checkpointing_keep_attention", "true")),
+    # ... at the 4k recipe's 65,536 tokens per optimizer step (2 x 32k; the long recipe's accumulation too): the
+    # optimizer, the clipping and the step's host work once per 65,536 tokens on both sides of issue 27's ratio,
+    # where the row above steps every 32,768; and deepseek-llm-7b the same way beside its own recipe at 4k (the
+    # issue names both models: llm-7b's 32 key/value heads and hidden 4,096 give attention a larger share)
+    *[Row(f"long-{short}-32k-sdpa-keep-ga2", "lora", model=model, seq_len=32768, grad_accum=2, warmup=2, steps=3,
+          profile_steps=0, repeat_data=1, long_docs=True, timeout=480,
+          args=(*LIGER, "--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--offload_activations", "true",
+                "--mlp_tile_tokens", "4096", "--fp8", "auto", "--compile_layers", "auto",
+                "--activation_checkpointing_keep_attention", "true"))
+      for short, model in (("r1", "r1-distill-qwen-7b"), ("llm", "deepseek-llm-7b"))],
+    Row("long-llm-4k-recipe", "lora", model="deepseek-llm-7b", seq_len=4096, micro_batch=2, grad_accum=8, warmup=1,
+        steps=2, profile_steps=0, repeat_data=1, long_docs=True, timeout=420,
+        args=("--config", str(REPO / "recipes" / "deepseek-llm-7b-lora.yaml"))),
     # 16k rows with the fast paths: long-r1-16k (flex_attention, none) took 285 s for its first step where the 32k
     # rows took 47-58 s (run 20261205T1855Z-next-h100): is it flex_attention's compile at 16,384 tokens (sdpa
     # compiles nothing per length), and how do the fast paths run between 4k and 32k
@@ -593,6 +606,9 @@ GROUPS = {
     "resident-varlen": ["moe-lora-resident-1-mb4-compile-varlen", "moe-lora-resident-1-mb4-compile"],
     # issue 26 item 3's last lever, --lora_experts, checkpointed beside its twin
     "moe-experts": ["moe-lora-ckpt-varlen-experts", "moe-lora-ckpt-varlen"],
+    # issue 27 item 1 for both models at the same tokens per optimizer step as their 4k recipes
+    "long-ratio-ga2": ["long-r1-4k-recipe", "long-r1-32k-sdpa-keep-ga2", "long-llm-4k-recipe",
+                       "long-llm-32k-sdpa-keep-ga2"],
     # issue 27 item 1: which attention kernel is fastest at 32k, and the kept 32k step's profile
     "long-profile": ["long-attention-check", "long-r1-32k-sdpa-keep-profiled"],
     "moe-levers": ["trl-moe-lora", "moe-lora-compile", "moe-lora-compile-flex", "moe-lora-compile-flex-fp8-chunked",
