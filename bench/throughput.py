@@ -297,6 +297,15 @@ MATRIX += [
     Row("lora-best-default-varlen-chunked-mb4", "lora", micro_batch=4, grad_accum=2, mem_cap_gib=0, warmup=3,
         steps=RATIO_STEPS, args=("--chunked_loss", "true", "--lora_dropout", "0", "--attn_implementation", "varlen",
                                  "--fp8", "auto", "--compile_layers", "auto"), vs="trl-lora-best-mb4", timeout=420),
+    # ... with inductor tuning its generated kernels' launch configs (coordinate descent: the FP8 quantization's row
+    # reductions were 18% of the compiled step's kernels in run 20261206T0958Z-lora2x-varlen-h100), and with
+    # autotuning its pointwise kernels: what each gives, and what each adds to the first step's compile
+    *[Row(f"lora-best-default-varlen-chunked-mb4-{name}", "lora", micro_batch=4, grad_accum=2, mem_cap_gib=0, warmup=3,
+          steps=RATIO_STEPS, args=("--chunked_loss", "true", "--lora_dropout", "0", "--attn_implementation", "varlen",
+                                   "--fp8", "auto", "--compile_layers", "auto"),
+          env=((variable, "1"),), vs="trl-lora-best-mb4", timeout=480)
+      for name, variable in (("cdt", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"),
+                             ("pw", "TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE"))],
     # ... and the box's LoRA plan on one 24 GiB card (lora-1's options) with them
     Row("lora-1-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--compile_layers", "true"), timeout=420),
     Row("lora-1-fp8-compile", "lora", micro_batch=4, args=(*LORA_FAST, "--fp8", "true", "--compile_layers", "true"),
@@ -606,6 +615,9 @@ GROUPS = {
     "resident-varlen": ["moe-lora-resident-1-mb4-compile-varlen", "moe-lora-resident-1-mb4-compile"],
     # issue 26 item 3's last lever, --lora_experts, checkpointed beside its twin
     "moe-experts": ["moe-lora-ckpt-varlen-experts", "moe-lora-ckpt-varlen"],
+    # issue 28 item 2: inductor's kernel tuning on the compiled step, beside TRL's best that fits an H100
+    "lora2x-tuning": ["trl-lora-best-mb4", "lora-best-default-varlen-chunked-mb4",
+                      "lora-best-default-varlen-chunked-mb4-cdt", "lora-best-default-varlen-chunked-mb4-pw"],
     # issue 27 item 1 for both models at the same tokens per optimizer step as their 4k recipes
     "long-ratio-ga2": ["long-r1-4k-recipe", "long-r1-32k-sdpa-keep-ga2", "long-llm-4k-recipe",
                        "long-llm-32k-sdpa-keep-ga2"],
