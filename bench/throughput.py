@@ -300,10 +300,13 @@ MATRIX += [
     # ... with inductor tuning its generated kernels' launch configs (coordinate descent: the FP8 quantization's row
     # reductions were 18% of the compiled step's kernels in run 20261206T0958Z-lora2x-varlen-h100), and with
     # autotuning its pointwise kernels: what each gives, and what each adds to the first step's compile
-    *[Row(f"lora-best-default-varlen-chunked-mb4-{name}", "lora", micro_batch=4, grad_accum=2, mem_cap_gib=0, warmup=3,
-          steps=RATIO_STEPS, args=("--chunked_loss", "true", "--lora_dropout", "0", "--attn_implementation", "varlen",
-                                   "--fp8", "auto", "--compile_layers", "auto"),
-          env=((variable, "1"),), vs="trl-lora-best-mb4", timeout=480)
+    # (at micro-batch 4 x 2 beside TRL's best on an H100, at 8 x 1 beside TRL's best on an H200)
+    *[Row(f"lora-best-default-varlen-chunked{'-mb4' if mb == 4 else ''}-{name}", "lora", micro_batch=mb,
+          grad_accum=8 // mb, mem_cap_gib=0, warmup=3, steps=RATIO_STEPS,
+          args=("--chunked_loss", "true", "--lora_dropout", "0", "--attn_implementation", "varlen", "--fp8", "auto",
+                "--compile_layers", "auto"),
+          env=((variable, "1"),), vs="trl-lora-best-mb4" if mb == 4 else "trl-lora-best", timeout=480)
+      for mb in (4, 8)
       for name, variable in (("cdt", "TORCHINDUCTOR_COORDINATE_DESCENT_TUNING"),
                              ("pw", "TORCHINDUCTOR_MAX_AUTOTUNE_POINTWISE"))],
     # ... and the box's LoRA plan on one 24 GiB card (lora-1's options) with them
@@ -618,6 +621,8 @@ GROUPS = {
     # issue 28 item 2: inductor's kernel tuning on the compiled step, beside TRL's best that fits an H100
     "lora2x-tuning": ["trl-lora-best-mb4", "lora-best-default-varlen-chunked-mb4",
                       "lora-best-default-varlen-chunked-mb4-cdt", "lora-best-default-varlen-chunked-mb4-pw"],
+    "lora2x-tuning-h200": ["trl-lora-best", "lora-best-default-varlen-chunked", "lora-best-default-varlen-chunked-cdt",
+                           "lora-best-default-varlen-chunked-pw"],
     # issue 27 item 1 for both models at the same tokens per optimizer step as their 4k recipes
     "long-ratio-ga2": ["long-r1-4k-recipe", "long-r1-32k-sdpa-keep-ga2", "long-llm-4k-recipe",
                        "long-llm-32k-sdpa-keep-ga2"],
