@@ -25,7 +25,7 @@ from sft.plan.planner import (NOT_PLANNED, main, nothing_planned_line, options_o
                               prediction_line)
 from sft.plan.plans import (AWAITED_CHECK, HEADROOM, MARGIN_GIB, Box, awaiting_plan, best_plan, enumerate_plans,
                             judged_plan,
-                            ranked, recommended, safe, shown_gib, split_plan)
+                            ranked, recommended, safe, shown_gib, split_plan, with_loss)
 from sft.plan.refit import fitted_numbers
 from sft.plan.rows import RESULTS, measured_rows, option_value, row_shape, workload_of_row
 from sft.plan.shapes import SHAPES, resolve_shape
@@ -159,6 +159,57 @@ def test_plan_auto_is_applied_after_parsing_and_checked_like_the_users_options()
         assert getattr(next(g for g in options.groups() if hasattr(g, name)), name) == value
     assert options.training.ddp_find_unused_parameters is False  # resolved after the plan, before the checks
     assert options.training.liger_loss_on_labels == bool(planned.options.get("use_liger_kernel"))  # the plan's Liger
+
+
+def test_plan_auto_sizes_its_plan_with_the_loss_the_user_typed():
+    """--use_liger_kernel false and --chunked_loss true/false are the user's: the plan is sized with them and sets
+    neither. Before, a typed --chunked_loss true met the plan's Liger and the run was refused ("keep one of the
+    two"), and --use_liger_kernel false ran micro-batch 4 sized for Liger's loss: 27.4 GiB with the whole logits,
+    over a 24 GB card."""
+    from sft.machine import Launch, Machine
+    from sft.train import final_options
+
+    box = Machine(gpu_names=("NVIDIA GeForce RTX 4090",) * 3, gpu_memory_gib=(23.99,) * 3, bf16=True,
+                  gpu_capabilities=((8, 9),) * 3, host_ram_gib=128,
+                  launch=Launch(world_size=3, local_world_size=3, launched=True),
+                  packages=frozenset({"liger_kernel", "torchao"}))
+    base = ["--model", "deepseek-llm-7b", "--dataset", str(REPO / "data" / "alpaca_demo.json"), "--output_dir",
+            "/nonexistent/out", "--lora", "--plan", "auto"]
+    _, liger = final_options(base, box)
+    assert liger.options["use_liger_kernel"] is True and liger.plan.w.fused_loss
+    options, chunked = final_options([*base, "--chunked_loss", "true"], box)
+    assert chunked.options["use_liger_kernel"] is False and "chunked_loss" not in chunked.options
+    assert options.model.chunked_loss_on and chunked.plan.w.chunked_loss and not chunked.plan.w.fused_loss
+    options, whole = final_options([*base, "--use_liger_kernel", "false"], box)
+    assert "use_liger_kernel" not in whole.options and not options.training.use_liger_kernel
+    assert not whole.plan.w.fused_loss and not whole.plan.w.chunked_loss  # the whole logits, counted
+    assert whole.plan.w.micro_batch < liger.plan.w.micro_batch and whole.plan.roomy
+    too_big = with_loss(liger.plan, Box(3, 23.99, 128), fused_loss=False)  # Liger's micro-batch, the whole logits
+    assert too_big.prediction.smi_gib > 24 and not too_big.fits
+    # where Liger is not installed the plan holds the whole logits too, and says use_liger_kernel false
+    _, bare = final_options(base, dataclasses.replace(box, packages=frozenset({"torchao"})))
+    assert bare.options["use_liger_kernel"] is False and bare.plan.w == whole.plan.w
+
+
+def test_an_mla_plan_keeps_a_typed_chunked_loss_false():
+    """An MLA model's plans take the loss in chunks (--chunked_loss auto's rule); a typed false is sized with the
+    whole logits."""
+    from sft.machine import Launch, Machine
+
+    m = Machine(gpu_names=("NVIDIA H100 80GB HBM3",), gpu_memory_gib=(79.2,), bf16=True, host_ram_gib=128,
+                gpu_capabilities=((9, 0),), launch=Launch(world_size=1, local_world_size=1, launched=True),
+                packages=frozenset({"torch.nn.attention.varlen"}))
+    model = SimpleNamespace(model="deepseek-v2-lite", dtype="auto", attn_implementation="sdpa", chunked_loss="false",
+                            fp8="auto", compile_layers="auto")
+    lora = SimpleNamespace(lora=True, qlora=False, lora_r=16, lora_dropout=0.0)
+    training = SimpleNamespace(per_device_train_batch_size=4, activation_checkpointing=False, use_liger_kernel=False,
+                               gradient_accumulation_steps=1)
+    data = SimpleNamespace(max_length=2048)
+    _, auto = planned_options(model, lora, data, training, m, given={"per_device_train_batch_size"})
+    options, typed = planned_options(model, lora, data, training, m,
+                                     given={"per_device_train_batch_size", "chunked_loss"})
+    assert auto.w.chunked_loss and not typed.w.chunked_loss and "chunked_loss" not in options
+    assert typed.prediction.reserved_gib > auto.prediction.reserved_gib
 
 
 @pytest.mark.parametrize("packages, attention", [(frozenset({"torch.nn.attention.varlen"}), "varlen"),

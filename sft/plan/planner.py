@@ -33,7 +33,7 @@ from sft.plan.long_rows import is_long
 from sft.plan.plan_text import command, fast_paths_text, kernels_text, plan_summary, plan_table
 from sft.plan.kernels import VARLEN_MODULE, kernels
 from sft.plan.plans import (AWAITED_CHECK, MARGIN_GIB, Box, Plan, awaiting_plan, best_plan, cards, closest_plan,
-                            enumerate_plans, launched_strategy, shown_gib, split_plan)
+                            enumerate_plans, launched_strategy, ranked, shown_gib, split_plan, with_loss)
 from sft.plan.refit import write_snapshot
 from sft.plan.rows import RESULTS
 from sft.plan.shapes import SHAPES, resolve_shape
@@ -41,11 +41,19 @@ from sft.plan.workload import Levers
 from sft.report.console import ToolParser
 
 
+def users_loss(model_args, training_args, given: set[str] | frozenset[str]) -> tuple[bool | None, bool | None]:
+    """(--use_liger_kernel, --chunked_loss) as the user typed them, None where not typed (or `auto`): the plans are
+    sized with them, and set neither (plans.with_loss)."""
+    fused = bool(training_args.use_liger_kernel) if "use_liger_kernel" in given else None
+    chunked = getattr(model_args, "chunked_loss", "auto") if "chunked_loss" in given else "auto"
+    return fused, None if chunked == "auto" else chunked == "true"
+
+
 def options_of(plan: Plan) -> dict:
     """The training options a plan sets (for `--plan auto`), by option name."""
     w = plan.w
     opts = {"per_device_train_batch_size": w.micro_batch, "activation_checkpointing": w.checkpointing,
-            **kernels(plan.w.strategy, plan.shape, w.sequence_parallel)}
+            **kernels(plan.w.strategy, plan.shape, w.sequence_parallel), "use_liger_kernel": w.fused_loss}
     if w.sequence_parallel > 1:  # its loss is in chunks without asking; one conversation per row under sdpa
         opts.update(sequence_parallel=w.sequence_parallel, packing=False)
     if w.resident:
@@ -112,12 +120,14 @@ def planned_options(model_args, lora_args, data_args, training_args, machine=Non
     # for it, and then only one (the run refuses --quantize_experts elsewhere)
     experts = getattr(model_args, "quantize_experts", "none") == "fp8"
     plans = [p for p in plans if p.w.resident == experts]
+    fused, chunked = users_loss(model_args, training_args, given)
+    if fused is None and not m.has("liger_kernel"):
+        fused = False  # not installed here: the plans hold the whole logits
+    plans = ranked([with_loss(p, box, fused, chunked) for p in plans])
     chosen = best_plan(plans)
     if chosen is None:
         return NOT_PLANNED
     wanted = options_of(chosen)
-    if wanted.get("use_liger_kernel") and not m.has("liger_kernel"):
-        wanted["use_liger_kernel"] = False  # not installed here: the plan's other options still hold
     if wanted.get("attn_implementation") == "varlen" and not m.has(VARLEN_MODULE):
         wanted["attn_implementation"] = "sdpa"  # torch before 2.9: MLA's attention as before varlen
     if method == "full" and "dtype" in given:  # the user's precision wins: keep plans of that precision

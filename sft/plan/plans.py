@@ -290,6 +290,25 @@ def judged_plan(shape: Shape, box: Box, w: Workload, fast: FastPaths, asked: Ask
                 refused_today(box.described(), w.strategy, w.world, w.setup.method))
 
 
+def with_loss(plan: Plan, box: Box, fused_loss: bool | None = None, chunked_loss: bool | None = None) -> Plan:
+    """`plan` with the loss the user typed (None: as planned): Liger's fused loss or not (--use_liger_kernel), the
+    loss in chunks or not (--chunked_loss true/false; a typed true runs without Liger, which the run refuses beside
+    it; where not typed, the run's --chunked_loss auto rule for that Liger). Without either the logits are whole,
+    which the memory model counts: a plan sized for Liger's loss may not fit without it. An SP plan's loss is in
+    chunks whatever is typed (sequence_parallel.KERNELS)."""
+    w = plan.w
+    if w.sequence_parallel > 1 or (fused_loss is None and chunked_loss is None):
+        return plan
+    fused = fused_loss if fused_loss is not None else w.fused_loss and not chunked_loss
+    chunked = chunked_loss if chunked_loss is not None else (
+        not fused if w.resident else loss_in_chunks_by_default(w.strategy, w.world, w.setup.method,
+                                                              plan.shape.model_type, fused))
+    if (fused, chunked) == (w.fused_loss, w.chunked_loss):
+        return plan
+    return judged_plan(plan.shape, box, dataclasses.replace(w, fused_loss=fused, chunked_loss=chunked), plan.fast,
+                       plan.asked)
+
+
 def best_plan(plans: list[Plan]) -> Plan | None:
     """The first of the ranked plans that fits with its margin (nvidia-smi at most the card less MARGIN_GIB) under a
     recommended strategy, its speed measured; where none is, the first SP plan that fits so (Plan.last_resort: its
