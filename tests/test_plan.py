@@ -21,7 +21,7 @@ from sft.plan.kernels import kernels
 from sft.plan.long_rows import is_long, long_row_flops_per_token
 from sft.plan.memory import CALIBRATION, fast_path_bytes, fsdp_adapter_buffers, predict, whole_layer_activations
 from sft.plan.plan_text import command, fast_paths_said, kernels_text
-from sft.plan.planner import (NOT_PLANNED, main, nothing_planned_line, options_of, planned_options,
+from sft.plan.planner import (NOT_PLANNED, loss_here, main, nothing_planned_line, options_of, planned_options,
                               prediction_line)
 from sft.plan.plans import (AWAITED_CHECK, HEADROOM, MARGIN_GIB, Box, awaiting_plan, best_plan, enumerate_plans,
                             judged_plan,
@@ -186,9 +186,14 @@ def test_plan_auto_sizes_its_plan_with_the_loss_the_user_typed():
     assert whole.plan.w.micro_batch < liger.plan.w.micro_batch and whole.plan.roomy
     too_big = with_loss(liger.plan, Box(3, 23.99, 128), fused_loss=False)  # Liger's micro-batch, the whole logits
     assert too_big.prediction.smi_gib > 24 and not too_big.fits
-    # where Liger is not installed the plan holds the whole logits too, and says use_liger_kernel false
-    _, bare = final_options(base, dataclasses.replace(box, packages=frozenset({"torchao"})))
-    assert bare.options["use_liger_kernel"] is False and bare.plan.w == whole.plan.w
+    # where Liger is not installed the plan takes the loss in torch chunks instead (as lean: Liger's micro-batch)
+    options, bare = final_options(base, dataclasses.replace(box, packages=frozenset({"torchao"})))
+    assert bare.options["use_liger_kernel"] is False and bare.options["chunked_loss"] == "true"
+    assert options.model.chunked_loss_on and bare.plan.w.micro_batch == liger.plan.w.micro_batch
+    # ... but not under ZeRO-3 for a full fine-tune, whose trained lm_head the run's loss in chunks refuses there
+    zero3 = next(p for p in enumerate_plans(SHAPES["deepseek-llm-7b"], Box(3, 23.99, 128), "full")
+                 if p.w.strategy == "zero3" and p.w.fused_loss)
+    assert loss_here(zero3, (None, None), liger_installed=False) == (False, False)
 
 
 def test_an_mla_plan_keeps_a_typed_chunked_loss_false():

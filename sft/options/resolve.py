@@ -248,8 +248,14 @@ def chunked_loss_by_default(model_type: str | None, o: Options, m: Machine) -> b
     the checks a user who typed `true` would meet pass (not beside --use_liger_kernel or under --tp_size, nor for a
     trained lm_head under ZeRO-3 on several processes). The planner asks it of its plans (sft/plan/fast_paths.py
     loss_in_chunks_by_default)."""
-    return model_type in MLA_MODEL_TYPES and not any(
-        _refusal(check, o, m, "chunked_loss") for check in (chunked_loss_combinations, loss_in_chunks_under_zero3))
+    return model_type in MLA_MODEL_TYPES and chunked_loss_allowed(o, m)
+
+
+def chunked_loss_allowed(o: Options, m: Machine) -> bool:
+    """Whether a typed --chunked_loss true passes its checks in this run (the planner asks it too, where Liger is
+    not installed: fast_paths.loss_in_chunks_allowed)."""
+    return not any(_refusal(check, o, m, "chunked_loss")
+                   for check in (chunked_loss_combinations, loss_in_chunks_under_zero3))
 
 
 def compiled_layers_keep_liger_loss_only(o: Options, m: Machine) -> None:

@@ -19,7 +19,7 @@ from sft.errors import ConfigError
 from sft.machine import OPTIONAL_PACKAGES, Machine, gpu_kind
 from sft.options.checks import (Options, compiled_layers_combinations, fp8_base_needs, fp8_combinations,
                                 qlora_under_fsdp_awaits_its_gpu_run)
-from sft.options.resolve import chunked_loss_by_default, fast_paths_where_supported
+from sft.options.resolve import chunked_loss_allowed, chunked_loss_by_default, fast_paths_where_supported
 from sft.options.switches import FastPathSwitches
 from sft.parallel.strategies import STRATEGIES
 
@@ -113,10 +113,22 @@ def loss_in_chunks_by_default(strategy: str, world: int, method: str, model_type
     """Whether a plan's run computes its loss in chunks without being asked (--chunked_loss auto, the default), for
     a model of `model_type` under `strategy` on `world` processes, with Liger's fused loss or not: the run's own
     rule (sft/options/resolve.py chunked_loss_by_default), asked of the plan's launch described as data."""
+    return chunked_loss_by_default(model_type, *_launch_of(strategy, world, method, fused_loss))
+
+
+@functools.lru_cache(maxsize=None)
+def loss_in_chunks_allowed(strategy: str, world: int, method: str) -> bool:
+    """Whether a plan's run may take --chunked_loss true (without Liger): the run's own checks
+    (sft/options/resolve.py chunked_loss_allowed)."""
+    return chunked_loss_allowed(*_launch_of(strategy, world, method, False))
+
+
+def _launch_of(strategy: str, world: int, method: str, fused_loss: bool) -> tuple[Options, Machine]:
+    """A plan's run as the run's rules read it: its options and its launch, described as data."""
     s = STRATEGIES[strategy]
     model = _ModelOptions("false", "false", tp_size=world if s.sharded_kind == "tp" else 1, chunked_loss="auto")
     o = Options(model, None, plain_lora(method), SimpleNamespace(use_liger_kernel=fused_loss, sequence_parallel=1))
-    return chunked_loss_by_default(model_type, o, Machine(launch=s.launch(world)))
+    return o, Machine(launch=s.launch(world))
 
 
 # The run's refusals of a whole kind of plan until its GPU check passes: a plan they refuse fits, but cannot run yet.

@@ -28,7 +28,7 @@ from typing import NamedTuple
 from sft.machine import GPU_KINDS, gpu_kind, host_ram_gib as this_host_ram
 from sft.parallel.strategies import PRECISION_OPTIONS, STRATEGIES
 from sft.plan.bench_check import check_rows, check_summary, check_table
-from sft.plan.fast_paths import Asked
+from sft.plan.fast_paths import Asked, loss_in_chunks_allowed
 from sft.plan.long_rows import is_long
 from sft.plan.plan_text import command, fast_paths_text, kernels_text, plan_summary, plan_table
 from sft.plan.kernels import VARLEN_MODULE, kernels
@@ -41,12 +41,26 @@ from sft.plan.workload import Levers
 from sft.report.console import ToolParser
 
 
-def users_loss(model_args, training_args, given: set[str] | frozenset[str]) -> tuple[bool | None, bool | None]:
+Loss = tuple[bool | None, bool | None]  # (Liger's fused loss, the loss in chunks); None: as the plan has it
+
+
+def users_loss(model_args, training_args, given: set[str] | frozenset[str]) -> Loss:
     """(--use_liger_kernel, --chunked_loss) as the user typed them, None where not typed (or `auto`): the plans are
     sized with them, and set neither (plans.with_loss)."""
     fused = bool(training_args.use_liger_kernel) if "use_liger_kernel" in given else None
     chunked = getattr(model_args, "chunked_loss", "auto") if "chunked_loss" in given else "auto"
     return fused, None if chunked == "auto" else chunked == "true"
+
+
+def loss_here(plan: Plan, typed: Loss, liger_installed: bool) -> Loss:
+    """The loss `plan` runs with on this machine: as typed (users_loss), and where it planned Liger's fused loss and
+    Liger is not installed, the loss in torch chunks instead (sft/speed/chunked_loss.py: no whole logits either)
+    where the run allows it, the whole logits where not."""
+    fused, chunked = typed
+    if fused is None and plan.w.fused_loss and not liger_installed:
+        w = plan.w
+        return False, chunked if chunked is not None else loss_in_chunks_allowed(w.strategy, w.world, w.setup.method)
+    return fused, chunked
 
 
 def options_of(plan: Plan) -> dict:
@@ -120,10 +134,8 @@ def planned_options(model_args, lora_args, data_args, training_args, machine=Non
     # for it, and then only one (the run refuses --quantize_experts elsewhere)
     experts = getattr(model_args, "quantize_experts", "none") == "fp8"
     plans = [p for p in plans if p.w.resident == experts]
-    fused, chunked = users_loss(model_args, training_args, given)
-    if fused is None and not m.has("liger_kernel"):
-        fused = False  # not installed here: the plans hold the whole logits
-    plans = ranked([with_loss(p, box, fused, chunked) for p in plans])
+    typed = users_loss(model_args, training_args, given)
+    plans = ranked([with_loss(p, box, *loss_here(p, typed, m.has("liger_kernel"))) for p in plans])
     chosen = best_plan(plans)
     if chosen is None:
         return NOT_PLANNED
