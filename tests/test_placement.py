@@ -142,7 +142,7 @@ def test_the_memory_line_of_a_long_row_run_counts_its_own_levers():
                   host_ram_gib=128, launch=Launch(world_size=3, local_world_size=3, launched=True))
     lora, data = NS(qlora=False, lora=True, lora_r=16), NS(max_length=32768)
     training = NS(per_device_train_batch_size=1, gradient_accumulation_steps=2, activation_checkpointing=True,
-                  torch_compile=False, offload_activations=True)
+                  torch_compile=False, offload_activations=True, use_liger_kernel=True)
     model = NS(model="r1-distill-qwen-7b", quantize_experts="none", fp8="auto", compile_layers="auto",
                mlp_tile_tokens=4096)
     levered = predict_this_run(model, lora, data, training, box)
@@ -151,6 +151,9 @@ def test_the_memory_line_of_a_long_row_run_counts_its_own_levers():
                             NS(**{**vars(training), "offload_activations": False}), box)
     assert (bare.w.mlp_tile_tokens, bare.w.offload_activations) == (0, False)
     assert levered.prediction.smi_gib < 23 < bare.prediction.smi_gib
+    # ... and with the loss it runs: without Liger's (nor the loss in chunks) the 32k logits count, 152k wide
+    whole = predict_this_run(model, lora, data, NS(**{**vars(training), "use_liger_kernel": False}), box)
+    assert not whole.w.fused_loss and whole.prediction.smi_gib > levered.prediction.smi_gib + 20
 
 
 def test_under_deepspeed_autoep_a_rank_holds_its_share_of_the_experts():
