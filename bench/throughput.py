@@ -293,6 +293,12 @@ MATRIX += [
     Row("lora-best-default-mb4", "lora", micro_batch=4, grad_accum=2, mem_cap_gib=0, warmup=3, steps=RATIO_STEPS,
         args=(*LIGER, "--lora_dropout", "0", *FLEX, "--fp8", "auto", "--compile_layers", "auto"),
         vs="trl-lora-best-mb4", timeout=420),
+    # ... with sdpa (the attention a dense model's run gets when none is given: the packed rows' documents kept apart
+    # by a mask) and with varlen (each packed document alone): whether varlen should be the dense default too
+    *[Row(f"lora-best-default-{attention}-mb4", "lora", micro_batch=4, grad_accum=2, mem_cap_gib=0, warmup=3,
+          steps=RATIO_STEPS, args=(*LIGER, "--lora_dropout", "0", "--attn_implementation", attention, "--fp8", "auto",
+                                   "--compile_layers", "auto"), vs="trl-lora-best-mb4", timeout=420)
+      for attention in ("sdpa", "varlen")],
     # ... with varlen attention and the loss in chunks (the two levers of lora-best-default-varlen-chunked)
     Row("lora-best-default-varlen-chunked-mb4", "lora", micro_batch=4, grad_accum=2, mem_cap_gib=0, warmup=3,
         steps=RATIO_STEPS, args=("--chunked_loss", "true", "--lora_dropout", "0", "--attn_implementation", "varlen",
@@ -622,6 +628,8 @@ GROUPS = {
     "lora2x-tuning": ["trl-lora-best-mb4", "lora-best-default-varlen-chunked-mb4",
                       "lora-best-default-varlen-chunked-mb4-cdt", "lora-best-default-varlen-chunked-mb4-pw"],
     # issue 28 item 2 on an H200 with today's default at micro-batch 8 and 12, beside TRL's best (8 x 1)
+    # a dense model's packed rows: sdpa (the default without --plan) against varlen, same run
+    "dense-attention": ["lora-best-default-sdpa-mb4", "lora-best-default-varlen-mb4"],
     "lora2x-h200-default": ["trl-lora-best", "lora-best-default-varlen-chunked", "lora-best-default-varlen-chunked-mb12"],
     "lora2x-tuning-h200": ["trl-lora-best", "lora-best-default-varlen-chunked", "lora-best-default-varlen-chunked-cdt",
                            "lora-best-default-varlen-chunked-pw"],
