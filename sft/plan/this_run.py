@@ -54,10 +54,10 @@ def _matching_plan(shape, model_args, lora_args, data_args, training_args, machi
                   and p.w.resident == experts), None)
     if found is None:
         return None
-    fused = found.w.fused_loss and bool(getattr(training_args, "use_liger_kernel", False))
-    own = {  # the run's own options where the plans have other values: without Liger's loss or the loss in chunks
-        # the run holds the whole logits (Liger has no MLA patch: the plans of MLA models never take it), and no
-        # plan keeps attention outputs
+    fused = bool(getattr(training_args, "use_liger_kernel", False))
+    own = {  # the run's own options where the plans have other values: without Liger's loss (SFTTrainer computes it
+        # from the hidden states for any model, MLA's too) or the loss in chunks the run holds the whole logits, and
+        # no plan keeps attention outputs
         "fused_loss": fused, "chunked_loss": bool(getattr(model_args, "chunked_loss_on", False)) and not fused,
         "keep_attention": bool(getattr(training_args, "activation_checkpointing_keep_attention", False))}
     if all(getattr(found.w, name) == value for name, value in own.items()):
