@@ -300,13 +300,15 @@ def with_loss(plan: Plan, box: Box, fused_loss: bool | None = None, chunked_loss
     if w.sequence_parallel > 1 or (fused_loss is None and chunked_loss is None):
         return plan
     fused = fused_loss if fused_loss is not None else w.fused_loss and not chunked_loss
-    chunked = chunked_loss if chunked_loss is not None else (
-        not fused if w.resident else loss_in_chunks_by_default(w.strategy, w.world, w.setup.method,
-                                                              plan.shape.model_type, fused))
-    if (fused, chunked) == (w.fused_loss, w.chunked_loss):
-        return plan
-    return judged_plan(plan.shape, box, dataclasses.replace(w, fused_loss=fused, chunked_loss=chunked), plan.fast,
-                       plan.asked)
+    loss = dataclasses.replace(w, fused_loss=fused)
+    if chunked_loss is not None:
+        loss = dataclasses.replace(loss, chunked_loss=chunked_loss)
+    elif w.resident:  # a resident plan's own rule
+        loss = _resident(loss)
+    else:  # the run's --chunked_loss auto
+        loss = dataclasses.replace(loss, chunked_loss=loss_in_chunks_by_default(w.strategy, w.world, w.setup.method,
+                                                                                plan.shape.model_type, fused))
+    return plan if loss == w else judged_plan(plan.shape, box, loss, plan.fast, plan.asked)
 
 
 def best_plan(plans: list[Plan]) -> Plan | None:
