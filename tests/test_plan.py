@@ -164,8 +164,8 @@ def test_plan_auto_is_applied_after_parsing_and_checked_like_the_users_options()
 def test_plan_auto_sizes_its_plan_with_the_loss_the_user_typed():
     """--use_liger_kernel false and --chunked_loss true/false are the user's: the plan is sized with them and sets
     neither. Before, a typed --chunked_loss true met the plan's Liger and the run was refused ("keep one of the
-    two"), and --use_liger_kernel false ran micro-batch 4 sized for Liger's loss: predicted 27.4 GiB with the whole logits,
-    over a 24 GB card."""
+    two"), and --use_liger_kernel false ran micro-batch 4 sized for Liger's loss: predicted 27.4 GiB with the whole
+    logits, over a 24 GB card."""
     from sft.machine import Launch, Machine
     from sft.train import final_options
 
