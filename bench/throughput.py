@@ -304,6 +304,15 @@ MATRIX += [
     Row("lora-best-default-sdpa-whole-mb4", "lora", micro_batch=4, grad_accum=2, mem_cap_gib=0, warmup=3,
         steps=RATIO_STEPS, args=("--chunked_loss", "false", "--lora_dropout", "0", "--attn_implementation", "sdpa",
                                  "--fp8", "auto", "--compile_layers", "auto"), vs="trl-lora-best-mb4", timeout=420),
+    # ... the two levers apart: varlen with the whole logits; and neither named, which is varlen and the loss in
+    # chunks since 2026-12-06 15:30 UTC (sft/options/resolve.py packed_documents_attend_alone,
+    # loss_in_chunks_unless_liger): what a user gets with no option
+    Row("lora-best-default-varlen-whole-mb4", "lora", micro_batch=4, grad_accum=2, mem_cap_gib=0, warmup=3,
+        steps=RATIO_STEPS, args=("--chunked_loss", "false", "--lora_dropout", "0", "--attn_implementation", "varlen",
+                                 "--fp8", "auto", "--compile_layers", "auto"), vs="trl-lora-best-mb4", timeout=420),
+    Row("lora-best-default-none-mb4", "lora", micro_batch=4, grad_accum=2, mem_cap_gib=0, warmup=3,
+        steps=RATIO_STEPS, args=("--lora_dropout", "0", "--fp8", "auto", "--compile_layers", "auto"),
+        vs="trl-lora-best-mb4", timeout=420),
     # ... with varlen attention and the loss in chunks (the two levers of lora-best-default-varlen-chunked)
     Row("lora-best-default-varlen-chunked-mb4", "lora", micro_batch=4, grad_accum=2, mem_cap_gib=0, warmup=3,
         steps=RATIO_STEPS, args=("--chunked_loss", "true", "--lora_dropout", "0", "--attn_implementation", "varlen",
@@ -445,6 +454,12 @@ MATRIX += [
     Row("long-r1-32k-sdpa-default", "lora", model="r1-distill-qwen-7b", seq_len=32768, warmup=2, steps=3,
         profile_steps=0, repeat_data=1, long_docs=True, timeout=420,
         args=(*LIGER, "--lora_dropout", "0", "--attn_implementation", "sdpa", *CKPT, "--offload_activations", "true",
+              "--mlp_tile_tokens", "4096", "--fp8", "auto", "--compile_layers", "auto")),
+    # ... under varlen, whose rows of one conversation each come without offsets and run sdpa's causal kernel
+    # (sft/speed/varlen_attention.py): what packed rows' default attention gives a long trace
+    Row("long-r1-32k-varlen-default", "lora", model="r1-distill-qwen-7b", seq_len=32768, warmup=2, steps=3,
+        profile_steps=0, repeat_data=1, long_docs=True, timeout=420,
+        args=(*LIGER, "--lora_dropout", "0", "--attn_implementation", "varlen", *CKPT, "--offload_activations", "true",
               "--mlp_tile_tokens", "4096", "--fp8", "auto", "--compile_layers", "auto")),
     # ... keeping each layer's attention output for the backward instead of recomputing it (sft/speed/kept_attention.py):
     # the compiled layers save it with their checkpoint, so it waits in host RAM beside it (+6.2 GiB host RAM, two
@@ -637,6 +652,9 @@ GROUPS = {
     "dense-attention": ["lora-best-default-sdpa-mb4", "lora-best-default-varlen-mb4"],
     # a dense model's defaults: before (sdpa behind the packed mask, whole logits), the candidate (varlen, the loss in
     # chunks), the README table's options (Liger, flex_attention), TRL's best, at the same 16,384 tokens a step
+    # the two levers of the new default apart, what no option gives now, and a long trace under varlen against sdpa
+    "dense-default-2": ["lora-best-default-sdpa-whole-mb4", "lora-best-default-varlen-whole-mb4",
+                        "lora-best-default-none-mb4", "long-r1-32k-sdpa-default", "long-r1-32k-varlen-default"],
     "dense-default": ["lora-best-default-sdpa-whole-mb4", "lora-best-default-varlen-chunked-mb4", "lora-best-default-mb4",
                       "trl-lora-best-mb4"],
     "lora2x-h200-default": ["trl-lora-best", "lora-best-default-varlen-chunked", "lora-best-default-varlen-chunked-mb12"],

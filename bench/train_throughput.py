@@ -432,6 +432,7 @@ def make_row(args, ranks: list[dict], monitor: Monitor, wall: float, cpu: bool) 
         "compiled_layers": r0.get("compiled_layers"),
         # ... and its loss, read off the trainer: --chunked_loss auto settles by the model (sft/plan/rows.py)
         "loss_in_chunks": r0.get("loss_in_chunks"),
+        "attention": r0.get("attention"),
         "measured_steps": r0.get("measured_steps"),
         "loss_first_last": r0.get("loss_first_last"),
         "wall_s": round(wall, 1),
@@ -636,6 +637,14 @@ def fast_paths_ran(model) -> dict[str, int]:
             "compiled_layers": sum(m._compiled_call_impl is not None for m in modules)}
 
 
+def attention_ran(model) -> str | None:
+    """The attention the model's layers call (its config's, as transformers set it at load): a row that names none
+    runs the default of its day (sft/options/resolve.py packed_documents_attend_alone), which the options alone do
+    not say."""
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None)
+
+
 def loss_in_chunks(trainer) -> bool | None:
     """Whether our trainer computes its loss in chunks (--chunked_loss, `auto` settled by the model, and always
     under --sequence_parallel: sft/train.py); None for TRL's."""
@@ -680,7 +689,7 @@ def _bench_callback(spec: dict, rank: int):
 
         def on_train_begin(self, args, state, control, model=None, **kwargs):
             self.fast_paths = {**(fast_paths_ran(model) if model is not None else {}),
-                               "loss_in_chunks": loss_in_chunks(self.trainer)}
+                               "loss_in_chunks": loss_in_chunks(self.trainer), "attention": attention_ran(model)}
             self.mark, self.seen = time.perf_counter(), self.tokens_now(state)[0]
             self.gc_pauses: list[tuple[int, int, float]] = []  # (step under way, generation, ms) of each collection
             self.gc_started = 0.0

@@ -210,7 +210,7 @@ def train(run: Run, seams: Seams) -> int:
     model = load_model(model_args, lora_args, training_args.activation_checkpointing, seams.model_factory, rope)
     # The training loss from the labelled tokens' hidden states (sft/speed/chunked_loss.py): Liger's fused kernel where
     # Liger's own would run (sft/options/resolve.py), torch chunks under --chunked_loss (refused beside Liger; on by
-    # default for MLA models, which Liger has no loss for: resolve.py chunked_loss_where_liger_has_no_loss).
+    # default wherever Liger's is not: resolve.py loss_in_chunks_unless_liger).
     # Under --sequence_parallel always one of them (sft/speed/sequence_parallel_loss.py). LoRA under ZeRO-3 on several
     # processes: the frozen lm_head gathered once for the loss (chunked_causal_lm_loss); a trained one is refused
     # there (sft/options/checks.py loss_in_chunks_under_zero3; here the lm_head tied to a trained embed_tokens).

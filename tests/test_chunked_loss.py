@@ -248,6 +248,7 @@ def test_liger_runs_its_fused_loss_on_the_labelled_tokens_where_its_own_would_ru
     def liger_setup(*extra: str, launch: Launch = Launch()) -> tuple[dict | None, bool]:
         args = parse_args(["--model", "m", "--dataset", DATA, "--output_dir", "/nonexistent/out", *extra])
         args[3].use_liger_kernel = True  # parse_args checks against this CPU machine, which has no Liger
+        args[0].chunked_loss = "auto"  # as typed: parse_args settled it for a run without Liger
         validate_setup(*args, machine=replace(machine(), launch=launch))
         return args[3].liger_kernel_config, args[3].liger_loss_on_labels
 
@@ -270,7 +271,7 @@ def test_trains_through_the_entry_point(tmp_path, tiny_llama, capsys):
     assert code == 0, capsys.readouterr().err[-2000:]
 
 
-# ---- --chunked_loss auto (the default): on for MLA models, which Liger's fused loss has no patch for
+# ---- --chunked_loss auto (the default): on wherever Liger's fused loss is not
 
 def config_dir(tmp_path, model_type: str) -> str:
     """A model directory holding only a tiny config of `model_type`: all the rule reads before weights load."""
@@ -291,52 +292,52 @@ def settled(model: str, *extra: str, launch: Launch = Launch()):
     return settle(options_for(model, *extra), Machine(launch=launch)).model
 
 
-@pytest.mark.parametrize("model_type, on", [("deepseek_v2", True), ("deepseek_v3", True), ("llama", False),
-                                            ("qwen2", False)])
-def test_auto_takes_the_loss_in_chunks_for_mla_models_and_the_first_screen_says_so(tmp_path, model_type, on):
+NOTE = ("loss in chunks on (no [tokens x vocabulary] logits held whole; --use_liger_kernel fuses it instead, "
+        "--chunked_loss false turns it off)")
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3", "llama", "qwen2"])
+def test_auto_takes_the_loss_in_chunks_without_liger_and_the_first_screen_says_so(tmp_path, model_type):
     from sft.report.console import run_overview
 
     m = settled(config_dir(tmp_path, model_type), "--lora")
-    assert m.chunked_loss_on is on
-    note = (f"loss in chunks on ({model_type}: Liger has no fused loss for MLA models, so the logits would be whole; "
-            f"--chunked_loss false turns it off)")
-    assert m.speed_choices == ((note,) if on else ())
+    assert m.chunked_loss_on
+    assert m.speed_choices == (NOTE,)
     text = run_overview(model="m", architecture="DeepseekV2ForCausalLM", total_params=10, trainable_params=1,
                         dtype="float32", adapter_dtype=None, mixed_precision=None, lora_rank=8, processes=1,
                         strategy="no parallelism", devices="CPU", per_device_batch=1, grad_accum=1, data_parallel=1,
                         mean_row_tokens=None, max_steps=1, epochs=None, resume_step=0, output_dir="out", saves="none",
                         tensorboard=None, speed=m.speed_choices)
-    assert (f"  speed        {note}" in text.splitlines()) is on
+    assert f"  speed        {NOTE}" in text.splitlines()
 
 
-def test_auto_reads_no_weights_and_is_off_where_the_config_cannot_be_read(monkeypatch):
-    """The embedded tiny model (a Llama) is not built to be read; a model that is not there, or a hub id neither
-    cached nor reachable, is off at once, its own error said when the run loads it."""
+def test_auto_reads_no_weights_nor_config(monkeypatch):
+    """The rule needs nothing of the model: the embedded tiny model is not built for it, and a model that is not
+    there is on too (its own error is said when the run loads it)."""
     import huggingface_hub.constants
 
     import sft.model.tiny
 
     monkeypatch.setattr(sft.model.tiny, "ensure_tiny_model", lambda *a, **k: pytest.fail("the tiny model was built"))
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # an id not cached: refused at once
-    assert not settled("tiny-deepseek").chunked_loss_on
-    assert not settled("/nonexistent/model").chunked_loss_on
-    assert not settled("nobody/no-such-model").chunked_loss_on
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert settled("tiny-deepseek").chunked_loss_on
+    assert settled("/nonexistent/model").chunked_loss_on
 
 
 def test_auto_is_off_where_the_checks_refuse_it(tmp_path):
     """Beside Liger's fused loss, under --tp_size, and for a trained lm_head under ZeRO-3 on several processes: the
     checks a `true` would meet. A LoRA's frozen lm_head there is gathered once: on."""
-    from sft.options.resolve import chunked_loss_by_default
+    from sft.options.resolve import chunked_loss_allowed
 
     v2 = config_dir(tmp_path, "deepseek_v2")
     for change in ("use_liger_kernel", "tp_size"):
         o = options_for(v2, "--lora")
         setattr(o.training if change == "use_liger_kernel" else o.model, change, True if change[0] == "u" else 2)
-        assert not chunked_loss_by_default("deepseek_v2", o, Machine())
+        assert not chunked_loss_allowed(o, Machine())
     zero3 = Launch(zero_stage="3", world_size=2, launched=True)
-    assert not chunked_loss_by_default("deepseek_v2", options_for(v2), Machine(launch=zero3))
-    assert chunked_loss_by_default("deepseek_v2", options_for(v2, "--lora"), Machine(launch=zero3))
-    assert chunked_loss_by_default("deepseek_v2", options_for(v2, "--lora"), Machine())
+    assert not chunked_loss_allowed(options_for(v2), Machine(launch=zero3))
+    assert chunked_loss_allowed(options_for(v2, "--lora"), Machine(launch=zero3))
+    assert chunked_loss_allowed(options_for(v2, "--lora"), Machine())
 
 
 def test_the_users_word_wins_and_a_bare_flag_means_true(tmp_path):
@@ -367,4 +368,4 @@ def test_an_mla_run_trains_with_the_loss_in_chunks_unless_told(tmp_path, asked, 
     out = capsys.readouterr()
     assert code == 0, out.err[-2000:]
     assert (getattr(seen["loss"], "func", None) is chunked_causal_lm_loss) is chunks
-    assert ("loss in chunks on (deepseek_v2" in out.out) is chunks
+    assert ("loss in chunks on (no [tokens x vocabulary]" in out.out) is chunks

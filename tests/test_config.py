@@ -245,6 +245,7 @@ def test_tensor_parallel_checkpoints_skip_the_trainers_optimizer_saving():
     def tp_validated(*extra: str, liger: bool = False):
         model_args, data_args, lora_args, training_args = parse(*extra)  # parsed without GPUs, then "on 2 GPUs"
         model_args.tp_size, training_args.use_liger_kernel = 2, liger
+        model_args.chunked_loss = "auto"  # as typed: parse_args settled it without --tp_size
         validate(model_args, data_args, lora_args, training_args, machine=box(2))
         return training_args
 
@@ -278,6 +279,7 @@ def test_liger_refused_before_loading_where_it_cannot_run():
 
     args = parse()
     args[3].use_liger_kernel = True
+    args[0].chunked_loss = "auto"  # as typed: parse_args settled it for a run without Liger
     gpu = box(1)
     with pytest.raises(ConfigError, match="needs the liger-kernel package.*lowbit"):
         validate_setup(*args, machine=replace(gpu, packages=frozenset()))

@@ -23,11 +23,16 @@ def settled(machine: Machine, *extra: str):
     return settle(options, machine).model
 
 
+def fast_path_notes(m) -> tuple[str, ...]:
+    """The first screen's notes on --compile_layers and --fp8 (the loss's and the attention's have their tests)."""
+    return tuple(note for note in m.speed_choices if note.startswith(("compiled layers", "FP8")))
+
+
 def test_a_lora_run_on_an_fp8_gpu_gets_both_and_the_first_screen_says_how_to_turn_each_off():
     m = settled(gpu(), "--lora")
     assert m.fp8_on and m.compile_layers_on
-    assert m.speed_choices == ("compiled layers on (--compile_layers false turns them off)",
-                               "FP8 on (compute capability 8.9; --fp8 false turns it off)")
+    assert fast_path_notes(m) == ("compiled layers on (--compile_layers false turns them off)",
+                                  "FP8 on (compute capability 8.9; --fp8 false turns it off)")
 
 
 def test_fp8_s_forward_accumulates_fast_on_hopper_unless_asked_not_to_and_the_first_screen_says_so():
@@ -67,15 +72,15 @@ def test_a_full_fine_tune_gets_fp8_only_with_the_compiled_layers():
     m = settled(gpu(gpus=2, fsdp=True), *sr)
     assert m.fp8_on and m.compile_layers_on
     m = settled(gpu(), *sr, "--compile_layers", "false")
-    assert not m.fp8_on and m.speed_choices == ("FP8 off (a full fine-tune in FP8 needs the compiled layers to "
-                                                "be fast: --fp8 true to try it eager)",)
+    assert not m.fp8_on and fast_path_notes(m) == ("FP8 off (a full fine-tune in FP8 needs the compiled layers to "
+                                                   "be fast: --fp8 true to try it eager)",)
 
 
 def test_the_users_word_wins_and_cpu_gets_neither_without_a_note():
     m = settled(gpu(), "--lora", "--fp8", "false", "--compile_layers", "false")
-    assert not m.fp8_on and not m.compile_layers_on and m.speed_choices == ()
+    assert not m.fp8_on and not m.compile_layers_on and fast_path_notes(m) == ()
     m = settled(Machine(), "--lora")
-    assert not m.fp8_on and not m.compile_layers_on and m.speed_choices == ()
+    assert not m.fp8_on and not m.compile_layers_on and fast_path_notes(m) == ()
     m = settled(gpu(), "--lora", "--fp8")  # a bare flag means true
     assert m.fp8_on
 
@@ -130,9 +135,16 @@ def test_the_first_screen_says_what_was_chosen():
                         dtype="bfloat16", adapter_dtype=None, mixed_precision="bf16", lora_rank=8, processes=1,
                         strategy="no parallelism", devices="1 GPU", per_device_batch=1, grad_accum=1, data_parallel=1,
                         mean_row_tokens=None, max_steps=1, epochs=None, resume_step=0, output_dir="out", saves="none",
-                        tensorboard=None, speed=settled(gpu(), "--lora").speed_choices)
-    assert ("  speed        compiled layers on (--compile_layers false turns them off); FP8 on (compute capability "
-            "8.9; --fp8 false turns it off)") in text.splitlines()
+                        tensorboard=None, speed=settled(gpu(), "--lora", "--packing").speed_choices)
+    lines = text.splitlines()
+    at = lines.index("  speed        compiled layers on (--compile_layers false turns them off)")
+    assert lines[at + 1:at + 4] == [
+        "               FP8 on (compute capability 8.9; --fp8 false turns it off)",
+        "               loss in chunks on (no [tokens x vocabulary] logits held whole; --use_liger_kernel fuses it "
+        "instead, --chunked_loss false turns it off)",
+        "               attention per packed document (varlen: 1.20-1.24x sdpa's step behind the packed rows' mask; "
+        "--attn_implementation sdpa keeps sdpa)"]
+    assert lines[at + 4].startswith("  batch ")
 
 
 def test_quantized_experts_get_no_compiled_layers_by_default():

@@ -164,8 +164,8 @@ def test_plan_auto_is_applied_after_parsing_and_checked_like_the_users_options()
 def test_plan_auto_sizes_its_plan_with_the_loss_the_user_typed():
     """--use_liger_kernel false and --chunked_loss true/false are the user's: the plan is sized with them and sets
     neither. Before, a typed --chunked_loss true met the plan's Liger and the run was refused ("keep one of the
-    two"), and --use_liger_kernel false ran micro-batch 4 sized for Liger's loss: predicted 27.4 GiB with the whole
-    logits, over a 24 GB card."""
+    two"), and --use_liger_kernel false --chunked_loss false ran micro-batch 4 sized for Liger's loss: predicted
+    27.4 GiB with the whole logits, over a 24 GB card."""
     from sft.machine import Launch, Machine
     from sft.train import final_options
 
@@ -180,15 +180,19 @@ def test_plan_auto_sizes_its_plan_with_the_loss_the_user_typed():
     options, chunked = final_options([*base, "--chunked_loss", "true"], box)
     assert chunked.options["use_liger_kernel"] is False and "chunked_loss" not in chunked.options
     assert options.model.chunked_loss_on and chunked.plan.w.chunked_loss and not chunked.plan.w.fused_loss
-    options, whole = final_options([*base, "--use_liger_kernel", "false"], box)
-    assert "use_liger_kernel" not in whole.options and not options.training.use_liger_kernel
+    # without Liger the run's --chunked_loss auto takes the loss in chunks: as lean as Liger's, the same micro-batch
+    options, no_liger = final_options([*base, "--use_liger_kernel", "false"], box)
+    assert "use_liger_kernel" not in no_liger.options and not options.training.use_liger_kernel
+    assert options.model.chunked_loss_on and no_liger.plan.w.chunked_loss and not no_liger.plan.w.fused_loss
+    assert no_liger.plan.w.micro_batch == liger.plan.w.micro_batch
+    options, whole = final_options([*base, "--use_liger_kernel", "false", "--chunked_loss", "false"], box)
     assert not whole.plan.w.fused_loss and not whole.plan.w.chunked_loss  # the whole logits, counted
     assert whole.plan.w.micro_batch < liger.plan.w.micro_batch and whole.plan.roomy
-    too_big = with_loss(liger.plan, Box(3, 23.99, 128), fused_loss=False)  # Liger's micro-batch, the whole logits
+    too_big = with_loss(liger.plan, Box(3, 23.99, 128), fused_loss=False, chunked_loss=False)  # the whole logits
     assert too_big.prediction.smi_gib > 24 and not too_big.fits
     # where Liger is not installed the plan takes the loss in torch chunks instead (as lean: Liger's micro-batch)
     options, bare = final_options(base, dataclasses.replace(box, packages=frozenset({"torchao"})))
-    assert bare.options["use_liger_kernel"] is False and bare.options["chunked_loss"] == "true"
+    assert bare.options["use_liger_kernel"] is False and "chunked_loss" not in bare.options  # auto takes it
     assert options.model.chunked_loss_on and bare.plan.w.micro_batch == liger.plan.w.micro_batch
     # ... but not under ZeRO-3 for a full fine-tune, whose trained lm_head the run's loss in chunks refuses there
     zero3 = next(p for p in enumerate_plans(SHAPES["deepseek-llm-7b"], Box(3, 23.99, 128), "full")

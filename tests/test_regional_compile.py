@@ -104,6 +104,7 @@ def test_liger_keeps_only_its_fused_loss_unless_told_otherwise():
 
     def with_liger(args):  # parse_args checks against this CPU machine, which has no Liger: set after
         args[3].use_liger_kernel = True
+        args[0].chunked_loss = "auto"  # as typed: parse_args settled it for a run without Liger
         validate_setup(*args, machine=box())
         return args[3].liger_kernel_config, args[3].liger_loss_on_labels
 

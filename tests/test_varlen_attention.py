@@ -23,6 +23,8 @@ def test_the_collator_gives_each_documents_start_over_the_batchs_tokens():
     # row 0: documents of 3 and 4; row 1: one of 5 and its 2 tokens of padding (7 wide)
     assert batch[CU_SEQ_LENS].tolist() == [0, 3, 7, 14] and batch[CU_SEQ_LENS].dtype == torch.int32
     assert CU_SEQ_LENS not in Collator(pad_token_id=0)(rows)
+    one_each = [{**row, "seq_lengths": [len(row["input_ids"])]} for row in rows]
+    assert CU_SEQ_LENS not in Collator(pad_token_id=0, document_starts=True)(one_each)  # the causal order is enough
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +147,30 @@ def test_varlen_is_refused_before_loading_where_its_kernel_cannot_run():
         == "varlen"
 
 
+@pytest.mark.parametrize("model_type", ["llama", "deepseek_v2"])
+def test_packed_rows_of_one_document_each_run_sdpas_causal_kernel(varlen_models, model_type, monkeypatch):
+    """A batch whose packed rows hold one document each (long conversations) comes without offsets: the attention
+    runs transformers' sdpa with the causal order alone (cuDNN's fused kernel on a GPU, faster than FlashAttention-2
+    on long rows), never the documents' kernel, and gives sdpa's loss (MLA's smaller value heads included)."""
+    from transformers import AutoModelForCausalLM
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("the documents' kernel ran")
+
+    rows = [{"input_ids": ids, "labels": labels, "seq_lengths": [len(ids)]} for ids, labels in documents(1024)[:3]]
+    batch = Collator(pad_token_id=0, document_starts=True)(rows)
+    assert CU_SEQ_LENS not in batch and "position_ids" in batch
+    monkeypatch.setattr(varlen_attention, "documents_attention", no_kernel)
+    monkeypatch.setattr(varlen_attention, "masked_documents_attention", no_kernel)
+    losses = {}
+    for attention in ("varlen", "sdpa"):
+        model = AutoModelForCausalLM.from_pretrained(varlen_models[model_type], dtype=torch.float32,
+                                                     attn_implementation=attention)
+        with torch.no_grad():
+            losses[attention] = model(**batch).loss.item()
+    assert losses["varlen"] == pytest.approx(losses["sdpa"], rel=1e-5)
+
+
 def test_unpacked_rows_with_padding_give_sdpas_loss(varlen_models):
     """Without packing each row is one sequence and its padding follows it: the attention needs no offsets (the
     padding's own outputs train nothing), and the loss is sdpa's with its padding mask."""
@@ -163,7 +189,7 @@ def test_unpacked_rows_with_padding_give_sdpas_loss(varlen_models):
     assert losses["varlen"] == pytest.approx(losses["sdpa"], rel=1e-5)
 
 
-# ---- the attention left at its default on an MLA model's packed rows on a GPU: varlen (sft/options/resolve.py)
+# ---- the attention left at its default on packed rows on a GPU: varlen (sft/options/resolve.py)
 
 H200 = dict(gpu_names=("NVIDIA H200",), gpu_capabilities=((9, 0),), gpu_memory_gib=(139.0,), bf16=True)
 
@@ -185,11 +211,12 @@ def settled_attention(tmp_path, model_type: str, *extra: str, gpu: bool = True):
     ("deepseek_v2", ("--packing", "--attn_implementation", "sdpa"), True, "sdpa"),  # given: kept
     ("deepseek_v2", (), True, "sdpa"),  # unpacked rows: varlen not measured there
     ("deepseek_v2", ("--packing",), False, "sdpa"),  # no GPU: no kernel
-    ("llama", ("--packing",), True, "sdpa"),  # not MLA: the plans' flex_attention is for --plan auto to choose
+    ("llama", ("--packing",), True, "varlen"),  # dense models' too (deepseek-llm-7b LoRA 1.24x, run 1436Z)
+    ("qwen2", ("--packing",), True, "varlen"),
     ("deepseek_v2", ("--packing", "--activation_checkpointing", "true", "--activation_checkpointing_keep_attention",
                      "true"), True, "sdpa"),  # the kept attention needs sdpa's kernels
 ])
-def test_mla_packed_rows_attend_per_document_unless_told_otherwise(tmp_path, model_type, extra, gpu, want):
+def test_packed_rows_attend_per_document_unless_told_otherwise(tmp_path, model_type, extra, gpu, want):
     model = settled_attention(tmp_path, model_type, *extra, gpu=gpu)
     assert model.attn_implementation == want
     said = any(note.startswith("attention per packed document (varlen") for note in model.speed_choices)

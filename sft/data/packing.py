@@ -175,7 +175,7 @@ class Collator:
     tokens and their sequences (a padded row, a packed document) under REAL_TOKENS, TOKEN_SEQUENCES and
     SEQUENCE_COUNT (the MoE balance loss, sft/model/moe.py). `noise_lengths`: each token's sequence length under
     NOISE_LENGTHS (NEFTune's scale, sft/model/neftune.py). `document_starts`: packed rows' documents' start offsets
-    under CU_SEQ_LENS (--attn_implementation varlen)."""
+    under CU_SEQ_LENS (--attn_implementation varlen), where a row holds two documents or more."""
 
     pad_token_id: int
     pad_to_multiple_of: int | None = None
@@ -234,7 +234,8 @@ class Collator:
                 batch[DOCUMENT_IDS] = torch.stack(documents)
             else:
                 del batch["position_ids"]
-        if starts is not None:
+        if starts is not None and len(starts) > len(rows) + 1:  # a row of two documents or more: the kernel's
+            # offsets. Rows of one document each need only the causal order (the attention's sdpa path).
             batch[CU_SEQ_LENS] = torch.tensor(starts, dtype=torch.int32)
         if self.labelled_positions:
             batch[LABELLED_POSITIONS] = labelled_positions(batch["labels"])

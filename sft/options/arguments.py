@@ -84,9 +84,9 @@ class ModelArguments(FastPathSwitches):  # fp8_on, compile_layers_on, chunked_lo
     chunked_loss: Literal["auto", "true", "false"] = auto_switch(
         "The training loss from the last hidden states, 1024 labelled tokens at a time, each chunk's logits "
         "recomputed in the backward: no [tokens x vocabulary] logits tensor (sft/speed/chunked_loss.py). auto (the "
-        "default): on for models Liger's fused loss has no patch for (MLA: DeepSeek-V2/V3, whose logits would "
-        "otherwise be whole; V2-Lite LoRA: same speed, 9.7 GiB less memory), and the first screen says so; false "
-        "turns it off. Not with --use_liger_kernel or --tp_size.")
+        "default): on wherever Liger's fused loss is not (--use_liger_kernel, or an MLA model, which Liger has "
+        "no loss for) and the run allows it (deepseek-llm-7b LoRA: 9.6 GiB less at micro-batch 4; V2-Lite: 9.7), and "
+        "the first screen says so; false turns it off. Not with --use_liger_kernel or --tp_size.")
     quantize_experts: Literal["none", "fp8"] = field(default="none", metadata={
         "help": "With --lora on DeepSeek-V2/V3 (MoE): hold the frozen routed experts in e4m3 (one scale per row) "
                 "on the GPU, dequantized layer by layer: V2-Lite's base resident on one 24 GB card instead of "
@@ -102,7 +102,7 @@ class ModelArguments(FastPathSwitches):  # fp8_on, compile_layers_on, chunked_lo
         "--use_liger_kernel only Liger's fused loss stays on. Single GPU, DDP or FSDP; with --fp8 too; not "
         "DeepSpeed, --tp_size or the Trainer's --torch_compile.")
     # Not options: what sft/options/resolve.py's fast_paths_where_supported chose for --fp8/--compile_layers auto
-    # on a GPU, and chunked_loss_where_liger_has_no_loss for --chunked_loss auto, and why, for the first screen.
+    # on a GPU, and loss_in_chunks_unless_liger for --chunked_loss auto, and why, for the first screen.
     speed_choices: tuple[str, ...] = field(default=(), init=False)
     rope_scaling: str | None = field(default=None, metadata={
         "help": "Train rows past the model's positions (--max_length over max_position_embeddings: deepseek-llm-7b "
@@ -111,8 +111,9 @@ class ModelArguments(FastPathSwitches):  # fp8_on, compile_layers_on, chunked_lo
                 "(rope_scaling.json beside it; docs/speed.md, Long rows)."})
     attn_implementation: str = field(default="sdpa", metadata={
         "help": "Attention kernel: sdpa, eager, flex_attention, varlen (packed rows' documents each alone, torch's "
-                "FlashAttention-2; GPUs 8.0+), flash_attention_2 (needs flash-attn). Not given: sdpa, except an "
-                "MLA model's (DeepSeek-V2/V3) packed rows on a GPU, which take varlen where it runs (1.2x)."})
+                "FlashAttention-2; GPUs 8.0+), flash_attention_2 (needs flash-attn). Not given: sdpa, except "
+                "packed rows on a GPU, which take varlen where it runs (1.2x; rows of one document each still run "
+                "sdpa's causal kernel)."})
     trust_remote_code: bool = field(default=False, metadata={
         "help": "Run Python code shipped with a hub model. Off by default: DeepSeek models are native in "
                 "transformers."})

@@ -24,7 +24,6 @@ from sft.options.checks import (NEW_RUN_DIR, PICKED_NEW, PICKED_NEWEST, PICKED_N
                                compiled_layers_combinations, fp8_base_needs, fp8_combinations, kept_attention_needs,
                                loss_in_chunks_under_zero3, rows_padded_to, sequence_parallel_combinations,
                                varlen_attention_runs)
-from sft.model.model_type import MLA_MODEL_TYPES, model_type_before_loading
 from sft.safety.run_dir import holds_a_run, method_name, new_run_dir, runs_of
 
 # --resume_from_checkpoint values that mean the newest complete checkpoint of the run
@@ -207,53 +206,47 @@ def _refusal(check: Callable[[Options, Machine], None], o: Options, m: Machine, 
     return None
 
 
-def packed_mla_documents_attend_alone(o: Options, m: Machine) -> None:
-    """An MLA model's packed rows on a GPU, the attention not given: varlen, each packed document's attention alone
-    (sft/speed/varlen_attention.py), instead of sdpa over the whole row behind a mask: 1.20x sdpa's compiled V2-Lite
-    step uncapped and 1.23x its 24 GiB resident plan (runs 20261206T0640Z-varlen-h100, 0903Z-resident-varlen-h100),
-    the same loss to four digits. Only where varlen's own checks pass (torch >= 2.9, compute capability 8.0+, bf16
-    or fp16 activations, not beside the kept attention or --sequence_parallel), and not under --tp_size (not
-    measured there). The first screen says so; --attn_implementation sdpa keeps sdpa."""
+def packed_documents_attend_alone(o: Options, m: Machine) -> None:
+    """Packed rows on a GPU, the attention not given: varlen, each packed document's attention alone
+    (sft/speed/varlen_attention.py), instead of sdpa over the whole row behind the documents' mask, which loses
+    sdpa's fused causal kernel. Measured on H100s with the loss in chunks: deepseek-llm-7b LoRA 1.24x sdpa's step
+    (run 20261206T1436Z-dense-default-h100), DeepSeek-V2-Lite's compiled step 1.20x and its 24 GiB resident plan
+    1.23x (runs 20261206T0640Z-varlen-h100, 0903Z-resident-varlen-h100), the same loss to four digits. A batch of
+    one document per row runs sdpa's causal kernel still. Only where varlen's own checks pass (torch >= 2.9,
+    compute capability 8.0+, bf16 or fp16 activations, not beside the kept attention or --sequence_parallel), and
+    not under --tp_size (not measured there). The first screen says so; --attn_implementation sdpa keeps sdpa."""
     md = o.model
     if ("attn_implementation" in o.given or md.attn_implementation != "sdpa" or not m.cuda or not o.data.packing
-            or md.tp_size > 1 or model_type_before_loading(md.model) not in MLA_MODEL_TYPES):
+            or md.tp_size > 1):
         return
     if any(_refusal(check, o, m, "attn_implementation", "varlen", "sdpa")
            for check in (varlen_attention_runs, kept_attention_needs, sequence_parallel_combinations)):
         return
     md.attn_implementation = "varlen"
-    md.speed_choices += ("attention per packed document (varlen: MLA's packed rows, 1.20-1.23x sdpa's step; "
-                         "--attn_implementation sdpa keeps sdpa)",)
+    md.speed_choices += ("attention per packed document (varlen: 1.20-1.24x sdpa's step behind the packed rows' "
+                         "mask; --attn_implementation sdpa keeps sdpa)",)
 
 
-def chunked_loss_where_liger_has_no_loss(o: Options, m: Machine) -> None:
-    """--chunked_loss auto (the default): on for an MLA model (its config's model_type deepseek_v2/deepseek_v3),
-    whose logits are otherwise whole: Liger's fused loss has no patch for them. Measured on DeepSeek-V2-Lite LoRA,
-    one H100: the same speed as the whole logits and 9.7 GiB less peak memory (run 20261206T0619Z-moe-h100). The
-    model type comes from the model's config before any weights load (sft/model/model_type.py); a config that
-    cannot be read gives off, and the run's own error says why when the model loads. The first screen says when it
-    is on. The user's true/false wins."""
+def loss_in_chunks_unless_liger(o: Options, m: Machine) -> None:
+    """--chunked_loss auto (the default): on wherever Liger's fused loss is not (--use_liger_kernel, or an MLA
+    model, which Liger has no loss for) and its checks pass: the loss from the hidden states a chunk of tokens at a
+    time, never the whole [tokens x vocabulary] logits in fp32. Measured on H100s: deepseek-llm-7b LoRA at micro-batch
+    4 x 2,048 9.6 GiB lighter with varlen beside it and faster (run 20261206T1436Z-dense-default-h100);
+    DeepSeek-V2-Lite LoRA the same speed and 9.7 GiB lighter (run 20261206T0619Z-moe-h100). The first screen says
+    when it is on. The user's true/false wins."""
     md = o.model
     if md.chunked_loss != "auto":
         return
-    model_type = model_type_before_loading(md.model)
-    md.chunked_loss = "true" if chunked_loss_by_default(model_type, o, m) else "false"
+    md.chunked_loss = "true" if chunked_loss_allowed(o, m) else "false"
     if md.chunked_loss_on:
-        md.speed_choices += (f"loss in chunks on ({model_type}: Liger has no fused loss for MLA models, so the "
-                             f"logits would be whole; --chunked_loss false turns it off)",)
-
-
-def chunked_loss_by_default(model_type: str | None, o: Options, m: Machine) -> bool:
-    """What --chunked_loss auto gives a model of `model_type` (None: unknown) in this run: on for MLA models wherever
-    the checks a user who typed `true` would meet pass (not beside --use_liger_kernel or under --tp_size, nor for a
-    trained lm_head under ZeRO-3 on several processes). The planner asks it of its plans (sft/plan/fast_paths.py
-    loss_in_chunks_by_default)."""
-    return model_type in MLA_MODEL_TYPES and chunked_loss_allowed(o, m)
+        md.speed_choices += ("loss in chunks on (no [tokens x vocabulary] logits held whole; --use_liger_kernel "
+                             "fuses it instead, --chunked_loss false turns it off)",)
 
 
 def chunked_loss_allowed(o: Options, m: Machine) -> bool:
-    """Whether a typed --chunked_loss true passes its checks in this run (the planner asks it too, where Liger is
-    not installed: fast_paths.loss_in_chunks_allowed)."""
+    """Whether a typed --chunked_loss true passes its checks in this run (not beside --use_liger_kernel or under
+    --tp_size, nor for a trained lm_head under ZeRO-3 on several processes): what --chunked_loss auto gives. The
+    planner asks it of its plans (sft/plan/fast_paths.py loss_in_chunks_by_default, loss_in_chunks_allowed)."""
     return not any(_refusal(check, o, m, "chunked_loss")
                    for check in (chunked_loss_combinations, loss_in_chunks_under_zero3))
 
@@ -381,8 +374,8 @@ Derivation = Callable[[Options, Machine], None]
 # choice (which reads --compile_layers), Liger's kernel choice before its loss reads that choice; the chunked loss
 # after the fast paths, whose first-screen notes it follows.
 DERIVED: list[Derivation] = [
-    qlora_trains_lora, output_dir_of_its_own, fast_paths_where_supported, chunked_loss_where_liger_has_no_loss,
-    packed_mla_documents_attend_alone,
+    qlora_trains_lora, output_dir_of_its_own, fast_paths_where_supported, loss_in_chunks_unless_liger,
+    packed_documents_attend_alone,
     packed_rows_take_one_length,
     sequence_parallel_slices_rows, fp8_training_pads_rows_to_16, tensor_parallel_saves_model_only, lora_skips_unused_parameter_search,
     compiled_layers_keep_liger_loss_only, liger_loss_on_labels, fsdp_checkpoints_activations, checkpoints_keep_attention,

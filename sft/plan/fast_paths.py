@@ -19,7 +19,7 @@ from sft.errors import ConfigError
 from sft.machine import OPTIONAL_PACKAGES, Machine, gpu_kind
 from sft.options.checks import (Options, compiled_layers_combinations, fp8_base_needs, fp8_combinations,
                                 qlora_under_fsdp_awaits_its_gpu_run)
-from sft.options.resolve import chunked_loss_allowed, chunked_loss_by_default, fast_paths_where_supported
+from sft.options.resolve import chunked_loss_allowed, fast_paths_where_supported
 from sft.options.switches import FastPathSwitches
 from sft.parallel.strategies import STRATEGIES
 
@@ -109,11 +109,11 @@ def fast_paths(machine: Machine, strategy: str, world: int, method: str, asked: 
 
 
 @functools.lru_cache(maxsize=None)
-def loss_in_chunks_by_default(strategy: str, world: int, method: str, model_type: str, fused_loss: bool) -> bool:
-    """Whether a plan's run computes its loss in chunks without being asked (--chunked_loss auto, the default), for
-    a model of `model_type` under `strategy` on `world` processes, with Liger's fused loss or not: the run's own
-    rule (sft/options/resolve.py chunked_loss_by_default), asked of the plan's launch described as data."""
-    return chunked_loss_by_default(model_type, *_launch_of(strategy, world, method, fused_loss))
+def loss_in_chunks_by_default(strategy: str, world: int, method: str, fused_loss: bool) -> bool:
+    """Whether a plan's run computes its loss in chunks without being asked (--chunked_loss auto, the default) under
+    `strategy` on `world` processes, with Liger's fused loss or not: the run's own rule (sft/options/resolve.py
+    loss_in_chunks_unless_liger), asked of the plan's launch described as data."""
+    return chunked_loss_allowed(*_launch_of(strategy, world, method, fused_loss))
 
 
 @functools.lru_cache(maxsize=None)

@@ -106,11 +106,11 @@ class Plan:
     @property
     def chunked_loss_asked(self) -> bool:
         """Its loss in chunks needs --chunked_loss in its command: the run's `auto` would not take it there
-        (loss_in_chunks_by_default: it does for MLA models without Liger), and no --sequence_parallel, whose loss is
+        (loss_in_chunks_by_default: it does wherever Liger's loss is not and its checks pass), and no --sequence_parallel, whose loss is
         in chunks anyway. A resident plan of an MoE model that is not MLA asks for it (its bench rows ran so)."""
         w = self.w
         return w.chunked_loss and w.sequence_parallel == 1 and not loss_in_chunks_by_default(
-            w.strategy, w.world, w.setup.method, self.shape.model_type, w.fused_loss)
+            w.strategy, w.world, w.setup.method, w.fused_loss)
 
     def mark(self) -> str:
         """The table's `fits?`: "yes" only for a plan with its margin on a box whose host RAM is known to hold it."""
@@ -205,11 +205,10 @@ def enumerate_plans(shape: Shape, box: Box, method: str = "lora", max_length: in
             for ckpt in (True, False):
                 for mb in micro_batches:
                     fused = kernels(strategy.name, shape)["use_liger_kernel"]
-                    # the loss in chunks where the run's --chunked_loss auto takes it (MLA models without Liger)
+                    # the loss in chunks where the run's --chunked_loss auto takes it (without Liger, where allowed)
                     w = Workload(strategy.name, Setup(method, precision), world, mb, max_length, ckpt,
                                  fused_loss=fused, lora_r=lora_r, grad_accum=grad_accum,
-                                 chunked_loss=loss_in_chunks_by_default(strategy.name, world, method,
-                                                                        shape.model_type, fused))
+                                 chunked_loss=loss_in_chunks_by_default(strategy.name, world, method, fused))
                     if strategy.name == expert_parallel.STRATEGY and not expert_parallel.offered(shape, method):
                         continue
                     kinds = [w, _resident(w)] if resident.offered(shape, strategy.name, method, ckpt) else [w]
@@ -307,7 +306,7 @@ def with_loss(plan: Plan, box: Box, fused_loss: bool | None = None, chunked_loss
         loss = _resident(loss)
     else:  # the run's --chunked_loss auto
         loss = dataclasses.replace(loss, chunked_loss=loss_in_chunks_by_default(w.strategy, w.world, w.setup.method,
-                                                                                plan.shape.model_type, fused))
+                                                                                fused))
     return plan if loss == w else judged_plan(plan.shape, box, loss, plan.fast, plan.asked)
 
 

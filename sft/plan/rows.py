@@ -97,16 +97,17 @@ def loss_in_chunks_of_row(row: dict, args: list[str], strategy: str, fused_loss:
         return False
     value = option_value(args, "--chunked_loss", "true")  # a bare flag last: true
     if value == "auto":
-        return loss_in_chunks_by_default(strategy, row["n_gpus"], row["method"], row_shape(row).model_type,
-                                         fused_loss)
+        return loss_in_chunks_by_default(strategy, row["n_gpus"], row["method"], fused_loss)
     return value != "false"  # true, or a bare flag with another option after it
 
 
 def attention_of_row(row: dict) -> tuple[str, str]:
-    """-> (the attention the row ran, the one the planner plans for its strategy and model)."""
+    """-> (the attention the row ran, the one the planner plans for its strategy and model). The row's record
+    (`attention`, read off its model by bench/train_throughput.py) where it has one, else its option, else the
+    planned one."""
     w = workload_of_row(row)
     planned = kernels(w.strategy, row_shape(row), w.sequence_parallel)["attn_implementation"]
-    return option_value(row_options(row), "--attn_implementation", planned), planned
+    return row.get("attention") or option_value(row_options(row), "--attn_implementation", planned), planned
 
 
 def ran_planned_attention(row: dict) -> bool:

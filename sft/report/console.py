@@ -180,7 +180,7 @@ def run_overview(*, model: str, architecture: str, total_params: int, trainable_
         ("model", f"{model}: {architecture}, {count(total_params)} parameters"),
         ("trained", trained),
         ("precision", precision),
-        ("speed", "; ".join(speed)),
+        ("speed", ("\n" + " " * 15).join(speed)),  # one choice a line, under the first
         ("held", held),
         ("memory", memory),
         ("batch", batch),
