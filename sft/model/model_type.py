@@ -1,39 +1,14 @@
-"""A model's type from its config alone, before any weights load or the embedded tiny model is built: for the
-options resolved first (sft/options/resolve.py: --chunked_loss auto), and where a hub id is looked for
-(check_hub_model, which sft/model/loading.py's resolve_model_path uses). Imports none of the options, which
-sft/model/loading.py does.
+"""The model types that take their own paths (MLA), and where a hub id is looked for (check_hub_model, which
+sft/model/loading.py's resolve_model_path uses). Imports none of the options, which sft/model/loading.py does.
 """
 
 from __future__ import annotations
 
-import functools
-from pathlib import Path
-
-from sft.errors import ModelNotFoundError, UserFacingError
+from sft.errors import ModelNotFoundError
 from sft.machine import launch
 
 # Multi-head latent attention (DeepSeek-V2/V3): key and value head sizes differ, and Liger's fused loss has no patch
 MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
-
-
-@functools.lru_cache(maxsize=None)  # several options settle by it (--chunked_loss, --attn_implementation): one read
-def model_type_before_loading(model: str) -> str | None:
-    """The model_type of `model`'s config: a local directory's config.json, or a hub id's where it is cached or the
-    hub answers now (check_hub_model: in seconds, where transformers retries an unreachable hub for ~25 s). None
-    where it cannot be read, or names neither (the embedded tiny model, a Llama, is not built for it): the run's
-    own error says why when it loads the model."""
-    from transformers import AutoConfig
-
-    path = Path(model).expanduser()
-    try:
-        if path.is_dir():
-            return AutoConfig.from_pretrained(str(path)).model_type
-        if model.count("/") == 1 and not model.startswith((".", "/", "~")):
-            check_hub_model(model, "--model")
-            return AutoConfig.from_pretrained(model).model_type
-    except (UserFacingError, OSError, ValueError):  # not found, unreadable or unknown: said as the model loads
-        pass
-    return None
 
 
 def check_hub_model(repo_id: str, option: str) -> None:
