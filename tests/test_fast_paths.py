@@ -142,7 +142,7 @@ def test_the_first_screen_says_what_was_chosen():
         "               FP8 on (compute capability 8.9; --fp8 false turns it off)",
         "               loss in chunks on (no [tokens x vocabulary] logits held whole; --use_liger_kernel fuses it "
         "instead, --chunked_loss false turns it off)",
-        "               attention per packed document (varlen: 1.20-1.24x sdpa's step behind the packed rows' mask; "
+        "               attention per packed document (varlen: 1.20-1.23x sdpa's step behind the packed rows' mask; "
         "--attn_implementation sdpa keeps sdpa)"]
     assert lines[at + 4].startswith("  batch ")
 

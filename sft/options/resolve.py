@@ -209,9 +209,9 @@ def _refusal(check: Callable[[Options, Machine], None], o: Options, m: Machine, 
 def packed_documents_attend_alone(o: Options, m: Machine) -> None:
     """Packed rows on a GPU, the attention not given: varlen, each packed document's attention alone
     (sft/speed/varlen_attention.py), instead of sdpa over the whole row behind the documents' mask, which loses
-    sdpa's fused causal kernel. Measured on H100s with the loss in chunks: deepseek-llm-7b LoRA 1.24x sdpa's step
-    (run 20261206T1436Z-dense-default-h100), DeepSeek-V2-Lite's compiled step 1.20x and its 24 GiB resident plan
-    1.23x (runs 20261206T0640Z-varlen-h100, 0903Z-resident-varlen-h100), the same loss to four digits. A batch of
+    sdpa's fused causal kernel. Measured on H100s: deepseek-llm-7b LoRA 1.21x sdpa's step (run
+    20261206T1532Z-dense-default-2-h100), DeepSeek-V2-Lite's compiled step 1.20x and its 24 GiB resident plan 1.23x
+    (runs 20261206T0640Z-varlen-h100, 0903Z-resident-varlen-h100), the same loss to four digits. A batch of
     one document per row runs sdpa's causal kernel still. Only where varlen's own checks pass (torch >= 2.9,
     compute capability 8.0+, bf16 or fp16 activations, not beside the kept attention or --sequence_parallel), and
     not under --tp_size (not measured there). The first screen says so; --attn_implementation sdpa keeps sdpa."""
@@ -223,7 +223,7 @@ def packed_documents_attend_alone(o: Options, m: Machine) -> None:
            for check in (varlen_attention_runs, kept_attention_needs, sequence_parallel_combinations)):
         return
     md.attn_implementation = "varlen"
-    md.speed_choices += ("attention per packed document (varlen: 1.20-1.24x sdpa's step behind the packed rows' "
+    md.speed_choices += ("attention per packed document (varlen: 1.20-1.23x sdpa's step behind the packed rows' "
                          "mask; --attn_implementation sdpa keeps sdpa)",)
 
 
@@ -231,7 +231,7 @@ def loss_in_chunks_unless_liger(o: Options, m: Machine) -> None:
     """--chunked_loss auto (the default): on wherever Liger's fused loss is not (--use_liger_kernel, or an MLA
     model, which Liger has no loss for) and its checks pass: the loss from the hidden states a chunk of tokens at a
     time, never the whole [tokens x vocabulary] logits in fp32. Measured on H100s: deepseek-llm-7b LoRA at micro-batch
-    4 x 2,048 9.6 GiB lighter with varlen beside it and faster (run 20261206T1436Z-dense-default-h100);
+    4 x 2,048 1.034x the whole logits' speed in 9.6 GiB less (run 20261206T1532Z-dense-default-2-h100);
     DeepSeek-V2-Lite LoRA the same speed and 9.7 GiB lighter (run 20261206T0619Z-moe-h100). The first screen says
     when it is on. The user's true/false wins."""
     md = o.model
