@@ -292,8 +292,7 @@ def settled(model: str, *extra: str, launch: Launch = Launch()):
     return settle(options_for(model, *extra), Machine(launch=launch)).model
 
 
-NOTE = ("loss in chunks on (no [tokens x vocabulary] logits held whole; --use_liger_kernel fuses it instead, "
-        "--chunked_loss false turns it off)")
+NOTE = "loss in chunks on (no [tokens x vocabulary] logits held whole; --chunked_loss false turns it off)"  # CPU
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3", "llama", "qwen2"])

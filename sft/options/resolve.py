@@ -239,8 +239,9 @@ def loss_in_chunks_unless_liger(o: Options, m: Machine) -> None:
         return
     md.chunked_loss = "true" if chunked_loss_allowed(o, m) else "false"
     if md.chunked_loss_on:
-        md.speed_choices += ("loss in chunks on (no [tokens x vocabulary] logits held whole; --use_liger_kernel "
-                             "fuses it instead, --chunked_loss false turns it off)",)
+        liger = "--use_liger_kernel fuses it instead, " if m.cuda else ""  # Liger's kernels are GPU-only
+        md.speed_choices += (f"loss in chunks on (no [tokens x vocabulary] logits held whole; {liger}--chunked_loss "
+                             f"false turns it off)",)
 
 
 def chunked_loss_allowed(o: Options, m: Machine) -> bool:
