@@ -313,6 +313,12 @@ MATRIX += [
     Row("lora-best-default-none-mb4", "lora", micro_batch=4, grad_accum=2, mem_cap_gib=0, warmup=3,
         steps=RATIO_STEPS, args=("--lora_dropout", "0", "--fp8", "auto", "--compile_layers", "auto"),
         vs="trl-lora-best-mb4", timeout=420),
+    # ... the same two on R1-Distill-Qwen-7B's shape (grouped-query attention: 28 query heads on 4 key/value heads,
+    # which torch 2.11's varlen kernel takes repeated; a 152k vocabulary)
+    *[Row(f"r1-lora-default-{name}-mb4", "lora", model="r1-distill-qwen-7b", micro_batch=4, grad_accum=2,
+          mem_cap_gib=0, warmup=3, steps=RATIO_STEPS, args=(*lever, "--lora_dropout", "0", "--fp8", "auto",
+                                                            "--compile_layers", "auto"), timeout=420)
+      for name, lever in (("sdpa-whole", ("--chunked_loss", "false", "--attn_implementation", "sdpa")), ("none", ()))],
     # ... with varlen attention and the loss in chunks (the two levers of lora-best-default-varlen-chunked)
     Row("lora-best-default-varlen-chunked-mb4", "lora", micro_batch=4, grad_accum=2, mem_cap_gib=0, warmup=3,
         steps=RATIO_STEPS, args=("--chunked_loss", "true", "--lora_dropout", "0", "--attn_implementation", "varlen",
@@ -655,6 +661,7 @@ GROUPS = {
     # the two levers of the new default apart, what no option gives now, and a long trace under varlen against sdpa
     "dense-default-2": ["lora-best-default-sdpa-whole-mb4", "lora-best-default-varlen-whole-mb4",
                         "lora-best-default-none-mb4", "long-r1-32k-sdpa-default", "long-r1-32k-varlen-default"],
+    "r1-default": ["r1-lora-default-sdpa-whole-mb4", "r1-lora-default-none-mb4"],
     "dense-default": ["lora-best-default-sdpa-whole-mb4", "lora-best-default-varlen-chunked-mb4", "lora-best-default-mb4",
                       "trl-lora-best-mb4"],
     "lora2x-h200-default": ["trl-lora-best", "lora-best-default-varlen-chunked", "lora-best-default-varlen-chunked-mb12"],
