@@ -116,11 +116,9 @@ def loss_in_chunks_by_default(strategy: str, world: int, method: str, fused_loss
     return chunked_loss_allowed(*_launch_of(strategy, world, method, fused_loss))
 
 
-@functools.lru_cache(maxsize=None)
 def loss_in_chunks_allowed(strategy: str, world: int, method: str) -> bool:
-    """Whether a plan's run may take --chunked_loss true (without Liger): the run's own checks
-    (sft/options/resolve.py chunked_loss_allowed)."""
-    return chunked_loss_allowed(*_launch_of(strategy, world, method, False))
+    """Whether a plan's run may take --chunked_loss true (without Liger): what its `auto` gives without Liger."""
+    return loss_in_chunks_by_default(strategy, world, method, False)
 
 
 def _launch_of(strategy: str, world: int, method: str, fused_loss: bool) -> tuple[Options, Machine]:
