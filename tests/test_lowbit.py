@@ -132,9 +132,11 @@ def test_chunk_rows_fall_on_block_boundaries():
 def test_chunked_update_is_bit_identical_and_needs_fewer_temporaries(monkeypatch):
     """torchao's compiled update materializes fp32/int64 temporaries of the whole shard (~8 bytes per value for
     8-bit states); in chunks of CHUNK_NUMEL values they are a chunk's, and the result is bit-identical (round to
-    nearest). Memory: peak RSS of this process during a step, over a 16M-value parameter, chunks of 2M values
-    (with 4M-value chunks the reading varied from 16 to 84 MiB, against ~128 MiB for one call, and crossed the
-    half bound in 3 of 10 runs: how much freed heap the allocator reuses varies)."""
+    nearest). Memory: peak RSS of this process during a step, over a 16M-value parameter, chunks of 2M values.
+    glibc's mmap threshold is fixed at 1 MiB for the measure, so that every temporary of a chunk or more is its
+    own mapping, in the RSS while alive and out of it when freed: with the threshold moving as glibc likes, freed
+    heap served some temporaries and the chunked reading ran from 16 to 84 MiB (against ~128 MiB for one call),
+    over the half bound once in a clean CI run; fixed, it read 16 MiB in 4 of 4 runs after heap noise."""
     import ctypes
     import threading
     import time
@@ -147,6 +149,9 @@ def test_chunked_update_is_bit_identical_and_needs_fewer_temporaries(monkeypatch
 
     lowbit.patch_torchao_state_dtype()
     lowbit.patch_torchao_chunked_update()
+    libc = ctypes.CDLL("libc.so.6")
+    m_mmap_threshold = -3  # mallopt's parameter number (malloc.h); a set value also stops glibc moving it
+    assert libc.mallopt(m_mmap_threshold, 2**20) == 1
 
     def run(chunk_numel):
         monkeypatch.setattr(lowbit, "CHUNK_NUMEL", chunk_numel)
@@ -165,7 +170,7 @@ def test_chunked_update_is_bit_identical_and_needs_fewer_temporaries(monkeypatch
             if step:
                 # freed heap that earlier work in this worker left (glibc keeps it) would serve the step's
                 # temporaries without growing the RSS: handed back first, so that the growth counts them
-                ctypes.CDLL("libc.so.6").malloc_trim(0)
+                libc.malloc_trim(0)
                 base = process.memory_info().rss
                 watcher = threading.Thread(target=watch)
                 watcher.start()
@@ -174,8 +179,11 @@ def test_chunked_update_is_bit_identical_and_needs_fewer_temporaries(monkeypatch
         watcher.join()
         return p.detach(), optimizer.state[p], peak[0] - base
 
-    whole, whole_state, whole_extra = run(2**30)
-    chunked, chunked_state, chunked_extra = run(2**21)
+    try:
+        whole, whole_state, whole_extra = run(2**30)
+        chunked, chunked_state, chunked_extra = run(2**21)
+    finally:
+        libc.mallopt(m_mmap_threshold, 128 * 2**10)  # glibc's starting value, for the tests after this one
     assert adam.single_param_adam._sft_chunked
     assert torch.equal(whole, chunked)
     assert torch.equal(whole_state["exp_avg"].codes, chunked_state["exp_avg"].codes)
