@@ -313,6 +313,16 @@ MATRIX += [
     Row("lora-best-default-none-mb4", "lora", micro_batch=4, grad_accum=2, mem_cap_gib=0, warmup=3,
         steps=RATIO_STEPS, args=("--lora_dropout", "0", "--fp8", "auto", "--compile_layers", "auto"),
         vs="trl-lora-best-mb4", timeout=420),
+    # ... varlen with Liger's fused loss, beside the row above (varlen, the loss in torch chunks, whose frozen lm_head's
+    # chunks since 2026-12-06 18:30 UTC are projected once, their gradient computed in the forward: sft/speed/
+    # chunked_loss.py FrozenHeadCrossEntropy): the two losses at the same attention; and the defaults at micro-batch 8,
+    # ours at its best on an 80 GB H100, where TRL's best fits 4 x 2 only
+    Row("lora-best-default-varlen-liger-mb4", "lora", micro_batch=4, grad_accum=2, mem_cap_gib=0, warmup=3,
+        steps=RATIO_STEPS, args=(*LIGER, "--lora_dropout", "0", "--attn_implementation", "varlen", "--fp8", "auto",
+                                 "--compile_layers", "auto"), vs="trl-lora-best-mb4", timeout=420),
+    Row("lora-best-default-none", "lora", micro_batch=8, mem_cap_gib=0, warmup=3, steps=RATIO_STEPS,
+        args=("--lora_dropout", "0", "--fp8", "auto", "--compile_layers", "auto"), vs="trl-lora-best-mb4",
+        timeout=420),
     # ... the same two on R1-Distill-Qwen-7B's shape (grouped-query attention: 28 query heads on 4 key/value heads,
     # which torch 2.11's varlen kernel takes repeated; a 152k vocabulary)
     *[Row(f"r1-lora-default-{name}-mb4", "lora", model="r1-distill-qwen-7b", micro_batch=4, grad_accum=2,
@@ -662,6 +672,11 @@ GROUPS = {
     "dense-default-2": ["lora-best-default-sdpa-whole-mb4", "lora-best-default-varlen-whole-mb4",
                         "lora-best-default-none-mb4", "long-r1-32k-sdpa-default", "long-r1-32k-varlen-default"],
     "r1-default": ["r1-lora-default-sdpa-whole-mb4", "r1-lora-default-none-mb4"],
+    # the loss in torch chunks with a frozen lm_head's gradient in the forward (the default without Liger) beside
+    # Liger's at the same varlen attention, Liger + flex_attention (the recipes'), TRL's best that fits an H100, ours
+    # at micro-batch 8, and R1-Distill's shape
+    "frozen-head-loss": ["trl-lora-best-mb4", "lora-best-default-none-mb4", "lora-best-default-varlen-liger-mb4",
+                         "lora-best-default-mb4", "lora-best-default-none", "r1-lora-default-none-mb4"],
     "dense-default": ["lora-best-default-sdpa-whole-mb4", "lora-best-default-varlen-chunked-mb4", "lora-best-default-mb4",
                       "trl-lora-best-mb4"],
     "lora2x-h200-default": ["trl-lora-best", "lora-best-default-varlen-chunked", "lora-best-default-varlen-chunked-mb12"],

@@ -70,19 +70,28 @@ def with_positions(batch: dict) -> dict:
 @pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "deepseek_v2", "deepseek_v3"])
 @pytest.mark.parametrize("num_items", [None, 40])
 @pytest.mark.parametrize("positions", [False, True], ids=["mask", "positions"])
-def test_same_loss_and_gradients_as_the_models_own(model_type, num_items, positions, monkeypatch, tmp_path):
-    """The labelled tokens picked by their mask, or at the collator's positions (index_select: no host wait)."""
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_same_loss_and_gradients_as_the_models_own(model_type, num_items, positions, lora, monkeypatch, tmp_path):
+    """The labelled tokens picked by their mask, or at the collator's positions (index_select: no host wait). A
+    full fine-tune trains the lm_head (its chunks recomputed in the backward); LoRA freezes it, and each chunk's
+    hidden-state gradient is computed in the forward (FrozenHeadCrossEntropy)."""
+    from peft import LoraConfig, get_peft_model
+
     import sft.speed.chunked_loss
 
     monkeypatch.setattr(sft.speed.chunked_loss, "CHUNK_TOKENS", 7)  # several chunks, the last one short
     model = tiny(model_type)
+    if lora:
+        model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
+    assert (sft.speed.chunked_loss.frozen_head(model.get_output_embeddings()) is not None) is lora
     batch = packed_batch(model.config.vocab_size)
     extra = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
     expected, expected_grads = loss_and_grads(model, batch, **extra)
     got, grads = trainer_loss_and_grads(model, with_positions(batch) if positions else batch, tmp_path,
                                         num_items_in_batch=extra.get("num_items_in_batch"))
     assert got == pytest.approx(expected.item(), rel=1e-5)
-    assert grads.keys() == expected_grads.keys() and "lm_head.weight" in grads
+    assert grads.keys() == expected_grads.keys() and grads
+    assert all("lora_" in n for n in grads) if lora else "lm_head.weight" in grads
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
@@ -226,6 +235,85 @@ def test_with_lora_evaluation_and_generation_keep_the_models_path(tmp_path):
     assert out.logits.shape == (2, 24, model.config.vocab_size) and out.loss is not None
     assert eval_loss.item() == pytest.approx(out.loss.item(), rel=1e-6)
     assert model.generate(input_ids=batch["input_ids"][:1, :5], max_new_tokens=2, do_sample=False).shape == (1, 7)
+
+
+def logits_matmuls(vocab: int):
+    """A dispatch mode counting the matmuls whose output is logits (last dimension `vocab`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        calls = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) and out.shape[-1] == vocab:
+                Count.calls += 1
+            return out
+
+    return Count()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_frozen_head_projects_each_chunk_once_and_scales_its_gradient_in_the_backward(bias):
+    """Two lm_head matmuls a chunk, both in the forward (a trained head's chunks are projected again in the
+    backward); the loss and the hidden states' gradient are F.cross_entropy's, whatever the backward's scale."""
+    from sft.speed.chunked_loss import FrozenHeadCrossEntropy, frozen_head
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=bias).requires_grad_(False)
+    states = torch.randn(11, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (11,))
+    forward, backward = logits_matmuls(50), logits_matmuls(50)
+    with forward:
+        loss = FrozenHeadCrossEntropy.apply(states, *frozen_head(head), targets, 4)
+    with backward:
+        (loss * 0.37).backward()
+    assert forward.calls == 3 and backward.calls == 0  # chunks of 4, 4 and 3 rows
+    reference = states.detach().clone().requires_grad_()
+    expected = torch.nn.functional.cross_entropy(head(reference).float(), targets, reduction="sum")
+    (expected * 0.37).backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    torch.testing.assert_close(states.grad, reference.grad, rtol=1e-5, atol=1e-7)
+    assert frozen_head(torch.nn.Linear(16, 50)) is None  # a trained head keeps the recomputed chunks
+
+
+def test_a_zero3_frozen_head_is_gathered_for_the_forward_only():
+    """LoRA under ZeRO-3: the gathered weight serves the forward's two matmuls a chunk; nothing of it is kept for
+    the backward (deepspeed's GatheredParameters on a parameter ZeRO does not partition gathers nothing: here the
+    same path on one process)."""
+    pytest.importorskip("deepspeed")
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False).requires_grad_(False)
+    hidden = torch.randn(2, 9, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (2, 9))
+    labels[0, :3] = -100
+    grads = []
+    for zero3 in (False, True):
+        hidden.grad = None
+        chunked_causal_lm_loss(hidden, head, labels, chunk_tokens=4, zero3_frozen_head=zero3).backward()
+        grads.append(hidden.grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    assert bool(grads[1][0, :2].eq(0).all()) and bool(grads[1][0, 2:].ne(0).any())  # unlabelled positions: none
+
+
+def test_a_frozen_head_under_autocast_matches_autograd_in_bf16():
+    """A bf16 autocast forward (the models' mixed precision): the logits in bf16, their gradient cast to bf16 before
+    its matmul with the weight, as autograd does; the fp32 states get an fp32 gradient."""
+    from sft.speed.chunked_loss import FrozenHeadCrossEntropy, frozen_head
+
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 300, bias=False).requires_grad_(False)
+    states = torch.randn(37, 64, requires_grad=True)
+    targets = torch.randint(0, 300, (37,))
+    reference = states.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = FrozenHeadCrossEntropy.apply(states, *frozen_head(head), targets, 16)
+        expected = torch.nn.functional.cross_entropy(head(reference).float(), targets, reduction="sum")
+    loss.backward()
+    expected.backward()
+    assert states.grad.dtype == torch.float32
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-5)
+    torch.testing.assert_close(states.grad, reference.grad, rtol=1e-5, atol=1e-6)
 
 
 def machine() -> Machine:

@@ -5,10 +5,17 @@ A model's own loss projects every token onto the vocabulary at once: for a micro
 DeepSeek's 102,400-token vocabulary that is 1.7 GB of bf16 logits, 3.4 GB more in fp32 for the cross-entropy and
 its gradient as large again (DeepSeek-V2-Lite at micro-batch 4 ran out of memory on a 24 GiB card asking for those
 3.1 GiB). Liger's fused loss avoids it where Liger patches the model; MLA models (DeepSeek-V2/V3) run without it
-(sft/plan/plans.py kernels). Here only the labelled tokens are projected, CHUNK_TOKENS at a time, each chunk's logits
-recomputed in the backward (torch.utils.checkpoint) instead of kept: at most one chunk's logits exist. Same loss as
-the model's own (tests/test_chunked_loss.py): the labels shifted by one, -100 left out, the sum divided by the
-Trainer's `num_items_in_batch` (the accumulated batch's label count) or by this batch's count.
+(sft/plan/plans.py kernels). Here only the labelled tokens are projected, CHUNK_TOKENS at a time: at most one chunk's
+logits exist. Same loss as the model's own (tests/test_chunked_loss.py): the labels shifted by one, -100 left out,
+the sum divided by the Trainer's `num_items_in_batch` (the accumulated batch's label count) or by this batch's count.
+
+A frozen lm_head (LoRA, QLoRA: every run but a full fine-tune's) needs no gradient of its own, so each chunk's
+gradient with respect to its hidden states is computed in the forward, while its logits exist, and kept for the
+backward (`FrozenHeadCrossEntropy`, as Liger's fused loss does): two lm_head matmuls a chunk, and on a GPU the
+cross-entropy and its logits' gradient one compiled kernel. A trained lm_head keeps each chunk's logits recomputed in
+the backward (torch.utils.checkpoint): three matmuls and its weight's gradient. On an H100 the recomputation and
+cross-entropy's separate fp32 passes made the loss ~28 ms of a 0.67 s LoRA step slower than Liger's (run
+20261206T1436Z-dense-default-h100, bench/RESULTS.md).
 
 Under --use_liger_kernel the same forward computes the loss with Liger's fused linear cross-entropy, also on the
 labelled tokens only (`liger_causal_lm_loss`; sft/options/resolve.py liger_loss_on_labels switches Liger's own fused
@@ -33,6 +40,10 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from sft.data.tokenization import IGNORE
+from sft.machine import machine
+from sft.speed.fp8 import call_compiled
+
+TRITON_MIN_CAPABILITY = (7, 0)  # the GPUs Triton generates kernels for
 
 CHUNK_TOKENS = 1024  # one chunk's fp32 logits: 0.4 GB at a 102,400-token vocabulary
 
@@ -85,31 +96,103 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, label
     differ: seen hanging on 2 CPU ranks) and which a recomputation in the backward finds partitioned (shape [0])."""
     states, targets = labelled_tokens(hidden, labels, shifted, positions)
     # (under ZeRO-3 every process gathers, labels or not: the gather is collective)
-    with gathered_head(lm_head) if zero3_frozen_head else contextlib.nullcontext(lm_head) as head:
+    with gathered_head(lm_head) if zero3_frozen_head else contextlib.nullcontext(frozen_head(lm_head)) as frozen:
         if targets.numel() == 0:
             return no_label_loss(hidden)
-        total = hidden.new_zeros((), dtype=torch.float32)
-        for start in range(0, targets.numel(), chunk_tokens):
-            end = start + chunk_tokens
-            total = total + checkpoint(_chunk_loss, head, states[start:end], targets[start:end], use_reentrant=False)
+        if frozen is not None:
+            total = FrozenHeadCrossEntropy.apply(states, *frozen, targets, chunk_tokens)
+        else:
+            total = hidden.new_zeros((), dtype=torch.float32)
+            for start in range(0, targets.numel(), chunk_tokens):
+                end = start + chunk_tokens
+                total = total + checkpoint(_chunk_loss, lm_head, states[start:end], targets[start:end],
+                                           use_reentrant=False)
     return per_item(total, targets.numel(), num_items_in_batch)
+
+
+def frozen_head(lm_head: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """(weight, bias) of an lm_head that is a plain, frozen nn.Linear, whose matmul this module may run itself;
+    None for any other (a trained head, peft's wrapper of a targeted one, a sharded DTensor weight under FSDP2 or
+    tensor parallelism): those keep the module's own call and the checkpointed chunks."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(lm_head, torch.nn.Linear):
+        return None
+    params = [p for p in (lm_head.weight, lm_head.bias) if p is not None]
+    if any(p.requires_grad or isinstance(p, DTensor) for p in params):
+        return None
+    return lm_head.weight, lm_head.bias
 
 
 @contextlib.contextmanager
 def gathered_head(lm_head: torch.nn.Module):
-    """A frozen ZeRO-3 lm_head's whole weight (and bias), gathered from every process once and copied (the copy
-    outlives the gather: each chunk is recomputed in the backward), as a plain function of the hidden states."""
+    """A frozen ZeRO-3 lm_head's whole weight and bias, gathered from every process for the loss's forward, which
+    is the only pass that reads them (FrozenHeadCrossEntropy keeps the hidden states' gradient, not the weight)."""
     import deepspeed
 
     params = [p for p in (lm_head.weight, lm_head.bias) if p is not None]
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-        weight = lm_head.weight.detach().clone()
-        bias = None if lm_head.bias is None else lm_head.bias.detach().clone()
-    yield functools.partial(F.linear, weight=weight, bias=bias)
+        yield lm_head.weight.detach(), None if lm_head.bias is None else lm_head.bias.detach()
 
 
 def _chunk_loss(lm_head: torch.nn.Module, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(lm_head(states).float(), targets, reduction="sum")
+
+
+class FrozenHeadCrossEntropy(torch.autograd.Function):
+    """The summed cross-entropy of `states @ weight^T + bias` against `targets`, chunk by chunk, for a frozen weight:
+    each chunk's gradient with respect to its states is computed in the forward and kept (the states' size, in
+    their dtype), so the backward only scales it."""
+
+    @staticmethod
+    def forward(ctx, states: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                chunk_tokens: int) -> torch.Tensor:
+        total = states.new_zeros((), dtype=torch.float32)
+        grad_states = torch.empty_like(states)
+        for start in range(0, targets.numel(), chunk_tokens):
+            chunk = states[start:start + chunk_tokens]
+            logits = F.linear(chunk, weight, bias)
+            loss, grad_logits = cross_entropy_and_grad(logits, targets[start:start + chunk_tokens])
+            total = total + loss
+            # what autograd computes for the same ops: the logits' gradient in their dtype times the weight (under
+            # autocast the weight's cast), then cast to the states' dtype
+            grad_states[start:start + chunk_tokens] = (grad_logits @ weight.to(grad_logits.dtype)).to(states.dtype)
+        ctx.save_for_backward(grad_states)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        grad_states, = ctx.saved_tensors
+        return (grad_states.float() * grad_total).to(grad_states.dtype), None, None, None, None
+
+
+def cross_entropy_and_grad_eager(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed cross-entropy of the rows in fp32 (as F.cross_entropy on `logits.float()`), and its gradient with
+    respect to the logits, softmax minus the target's one-hot, in the logits' dtype."""
+    logits = logits.float()
+    log_normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
+    loss = (log_normalizer - logits.gather(1, targets[:, None])).sum()
+    probabilities = torch.exp(logits - log_normalizer)
+    is_target = torch.arange(logits.shape[1], device=logits.device) == targets[:, None]
+    return loss, torch.where(is_target, probabilities - 1.0, probabilities)
+
+
+def cross_entropy_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cross_entropy_and_grad_eager, its gradient cast to the logits' dtype; on a GPU Triton runs (7.0+) one kernel
+    compiled from it (reads of the bf16 logits and a write of their gradient, against eager's fp32 copies)."""
+    if logits.is_cuda and min(machine().gpu_capabilities) >= TRITON_MIN_CAPABILITY:
+        return call_compiled(_compiled_cross_entropy_and_grad(), logits, targets)
+    loss, grad = cross_entropy_and_grad_eager(logits, targets)
+    return loss, grad.to(logits.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_cross_entropy_and_grad():
+    def fused(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        loss, grad = cross_entropy_and_grad_eager(logits, targets)
+        return loss, grad.to(logits.dtype)
+
+    return torch.compile(fused, dynamic=True, fullgraph=True)
 
 
 def liger_causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor,
