@@ -323,6 +323,13 @@ MATRIX += [
     Row("lora-best-default-none", "lora", micro_batch=8, mem_cap_gib=0, warmup=3, steps=RATIO_STEPS,
         args=("--lora_dropout", "0", "--fp8", "auto", "--compile_layers", "auto"), vs="trl-lora-best-mb4",
         timeout=420),
+    # ... with inductor's multi-kernel reductions (TORCHINDUCTOR_MULTI_KERNEL=1: a persistent variant for rows up to
+    # 16,384 values beside the looped one, the faster kept at the first call): the FP8 quantization's row reductions
+    # over the MLP's 11,008 values read their inputs twice when looped (73 ms of run 20261206T1747Z's 616 ms of kernels)
+    *[Row(f"lora-best-default-none{'-mb4' if mb == 4 else ''}-mk", "lora", micro_batch=mb, grad_accum=8 // mb,
+          mem_cap_gib=0, warmup=3, steps=RATIO_STEPS, args=("--lora_dropout", "0", "--fp8", "auto", "--compile_layers",
+                                                            "auto"),
+          env=(("TORCHINDUCTOR_MULTI_KERNEL", "1"),), vs="trl-lora-best-mb4", timeout=480) for mb in (4, 8)],
     # ... the same two on R1-Distill-Qwen-7B's shape (grouped-query attention: 28 query heads on 4 key/value heads,
     # which torch 2.11's varlen kernel takes repeated; a 152k vocabulary)
     *[Row(f"r1-lora-default-{name}-mb4", "lora", model="r1-distill-qwen-7b", micro_batch=4, grad_accum=2,
@@ -675,6 +682,9 @@ GROUPS = {
     # the loss in torch chunks with a frozen lm_head's gradient in the forward (the default without Liger) beside
     # Liger's at the same varlen attention, Liger + flex_attention (the recipes'), TRL's best that fits an H100, ours
     # at micro-batch 8, and R1-Distill's shape
+    # inductor's multi-kernel reductions on the defaults at 4 x 2 and 8 x 1, each beside its twin without, and TRL's
+    "multi-kernel": ["trl-lora-best-mb4", "lora-best-default-none-mb4", "lora-best-default-none-mb4-mk",
+                     "lora-best-default-none", "lora-best-default-none-mk"],
     "frozen-head-loss": ["trl-lora-best-mb4", "lora-best-default-none-mb4", "lora-best-default-varlen-liger-mb4",
                          "lora-best-default-mb4", "lora-best-default-none", "r1-lora-default-none-mb4"],
     "dense-default": ["lora-best-default-sdpa-whole-mb4", "lora-best-default-varlen-chunked-mb4", "lora-best-default-mb4",
