@@ -93,6 +93,7 @@ class Launch:
     nccl: tuple[tuple[str, str], ...] = ()         # the NCCL_* variables the user set (sft/parallel/distributed.py NCCL_VARS)
     tensorboard_logging_dir: str | None = None    # TENSORBOARD_LOGGING_DIR: where the Trainer's TensorBoard logs go
     fp8_compile: bool = True                      # SFT_FP8_COMPILE; "0": --fp8 quantizes eagerly on CUDA too
+    inductor_multi_kernel_set: bool = False       # TORCHINDUCTOR_MULTI_KERNEL: the user's, which --compile_layers keeps
     fp8_fast_accum: bool | None = None            # SFT_FP8_FAST_ACCUM=1/0; unset: fp8_fast_accum_on decides
     peft_input_cast: bool = False                 # SFT_PEFT_INPUT_CAST=1: keep peft's input casts (bench rows)
     fp8_on_cpu: bool = False                      # SFT_FP8_ON_CPU=1: --fp8 on torch's CPU FP8 matmul (slow; tests)
@@ -198,6 +199,7 @@ def read_launch(env: Mapping[str, str] | None = None) -> Launch:
                   nccl=tuple((k, v) for k, v in sorted(env.items()) if k.startswith("NCCL_")),
                   tensorboard_logging_dir=env.get("TENSORBOARD_LOGGING_DIR") or None,
                   fp8_compile=env.get("SFT_FP8_COMPILE", "1") != "0",
+                  inductor_multi_kernel_set="TORCHINDUCTOR_MULTI_KERNEL" in env,
                   fp8_fast_accum={"1": True, "0": False}.get(env.get("SFT_FP8_FAST_ACCUM", "")),
                   peft_input_cast=env.get("SFT_PEFT_INPUT_CAST") == "1",
                   fp8_on_cpu=env.get("SFT_FP8_ON_CPU") == "1",

@@ -89,6 +89,9 @@ DUCK_SHAPE = PrivateName("torch", "torch.fx.experimental._config", "use_duck_sha
 SKIP_SIDE_EFFECTS_IN_RECOMPUTE = PrivateName("torch", "torch._dynamo.config",
                                              "skip_fwd_side_effects_in_bwd_under_checkpoint", None, TESTED_TORCH,
                                              "--compile_layers with activation checkpointing in one graph per layer")
+# --compile_layers (sft/speed/regional_compile.py): inductor's multi-kernel reductions, set unless the user set them.
+INDUCTOR_MULTI_KERNEL = PrivateName("torch", "torch._inductor.config", "triton.multi_kernel", None, TESTED_TORCH,
+                                    "--compile_layers: persistent row reductions benchmarked against looped ones")
 # Read, not patched, but a rename would change what we decide in silence.
 HF_DEEPSPEED_CONFIG = PrivateName("transformers", "transformers.integrations.deepspeed", "_hf_deepspeed_config_weak_ref",
                                   None, TESTED_TRANSFORMERS, "loading a whole model for verification under ZeRO-3")
@@ -134,7 +137,7 @@ PRIVATE_NAMES = (CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPOINT, LOAD_FROM_CHECK
                  SAVE_RNG_STATE,
                  PEFT_INPUT_CAST, ACCELERATE_ORIGINAL_FORWARD, TORCHAO_ADAM_LOAD,
                  TORCHAO_SUBCLASS_ZEROS, TORCHAO_SINGLE_PARAM_ADAM, DTENSOR_CACHE_KEY, DUCK_SHAPE,
-                 SKIP_SIDE_EFFECTS_IN_RECOMPUTE, HF_DEEPSPEED_CONFIG, FSDP_STATE, DDP_IGNORE, CONVERSION_MAPPING,
+                 SKIP_SIDE_EFFECTS_IN_RECOMPUTE, INDUCTOR_MULTI_KERNEL, HF_DEEPSPEED_CONFIG, FSDP_STATE, DDP_IGNORE, CONVERSION_MAPPING,
                  TENSOR_VERSION, TENSOR_BASE, TRACK_NUM_INPUT_TOKENS, QUANTIZER_BEFORE_LOADING,
                  QUANTIZER_AFTER_LOADING, PACKED_MASK, COMPILED_CALL)
 

@@ -39,7 +39,8 @@ def compile_decoder_layers(model: nn.Module) -> int:
     """Compile every decoder layer of `model` (a transformers model, or a peft model around one) in place; -> how
     many. The compile itself happens at the first forward (the first step is slower; inductor caches the kernels
     on disk for later runs)."""
-    from sft.safety.private_names import SKIP_SIDE_EFFECTS_IN_RECOMPUTE, expect
+    from sft.machine import launch
+    from sft.safety.private_names import INDUCTOR_MULTI_KERNEL, SKIP_SIDE_EFFECTS_IN_RECOMPUTE, expect
     from sft.speed.traced_param_lora import trace_param_lora
 
     layers = decoder_layers(model)
@@ -54,6 +55,14 @@ def compile_decoder_layers(model: nn.Module) -> int:
     # Each layer kind is one graph for all its layers, plus one for the first call's shapes: room for a model's
     # dense and MoE layers, and for a last batch of another length without falling back to eager.
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
+    # Inductor's multi-kernel reductions: a row reduction of up to 16,384 values (the FP8 quantization of an MLP's
+    # 11,008) also gets a persistent kernel, which reads its inputs once, benchmarked against the looped one at its
+    # first call and the faster kept: 1.017x the 7B LoRA step at both micro-batches of run
+    # 20261206T1805Z-multi-kernel-h100 (bench/RESULTS.md), up to ~6 s more at the first step. The user's
+    # TORCHINDUCTOR_MULTI_KERNEL wins (0 turns it off).
+    if not launch().inductor_multi_kernel_set:
+        expect(INDUCTOR_MULTI_KERNEL)
+        torch._inductor.config.triton.multi_kernel = 1
     trace_param_lora(model)  # peft's parametrized LoRA on DeepSeek's MLP weights breaks the graph
     for layer in layers:
         layer.compile()  # shapes static at first; a second length makes them dynamic (one more compile)
