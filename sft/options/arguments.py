@@ -82,8 +82,9 @@ class ModelArguments(FastPathSwitches):  # fp8_on, compile_layers_on, chunked_lo
         "help": "A full fine-tune under --fp8: torchao's scales, one per tensor (tensorwise, the fastest) or one per "
                 "row (rowwise: finer, slower)."})
     chunked_loss: Literal["auto", "true", "false"] = auto_switch(
-        "The training loss from the last hidden states, 1024 labelled tokens at a time, each chunk's logits "
-        "recomputed in the backward: no [tokens x vocabulary] logits tensor (sft/speed/chunked_loss.py). auto (the "
+        "The training loss from the last hidden states, 1024 labelled tokens at a time (a frozen lm_head's "
+        "gradient computed in the forward, a trained one's chunks recomputed in the backward): no [tokens x "
+        "vocabulary] logits tensor (sft/speed/chunked_loss.py). auto (the "
         "default): on wherever Liger's fused loss is not (--use_liger_kernel, or an MLA model, which Liger has "
         "no loss for) and the run allows it (deepseek-llm-7b LoRA: 9.6 GiB less at micro-batch 4; V2-Lite: 9.7), and "
         "the first screen says so; false turns it off. Not with --use_liger_kernel or --tp_size.")

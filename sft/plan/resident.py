@@ -106,8 +106,9 @@ def load_host_bytes(shape: "Shape", experts_on_host: bool = False) -> float:
 
 
 def loss_chunk_bytes(vocab: int) -> float:
-    """--chunked_loss: one chunk's logits in its backward (recomputed bf16, fp32 log-softmax and its gradient), as the
-    planner counts whole logits per token (12 bytes a vocabulary entry)."""
+    """--chunked_loss: one chunk's logits at a time, as the planner counts whole logits per token (12 bytes a
+    vocabulary entry): a trained lm_head's chunk in its backward (recomputed bf16, fp32 log-softmax and its gradient);
+    a frozen one's in the forward takes less (bf16 logits and their bf16 gradient on a GPU), counted the same."""
     return LOSS_CHUNK_TOKENS * 12.0 * vocab
 
 
