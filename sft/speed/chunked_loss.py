@@ -13,7 +13,7 @@ A frozen lm_head (LoRA, QLoRA: every run but a full fine-tune's) needs no gradie
 gradient with respect to its hidden states is computed in the forward, while its logits exist, and kept for the
 backward (`FrozenHeadCrossEntropy`, as Liger's fused loss does): two lm_head matmuls a chunk, and on a GPU the
 cross-entropy and its logits' gradient one compiled kernel. A trained lm_head keeps each chunk's logits recomputed in
-the backward (torch.utils.checkpoint): three matmuls and its weight's gradient. On an H100 the recomputation and
+the backward (torch.utils.checkpoint): four matmuls a chunk with its weight's gradient. On an H100 the recomputation and
 cross-entropy's separate fp32 passes made the loss ~28 ms of a 0.67 s LoRA step slower than Liger's (run
 20261206T1436Z-dense-default-h100, bench/RESULTS.md).
 
@@ -168,7 +168,7 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
 
 def cross_entropy_and_grad_eager(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed cross-entropy of the rows in fp32 (as F.cross_entropy on `logits.float()`), and its gradient with
-    respect to the logits, softmax minus the target's one-hot, in the logits' dtype."""
+    respect to the logits, softmax minus the target's one-hot, in fp32."""
     logits = logits.float()
     log_normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
     loss = (log_normalizer - logits.gather(1, targets[:, None])).sum()
