@@ -58,8 +58,8 @@ def compile_decoder_layers(model: nn.Module) -> int:
     # Inductor's multi-kernel reductions: a row reduction of up to 16,384 values (the FP8 quantization of an MLP's
     # 11,008) also gets a persistent kernel, which reads its inputs once, benchmarked against the looped one at its
     # first call and the faster kept: 1.017x the 7B LoRA step at both micro-batches of run
-    # 20261206T1758Z-multi-kernel-h100 (bench/RESULTS.md), up to ~6 s more at the first step. The user's
-    # TORCHINDUCTOR_MULTI_KERNEL wins (0 turns it off).
+    # 20261206T1758Z-multi-kernel-h100 (bench/RESULTS.md); the first step up to ~6 s longer at 2,048 tokens, 17-25 s
+    # at 4k-32k (run 20261206T1811Z-long-mk-h100). The user's TORCHINDUCTOR_MULTI_KERNEL wins (0 turns it off).
     if not launch().inductor_multi_kernel_set:
         expect(INDUCTOR_MULTI_KERNEL)
         torch._inductor.config.triton.multi_kernel = 1
