@@ -150,13 +150,12 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
         total = states.new_zeros((), dtype=torch.float32)
         grad_states = torch.empty_like(states)
         for start in range(0, targets.numel(), chunk_tokens):
-            chunk = states[start:start + chunk_tokens]
-            logits = F.linear(chunk, weight, bias)
-            loss, grad_logits = cross_entropy_and_grad(logits, targets[start:start + chunk_tokens])
+            end = start + chunk_tokens
+            loss, grad_logits = cross_entropy_and_grad(F.linear(states[start:end], weight, bias), targets[start:end])
             total = total + loss
             # what autograd computes for the same ops: the logits' gradient in their dtype times the weight (under
             # autocast the weight's cast), then cast to the states' dtype
-            grad_states[start:start + chunk_tokens] = (grad_logits @ weight.to(grad_logits.dtype)).to(states.dtype)
+            grad_states[start:end] = (grad_logits @ weight.to(grad_logits.dtype)).to(states.dtype)
         ctx.save_for_backward(grad_states)
         return total
 
@@ -168,31 +167,26 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
 
 def cross_entropy_and_grad_eager(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed cross-entropy of the rows in fp32 (as F.cross_entropy on `logits.float()`), and its gradient with
-    respect to the logits, softmax minus the target's one-hot, in fp32."""
-    logits = logits.float()
-    log_normalizer = torch.logsumexp(logits, dim=-1, keepdim=True)
-    loss = (log_normalizer - logits.gather(1, targets[:, None])).sum()
-    probabilities = torch.exp(logits - log_normalizer)
-    is_target = torch.arange(logits.shape[1], device=logits.device) == targets[:, None]
-    return loss, torch.where(is_target, probabilities - 1.0, probabilities)
+    respect to the logits, softmax minus the target's one-hot, computed in fp32 and returned in the logits' dtype."""
+    wide = logits.float()
+    log_normalizer = torch.logsumexp(wide, dim=-1, keepdim=True)
+    loss = (log_normalizer - wide.gather(1, targets[:, None])).sum()
+    probabilities = torch.exp(wide - log_normalizer)
+    is_target = torch.arange(wide.shape[1], device=wide.device) == targets[:, None]
+    return loss, torch.where(is_target, probabilities - 1.0, probabilities).to(logits.dtype)
 
 
 def cross_entropy_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cross_entropy_and_grad_eager, its gradient cast to the logits' dtype; on a GPU Triton runs (7.0+) one kernel
-    compiled from it (reads of the bf16 logits and a write of their gradient, against eager's fp32 copies)."""
+    """cross_entropy_and_grad_eager; on a GPU Triton runs (7.0+) one kernel compiled from it (reads of the bf16 logits
+    and a write of their gradient, against eager's fp32 copies)."""
     if logits.is_cuda and min(machine().gpu_capabilities) >= TRITON_MIN_CAPABILITY:
         return call_compiled(_compiled_cross_entropy_and_grad(), logits, targets)
-    loss, grad = cross_entropy_and_grad_eager(logits, targets)
-    return loss, grad.to(logits.dtype)
+    return cross_entropy_and_grad_eager(logits, targets)
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled_cross_entropy_and_grad():
-    def fused(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        loss, grad = cross_entropy_and_grad_eager(logits, targets)
-        return loss, grad.to(logits.dtype)
-
-    return torch.compile(fused, dynamic=True, fullgraph=True)
+    return torch.compile(cross_entropy_and_grad_eager, dynamic=True, fullgraph=True)
 
 
 def liger_causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, labels: torch.Tensor,
