@@ -463,6 +463,12 @@ MATRIX += [
     Row("long-r1-32k-recipe", "lora", model="r1-distill-qwen-7b", seq_len=32768, grad_accum=2, warmup=1, steps=2,
         profile_steps=0, repeat_data=1, long_docs=True, timeout=600,
         args=("--config", str(REPO / "recipes" / "r1-distill-qwen-7b-long.yaml"))),
+    # ... with the eager layers' recompute running the tiled MLP again, as before sft/speed/layer_checkpoint.py marked
+    # it (2.875 MLP forwards a step at 8 tiles instead of 2): what the mark saves the recipe, in the same run
+    Row("long-r1-32k-recipe-layer-recompute", "lora", model="r1-distill-qwen-7b", seq_len=32768, grad_accum=2,
+        warmup=1, steps=2, profile_steps=0, repeat_data=1, long_docs=True, timeout=600,
+        args=("--config", str(REPO / "recipes" / "r1-distill-qwen-7b-long.yaml")),
+        env=(("SFT_TILED_MLP_LAYER_RECOMPUTE", "1"),)),
     Row("long-r1-4k-recipe", "lora", model="r1-distill-qwen-7b", seq_len=4096, micro_batch=2, grad_accum=8, warmup=1,
         steps=2, profile_steps=0, repeat_data=1, long_docs=True, timeout=420,
         args=("--config", str(REPO / "recipes" / "r1-distill-qwen-7b-lora.yaml"))),
@@ -692,6 +698,10 @@ GROUPS = {
     "lora2x-h200-default": ["trl-lora-best", "lora-best-default-varlen-chunked", "lora-best-default-varlen-chunked-mb12"],
     "lora2x-tuning-h200": ["trl-lora-best", "lora-best-default-varlen-chunked", "lora-best-default-varlen-chunked-cdt",
                            "lora-best-default-varlen-chunked-pw"],
+    # issue 27 item 1: the long recipe (eager layers, tiled MLPs) with and without the marked recompute, beside the 4k
+    # recipe and the compiled 32k row of the ratio
+    "tile-recompute": ["long-r1-4k-recipe", "long-r1-32k-recipe", "long-r1-32k-recipe-layer-recompute",
+                       "long-r1-32k-sdpa-keep-ga2"],
     # issue 27 item 1 for both models at the same tokens per optimizer step as their 4k recipes
     "long-ratio-ga2": ["long-r1-4k-recipe", "long-r1-32k-sdpa-keep-ga2", "long-llm-4k-recipe",
                        "long-llm-32k-sdpa-keep-ga2"],

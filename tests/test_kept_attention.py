@@ -12,7 +12,8 @@ import torch
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from sft.speed.kept_attention import attention_ops, checkpoint_kwargs, checkpoints_inside_forward, offload_prefetch
+from sft.speed.kept_attention import attention_ops, checkpoints_inside_forward, offload_prefetch
+from sft.speed.layer_checkpoint import checkpoint_kwargs
 from test_activation_offload import Logged
 from test_long_rows import loss_and_grads, tiny_lora_model
 
@@ -21,8 +22,9 @@ CPU_ATTENTION = "aten::_scaled_dot_product_flash_attention_for_cpu"  # sdpa's ke
 
 
 def keep_attention(model) -> None:
-    """As the Trainer applies --activation_checkpointing_kwargs (sft/options/resolve.py checkpoints_keep_attention)."""
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs())
+    """As the Trainer applies --activation_checkpointing_kwargs (sft/options/resolve.py
+    layer_checkpoints_get_their_contexts)."""
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(keep_attention=True))
 
 
 def compiled(model, monkeypatch) -> None:
@@ -184,7 +186,7 @@ def test_with_compiled_layers_an_older_transformers_is_refused():
     from sft.options.checks import kept_attention_needs
 
     training = NS(activation_checkpointing_keep_attention=True, activation_checkpointing=True,
-                  activation_checkpointing_kwargs=checkpoint_kwargs())
+                  activation_checkpointing_kwargs=checkpoint_kwargs(keep_attention=True))
     o = NS(training=training, model=NS(attn_implementation="sdpa", compile_layers_on=True), lora=NS(lora=True),
            fsdp=lambda m: False)
     kept_attention_needs(o, None, inside_forward=lambda: True)
@@ -198,7 +200,8 @@ def test_the_options_are_written_as_json_with_the_policy_by_name(tmp_path):
 
     *_, training = parse_args(["--activation_checkpointing", "true", "--activation_checkpointing_keep_attention",
                                "true", "--output_dir", str(tmp_path / "run")])
-    assert training.activation_checkpointing_kwargs["context_fn"] is checkpoint_kwargs()["context_fn"]
+    kwargs = training.activation_checkpointing_kwargs
+    assert kwargs["context_fn"] is checkpoint_kwargs(keep_attention=True)["context_fn"]
     written = json.loads(training.to_json_string())
     assert written["activation_checkpointing_kwargs"] == {
         "use_reentrant": False, "context_fn": "sft.speed.kept_attention.keep_attention_contexts"}

@@ -11,7 +11,7 @@ import torch
 from conftest import lora_demo_run, train_here
 
 
-def tiny_lora_llama(checkpointing: bool):
+def tiny_lora_llama(checkpointing: bool, checkpoint_kwargs: dict | None = None):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -19,17 +19,18 @@ def tiny_lora_llama(checkpointing: bool):
     model = LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=160, num_hidden_layers=3,
                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs or {"use_reentrant": False})
         model.enable_input_require_grads()
     return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj", "down_proj"]))
 
 
-def tiny_lora_model(model_type: str, checkpointing: bool):
+def tiny_lora_model(model_type: str, checkpointing: bool, checkpoint_kwargs: dict | None = None):
     """A 3-layer model of a family we train, with LoRA on the family's default targets as training attaches it
     (sft/model/loading.py attach_lora: DeepSeek MoE's MLP weights as target_parameters), its B matrices random so
-    that every LoRA weight has a gradient to compare; llama: tiny_lora_llama."""
+    that every LoRA weight has a gradient to compare; llama: tiny_lora_llama. `checkpoint_kwargs`: what
+    transformers' checkpoint of each layer gets (default: the non-reentrant checkpoint alone)."""
     if model_type == "llama":
-        return tiny_lora_llama(checkpointing)
+        return tiny_lora_llama(checkpointing, checkpoint_kwargs)
     from transformers import AutoModelForCausalLM
 
     from conftest import tiny_config
@@ -40,7 +41,7 @@ def tiny_lora_model(model_type: str, checkpointing: bool):
     config = tiny_config(model_type, vocab_size=256, num_hidden_layers=3, intermediate_size=160)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs or {"use_reentrant": False})
     model = attach_lora(model, LoraArguments(lora=True, lora_r=4, lora_dropout=0.0), checkpointing)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -78,6 +79,96 @@ def test_a_tiled_mlp_gives_the_whole_mlps_loss_and_gradients_and_keeps_its_names
     assert got.keys() == want.keys()
     for name in want:
         torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def gate_runs(model) -> list[int]:
+    """A step's forwards of each dense MLP's gate projection (its frozen base layer under LoRA), layer by layer."""
+    runs = []
+    for layer in model.base_model.model.model.layers:
+        gate = getattr(layer.mlp, "gate_proj", None)
+        if gate is None:  # an MoE block
+            continue
+        runs.append(0)
+        gate.base_layer.register_forward_hook(lambda *_, i=len(runs) - 1: runs.__setitem__(i, runs[i] + 1))
+    return runs
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen2", "qwen3", "deepseek_v3"])
+@pytest.mark.parametrize("keep_attention", [False, True])
+def test_in_a_checkpointed_layer_each_tile_runs_twice_a_step_and_gives_the_whole_mlps_gradients(model_type,
+                                                                                              keep_attention):
+    """Eager layers as --mlp_tile_tokens gets them (sft/speed/layer_checkpoint.py): each tile runs in the forward and
+    in its own recompute, not once more in the layer's (which torch runs first and stops at the last tile's input),
+    with or without the kept attention. The layer's recompute unmarked, as before: 7 + 6 + 7 of 7 tiles."""
+    from sft.speed.layer_checkpoint import checkpoint_kwargs
+    from sft.speed.tiled_mlp import tile_mlps
+
+    ids = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(1))  # 7 tiles of up to 16
+    want_loss, want = loss_and_grads(tiny_lora_model(model_type, True), ids)
+    for marked, runs_per_layer in ((True, 2 * 7), (False, 7 + 6 + 7)):
+        model = tiny_lora_model(model_type, True, checkpoint_kwargs(keep_attention, tiled_mlps=marked))
+        tile_mlps(model, 16)
+        runs = gate_runs(model)
+        got_loss, got = loss_and_grads(model, ids)
+        assert runs == [runs_per_layer] * len(runs) and runs
+        assert got_loss == pytest.approx(want_loss, rel=1e-6)
+        for name in want:
+            torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_layer_that_saves_its_mlps_output_gets_it_in_the_recompute():
+    """OLMo-2 normalizes the MLP's output before the residual add: the layer's recompute does not stop at the last
+    tile's input, and the norm must see the real output. It is computed there (saving nothing): the gradients are
+    the whole MLP's, at one more forward per tile."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import Olmo2Config, Olmo2ForCausalLM
+
+    from sft.speed.layer_checkpoint import checkpoint_kwargs
+    from sft.speed.tiled_mlp import tile_mlps
+
+    def olmo2(tiled: bool):
+        torch.manual_seed(0)
+        model = Olmo2ForCausalLM(Olmo2Config(vocab_size=256, hidden_size=64, intermediate_size=160,
+                                             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpoint_kwargs(tiled_mlps=tiled))
+        model.enable_input_require_grads()
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "gate_proj", "down_proj"]))
+        if tiled:
+            assert tile_mlps(model, 16) == (2, 0)
+        return model
+
+    ids = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(1))
+    want_loss, want = loss_and_grads(olmo2(False), ids)
+    model = olmo2(True)
+    runs = gate_runs(model)
+    got_loss, got = loss_and_grads(model, ids)
+    assert runs == [3 * 7, 3 * 7]
+    assert got_loss == pytest.approx(want_loss, rel=1e-6)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_eager_tiled_layers_get_the_marked_recompute_and_compiled_ones_do_not(tmp_path):
+    """The options as the run resolves them: --mlp_tile_tokens under transformers' checkpoint marks the eager
+    layers' recompute (with the kept attention, one context function for both); compiled layers, a reentrant
+    checkpoint of yours and SFT_TILED_MLP_LAYER_RECOMPUTE=1 leave the checkpoint as it was."""
+    from sft.machine import Launch, Machine
+    from sft.options.arguments import read_options
+    from sft.options.resolve import resolve_defaults
+    from sft.speed import layer_checkpoint as lc
+
+    def context_fn(*argv: str, launch: Launch = Launch()):
+        options = read_options(["--lora", "true", "--activation_checkpointing", "true", "--mlp_tile_tokens", "4096",
+                                "--output_dir", str(tmp_path / "run"), *argv])
+        options = resolve_defaults(options, Machine(launch=launch))
+        return (options.training.activation_checkpointing_kwargs or {}).get("context_fn")
+
+    assert context_fn() is lc.tiled_mlp_contexts
+    assert context_fn("--activation_checkpointing_keep_attention", "true", "--attn_implementation",
+                      "sdpa") is lc.keep_attention_and_tiled_mlp_contexts
+    assert context_fn("--compile_layers", "true") is None
+    assert context_fn("--activation_checkpointing_kwargs", '{"use_reentrant": true}') is None
+    assert context_fn(launch=Launch(tiled_mlp_layer_recompute=True)) is None
 
 
 def test_a_forward_bound_to_the_mlp_after_tiling_runs_per_tile():

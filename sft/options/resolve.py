@@ -293,21 +293,31 @@ def fsdp_checkpoints_activations(o: Options, m: Machine) -> None:
         t.activation_checkpointing = t.gradient_checkpointing = False  # (the deprecated alias follows it)
 
 
-def checkpoints_keep_attention(o: Options, m: Machine) -> None:
-    """--activation_checkpointing_keep_attention: transformers' checkpoint of each layer gets the policy that saves
-    sdpa's outputs (sft/speed/kept_attention.py), through TrainingArguments.activation_checkpointing_kwargs, which
-    the Trainer hands to torch's checkpoint. Keys you set there stay; a reentrant checkpoint (`use_reentrant:
-    true`) cannot be selective and is refused (sft/options/checks.py kept_attention_needs)."""
+def layer_checkpoints_get_their_contexts(o: Options, m: Machine) -> None:
+    """What transformers' checkpoint of each layer is given (sft/speed/layer_checkpoint.py), through
+    TrainingArguments.activation_checkpointing_kwargs, which the Trainer hands to torch's checkpoint:
+    - --activation_checkpointing_keep_attention: the policy that saves sdpa's outputs (sft/speed/kept_attention.py);
+      a reentrant checkpoint (`use_reentrant: true`) cannot be selective and is refused (sft/options/checks.py
+      kept_attention_needs);
+    - --mlp_tile_tokens on eager layers: the recompute marked, so that the tiles inside run once there, not twice
+      (sft/speed/tiled_mlp.py). Not under a reentrant checkpoint of yours, nor where SFT_TILED_MLP_LAYER_RECOMPUTE=1
+      (bench rows: what it saves).
+    Keys you set in --activation_checkpointing_kwargs stay."""
     t = o.training
-    if not t.activation_checkpointing_keep_attention:
+    yours = t.activation_checkpointing_kwargs or {}
+    keep = t.activation_checkpointing_keep_attention
+    tiled = bool(t.activation_checkpointing and o.model.mlp_tile_tokens and not o.model.compile_layers_on
+                 and not yours.get("use_reentrant") and not m.launch.tiled_mlp_layer_recompute)
+    if not (keep or tiled):
         return
-    from sft.speed.kept_attention import checkpoint_kwargs
+    from sft.speed.layer_checkpoint import checkpoint_kwargs
 
-    kwargs = {**checkpoint_kwargs(), **(t.activation_checkpointing_kwargs or {})}
+    kwargs = {**checkpoint_kwargs(keep, tiled), **yours}
     t.activation_checkpointing_kwargs = t.gradient_checkpointing_kwargs = kwargs  # (the deprecated alias follows it)
-    o.model.speed_choices += (f"attention outputs kept for the backward, not recomputed "
-                              f"({kept_attention_place(o.model.compile_layers_on, t.offload_activations, m.cuda)}; "
-                              f"--activation_checkpointing_keep_attention)",)
+    if keep:
+        o.model.speed_choices += (f"attention outputs kept for the backward, not recomputed "
+                                  f"({kept_attention_place(o.model.compile_layers_on, t.offload_activations, m.cuda)}; "
+                                  f"--activation_checkpointing_keep_attention)",)
 
 
 def kept_attention_place(compiled: bool, offloaded: bool, cuda: bool) -> str:
@@ -376,12 +386,11 @@ Derivation = Callable[[Options, Machine], None]
 # after the fast paths, whose first-screen notes it follows.
 DERIVED: list[Derivation] = [
     qlora_trains_lora, output_dir_of_its_own, fast_paths_where_supported, loss_in_chunks_unless_liger,
-    packed_documents_attend_alone,
-    packed_rows_take_one_length,
-    sequence_parallel_slices_rows, fp8_training_pads_rows_to_16, tensor_parallel_saves_model_only, lora_skips_unused_parameter_search,
-    compiled_layers_keep_liger_loss_only, liger_loss_on_labels, fsdp_checkpoints_activations, checkpoints_keep_attention,
-    fsdp_reduce_scatters_each_micro_batch, our_rotation_keeps_checkpoints, nan_filter_only_where_steps_are_skipped,
-    batches_copied_without_wait, early_stopping_watches_eval_loss,
+    packed_documents_attend_alone, packed_rows_take_one_length, sequence_parallel_slices_rows,
+    fp8_training_pads_rows_to_16, tensor_parallel_saves_model_only, lora_skips_unused_parameter_search,
+    compiled_layers_keep_liger_loss_only, liger_loss_on_labels, fsdp_checkpoints_activations,
+    layer_checkpoints_get_their_contexts, fsdp_reduce_scatters_each_micro_batch, our_rotation_keeps_checkpoints,
+    nan_filter_only_where_steps_are_skipped, batches_copied_without_wait, early_stopping_watches_eval_loss,
 ]
 
 

@@ -51,12 +51,6 @@ def keep_attention_contexts():
     return create_selective_checkpoint_contexts(keep_attention_policy)
 
 
-def checkpoint_kwargs() -> dict:
-    """TrainingArguments.activation_checkpointing_kwargs for the kept attention (transformers passes them on to
-    torch.utils.checkpoint.checkpoint; selective checkpointing needs the non-reentrant checkpoint)."""
-    return {"use_reentrant": False, "context_fn": keep_attention_contexts}
-
-
 def checkpoints_inside_forward(layer_class: type | None = None) -> bool:
     """Whether transformers' checkpointed layers checkpoint their `forward` (>= 5.23) rather than their `__call__`
     (5.17-5.22): only then is a compiled layer's checkpoint inside its compiled region, where the kept outputs are

@@ -7,6 +7,15 @@ memory: at 32,768 tokens one MLP's intermediate tensors (gate, up, their product
 activation checkpointing recomputes them whole in the backward. Tiled, only one tile's exist at a time; the
 price is one more forward of the MLP per tile in the backward (the checkpoint's recomputation).
 
+Inside a checkpointed layer the tiles' checkpoints nest in the layer's, and torch recomputes the layer before any
+tile (a tile's input is a tensor the layer saved): eagerly, that recompute ran all tiles but the last once more,
+only to be thrown away (each tile's own recompute runs it again), 2.875 forwards of the MLP a step at 8 tiles
+instead of 2. So the layer's recompute says that it is one (`layer_recompute`, the context transformers' checkpoint
+enters through sft/speed/layer_checkpoint.py), and the tiles then save their inputs as before and run nothing:
+torch stops a recompute once the last tensor it saved is back (its early stop), here the last tile's input. Where
+the layer saves something after its MLP (a norm of its output), the recompute goes on, and the tiles' real output
+is computed for it, saving nothing. Compiled layers need none of it: inductor recomputes the tiles once already.
+
 The MLP module keeps its name, parameters and state dict: its class becomes a subclass of its own whose forward
 tiles and calls the original forward per tile (the way torch's FSDP2 gives a module its FSDP class), so saves,
 peft's adapter names and reloads see the model they know. Dense MLPs only: an MoE block routes each token and
@@ -15,13 +24,34 @@ adds a balance loss over the sequence, which tiles would split.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import threading
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from sft.machine import is_first_process
+
+
+_recompute = threading.local()  # autograd runs a recompute on the thread that unpacks: one flag per thread
+
+
+@contextlib.contextmanager
+def layer_recompute() -> Iterator[None]:
+    """Entered by a checkpointed layer's recompute (the second context of its checkpoint's `context_fn`)."""
+    outer = getattr(_recompute, "layer", False)
+    _recompute.layer = True
+    try:
+        yield
+    finally:
+        _recompute.layer = outer
+
+
+def in_layer_recompute() -> bool:
+    return getattr(_recompute, "layer", False)
 
 
 def tile_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -35,7 +65,28 @@ def tile_forward(self, hidden_states: torch.Tensor, *args, **kwargs) -> torch.Te
     tiles = hidden_states.split(self.mlp_tile_tokens, dim=-2)
     if not torch.is_grad_enabled():
         return torch.cat([forward(tile, *args, **kwargs) for tile in tiles], dim=-2)
+    if in_layer_recompute():
+        return inputs_saved_only(self, forward, tiles, args, kwargs)
     return torch.cat([checkpoint(forward, tile, *args, use_reentrant=False, **kwargs) for tile in tiles], dim=-2)
+
+
+def _nothing(tile: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tile  # no op at all: selective checkpointing's recompute refuses ops its forward did not see
+
+
+def inputs_saved_only(mlp: nn.Module, forward, tiles: tuple[torch.Tensor, ...], args: tuple, kwargs: dict
+                      ) -> torch.Tensor:
+    """The tiled MLP in its layer's recompute: each tile's checkpoint saves its input as in the forward (the same
+    tensors in the same order: the layer's recompute hands them back by position) around no work. torch stops the
+    recompute at the last tile's input when nothing after the MLP was saved; where something was (a norm of the
+    MLP's output), the recompute goes on and gets the real output, computed without saving anything (the layer's
+    backward never reads this graph: it only needs the saved values)."""
+    for tile in tiles:
+        checkpoint(_nothing, tile, *args, use_reentrant=False, **kwargs)
+    with torch.no_grad():
+        out = torch.cat([forward(tile, *args, **kwargs) for tile in tiles], dim=-2)
+    takes_grad = any(t.requires_grad for t in tiles) or any(p.requires_grad for p in mlp.parameters())
+    return out.requires_grad_(takes_grad)
 
 
 class TilingForward:
