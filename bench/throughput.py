@@ -323,6 +323,12 @@ MATRIX += [
     Row("lora-best-default-none", "lora", micro_batch=8, mem_cap_gib=0, warmup=3, steps=RATIO_STEPS,
         args=("--lora_dropout", "0", "--fp8", "auto", "--compile_layers", "auto"), vs="trl-lora-best-mb4",
         timeout=420),
+    # ... with flex_attention instead of varlen (the faster attention on packed 2k rows at the median step in run
+    # 20261206T1747Z, with Liger's loss: 2.7%) beside the loss in torch chunks: the two faster halves together
+    *[Row(f"lora-best-default-flex{'-mb4' if mb == 4 else ''}", "lora", micro_batch=mb, grad_accum=8 // mb,
+          mem_cap_gib=0, warmup=3, steps=RATIO_STEPS, args=("--lora_dropout", "0", *FLEX, "--fp8", "auto",
+                                                            "--compile_layers", "auto"),
+          vs="trl-lora-best-mb4", timeout=420) for mb in (4, 8)],
     # ... with inductor's multi-kernel reductions (TORCHINDUCTOR_MULTI_KERNEL=1: a persistent variant for rows up to
     # 16,384 values beside the looped one, the faster kept at the first call): the FP8 quantization's row reductions
     # over the MLP's 11,008 values read their inputs twice when looped (73 ms of run 20261206T1747Z's 616 ms of kernels)
@@ -698,6 +704,10 @@ GROUPS = {
     "lora2x-h200-default": ["trl-lora-best", "lora-best-default-varlen-chunked", "lora-best-default-varlen-chunked-mb12"],
     "lora2x-tuning-h200": ["trl-lora-best", "lora-best-default-varlen-chunked", "lora-best-default-varlen-chunked-cdt",
                            "lora-best-default-varlen-chunked-pw"],
+    # issue 27 item 1's long recipe with and without the marked recompute; issue 28 item 2: flex_attention with the
+    # loss in torch chunks at micro-batch 8 against TRL's best on an 80 GB H100 (4 x 2)
+    "tile-flex": ["long-r1-32k-recipe", "long-r1-32k-recipe-layer-recompute", "trl-lora-best-mb4",
+                  "lora-best-default-flex", "lora-best-default-flex-mb4"],
     # issue 27 item 1: the long recipe (eager layers, tiled MLPs) with and without the marked recompute, beside the 4k
     # recipe and the compiled 32k row of the ratio
     "tile-recompute": ["long-r1-4k-recipe", "long-r1-32k-recipe", "long-r1-32k-recipe-layer-recompute",
