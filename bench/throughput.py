@@ -475,11 +475,12 @@ MATRIX += [
         warmup=1, steps=2, profile_steps=0, repeat_data=1, long_docs=True, timeout=600,
         args=("--config", str(REPO / "recipes" / "r1-distill-qwen-7b-long.yaml")),
         env=(("SFT_TILED_MLP_LAYER_RECOMPUTE", "1"),)),
-    # ... the same pair on 16k traces (4 tiles: 2.75 MLP forwards a step unmarked), the shorter of the two to run
-    *[Row(f"long-r1-16k-recipe{name}", "lora", model="r1-distill-qwen-7b", seq_len=16384, grad_accum=2, warmup=1,
+    # ... the same pair with sdpa (each row one trace: sdpa's causal kernel, nothing compiled; flex_attention's first
+    # step at a new length took 47-58 s at 32k and 285 s at 16k), the quicker pair to run
+    *[Row(f"long-r1-32k-recipe-sdpa{name}", "lora", model="r1-distill-qwen-7b", seq_len=32768, grad_accum=2, warmup=1,
           steps=2, profile_steps=0, repeat_data=1, long_docs=True, timeout=480,
-          args=("--config", str(REPO / "recipes" / "r1-distill-qwen-7b-long.yaml")), env=env)
-      for name, env in (("", ()), ("-layer-recompute", (("SFT_TILED_MLP_LAYER_RECOMPUTE", "1"),)))],
+          args=("--config", str(REPO / "recipes" / "r1-distill-qwen-7b-long.yaml"), "--attn_implementation", "sdpa"),
+          env=env) for name, env in (("", ()), ("-layer-recompute", (("SFT_TILED_MLP_LAYER_RECOMPUTE", "1"),)))],
     Row("long-r1-4k-recipe", "lora", model="r1-distill-qwen-7b", seq_len=4096, micro_batch=2, grad_accum=8, warmup=1,
         steps=2, profile_steps=0, repeat_data=1, long_docs=True, timeout=420,
         args=("--config", str(REPO / "recipes" / "r1-distill-qwen-7b-lora.yaml"))),
