@@ -18,7 +18,7 @@ from sft.names import RELEASES, hub_id
 from sft.parallel.strategies import REPO
 from sft.plan.bench_check import check_rows, check_table
 from sft.plan.kernels import kernels
-from sft.plan.long_rows import is_long, long_row_flops_per_token
+from sft.plan.long_rows import is_long, long_row_flops_per_token, tiled_mlp_flops_per_token
 from sft.plan.memory import CALIBRATION, fast_path_bytes, fsdp_adapter_buffers, predict, whole_layer_activations
 from sft.plan.plan_text import command, fast_paths_said, kernels_text
 from sft.plan.planner import (NOT_PLANNED, loss_here, main, nothing_planned_line, options_of, planned_options,
@@ -1013,6 +1013,26 @@ def test_no_long_plan_at_or_over_the_card_is_recommended(length):
         if best is not None:
             assert best.prediction.smi_gib <= Box(3, 24).card_gib - MARGIN_GIB, (model, length)
         assert all(p.w.levers.label == "" for p in plans if not is_long(length))
+
+
+def test_a_tiled_mlp_costs_flops_only_where_it_runs_more_than_the_layers_checkpoint():
+    """--mlp_tile_tokens under the layers' checkpoints: two MLP forwards a step, as the checkpoint alone runs (the
+    6N/4N count leaves the recompute out), so no FLOPs more. Without checkpoints: one more forward of each MLP. A row
+    measured before the eager recompute was marked (or a -layer-recompute row) ran all tiles but the last once more:
+    7/8 of a forward at 8 tiles; its compiled twin did not."""
+    shape = SHAPES[R1]
+    w = Workload("ddp", Setup("lora", "fp32_master"), 1, 1, 32768, True, mlp_tile_tokens=4096)
+    forward = 2.0 * shape.layers * shape.dense_mlp_params()
+    assert tiled_mlp_flops_per_token(shape, w) == 0.0
+    assert tiled_mlp_flops_per_token(shape, dataclasses.replace(w, checkpointing=False)) == forward
+    assert tiled_mlp_flops_per_token(shape, dataclasses.replace(w, tiles_in_layer_recompute=True)) == forward * 7 / 8
+    assert tiled_mlp_flops_per_token(shape, dataclasses.replace(w, seq_len=4096, tiles_in_layer_recompute=True)) == 0
+    rows = {r["name"]: workload_of_row(r) for r in measured_rows() if r["run_id"].startswith("20261205T1845Z")}
+    assert rows["long-r1-32k-recipe"].tiles_in_layer_recompute  # eager, dated before 162167b
+    assert not rows["long-r1-32k-sdpa-default"].tiles_in_layer_recompute  # compiled layers
+    today = dict(next(r for r in measured_rows() if r["name"] == "long-r1-32k-recipe"), date="2026-12-07T00:00:00Z")
+    assert not workload_of_row(today).tiles_in_layer_recompute
+    assert workload_of_row(dict(today, name="long-r1-32k-recipe-layer-recompute")).tiles_in_layer_recompute
 
 
 def test_long_plans_read_the_long_rows_speed_with_their_attention():

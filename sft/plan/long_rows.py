@@ -6,7 +6,8 @@
   within each document and costs far less (its speed is the short rows'). The speed of a long plan is read from the
   bench rows made of long documents only (bench/throughput.py, rows named long-*).
 - `--mlp_tile_tokens N`: each dense MLP's [tokens x intermediate] tensors exist for one tile of N tokens at a time
-  (the backward recomputes them per tile: one more forward of the MLP, counted as FLOPs the row pays for).
+  (the backward recomputes them per tile: one more forward of the MLP, counted as FLOPs the row pays for where
+  the layers are not checkpointed; under their checkpoints the tiles' recompute is the layer's).
 - `--offload_activations`: what the forward saves outside the checkpointed layers (each layer's input, and the
   layers kept whole) waits in pinned host RAM; in the backward the GPU holds one layer's worth and the next
   checkpoint, brought back ahead.
@@ -90,11 +91,21 @@ def attention_flops_per_token(shape: "Shape", seq_len: int) -> float:
 
 
 def tiled_mlp_flops_per_token(shape: "Shape", w: "Workload") -> float:
-    """The tiled MLP's own recomputation: one more forward of every dense MLP (2 FLOPs per weight)."""
+    """The tiled MLP's own recomputation: one more forward of every dense MLP (2 FLOPs per weight), where the
+    layers are not checkpointed. Under the layers' checkpoints the tiles' recompute takes the place of the layer's,
+    which the 6N/4N count leaves out as it does every checkpoint's: two MLP forwards a step, eager or compiled
+    (sft/speed/tiled_mlp.py). Rows measured before that (Workload.tiles_in_layer_recompute) ran all tiles but the
+    last once more in the eager layer's recompute: (tiles - 1) / tiles of a forward."""
     if tile_tokens(w) >= w.micro_batch * w.slice_len:
         return 0.0
     dense = sum(1 for i in range(shape.layers) if not (shape.moe and i >= shape.first_dense))
-    return 2.0 * dense * shape.dense_mlp_params()
+    forward = 2.0 * dense * shape.dense_mlp_params()
+    if not w.checkpointing:
+        return forward
+    if not w.tiles_in_layer_recompute:
+        return 0.0
+    tiles = -(-w.slice_len // w.mlp_tile_tokens)
+    return forward * (tiles - 1) / tiles
 
 
 def long_row_flops_per_token(shape: "Shape", w: "Workload") -> float:

@@ -143,12 +143,13 @@ def _modelled_difference(row: dict, twin: dict) -> float:
 def _twin_key(row: dict) -> tuple:
     """What a row and its twin without a fast path share: the model, the workload but its fast paths, the
     allocator cap (uncapped: the card, whose memory is then the cap; an H100 row that filled its 80 GB is no twin of
-    an H200 row that took 81) and every other option."""
+    an H200 row that took 81) and every other option. Whether an eager layer's recompute ran its tiles is the code of
+    the row's day, FLOPs only, not an option."""
     w = workload_of_row(row)
     args = row_options(row)
     others = [a for i, a in enumerate(args) if a not in ("--fp8", "--compile_layers")
               and (i == 0 or args[i - 1] not in ("--fp8", "--compile_layers"))]
-    return (row["model"], dataclasses.replace(w, fp8=False, compiled=False), row.get("mem_cap_gib") or row.get("gpu"),
+    return (row["model"], dataclasses.replace(w, fp8=False, compiled=False, tiles_in_layer_recompute=False), row.get("mem_cap_gib") or row.get("gpu"),
             tuple(others))
 
 

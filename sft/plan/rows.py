@@ -33,6 +33,9 @@ STRATEGY_OF_ROW = {"single": "single_gpu"}
 # Commits of bench rows that ran before 51be3c5 (peft's fp32 input casts under autocast); fp16 ZeRO-2 rows never
 # had them (DeepSpeed's fp16 engine holds the adapter in fp16). From `git log`.
 PEFT_CAST_COMMITS = {"b2e66a6", "9a66dc6", "1a37de6", "54b7c4e", "606734a"}
+# Rows dated before this (162167b) ran the tiles of an eager checkpointed layer in its recompute too; rows named
+# -layer-recompute still do (SFT_TILED_MLP_LAYER_RECOMPUTE=1). From `git log`.
+TILES_MARKED_SINCE = "2026-12-06T20:41:33Z"
 
 
 def option_value(args: list[str], name: str, default=None):
@@ -80,11 +83,19 @@ def workload_of_row(row: dict) -> Workload:
                     fused_loss=fused,
                     grad_accum=row.get("grad_accum", 1), fp8=fast.fp8, compiled=fast.compiled,
                     mlp_tile_tokens=int(option_value(args, "--mlp_tile_tokens", 0)),
+                    tiles_in_layer_recompute=not fast.compiled and tiles_in_layer_recompute_of_row(row),
                     offload_activations=option_value(args, "--offload_activations", "false") == "true",
                     keep_attention=option_value(args, "--activation_checkpointing_keep_attention", "false") == "true",
                     # the loss in chunks: as the row ran it, and always under --sequence_parallel (sft/train.py)
                     chunked_loss=loss_in_chunks_of_row(row, args, strategy, fused) or size > 1,
                     resident=resident.is_resident_row(args), sequence_parallel=size)
+
+
+def tiles_in_layer_recompute_of_row(row: dict) -> bool:
+    """Whether an eager row's layer recompute ran its tiled MLP's tiles too (sft/plan/long_rows.py counts their
+    FLOPs): before the recompute was marked, or under the bench's switch that unmarks it."""
+    dated = row.get("date")  # a row without a date is made up (tests): today's code
+    return (dated is not None and dated < TILES_MARKED_SINCE) or row.get("name", "").endswith("-layer-recompute")
 
 
 def loss_in_chunks_of_row(row: dict, args: list[str], strategy: str, fused_loss: bool) -> bool:
