@@ -383,6 +383,10 @@ def attach_lora(model, lora_args: LoraArguments, gradient_checkpointing: bool):
                         # tied embeddings stay tied: two copies trained apart, the saved lm_head would be lost to
                         # the tie when the merged model loads
                         ensure_weight_tying=ties_embeddings(model) and embeddings_named(model, saved))
+    if lora_args.lora_experts:  # the experts' LoRA low-rank beside their grouped matmul, not a merged weight
+        from sft.speed.expert_lora import register_split_expert_lora
+
+        register_split_expert_lora(config, model)
     if gradient_checkpointing:
         model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
     try:

@@ -66,6 +66,14 @@ SAVE_RNG_STATE = PrivateName("transformers", TRAINER, "Trainer._save_rng_state",
 # peft casts each LoRA layer's input to the adapter's dtype; under autocast we skip that round trip.
 PEFT_INPUT_CAST = PrivateName("peft", "peft.tuners.lora.layer", "LoraLayer._cast_input_dtype",
                               ("self", "x", "dtype"), ">=0.21,<0.22", "LoRA inputs not cast to fp32 under autocast")
+# --lora_experts (sft/speed/expert_lora.py): peft builds our wrapper of the fused experts through its custom-module
+# dispatch, and the wrapper runs transformers' grouped matmul of the experts (with its fallbacks: non-bf16 weights
+# under compile, CPUs) for the base weights and the adapter's factors alike.
+PEFT_CUSTOM_MODULES = PrivateName("peft", "peft.tuners.lora.config", "LoraConfig._register_custom_module",
+                                  ("self", "mapping"), ">=0.21,<0.22", "LoRA on the routed experts, low-rank")
+GROUPED_LINEAR = PrivateName("transformers", "transformers.integrations.moe", "_grouped_linear",
+                             ("input", "weight", "offs", "bias", "is_transposed"), TESTED_TRANSFORMERS,
+                             "LoRA on the routed experts, low-rank")
 # accelerate's mixed precision (in prepare_model) wraps model.forward in autocast and keeps the model's own as
 # `model._original_forward`; verified saves run that one (sft/safety/verify.py checks the attribute at use too).
 ACCELERATE_ORIGINAL_FORWARD = PrivateName("accelerate", "accelerate.accelerator", "Accelerator.prepare_model",
@@ -135,7 +143,7 @@ PACKED_MASK = PrivateName("transformers", "transformers.masking_utils", "packed_
 
 PRIVATE_NAMES = (CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPOINT, LOAD_FROM_CHECKPOINT, LOAD_OPTIMIZER, GET_OUTPUT_DIR,
                  SAVE_RNG_STATE,
-                 PEFT_INPUT_CAST, ACCELERATE_ORIGINAL_FORWARD, TORCHAO_ADAM_LOAD,
+                 PEFT_INPUT_CAST, PEFT_CUSTOM_MODULES, GROUPED_LINEAR, ACCELERATE_ORIGINAL_FORWARD, TORCHAO_ADAM_LOAD,
                  TORCHAO_SUBCLASS_ZEROS, TORCHAO_SINGLE_PARAM_ADAM, DTENSOR_CACHE_KEY, DUCK_SHAPE,
                  SKIP_SIDE_EFFECTS_IN_RECOMPUTE, INDUCTOR_MULTI_KERNEL, HF_DEEPSPEED_CONFIG, FSDP_STATE, DDP_IGNORE,
                  CONVERSION_MAPPING,

@@ -1,0 +1,122 @@
+"""--lora_experts computes the routed experts' LoRA low-rank beside their grouped matmul (sft/speed/expert_lora.py):
+peft's loss and gradients without peft's expert-sized parametrized weight, peft's own forward wherever the split
+does not apply, one compiled graph for every MoE layer, and an adapter that loads and merges as peft's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from sft.options.arguments import LoraArguments, ModelArguments
+
+FAMILIES = ["deepseek_v2", "deepseek_v3"]
+
+
+def packed_batch(vocab: int) -> dict:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, vocab, (2, 32), generator=generator)
+    labels = ids.clone()
+    labels[:, :5] = -100
+    return {"input_ids": ids, "labels": labels}
+
+
+def loss_and_grads(model, batch: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    loss = model(**batch, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def adapted_models(tmp_path, model_type: str, layers: int = 3):
+    """(ours, peft's own): the same tiny MoE model and adapter (lora_B random, so that the experts' LoRA adds
+    something), ours through sft's loading with --lora_experts, peft's through get_peft_model with the same
+    config and no custom module."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from sft.model.loading import load_model
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config(model_type, vocab_size=300, num_hidden_layers=layers)).save_pretrained(
+        tmp_path / model_type)
+    lora = LoraArguments(lora=True, lora_r=8, lora_dropout=0.0)
+    lora.lora_experts = True
+    ours = load_model(ModelArguments(model=str(tmp_path / model_type), dtype="float32"), lora).train()
+    for name, p in ours.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    config = ours.peft_config["default"]
+    config._custom_modules = None  # peft's own ParamWrapper
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / model_type, dtype=torch.float32)
+    theirs = get_peft_model(plain, config).train()
+    theirs.load_state_dict(ours.state_dict())
+    return ours, theirs
+
+
+def split_wrappers(model) -> list:
+    from sft.speed.expert_lora import SplitExpertLora
+
+    return [m for m in model.modules() if isinstance(m, SplitExpertLora)]
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_the_experts_lora_gives_peft_s_loss_and_gradients_without_its_parametrized_weight(tmp_path, model_type,
+                                                                                          monkeypatch):
+    from peft.tuners.lora.layer import ParamWrapper
+
+    ours, theirs = adapted_models(tmp_path, model_type)
+    wrappers = split_wrappers(ours)
+    assert len(wrappers) == 2 * 2 and not split_wrappers(theirs)  # gate_up_proj and down_proj of 2 MoE layers
+    assert all(type(m).__name__ == "ParamWrapper" for m in wrappers)  # peft finds nested wrappers by this name
+    batch = packed_batch(300)
+    expected, expected_grads = loss_and_grads(theirs, batch)
+
+    used = []
+    activate = ParamWrapper._activate_lora
+    monkeypatch.setattr(ParamWrapper, "_activate_lora",
+                        lambda self, adapters: used.append(self.parameter_name) or activate(self, adapters))
+    got, grads = loss_and_grads(ours, batch)
+    # the shared experts' and dense MLP's weights (2-D) still go through peft's parametrization; the experts never
+    assert used and not any(name in ("gate_up_proj", "down_proj") for name in used)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == expected_grads.keys() and any(".experts." in n and "lora_A" in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_peft_s_own_forward_runs_where_the_split_does_not_apply(tmp_path):
+    """Adapters disabled (peft's disable_adapter, as a reference model would use it), two adapters at once, or
+    merged: peft's forward, peft's numbers."""
+    ours, theirs = adapted_models(tmp_path, "deepseek_v2", layers=2)
+    batch = packed_batch(300)
+    with torch.no_grad():
+        with ours.disable_adapter(), theirs.disable_adapter():
+            torch.testing.assert_close(ours(**batch).logits, theirs(**batch).logits)
+        assert all(w._split_factors() is not None for w in split_wrappers(ours))
+        ours.base_model.merge_adapter()
+        theirs.base_model.merge_adapter()
+        assert all(w._split_factors() is None for w in split_wrappers(ours))
+        torch.testing.assert_close(ours(**batch).logits, theirs(**batch).logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_moe_layers_with_the_experts_lora_are_one_graph_without_breaks(tmp_path):
+    """--compile_layers with --lora_experts: peft's parametrization (a Tensor.set_ dynamo cannot trace) broke every
+    MoE layer's graph and its per-module class recompiled each layer. Now one graph per layer kind (the dense
+    first layer, the MoE layers) and the eager loss and gradients."""
+    from torch._dynamo.utils import counters
+
+    from sft.speed.regional_compile import compile_decoder_layers
+
+    ours, theirs = adapted_models(tmp_path, "deepseek_v2", layers=4)
+    batch = packed_batch(300)
+    expected, expected_grads = loss_and_grads(theirs, batch)
+    torch._dynamo.reset()
+    counters.clear()
+    assert compile_decoder_layers(ours) == 4
+    got, grads = loss_and_grads(ours, batch)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
