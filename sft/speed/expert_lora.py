@@ -27,6 +27,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from sft.speed.grouped_experts import routed_experts_forward
+
 
 class SplitExpertLora:
     """Mixed in before peft's ParamWrapper, for a wrapper of one fused expert weight (gate_up_proj or down_proj).
@@ -79,31 +81,13 @@ def projection(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, tra
 
 
 def experts_with_lora(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                      top_k_weights: torch.Tensor,
-                      factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]], grouped: Callable) -> torch.Tensor:
-    """transformers' grouped_mm experts forward (integrations/moe.py) with each adapted weight's LoRA beside it:
-    the (token, expert) pairs sorted by expert, each expert's tokens through its projections, weighted by the
-    router and summed back per token."""
-    tokens, top_k = hidden_states.shape[0], top_k_index.shape[-1]
-    expert_ids, order = torch.sort(top_k_index.reshape(-1))
-    x = hidden_states[order // top_k]
-    # histc counts without a host sync; it takes floats on the CPU and integers on CUDA
-    ids = expert_ids.float() if expert_ids.device.type == "cpu" else expert_ids.int()
-    counts = torch.histc(ids, bins=experts.num_experts, min=0, max=experts.num_experts - 1)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    transposed = experts.is_transposed
-    if experts.has_gate:
-        up = projection(x, experts.gate_up_proj, offsets, transposed, factors.get("gate_up_proj"), grouped)
-        up = experts._apply_gate(up)
-    else:
-        up = experts.act_fn(projection(x, experts.up_proj, offsets, transposed, factors.get("up_proj"), grouped))
-    out = projection(up, experts.down_proj, offsets, transposed, factors.get("down_proj"), grouped)
-    if experts.has_post_expert_norm:
-        out = experts.post_expert_norm(out)
-    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
-    unsorted = torch.empty_like(out)
-    unsorted[order] = out  # back to (token, k) order, summed over k as transformers does (no atomic adds)
-    return unsorted.view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+                      top_k_weights: torch.Tensor, factors: dict[str, tuple[torch.Tensor, torch.Tensor, float]],
+                      grouped: Callable) -> torch.Tensor:
+    """transformers' grouped_mm experts forward with each adapted weight's LoRA beside its grouped matmul."""
+    def project(name: str, x: torch.Tensor, expert_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        return projection(x, getattr(experts, name), offsets, experts.is_transposed, factors.get(name), grouped)
+
+    return routed_experts_forward(experts, hidden_states, top_k_index, top_k_weights, project)
 
 
 @functools.cache  # one class per peft class: dynamo guards on a module's class

@@ -14,7 +14,7 @@ The experts are frozen (a LoRA run's base), so there is no weight gradient, and 
 but references to the held weights and the routing.
 
 The routing around the two matmuls (sort by expert, the gate, the weighted sum back per token) is transformers'
-grouped_mm experts forward, written out here because transformers gives no hook for the matmul alone.
+grouped_mm experts forward, written out in sft/speed/grouped_experts.py.
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from torch import nn
 
 from sft.machine import is_first_process, launch
 from sft.speed.fp8 import call_compiled, forward_fast_accum, quantize, quantize_rows
+from sft.speed.grouped_experts import routed_experts_forward
 
 # ---- the kernel: one op, opaque to torch.compile, on the GPU's FP8 grouped matmul (an exact emulation on CPU) ----
 
@@ -152,21 +153,11 @@ def fp8_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_i
                         top_k_weights: torch.Tensor) -> torch.Tensor:
     """A quantized experts module's forward (QuantizedExperts.forward calls it where apply_fp8_experts set it):
     transformers' grouped_mm experts forward, its two grouped matmuls in FP8."""
-    tokens, top_k = top_k_index.shape
-    expert_ids, order = torch.sort(top_k_index.reshape(-1))  # the (token, expert) pairs grouped by expert
-    x = hidden_states[order // top_k]
-    # histc, not bincount (no host sync); CPU histc wants floats, CUDA's deterministic one integers
-    ids = expert_ids.float() if expert_ids.device.type == "cpu" else expert_ids.int()
-    counts = torch.histc(ids, bins=experts.num_experts, min=0, max=experts.num_experts - 1)
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-    h = grouped_linear(x, experts.gate_up_proj_e4m3, experts.gate_up_proj_scale.squeeze(-1), expert_ids, offsets)
-    h = experts._apply_gate(h)
-    out = grouped_linear(h, experts.down_proj_e4m3, experts.down_proj_scale.squeeze(-1), expert_ids, offsets)
-    out = out * top_k_weights.reshape(-1)[order].unsqueeze(-1)
-    back = torch.empty_like(order)
-    back[order] = torch.arange(order.numel(), device=order.device)
-    # the sum over each token's experts in fp32, as transformers' (deterministic: no index_add_)
-    return out[back].view(tokens, top_k, -1).sum(dim=1).to(hidden_states.dtype)
+    def project(name: str, x: torch.Tensor, expert_ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        weight, scale = getattr(experts, f"{name}_e4m3"), getattr(experts, f"{name}_scale")
+        return grouped_linear(x, weight, scale.squeeze(-1), expert_ids, offsets)
+
+    return routed_experts_forward(experts, hidden_states, top_k_index, top_k_weights, project)
 
 
 def fp8_shape_ok(experts: nn.Module) -> bool:
