@@ -50,8 +50,9 @@ def is_long(seq_len: int) -> bool:
 def ladder(shape: "Shape", seq_len: int, checkpointing: bool) -> list[Levers]:
     """The levers a plan may take, cheapest first; the planner keeps the first that leaves the card its margin.
     Short rows take none. Offloading adds no FLOPs (its copies' cost is not measured apart from the tile's: the
-    speed model takes it as none), so it comes before the tile, which recomputes the MLP; it moves checkpoints,
-    so it needs checkpointing. MoE blocks are not tiled (sft/speed/tiled_mlp.py): no tile for MoE shapes."""
+    speed model takes it as none), so it comes before the tile, which recomputes the MLP where the layers are not
+    checkpointed and runs its tiles as small matmuls where they are; it moves checkpoints, so it needs
+    checkpointing. MoE blocks are not tiled (sft/speed/tiled_mlp.py): no tile for MoE shapes."""
     if not is_long(seq_len):
         return [Levers()]
     tiles = [0] if shape.moe else [0, TILE_TOKENS]
