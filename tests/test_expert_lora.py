@@ -120,3 +120,31 @@ def test_compiled_moe_layers_with_the_experts_lora_are_one_graph_without_breaks(
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-5, msg=name)
     assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
+@pytest.mark.slow
+def test_compiled_bf16_layers_hand_the_grouped_matmul_dense_factors(tmp_path):
+    """In bf16 a compiled layer runs torch's grouped matmul itself (fp32 goes through transformers' fallback op), and
+    inductor hands it the adapter's factors as laid out: peft's lora_B interleaves the experts, which the kernel
+    refuses ("Invalid strides/sizes"; the first GPU run of --lora_experts stopped so) unless copied row-major."""
+    from transformers import AutoModelForCausalLM
+
+    from sft.model.loading import load_model
+    from sft.speed.regional_compile import compile_decoder_layers
+
+    torch.manual_seed(0)
+    config = tiny_config("deepseek_v2", vocab_size=300, num_hidden_layers=3, hidden_size=128,
+                         intermediate_size=256, moe_intermediate_size=64)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "v2")
+    lora = LoraArguments(lora=True, lora_r=16, lora_dropout=0.0)
+    lora.lora_experts = True
+    model = load_model(ModelArguments(model=str(tmp_path / "v2"), dtype="bfloat16"), lora).train()
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    batch = packed_batch(300)
+    expected, _ = loss_and_grads(model, batch)
+    compile_decoder_layers(model)
+    got, grads = loss_and_grads(model, batch)
+    torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
+    assert any(".experts." in n and "lora_B" in n for n in grads)

@@ -63,6 +63,14 @@ class SplitExpertLora:
         return factors
 
 
+def dense(t: torch.Tensor) -> torch.Tensor:
+    """A row-major copy of `t`. Not `.contiguous()`: inductor drops that copy before its grouped matmul, which then
+    refuses the view (experts' stride 1)."""
+    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+    out.copy_(t)
+    return out
+
+
 def projection(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool,
                lora: tuple[torch.Tensor, torch.Tensor, float] | None, grouped: Callable) -> torch.Tensor:
     """x (tokens sorted by expert) through each expert's `weight`, plus its LoRA: peft's delta is lhs @ rhs in the
@@ -75,7 +83,7 @@ def projection(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, tra
     # peft's factors are views of its 2-D lora_A/lora_B (experts interleaved): the grouped matmul wants each expert's
     # matrix dense (they are small: experts x rank x width)
     first, second = ((lhs, rhs) if transposed else (rhs, lhs))
-    first, second = first.contiguous(), second.contiguous()
+    first, second = dense(first), dense(second)
     low = grouped(grouped(x, first, offsets, is_transposed=transposed), second, offsets, is_transposed=transposed)
     return out + low * scaling
 
