@@ -207,8 +207,9 @@ MATRIX += [
         args=("--lora_dropout", "0", "--attn_implementation", "varlen", "--compile_layers", "true", "--chunked_loss",
               "true"), vs="trl-moe-lora", timeout=420, needs_gib=110.0),
     # --lora_experts (LoRA on the 64 routed experts, fused) beside its twin without: moe-lora-compile-experts ran out
-    # of an 80 GB H100 (run 20261206T0903Z-resident-varlen-h100: without checkpoints the backward keeps each MoE
-    # layer's weight-sized LoRA delta), so both checkpointed, the loss in chunks, varlen: the plan a user would run
+    # of an 80 GB H100 (run 20261206T0903Z-resident-varlen-h100: without checkpoints the backward kept each MoE
+    # layer's weight-sized LoRA delta, before sft/speed/expert_lora.py computed it low-rank), so both checkpointed,
+    # the loss in chunks, varlen: the plan a user would run
     *[Row(f"moe-lora-ckpt-varlen{name}", "lora", model="deepseek-v2-lite", micro_batch=4, mem_cap_gib=0, warmup=3,
           args=("--lora_dropout", "0", "--attn_implementation", "varlen", "--compile_layers", "true", *CKPT,
                 "--chunked_loss", "true", *lever), timeout=420)
@@ -685,6 +686,11 @@ GROUPS = {
     "resident-varlen": ["moe-lora-resident-1-mb4-compile-varlen", "moe-lora-resident-1-mb4-compile"],
     # issue 26 item 3's last lever, --lora_experts, checkpointed beside its twin
     "moe-experts": ["moe-lora-ckpt-varlen-experts", "moe-lora-ckpt-varlen"],
+    # --lora_experts low-rank (sft/speed/expert_lora.py, not measured yet): the checkpointed pair, then without
+    # checkpoints beside its compiled twin and TRL (moe-lora-compile-experts ran out of an 80 GB card with peft's
+    # expert-sized delta kept for every layer)
+    "experts-split": ["moe-lora-ckpt-varlen-experts", "moe-lora-ckpt-varlen", "moe-lora-compile-experts",
+                      "moe-lora-compile", "trl-moe-lora"],
     # issue 28 item 2: inductor's kernel tuning on the compiled step, beside TRL's best that fits an H100
     "lora2x-tuning": ["trl-lora-best-mb4", "lora-best-default-varlen-chunked-mb4",
                       "lora-best-default-varlen-chunked-mb4-cdt", "lora-best-default-varlen-chunked-mb4-pw"],
