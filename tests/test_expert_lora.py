@@ -100,6 +100,20 @@ def test_peft_s_own_forward_runs_where_the_split_does_not_apply(tmp_path):
         torch.testing.assert_close(ours(**batch).logits, theirs(**batch).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_a_rank_the_grouped_matmul_cannot_align_goes_through_peft(tmp_path):
+    """torch's grouped matmul wants 16-byte rows: rank-4 activations in bf16 are 8 bytes, so peft's forward."""
+    from transformers import AutoModelForCausalLM
+
+    from sft.model.loading import load_model
+
+    AutoModelForCausalLM.from_config(tiny_config("deepseek_v2", vocab_size=300)).save_pretrained(tmp_path / "v2")
+    for rank, dtype, split in ((4, "bfloat16", False), (8, "bfloat16", True), (4, "float32", True)):
+        lora = LoraArguments(lora=True, lora_r=rank, lora_dropout=0.0)
+        lora.lora_experts = True
+        model = load_model(ModelArguments(model=str(tmp_path / "v2"), dtype=dtype), lora)
+        assert all((w._split_factors() is not None) == split for w in split_wrappers(model)), (rank, dtype)
+
+
 @pytest.mark.slow
 def test_compiled_moe_layers_with_the_experts_lora_are_one_graph_without_breaks(tmp_path):
     """--compile_layers with --lora_experts: peft's parametrization (a Tensor.set_ dynamo cannot trace) broke every

@@ -15,8 +15,8 @@ loading.py): its forward routes the tokens as transformers' grouped_mm experts d
 computes `grouped(x, W) + scaling * grouped(grouped(x, A), B)` with peft's own factors (`get_delta_factors`): the
 same sum, without the expert-sized tensor or its gradient GEMM. The state dict, the saved adapter and merging stay
 peft's (a subclass of its ParamWrapper, its name kept: peft tells wrappers apart by name). Anything else (merged or
-disabled adapters, several adapters at once, expert parallelism, biases, an FP8 or quantized weight) goes through
-peft's forward unchanged.
+disabled adapters, several adapters at once, expert parallelism, biases, an FP8 or quantized weight, a rank whose
+rows the grouped matmul cannot align: 4 in bf16) goes through peft's forward unchanged.
 """
 
 from __future__ import annotations
@@ -52,7 +52,11 @@ class SplitExpertLora:
             if module.disable_adapters or module.merged or len(adapters) > 1:
                 return None
             if adapters:
-                if module.get_param().dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                dtype = module.get_param().dtype
+                if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+                    return None
+                # torch's grouped matmul wants each row of the rank-r activations 16-byte aligned
+                if module.r[adapters[0]] * torch.finfo(dtype).bits // 8 % 16:
                     return None
                 factors[module.parameter_name] = module.get_delta_factors(adapters[0])
             module = module.base_layer
