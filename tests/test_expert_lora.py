@@ -141,6 +141,7 @@ def test_compiled_bf16_layers_hand_the_grouped_matmul_dense_factors(tmp_path):
     """In bf16 a compiled layer runs torch's grouped matmul itself (fp32 goes through transformers' fallback op), and
     inductor hands it the adapter's factors as laid out: peft's lora_B interleaves the experts, which the kernel
     refuses ("Invalid strides/sizes"; the first GPU run of --lora_experts stopped so) unless copied row-major."""
+    from torch._inductor.utils import run_and_get_code
     from transformers import AutoModelForCausalLM
 
     from sft.model.loading import load_model
@@ -159,6 +160,9 @@ def test_compiled_bf16_layers_hand_the_grouped_matmul_dense_factors(tmp_path):
     batch = packed_batch(300)
     expected, _ = loss_and_grads(model, batch)
     compile_decoder_layers(model)
-    got, grads = loss_and_grads(model, batch)
+    (got, grads), code = run_and_get_code(loss_and_grads, model, batch)
     torch.testing.assert_close(got, expected, rtol=1e-2, atol=1e-2)
     assert any(".experts." in n and "lora_B" in n for n in grads)
+    # the copy stays an op of its own in inductor's code: on CUDA inductor laid a copy it could see through out as
+    # its source (run 20261207T0228Z), which the CPU's kernel choice does not show
+    assert any("sft.row_major_copy" in c for c in code)

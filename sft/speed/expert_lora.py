@@ -67,12 +67,21 @@ class SplitExpertLora:
         return factors
 
 
+@torch.library.custom_op("sft::row_major_copy", mutates_args=())
 def dense(t: torch.Tensor) -> torch.Tensor:
-    """A row-major copy of `t`. Not `.contiguous()`: inductor drops that copy before its grouped matmul, which then
-    refuses the view (experts' stride 1)."""
-    out = torch.empty(t.shape, dtype=t.dtype, device=t.device)
-    out.copy_(t)
-    return out
+    """A row-major copy of `t`, opaque to inductor. A copy inductor sees through (`.contiguous()`, `empty().copy_()`)
+    gets a layout inductor picks, and on CUDA it picked the source's own (experts' stride 1), which torch's grouped
+    matmul refuses ("Invalid strides/sizes": runs 20261207T0024Z, 0228Z); a custom op's output keeps the layout its
+    fake says."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+@dense.register_fake
+def _(t: torch.Tensor) -> torch.Tensor:
+    return t.new_empty(t.shape)
+
+
+dense.register_autograd(lambda ctx, grad: grad)  # a copy: the gradient passes unchanged
 
 
 def projection(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, transposed: bool,
