@@ -214,8 +214,11 @@ def test_the_32k_row_runs_again_with_the_fast_paths_the_planner_and_the_recipe_l
     assert (default.model, default.seq_len, default.micro_batch, default.long_docs, default.mem_cap_gib) == \
         (plain.model, plain.seq_len, plain.micro_batch, plain.long_docs, plain.mem_cap_gib)
     long_recipe = dict(zip(*[iter(load_recipe(str(REPO / "recipes" / "r1-distill-qwen-7b-long.yaml")))] * 2))
-    for option in ("--mlp_tile_tokens", "--offload_activations", "--attn_implementation", "--use_liger_kernel"):
+    for option in ("--mlp_tile_tokens", "--offload_activations", "--use_liger_kernel"):
         assert default.args[default.args.index(option) + 1] == long_recipe[option], option
+    # the recipe's attention since 2026-12-07 (varlen; flex_attention before, long-r1-32k-default's): its own row
+    varlen = throughput.ROWS["long-r1-32k-varlen-default"].args
+    assert varlen[varlen.index("--attn_implementation") + 1] == long_recipe["--attn_implementation"]
     tokens_per_step = set()
     for name, recipe_file in (("long-r1-32k-recipe", "r1-distill-qwen-7b-long.yaml"),
                               ("long-r1-4k-recipe", "r1-distill-qwen-7b-lora.yaml")):

@@ -47,8 +47,10 @@ def option_value(args: list[str], name: str, default=None):
 
 
 # What a recipe held when a bench row ran it, where the shipped recipe has changed since ((run_id, row name) ->
-# options): r1-distill-qwen-7b-lora kept 3 layers whole until the compiled layers' memory was planned (issue 28).
-RECIPE_AS_RUN = {("20261201T0930Z-x2", "recipe-r1-lora"): ("--activation_checkpointing_skip_layers", "3")}
+# options): r1-distill-qwen-7b-lora kept 3 layers whole until the compiled layers' memory was planned (issue 28);
+# r1-distill-qwen-7b-long ran flex_attention until 2026-12-07.
+RECIPE_AS_RUN = {("20261201T0930Z-x2", "recipe-r1-lora"): ("--activation_checkpointing_skip_layers", "3"),
+                 ("20261205T1845Z-long-h100", "long-r1-32k-recipe"): ("--attn_implementation", "flex_attention")}
 
 
 def row_options(row: dict) -> list[str]:
