@@ -23,8 +23,10 @@ if __package__ in (None, ""):  # `python sft/train.py` from a checkout: make the
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from sft.report.console import closing_lines, quiet_imports, quiet_libraries, tensorboard_dir  # noqa: E402
+from sft.safety.interrupts import one_line_if_stopped_while_importing  # noqa: E402
 
 quiet_imports()  # before transformers: importing it loads torchao, a Trainer loads deepspeed (sft/report/console.py)
+imports_done = one_line_if_stopped_while_importing()  # Ctrl-C in the next seconds: one line, no traceback
 
 import torch
 from transformers import set_seed
@@ -75,6 +77,8 @@ from sft.parallel.tensor_parallel import TensorParallelTrainer, check_tensor_par
 from sft.parallel.sequence_parallel import check_model as check_sequence_parallel
 from sft.trainer import SFTTrainer
 from sft.safety.verify import make_verifier
+
+imports_done()
 
 
 @dataclass

@@ -364,6 +364,20 @@ def test_ctrl_c_says_where_it_stopped_and_how_to_resume(tmp_path, tiny_llama):
     assert not (out / LOCK_NAME).exists()
 
 
+def test_ctrl_c_while_the_libraries_load_is_one_line():
+    """The first seconds of a run import torch and transformers, before main() can catch Ctrl-C: was the importer's
+    traceback, dozens of lines deep in transformers."""
+    proc = subprocess.Popen([sys.executable, str(REPO / "sft" / "train.py")], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    time.sleep(1.0)  # the imports take seconds: torch alone more than one
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGINT  # Python's own exit on Ctrl-C: a shell reads 130
+    assert err.splitlines() == ["error: stopped (Ctrl-C) while loading the libraries, before anything was read or "
+                                "written; run the command again to train."]
+
+
 def test_the_launchers_sigterm_after_a_ctrl_c_is_the_users_ctrl_c(monkeypatch):
     """A terminal's Ctrl-C reaches `accelerate launch` (or `deepseek-sft train`) and its worker, and the launcher then
     stops the worker with SIGTERM within milliseconds: was reported "stopped (SIGTERM)". A SIGTERM alone stays one."""

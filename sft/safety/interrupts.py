@@ -18,6 +18,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from sft.machine import launch
 
@@ -27,6 +28,23 @@ SIGTERM_MARK = "SIGTERM"  # the KeyboardInterrupt argument that tells SIGTERM fr
 # milliseconds), not a stop of its own.
 LAUNCHER_FOLLOWS_CTRL_C_S = 10.0
 _ctrl_c_at: float | None = None  # when this process last got Ctrl-C (SIGINT)
+
+
+def one_line_if_stopped_while_importing() -> Callable[[], None]:
+    """Ctrl-C in the seconds train.py spends importing torch and transformers, before main() catches it itself: one
+    `error:` line instead of the importer's traceback (Python still exits as stopped by SIGINT). -> the call that
+    gives Python its own hook back once the imports are done."""
+    previous = sys.excepthook
+
+    def hook(kind, value, traceback):
+        if not issubclass(kind, KeyboardInterrupt):
+            return previous(kind, value, traceback)
+        if launch().rank == 0:
+            print("error: stopped (Ctrl-C) while loading the libraries, before anything was read or written; run the "
+                  "command again to train.", file=sys.stderr, flush=True)
+
+    sys.excepthook = hook
+    return lambda: setattr(sys, "excepthook", previous)
 
 
 def _ctrl_c(signum, frame):
