@@ -174,11 +174,12 @@ def test_under_flex_attention_compiled_layers_follow_each_batchs_document_mask()
     assert len({round(want, 6) for want, _ in losses}) == 3  # the cut changes the loss: the mask is in effect
 
 
-def test_deepseeks_lora_on_mlp_weights_gets_a_traceable_forward_with_peft_s_numbers(tmp_path):
+def test_deepseeks_lora_on_mlp_weights_gets_a_traceable_low_rank_forward_with_peft_s_numbers(tmp_path):
     """sft/speed/traced_param_lora.py: peft's ParamWrapper on the dense and shared-experts MLP weights (its
-    parametrization breaks a compiled layer's graph) computes the same loss and gradients bit for bit without it,
-    and keeps peft's class name: peft's checks read it when a second adapter loads beside the trained one, as the
-    save check does (refused under another name)."""
+    parametrization breaks a compiled layer's graph) computes the same loss and gradients without it, low-rank (no
+    weight-sized W + B @ A: peft's parametrization never runs), and keeps peft's class name: peft's checks read it
+    when a second adapter loads beside the trained one, as the save check does (refused under another name)."""
+    import torch.nn.utils.parametrize as parametrize
     from transformers import AutoModelForCausalLM
 
     from sft.model.loading import load_model
@@ -194,9 +195,17 @@ def test_deepseeks_lora_on_mlp_weights_gets_a_traceable_forward_with_peft_s_numb
     expected, expected_grads = loss_and_grads(model, batch)
     assert trace_param_lora(model) == 6  # gate, up, down of the dense layer's MLP and of the shared experts
     assert trace_param_lora(model) == 0  # once
-    got, grads = loss_and_grads(model, batch)
-    assert got == expected and grads.keys() == expected_grads.keys()
-    assert all(torch.equal(grads[n], expected_grads[n]) for n in grads)
+    from peft.tuners.lora.layer import ParamWrapper
+
+    weight_sized = []
+    with pytest.MonkeyPatch.context() as patch:  # peft's B @ A the size of the weight, parametrized or not
+        patch.setattr(ParamWrapper, "get_delta_weight", lambda self, *a, **k: weight_sized.append(self))
+        patch.setattr(parametrize, "register_parametrization", lambda *a, **k: weight_sized.append(a[0]))
+        got, grads = loss_and_grads(model, batch)
+    assert weight_sized == []
+    assert got == pytest.approx(expected, rel=1e-6) and grads.keys() == expected_grads.keys()
+    for n in grads:
+        torch.testing.assert_close(grads[n], expected_grads[n], rtol=1e-5, atol=1e-7)
     traced = [m for m in model.modules() if isinstance(m, TracedLinearParamLora)]
     assert len(traced) == 6 and all(type(m).__name__ == "ParamWrapper" for m in traced)
     model.save_pretrained(tmp_path / "adapter")

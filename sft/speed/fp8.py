@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from sft.machine import fp8_fast_accum_on, is_first_process, launch
+from sft.speed.traced_param_lora import add_adapters
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -237,7 +238,8 @@ class SplitParamLora:
     shared-expert MLPs, sft/model/families.py) whose nn.Linear base became an Fp8Linear. peft adds B @ A to the
     base's weight in each forward (a parametrization), which an e4m3 weight held in two copies cannot take: the
     adapter dropped out of the forward and got no gradient. Here the same product is split as peft's lora.Linear
-    computes it: base(x) + B(A(x)) * scaling, the base's matmuls in FP8 (ParamWrappers have no dropout)."""
+    computes it: base(x) + B(A(x)) * scaling, the base's matmuls in FP8 (as sft/speed/traced_param_lora.py does
+    for a bf16 base under --compile_layers)."""
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args or kwargs or self.merged:  # never under --fp8: e4m3 weights cannot merge, and peft passes nothing
@@ -246,10 +248,7 @@ class SplitParamLora:
         out = self.base_layer(x)
         if self.disable_adapters:
             return out
-        for adapter in (a for a in self.active_adapters if a in self.lora_A):
-            a, b = self.lora_A[adapter], self.lora_B[adapter]
-            out = out + (b(a(x.to(a.weight.dtype))) * self.scaling[adapter]).to(out.dtype)
-        return out
+        return add_adapters(self, x, out, [a for a in self.active_adapters if a in self.lora_A])
 
 
 @functools.cache  # one class per peft class (dynamo compiles a layer once per class); peft's name kept, as

@@ -6,12 +6,14 @@ weight for each forward and removes it after (`torch.nn.utils.parametrize`, a `T
 cannot trace that ("Getting an inplace view on a graph input is not supported"), and a compiled DeepSeek decoder
 layer fell back to running eagerly (issue 26: --compile_layers with --quantize_experts on V2-Lite).
 
-Under --compile_layers each such wrapper of a plain nn.Linear becomes a subclass whose forward computes what the
-parametrization computes -- `linear(x, W + delta_W, b)`, delta_W from peft's own `get_delta_weight`, summed over the
-active adapters in the same order -- without the parametrization. The same numbers as peft's forward (tests:
-compiled-vs-eager). Anything else (merged or disabled adapters, nested wrappers, fused experts' 3-D weights) goes
-through peft's forward unchanged. Names, state dicts and saved adapters stay peft's (only the class changes, the way
-sft/model/quantized_experts.py changes the experts' class).
+Under --compile_layers each such wrapper of a plain nn.Linear becomes a subclass whose forward computes the
+adapter as peft's lora.Linear does, `base(x) + B(A(x)) * scaling` for each active adapter, without the
+parametrization. peft's form, `linear(x, W + delta_W, b)`, also made a weight-sized `W + B @ A` in every forward and
+recompute, and its backward the gradient of that whole weight (a GEMM the size of the layer's forward) to get B's and
+A's from it; the frozen base needs none. The same loss and gradients as peft's forward to rounding (tests:
+fp32, compiled and eager). Anything else (merged or disabled adapters, a LoRA bias, nested wrappers, fused experts'
+3-D weights: sft/speed/expert_lora.py) goes through peft's forward unchanged. Names, state dicts and saved adapters
+stay peft's (only the class changes, the way sft/model/quantized_experts.py changes the experts' class).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 
@@ -29,19 +30,24 @@ def _param_wrapper_class() -> type:
     return ParamWrapper
 
 
+def add_adapters(wrapper: nn.Module, x: torch.Tensor, out: torch.Tensor, adapters: list[str]) -> torch.Tensor:
+    """`out` (the base layer's output) plus each adapter's B(A(x)) * scaling, in peft's order and as its lora.Linear
+    computes it (a ParamWrapper has no dropout)."""
+    for adapter in adapters:
+        a, b = wrapper.lora_A[adapter], wrapper.lora_B[adapter]
+        out = out + (b(a(x.to(a.weight.dtype))) * wrapper.scaling[adapter]).to(out.dtype)
+    return out
+
+
 class TracedLinearParamLora:
     """Mixed in before peft's ParamWrapper, for a wrapper whose base is an nn.Linear and whose target its weight."""
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         adapters = [a for a in self.active_adapters if a in self.lora_A]
-        if args or kwargs or self.disable_adapters or self.merged or not adapters:
+        if (args or kwargs or self.disable_adapters or self.merged or not adapters
+                or any(self.lora_bias.get(a) for a in adapters)):  # peft's delta leaves a LoRA bias out
             return super().forward(x, *args, **kwargs)
-        base = self.get_base_layer()
-        delta = None
-        for adapter in adapters:  # as ParamWrapper._activate_lora sums them
-            step = self.get_delta_weight(adapter)
-            delta = step if delta is None else delta + step
-        return F.linear(x, base.weight + delta, base.bias)  # _LoraParameterProxy: W + delta_W
+        return add_adapters(self, x, self.get_base_layer()(x), adapters)
 
 
 @functools.cache  # one class per peft class: a new class per layer would make dynamo compile each layer anew
