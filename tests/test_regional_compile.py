@@ -182,6 +182,8 @@ def test_deepseeks_lora_on_mlp_weights_gets_a_traceable_low_rank_forward_with_pe
     import torch.nn.utils.parametrize as parametrize
     from transformers import AutoModelForCausalLM
 
+    from peft.tuners.lora.layer import ParamWrapper
+
     from sft.model.loading import load_model
     from sft.speed.traced_param_lora import TracedLinearParamLora, trace_param_lora
 
@@ -191,12 +193,15 @@ def test_deepseeks_lora_on_mlp_weights_gets_a_traceable_low_rank_forward_with_pe
     for name, p in model.named_parameters():  # lora_B starts at 0: give the adapter a delta to add
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.1)
+    # the wrappers as loaded: gate, up, down of the dense layer's MLP and of the shared experts
+    loaded = [m for m in model.modules() if isinstance(m, TracedLinearParamLora)]
+    assert len(loaded) == 6
+    for module in loaded:
+        module.__class__ = ParamWrapper  # peft's own forward, for its numbers
     batch = packed_batch(300)
     expected, expected_grads = loss_and_grads(model, batch)
-    assert trace_param_lora(model) == 6  # gate, up, down of the dense layer's MLP and of the shared experts
+    assert trace_param_lora(model) == 6
     assert trace_param_lora(model) == 0  # once
-    from peft.tuners.lora.layer import ParamWrapper
-
     weight_sized = []
     with pytest.MonkeyPatch.context() as patch:  # peft's B @ A the size of the weight, parametrized or not
         patch.setattr(ParamWrapper, "get_delta_weight", lambda self, *a, **k: weight_sized.append(self))

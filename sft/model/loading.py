@@ -409,6 +409,10 @@ def attach_lora(model, lora_args: LoraArguments, gradient_checkpointing: bool):
         raise ConfigError(f"--lora_target_modules {' '.join(lora_args.lora_target_modules)}: no module of "
                           f"{model.config.model_type} has that name. Its linear layers are named: "
                           f"{', '.join(linear_names(model))} (or give all-linear).") from None
+    if parameters:  # the MLP weights' LoRA low-rank, as on a linear layer, not peft's weight-sized W + B @ A
+        from sft.speed.traced_param_lora import trace_param_lora
+
+        trace_param_lora(model)
     if saved:
         check_wrapped(model.get_base_model(), saved)
         train_copies_in_fp32(model)

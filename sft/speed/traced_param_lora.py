@@ -6,9 +6,9 @@ weight for each forward and removes it after (`torch.nn.utils.parametrize`, a `T
 cannot trace that ("Getting an inplace view on a graph input is not supported"), and a compiled DeepSeek decoder
 layer fell back to running eagerly (issue 26: --compile_layers with --quantize_experts on V2-Lite).
 
-Under --compile_layers each such wrapper of a plain nn.Linear becomes a subclass whose forward computes the
-adapter as peft's lora.Linear does, `base(x) + B(A(x)) * scaling` for each active adapter, without the
-parametrization. peft's form, `linear(x, W + delta_W, b)`, also made a weight-sized `W + B @ A` in every forward and
+When LoRA attaches (sft/model/loading.py; and under --compile_layers for any wrapper attached otherwise) each such
+wrapper of a plain nn.Linear becomes a subclass whose forward computes the adapter as peft's lora.Linear does,
+`base(x) + B(A(x)) * scaling` for each active adapter, without the parametrization. peft's form, `linear(x, W + delta_W, b)`, also made a weight-sized `W + B @ A` in every forward and
 recompute, and its backward the gradient of that whole weight (a GEMM the size of the layer's forward) to get B's and
 A's from it; the frozen base needs none. The same loss and gradients as peft's forward to rounding (tests:
 fp32, compiled and eager). Anything else (merged or disabled adapters, a LoRA bias, nested wrappers, fused experts'
