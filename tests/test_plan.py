@@ -491,19 +491,28 @@ def test_resident_loss_chunk_is_the_chunked_loss():
     assert resident.LOSS_CHUNK_TOKENS == CHUNK_TOKENS
 
 
-def test_moe_lora_keeps_a_weight_per_layer_without_checkpointing():
-    """peft's parameter-targeted LoRA (the MoE MLP weights) materialises W + BA per layer in forward: all layers'
-    without checkpointing, one recomputed layer's with it; dense models keep none."""
+def test_moe_lora_kept_a_weight_per_layer_without_checkpointing_until_it_went_low_rank():
+    """peft's parameter-targeted LoRA (the MoE MLP weights) materialised W + BA per layer in forward: all layers'
+    without checkpointing, one recomputed layer's with it; dense models keep none. Since ca1f7e7 that LoRA is
+    low-rank and keeps none: rows dated before it are read with the weights, today's plans without."""
+    from sft.plan.rows import MLP_LORA_LOW_RANK_SINCE, workload_of_row
+
     v2, dense = SHAPES["deepseek-v2-lite"], SHAPES["deepseek-llm-7b"]
 
-    def weights(shape, ckpt):
-        w = Workload("fsdp", Setup("lora"), 3, 1, 2048, ckpt)
+    def weights(shape, ckpt, merged=True):
+        w = Workload("fsdp", Setup("lora"), 3, 1, 2048, ckpt, merged_mlp_lora=merged)
         return predict(shape, w).parts["lora_weights"]
 
     per_layer = [v2.parameter_lora_bytes(i) for i in range(v2.layers)]
     assert weights(v2, False) * GIB == sum(per_layer) and weights(v2, True) * GIB == max(per_layer)
     assert per_layer[0] == 2 * 3 * 2048 * 10944 and per_layer[1] == 2 * 3 * 2048 * 2 * 1408
     assert weights(dense, False) == weights(dense, True) == 0
+    assert weights(v2, False, merged=False) == weights(v2, True, merged=False) == 0
+    row = {"model": "deepseek-v2-lite", "method": "lora", "strategy": "single", "n_gpus": 1, "micro_batch": 4,
+           "seq_len": 2048, "train_args": "--lora true"}
+    assert workload_of_row({**row, "date": "2026-12-07T00:24:00Z"}).merged_mlp_lora
+    assert not workload_of_row({**row, "date": MLP_LORA_LOW_RANK_SINCE}).merged_mlp_lora
+    assert not workload_of_row(row).merged_mlp_lora  # a row without a date: today's code
 
 
 def test_checkpointing_off_is_estimated_from_checkpointed_rows_by_the_recomputed_forward(tmp_path):

@@ -192,8 +192,9 @@ def predict(shape: Shape, w: Workload, with_fast_paths: bool = True) -> Predicti
         if w.compiled:  # the compiled layer saves them with its checkpoint: offloaded, and brought back, with it
             offloaded += attention_kept
             attention_kept = long_rows.CHECKPOINTS_ON_GPU * attention_layer
-    # MoE LoRA: the W + BA weights of the layers whose forward is kept (the recomputed one's under checkpointing)
-    deltas = [shape.parameter_lora_bytes(i) for i in range(shape.layers)] if lora else [0.0]
+    # MoE LoRA as it ran before ca1f7e7: the W + BA weights of the layers whose forward is kept (the recomputed one's
+    # under checkpointing); low-rank since, none
+    deltas = [shape.parameter_lora_bytes(i) for i in range(shape.layers)] if lora and w.merged_mlp_lora else [0.0]
     whole = min(w.skip_layers, len(deltas))  # --activation_checkpointing_skip_layers keeps the LAST layers whole
     kept_deltas = sum(deltas[len(deltas) - whole:]) + max(deltas) if w.checkpointing else sum(deltas)
     logits = 0.0 if w.fused_loss or w.chunked_loss else 12.0 * shape.vocab  # log_softmax output + two fp32 grads

@@ -36,6 +36,9 @@ PEFT_CAST_COMMITS = {"b2e66a6", "9a66dc6", "1a37de6", "54b7c4e", "606734a"}
 # Rows dated before this (162167b) ran the tiles of an eager checkpointed layer in its recompute too; rows named
 # -layer-recompute still do (SFT_TILED_MLP_LAYER_RECOMPUTE=1). From `git log`.
 TILES_MARKED_SINCE = "2026-12-06T20:41:33Z"
+# Rows dated before this (ca1f7e7) computed a MoE model's LoRA on its MLP weights as peft's W + B @ A, a new weight
+# per adapted layer kept for the backward (sft/plan/memory.py); since, low-rank (sft/speed/traced_param_lora.py).
+MLP_LORA_LOW_RANK_SINCE = "2026-12-07T03:25:00Z"
 
 
 def option_value(args: list[str], name: str, default=None):
@@ -86,6 +89,7 @@ def workload_of_row(row: dict) -> Workload:
                     grad_accum=row.get("grad_accum", 1), fp8=fast.fp8, compiled=fast.compiled,
                     mlp_tile_tokens=int(option_value(args, "--mlp_tile_tokens", 0)),
                     tiles_in_layer_recompute=not fast.compiled and tiles_in_layer_recompute_of_row(row),
+                    merged_mlp_lora=row.get("date", MLP_LORA_LOW_RANK_SINCE) < MLP_LORA_LOW_RANK_SINCE,
                     offload_activations=option_value(args, "--offload_activations", "false") == "true",
                     keep_attention=option_value(args, "--activation_checkpointing_keep_attention", "false") == "true",
                     # the loss in chunks: as the row ran it, and always under --sequence_parallel (sft/train.py)

@@ -174,7 +174,8 @@ class Shape:
         """Bytes a DeepSeek MoE LoRA keeps per layer whatever the tokens: its MLP weights are targeted as parameters
         (sft/model/families.py), and peft's ParamWrapper computes W + BA as a new bf16 weight in every forward
         (`_LoraParameterProxy`), which the linear keeps for its backward: the dense layers' MLP, the MoE layers'
-        shared experts. From peft's code, not fitted (no MoE row is measured)."""
+        shared experts. From peft's code, not fitted. Rows measured before ca1f7e7 only (Workload.merged_mlp_lora):
+        since, that LoRA is computed low-rank (sft/speed/traced_param_lora.py) and keeps no such weight."""
         if not self.moe:
             return 0.0
         inter = self.shared_experts * self.moe_intermediate if index >= self.first_dense else self.intermediate

@@ -53,6 +53,7 @@ class Workload:
     compiled: bool = False         # --compile_layers (sft/speed/regional_compile.py)
     mlp_tile_tokens: int = 0       # --mlp_tile_tokens (sft/speed/tiled_mlp.py); 0: the MLP runs whole
     tiles_in_layer_recompute: bool = False  # the eager layer's recompute ran its tiles too (rows before 162167b)
+    merged_mlp_lora: bool = False  # MoE LoRA on MLP weights kept peft's W + B @ A per layer (rows before ca1f7e7)
     offload_activations: bool = False  # --offload_activations: checkpoints wait in host RAM (sft/trainer.py)
     keep_attention: bool = False   # --activation_checkpointing_keep_attention (sft/speed/kept_attention.py)
     chunked_loss: bool = False     # --chunked_loss: one chunk's logits at a time (sft/speed/chunked_loss.py)
