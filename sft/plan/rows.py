@@ -143,20 +143,37 @@ def fast_of_row(row: dict) -> FastPaths:
     2026-12-05 16:00 UTC record them), else its --fp8 and --compile_layers (false where it names neither: the bench
     passed false before a row's own options, and rows from before the `auto` default ran without them), as the
     run's own rule settles them on the row's GPU and strategy (`auto` included)."""
-    args = row_options(row)
-    held = {key: row.get(key) for key in ("fp8_layers", "compiled_layers")}
-    if None not in held.values():
-        fp8, compiled = ("true" if held[key] else "false" for key in ("fp8_layers", "compiled_layers"))
+    as_run = RECIPE_AS_RUN.get((row.get("run_id"), row.get("name")), ())
+    return _fast_of_row(row.get("train_args") or "", as_run, row.get("fp8_layers"), row.get("compiled_layers"),
+                        row["strategy"], row.get("gpu") or "", row["n_gpus"], row["method"])
+
+
+@functools.lru_cache(maxsize=None)  # a refit asks it of every row some hundred thousand times
+def _fast_of_row(train_args: str, as_run: tuple[str, ...], fp8_layers: int | None, compiled_layers: int | None,
+                 strategy: str, gpu: str, n_gpus: int, method: str) -> FastPaths:
+    args = _options(train_args, as_run)
+    if fp8_layers is not None and compiled_layers is not None:
+        fp8, compiled = ("true" if held else "false" for held in (fp8_layers, compiled_layers))
     else:
         fp8, compiled = option_value(args, "--fp8", "false"), option_value(args, "--compile_layers", "false")
     asked = Asked(fp8, compiled, option_value(args, "--torch_compile", "false") == "true")
-    strategy = STRATEGY_OF_ROW.get(row["strategy"], row["strategy"])
-    return fast_paths(described_machine(row.get("gpu") or "", row["n_gpus"], 0.0), strategy, row["n_gpus"],
-                      row["method"], asked, "fp8" if resident.is_resident_row(args) else "none")
+    strategy = STRATEGY_OF_ROW.get(strategy, strategy)
+    return fast_paths(described_machine(gpu, n_gpus, 0.0), strategy, n_gpus, method, asked,
+                      "fp8" if resident.is_resident_row(list(args)) else "none")
 
 
 def bench_rows(path: Path = RESULTS) -> list[dict]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+    """The file's rows, parsed once per version of it (a refit reads them hundreds of times); copies, for callers
+    that add to a row."""
+    if not path.exists():
+        return []
+    stat = path.stat()
+    return [dict(r) for r in _parsed_rows(str(path), (stat.st_ino, stat.st_mtime_ns, stat.st_size))]
+
+
+@functools.lru_cache(maxsize=16)
+def _parsed_rows(path: str, version: tuple[int, int, int]) -> tuple[dict, ...]:
+    return tuple(json.loads(x) for x in Path(path).read_text().splitlines() if x.strip())
 
 
 def measured_rows(path: Path = RESULTS) -> list[dict]:
