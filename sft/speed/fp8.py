@@ -239,7 +239,7 @@ class SplitParamLora:
     base's weight in each forward (a parametrization), which an e4m3 weight held in two copies cannot take: the
     adapter dropped out of the forward and got no gradient. Here the same product is split as peft's lora.Linear
     computes it: base(x) + B(A(x)) * scaling, the base's matmuls in FP8 (as sft/speed/traced_param_lora.py does
-    for a bf16 base under --compile_layers)."""
+    for a bf16 base)."""
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if args or kwargs or self.merged:  # never under --fp8: e4m3 weights cannot merge, and peft passes nothing

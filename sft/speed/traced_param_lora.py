@@ -8,9 +8,10 @@ layer fell back to running eagerly (issue 26: --compile_layers with --quantize_e
 
 When LoRA attaches (sft/model/loading.py; and under --compile_layers for any wrapper attached otherwise) each such
 wrapper of a plain nn.Linear becomes a subclass whose forward computes the adapter as peft's lora.Linear does,
-`base(x) + B(A(x)) * scaling` for each active adapter, without the parametrization. peft's form, `linear(x, W + delta_W, b)`, also made a weight-sized `W + B @ A` in every forward and
-recompute, and its backward the gradient of that whole weight (a GEMM the size of the layer's forward) to get B's and
-A's from it; the frozen base needs none. The same loss and gradients as peft's forward to rounding (tests:
+`base(x) + B(A(x)) * scaling` for each active adapter, without the parametrization. peft's form,
+`linear(x, W + delta_W, b)`, also made a weight-sized `W + B @ A` in every forward and recompute, and its backward
+the gradient of that whole weight (a GEMM the size of the layer's forward) to get B's and A's from it; the frozen
+base needs none. The same loss and gradients as peft's forward to rounding (tests:
 fp32, compiled and eager). Anything else (merged or disabled adapters, a LoRA bias, nested wrappers, fused experts'
 3-D weights: sft/speed/expert_lora.py) goes through peft's forward unchanged. Names, state dicts and saved adapters
 stay peft's (only the class changes, the way sft/model/quantized_experts.py changes the experts' class).
