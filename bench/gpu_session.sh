@@ -6,7 +6,8 @@
 #   bench/gpu_session.sh RUN_ID BUDGET_S [bench/throughput.py options...]
 #   GPU_CHECKS="--strategies fsdp" bench/gpu_session.sh ...   # then bench/gpu_strategy_checks.py with those
 #                                                               # options, in what is left of the budget
-#   BENCH_LIGER=1 skips the Liger probe; BENCH_COMMIT names the commit where the tree has no git.
+#   BENCH_LIGER=1 skips the Liger probe; BENCH_COMMIT names the commit where the tree has no git;
+#   BENCH_TRACE_ROWS=row1,row2 brings those rows' profiled steps back as Chrome traces (ROW.trace.json.gz).
 # A group may name check scripts (bench/throughput.py SCRIPTS): issue30's bench/qlora_check.py --fsdp two (2 GPUs,
 # the FSDP QLoRA check), qlora-bytes' bench/fsdp_qlora_bytes.py (1 GPU). throughput.py runs them after the rows, in the
 # time it keeps for them from --budget_s; their PASS/FAIL lines show below, their logs go into logs.tgz and their
@@ -25,6 +26,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 # host-RAM check of offload plans the machine's real size.
 export SFT_BENCH_HOST_RAM_GIB=${SFT_BENCH_HOST_RAM_GIB:-$(( $(nproc) * 8 ))}
 export BENCH_RESULTS=$OUT/results.jsonl BENCH_OUT=/tmp/bench
+export BENCH_TRACE_DIR=$OUT  # the rows BENCH_TRACE_ROWS names leave their profiled step's trace there
 {
   nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv
   nvidia-smi topo -m

@@ -740,6 +740,7 @@ def _bench_callback(spec: dict, rank: int):
             wall_us = (time.perf_counter() - self.prof_t0) * 1e6
             self.prof.__exit__(None, None, None)
             self.comm = profile_shares(self.prof, wall_us)
+            export_trace(self.prof, spec["name"])
             self.prof = None
 
         def on_train_end(self, args, state, control, **kwargs):
@@ -772,6 +773,21 @@ def _bench_callback(spec: dict, rank: int):
             Path(spec["out"], f"rank{rank}.json").write_text(json.dumps(result))
 
     return BenchClock
+
+
+def export_trace(prof, row: str) -> None:
+    """The profiled step's timeline as a gzipped Chrome trace (chrome://tracing, Perfetto) in $BENCH_TRACE_DIR, for
+    the rows that $BENCH_TRACE_ROWS names (comma-separated): what idle_ms sums by host op, laid out in time."""
+    import gzip
+
+    where, rows = os.environ.get("BENCH_TRACE_DIR"), os.environ.get("BENCH_TRACE_ROWS", "").split(",")
+    if not where or row not in rows:
+        return
+    plain = Path(where, f"{row}.trace.json")
+    prof.export_chrome_trace(str(plain))
+    with open(plain, "rb") as src, gzip.open(f"{plain}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    plain.unlink()
 
 
 def summed_over_ranks(value: float) -> float:

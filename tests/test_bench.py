@@ -562,3 +562,42 @@ def test_the_steady_rate_leaves_a_one_off_slow_step_out():
     assert steady == pytest.approx(tokens / 0.6235, rel=1e-3)  # the median of the six
     assert bench.steady_tok_s(steps[:3] + steps[4:], tokens / 0.6188, 0.6188) == pytest.approx(tokens / 0.623, rel=1e-3)
     assert bench.steady_tok_s(None, 1000.0, None) is None and bench.steady_tok_s([], 1000.0, 1.0) is None
+
+
+def test_a_named_rows_profiled_step_comes_back_as_a_gzipped_trace(tmp_path, monkeypatch):
+    """BENCH_TRACE_ROWS names the rows whose profiled step is exported (bench/gpu_session.sh sets the folder)."""
+    import gzip
+
+    import torch
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        torch.ones(4).add(1)
+    monkeypatch.setenv("BENCH_TRACE_DIR", str(tmp_path))
+    monkeypatch.setenv("BENCH_TRACE_ROWS", "a,b")
+    bench.export_trace(prof, "c")
+    assert list(tmp_path.iterdir()) == []
+    bench.export_trace(prof, "b")
+    assert [p.name for p in tmp_path.iterdir()] == ["b.trace.json.gz"]
+    names = {event.get("name") for event in json.loads(gzip.open(tmp_path / "b.trace.json.gz").read())["traceEvents"]}
+    assert "aten::add" in names
+
+
+def test_trace_gaps_says_what_the_host_did_while_the_gpu_waited():
+    """bench/trace_gaps.py on a made-up trace: a kernel launched late (the host's own time) and one launched early
+    behind a blocking copy."""
+    import trace_gaps
+
+    op = lambda name, ts, dur: {"cat": "cpu_op", "name": name, "ts": ts, "dur": dur}  # noqa: E731
+    run = lambda name, ts, dur, c: {"cat": "cuda_runtime", "name": name, "ts": ts, "dur": dur,  # noqa: E731
+                                    "args": {"correlation": c}}
+    kernel = lambda name, ts, dur, c: {"cat": "kernel", "name": name, "ts": ts, "dur": dur,  # noqa: E731
+                                       "args": {"correlation": c}}
+    events = [kernel("a", 0, 100, 1), run("cudaLaunchKernel", 5, 2, 1),
+              op("aten::mul", 400, 20, ), run("cudaLaunchKernel", 410, 2, 2), kernel("b", 420, 10, 2),
+              run("cudaMemcpyAsync", 440, 1, 3), run("cudaStreamSynchronize", 441, 300, 4),
+              kernel("c", 430, 10, 5), run("cudaLaunchKernel", 450, 2, 5), kernel("d", 900, 10, 6),
+              run("cudaLaunchKernel", 445, 2, 6)]
+    found = trace_gaps.gaps(events, 50)
+    assert [(g["kernel"], g["gap_us"]) for g in found] == [("b", 320), ("d", 460)]
+    assert found[0]["launched_after_us"] == 310 and found[0]["launched_by"] == "aten::mul"
+    assert found[1]["blocking"] == ["cudaStreamSynchronize 300us"]
