@@ -456,6 +456,8 @@ def test_bad_values_and_unknown_names_are_one_line():
     assert "invalid int value: 'ten'" in str(bad.value) and "\n" not in str(bad.value)
     with pytest.raises(ConfigError, match=r"--lora_rnk \(did you mean --lora_r\?\)"):
         parse_args(["--lora_rnk", "8"])
+    with pytest.raises(ConfigError, match=r"--lora_rank_typo \(did you mean --lora_r\?\)"):
+        parse_args(["--lora_rank_typo", "8"])  # was: did you mean --local_rank?
 
 
 def test_evaluation_without_held_out_data_is_refused_before_loading():

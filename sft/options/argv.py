@@ -197,13 +197,15 @@ def known_options(parser: HfArgumentParser) -> list[str]:
 
 def unknown_options_message(unknown: list[str], parser: HfArgumentParser, ours: list[str]) -> str:
     """Each unknown option with the closest of OUR options and the common ones first (so that `--lora_rnk`
-    suggests --lora_r, not TrainingArguments' --local_rank), then of every option."""
+    suggests --lora_r, not TrainingArguments' --local_rank), then the longest of them that the name begins with
+    (`--lora_rank_8` is --lora_r with more typed after it, not --local_rank), then the closest of every option."""
     everything = known_options(parser)
     preferred = [f"--{n}" for n in (*ours, *COMMON_TRAINING)]
     parts = []
     for option in (u for u in unknown if u.startswith("--")):
         name = option.split("=")[0]
         close = (difflib.get_close_matches(name, preferred, n=1, cutoff=0.75)
+                 or sorted((o for o in preferred if name.startswith(o)), key=len)[-1:]
                  or difflib.get_close_matches(name, everything, n=1))
         parts.append(name + (f" (did you mean {close[0]}?)" if close else ""))
     if not parts:  # values without an option: a list given to an option that takes one value
