@@ -185,7 +185,7 @@ def train(run: Run, seams: Seams) -> int:
     train_data, eval_data, summary = prepare(data_args, tokenizer, conversations, training_args, data_hash)
     # Saves carry the template trained with (set after prepare(), whose cache key reads the tokenizer's own).
     tokenizer.chat_template = chat_template_for_saving(data_args.template, tokenizer) or tokenizer.chat_template
-    preflight(model_args, lora_args, training_args)  # all-reduce check; host RAM of offload plans
+    preflight(model_args, lora_args, training_args)  # all-reduce check; host RAM of offload plans and CPU runs
     main_process = is_first_process()
     if main_process:
         print(summary, flush=True)

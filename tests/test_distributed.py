@@ -298,6 +298,30 @@ def test_offload_plan_of_a_7b_model_is_refused_on_a_small_machine(tmp_path):
     assert "--lora" in message and "SFT_HOST_RAM_GIB" in message  # says what to do instead
 
 
+def cpu_args(world_size: int = 1):
+    return SimpleNamespace(device="cpu", world_size=world_size, deepspeed_plugin=None)
+
+
+def test_a_model_larger_than_the_ram_of_a_gpu_less_machine_is_refused_before_loading(tmp_path, capsys):
+    """Was: the kernel killed the process part-way through loading, with no error line."""
+    from sft.options.arguments import ConfigError
+    from sft.parallel.distributed import check_cpu_training_ram
+
+    path = deepseek_7b_config(tmp_path / "7b")
+    with pytest.raises(ConfigError) as caught:  # a full fine-tune in fp32 (no bf16 here): 4 x (1 + 3) B a param
+        check_cpu_training_ram(*model_args(path), cpu_args(), host(64, 60))
+    assert "about 103.0 GiB (6.91B parameters in 32-bit, 6.91B trained" in str(caught.value)
+    assert "this machine has 64.0 GiB" in str(caught.value) and "--lora" in str(caught.value)
+    need = check_cpu_training_ram(*model_args(path, lora=True), cpu_args(), host(64, 60))
+    assert 25.7 < need < 26.5 and capsys.readouterr().err == ""  # LoRA: the fp32 weights and the adapter's few
+    with pytest.raises(ConfigError, match=r"37.5M trained .*, in each of 3 processes.*choose a smaller model or fewer"):
+        check_cpu_training_ram(*model_args(path, lora=True), cpu_args(3), host(64, 60))
+    check_cpu_training_ram(*model_args(path, lora=True), cpu_args(), host(64, 20))
+    assert capsys.readouterr().err.startswith("warning: training on the CPU holds the model in host RAM")
+    gpu = SimpleNamespace(device="cuda:0", world_size=1, deepspeed_plugin=None)
+    assert check_cpu_training_ram(*model_args(path), gpu, host(16, 16)) is None  # a GPU holds it
+
+
 def test_offload_ram_can_be_given_for_machines_whose_ram_grows(tmp_path, monkeypatch, capsys):
     """SFT_HOST_RAM_GIB replaces what psutil reports, in the Machine read once (sft/machine.py)."""
     import sft.machine

@@ -331,6 +331,35 @@ def check_offload_ram(model_args, lora_args, training_args, machine: Machine | N
     return estimate
 
 
+def check_cpu_training_ram(model_args, lora_args, training_args, machine: Machine | None = None) -> float | None:
+    """Without a GPU every process holds the model in host RAM: its weights in the dtype they load in (fp32 where
+    the CPU has no bf16), and for what is trained a gradient and AdamW's two moments in the same dtype. A model
+    larger than the RAM was killed by the kernel part-way through loading, with no word on why: stop before loading
+    instead, and warn when it needs more than is free. -> GiB needed on this machine; None when a GPU trains."""
+    from sft.machine import machine as this_machine
+    from sft.model.loading import weights_dtype
+
+    m = machine or this_machine()
+    if str(getattr(training_args, "device", "cpu")).split(":")[0] != "cpu" or not m.host_ram_gib:
+        return None
+    params, trainable = count_parameters(model_args, lora_args)
+    width = weights_dtype(model_args, lora_args.lora, m).itemsize
+    processes = m.launch.processes_here(max(1, training_args.world_size))
+    need = (params + 3 * trainable) * width * processes / GIB
+    count = lambda n: f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"  # noqa: E731
+    message = (f"training on the CPU holds the model in host RAM: about {need:.1f} GiB ({count(params)} "
+               f"parameters in {8 * width}-bit, {count(trainable)} trained with their gradients and AdamW's "
+               f"moments{f', in each of {processes} processes' if processes > 1 else ''}), not counting activations; "
+               f"this machine has {m.host_ram_gib:.1f} GiB, {m.host_ram_available_gib:.1f} GiB available.")
+    advice = f" Train on a GPU, or choose a smaller model{'' if lora_args.lora else ', --lora'} or fewer processes."
+    if need > m.host_ram_gib:
+        raise ConfigError(message + advice + " If this machine's RAM grows on demand, give its real size: "
+                          "SFT_HOST_RAM_GIB=<GiB>.")
+    if need > m.host_ram_available_gib and m.launch.first:
+        print(f"warning: {message} It may be killed for lack of memory.{advice}", file=sys.stderr, flush=True)
+    return need
+
+
 def check_data_parallel(training_args, launch: Launch | None = None) -> None:
     """Several processes but no distributed backend: accelerate then wraps nothing, and each process trains alone
     on its share of the data (on a CPU machine, without --use_cpu or --ddp_backend)."""
@@ -364,4 +393,5 @@ def preflight(model_args, lora_args, training_args, machine: Machine | None = No
     check_data_parallel(training_args, m.launch)
     one_gpu_per_process(training_args)
     check_offload_ram(model_args, lora_args, training_args, m)
+    check_cpu_training_ram(model_args, lora_args, training_args, m)
     check_allreduce(launch=m.launch)
