@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from sft.speed.grouped_experts import routed_experts_forward
+from sft.speed.peft_class import with_forward
 
 
 class SplitExpertLora:
@@ -111,16 +112,12 @@ def experts_with_lora(experts: nn.Module, hidden_states: torch.Tensor, top_k_ind
     return routed_experts_forward(experts, hidden_states, top_k_index, top_k_weights, project)
 
 
-@functools.cache  # one class per peft class: dynamo guards on a module's class
-def split_class(cls: type) -> type:
+@functools.cache  # once per peft class: the check runs once, and the class is made once (with_forward's cache
+def split_class(cls: type) -> type:  # cannot see that a new staticmethod of the same function is the same)
     from sft.safety.private_names import GROUPED_LINEAR, expect
 
     # transformers' grouped linear, checked here, once: not inside a forward dynamo traces
-    grouped = expect(GROUPED_LINEAR)
-    # peft's name kept: peft finds its nested wrappers by `__class__.__name__ == "ParamWrapper"`
-    return type(cls.__name__, (SplitExpertLora, cls),
-                {"__module__": cls.__module__, "__qualname__": f"SplitExpert{cls.__qualname__}",
-                 "grouped_linear": staticmethod(grouped)})
+    return with_forward(SplitExpertLora, cls, grouped_linear=staticmethod(expect(GROUPED_LINEAR)))
 
 
 def fused_experts_classes(model: nn.Module) -> set[type]:

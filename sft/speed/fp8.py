@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from sft.machine import fp8_fast_accum_on, is_first_process, launch
+from sft.speed.peft_class import with_forward
 from sft.speed.traced_param_lora import add_adapters
 
 E4M3 = torch.float8_e4m3fn
@@ -251,12 +252,6 @@ class SplitParamLora:
         return add_adapters(self, x, out, [a for a in self.active_adapters if a in self.lora_A])
 
 
-@functools.cache  # one class per peft class (dynamo compiles a layer once per class); peft's name kept, as
-def _split_class(cls: type) -> type:  # sft/speed/traced_param_lora.py keeps it
-    return type(cls.__name__, (SplitParamLora, cls),
-                {"__module__": cls.__module__, "__qualname__": f"Split{cls.__qualname__}"})
-
-
 def _weight_wrapper(module) -> bool:
     """peft's ParamWrapper of one nn.Linear's weight (not fused experts' 3-D weights)."""
     from peft.tuners.lora.layer import ParamWrapper
@@ -282,7 +277,7 @@ def use_fp8_base(model, device: torch.device | None = None) -> tuple[int, int]:
             skipped += 1
             continue
         if wrapper:
-            module.__class__ = _split_class(type(module))
+            module.__class__ = with_forward(SplitParamLora, type(module))
         module.base_layer = Fp8Linear(module.base_layer, device)
         converted += 1
     return converted, skipped

@@ -19,10 +19,10 @@ stay peft's (only the class changes, the way sft/model/quantized_experts.py chan
 
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import nn
+
+from sft.speed.peft_class import with_forward
 
 
 def _param_wrapper_class() -> type:
@@ -51,14 +51,6 @@ class TracedLinearParamLora:
         return add_adapters(self, x, self.get_base_layer()(x), adapters)
 
 
-@functools.cache  # one class per peft class: a new class per layer would make dynamo compile each layer anew
-def _traced_class(cls: type) -> type:
-    # The class keeps peft's name: peft tells its wrappers apart by `__class__.__name__ == "ParamWrapper"` (loading a
-    # second adapter beside this one, as the save check does, refused a wrapper of another name)
-    return type(cls.__name__, (TracedLinearParamLora, cls),
-                {"__module__": cls.__module__, "__qualname__": f"Traced{cls.__qualname__}"})
-
-
 def traceable(module: nn.Module, wrapper: type) -> bool:
     """A ParamWrapper of one nn.Linear's weight (not a fused experts tensor, not a wrapper around a wrapper)."""
     return (isinstance(module, wrapper) and not isinstance(module, TracedLinearParamLora)
@@ -71,5 +63,5 @@ def trace_param_lora(model: nn.Module) -> int:
     wrapper = _param_wrapper_class()
     modules = [m for m in model.modules() if traceable(m, wrapper)]
     for module in modules:
-        module.__class__ = _traced_class(type(module))
+        module.__class__ = with_forward(TracedLinearParamLora, type(module))
     return len(modules)
