@@ -153,6 +153,9 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
             from sft.speed.fp8 import apply_fp8_base
 
             apply_fp8_base(model)
+            from sft.speed.fp8_lora import apply_fused_lora
+
+            apply_fused_lora(model)  # their adapters inside the FP8 matmuls, where the layers compile
             if model_args.quantize_experts == "fp8":  # and the routed experts' grouped matmuls, where the GPU can
                 from sft.speed.fp8_experts import apply_fp8_experts
 
