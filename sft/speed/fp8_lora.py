@@ -153,7 +153,11 @@ def fuse_lora(module: nn.Module) -> bool:
 def apply_fused_lora(model: nn.Module) -> int:
     """The hook sft/model/loading.py calls after apply_fp8_base: fuse every fusable LoRA layer, say how many."""
     from sft.machine import is_first_process
+    from sft.safety.private_names import PEFT_INPUT_CAST, expect
 
+    if not fused_lora_on():
+        return 0
+    expect(PEFT_INPUT_CAST)  # the fused forward calls peft's input cast as peft's own forward does
     fused = sum(fuse_lora(module) for module in list(model.modules()))
     if fused and is_first_process():
         print(f"FP8: {fused} LoRA adapters compute inside their base layer's FP8 matmuls in compiled layers "
