@@ -53,6 +53,7 @@ from sft.parallel.expert_parallel import autoep_block, check_expert_parallel
 from sft.safety.guards import LossSpikeLogger, NonFiniteGuard
 from sft.safety.interrupts import (SIGTERM_MARK, end_with_launcher, exit_code, ignore_further_interrupts,
                                    launcher_gone, leave_now, signal_name, stop_on_sigterm, tell_user)
+from sft.speed.allocator import expandable_segments_unless_chosen
 from sft.speed.gc_freeze import FreezeLongLivedObjects
 from sft.speed.kept_attention import offload_prefetch
 from sft.speed.packed_mask import builds_packed_mask, dense_mask_note
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None, callbacks: list | None = None, model_fac
 
 
 def train(run: Run, seams: Seams) -> int:
+    allocator = expandable_segments_unless_chosen(torch.cuda.is_available())  # before CUDA starts: machine() below
     quiet_libraries()  # noisy progress bars off; ranks other than 0 log errors only
     configure_nccl_env()  # consumer GPUs: before TrainingArguments starts the process group
     options, planned = final_options(run.argv)
@@ -236,7 +238,8 @@ def train(run: Run, seams: Seams) -> int:
     # the planner's peak for this run, which an MoE or quantized-base run's first screen and last lines say
     memory_plan = planned.plan or (predict_this_run(model_args, lora_args, data_args, training_args, machine())
                                    if main_process else None)
-    overview = RunOverview(model, train_data, model_args.model, model_args.speed_choices,
+    speed = (*model_args.speed_choices, *([allocator] if allocator else []))  # the first screen's speed lines
+    overview = RunOverview(model, train_data, model_args.model, speed,
                            predicted_text(memory_plan, model_args, machine()))
     callbacks = [
         overview,  # the first screen (rank 0)
