@@ -918,7 +918,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5, help="Optimizer steps measured.")
     p.add_argument("--profile_steps", type=int, default=1, help="Steps profiled after the measured ones (0: none).")
     p.add_argument("--mem_cap_gib", type=float, default=24.0, help="Per-rank allocator cap; 0 for none.")
-    p.add_argument("--alloc_conf", default="expandable_segments:True", help="PYTORCH_CUDA_ALLOC_CONF ('' to leave).")
+    p.add_argument("--alloc_conf", default="expandable_segments:True",
+                   help="PYTORCH_CUDA_ALLOC_CONF for every row, ours and the peers' ('': none given; sft/train.py then "
+                        "sets expandable segments itself, and the peers run torch's default).")
     p.add_argument("--fresh_cache", action="store_true",
                    help="Compile caches (inductor, Triton) in a new empty folder: the first run on a fresh machine.")
     p.add_argument("--data", required=True, help="Alpaca JSON (bench/throughput.py finds ../shared's).")
