@@ -77,6 +77,12 @@ class OutOfSpaceError(UserFacingError):
     exit_code = 1
 
 
+class UploadFailed(UserFacingError):
+    """--push_to_hub's upload of the verified result failed (sft/safety/hub_push.py); every file is kept."""
+
+    exit_code = 1
+
+
 class Interrupted(UserFacingError):
     """Ctrl-C (SIGINT) or SIGTERM, e.g. the launcher ended: training stops at the next safe point."""
 

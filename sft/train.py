@@ -51,6 +51,7 @@ from sft.parallel.fsdp import consolidate_fsdp_saves, fsdp_callbacks, hand_over_
 from sft.safety.early_stopping import early_stopping
 from sft.parallel.expert_parallel import autoep_block, check_expert_parallel
 from sft.safety.guards import LossSpikeLogger, NonFiniteGuard
+from sft.safety.hub_push import check_hub_push, push_final
 from sft.safety.interrupts import (SIGTERM_MARK, end_with_launcher, exit_code, ignore_further_interrupts,
                                    launcher_gone, leave_now, signal_name, stop_on_sigterm, tell_user)
 from sft.speed.allocator import expandable_segments_unless_chosen
@@ -159,6 +160,7 @@ def train(run: Run, seams: Seams) -> int:
 
     resume = on_main_process(take_output_dir)  # a checkpoint, or None; never overwrites or mixes runs
     resolve_model_path(model_args.model)  # a missing directory or unreachable hub id: seconds, not a minute
+    on_main_process(lambda: check_hub_push(training_args))  # --push_to_hub: token, network, the repository
     if seams.model_factory is None:  # pickled weights: how to convert them, before any data work (a factory
         check_safetensors_weights(model_args.model)  # builds its own weights)
     refuse_unsupported(load_config(model_args))  # DeepSeek-V3.2: one error, on every rank, before any data work
@@ -319,6 +321,8 @@ def train(run: Run, seams: Seams) -> int:
         save_final(trainer, training_args.output_dir, verifier)  # model or adapter + tokenizer, reloaded, checked
         if main_process and training_args.output_dir_picked:  # output/<model>/<method>/latest: this finished run
             point_latest(training_args.output_dir)
+        if main_process and training_args.push_to_hub:  # the checked folder, with a model card
+            print(f"Uploaded to {push_final(trainer, training_args.output_dir, model_args.model)}", flush=True)
 
     if main_process:
         if (planned.plan or overview.held) and torch.cuda.is_available():

@@ -42,6 +42,8 @@ order of what happens in a step is the Trainer's own, held by code:
   after resuming at step N, the learning rate is this run's schedule at N, N+1, ...), so that a finished run
   resumed with a higher --max_steps goes on along the longer schedule instead of taking a step at the old
   schedule's final rate (0 for linear and cosine).
+- `push_to_hub` (`--push_to_hub`): the final folder is uploaded after save_final has checked it
+  (sft/safety/hub_push.py), not as the Trainer's save_model ends; checkpoints upload as the Trainer does.
 - TensorBoard's callback runs after ours, so that it logs what ours add to the logs; the console's progress
   callback is ours (sft/report/progress.py): one short line per log instead of the metric dicts.
 
@@ -128,6 +130,13 @@ class SFTTrainer(Trainer):
         noise = self.noise.attached(self.model.get_input_embeddings()) if self.noise else contextlib.nullcontext()
         with noise:
             return super().train(*args, **kwargs)
+
+    def push_to_hub(self, commit_message: str | None = "End of training", blocking: bool = True, **kwargs) -> None:
+        """Nothing here: the Trainer's save_model calls this as its save ends, on every process, before save_final
+        (sft/safety/checkpoints.py) has reloaded and checked the files, and its own upload would save the model
+        again first. sft/safety/hub_push.py uploads the final folder once it is checked, from the main process.
+        The uploads of checkpoints during training stay the Trainer's (--hub_strategy)."""
+        return None
 
     # ---- the loss ----------------------------------------------------------------------------------------------
 

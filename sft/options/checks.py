@@ -135,6 +135,24 @@ def early_stopping_evaluates(o: Options, m: Machine) -> None:
                           f"data (--eval_split 0.05 or --eval_dataset FILE).")
 
 
+HUB_REPO = re.compile(r"([A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")  # name, or user-or-organization/name
+
+
+def hub_upload_named(o: Options, m: Machine) -> None:
+    """--push_to_hub uploads to --hub_model_id (sft/safety/hub_push.py); one without the other would upload to a
+    repository named after the run's timestamped directory, or upload nothing."""
+    t = o.training
+    if t.push_to_hub and not t.hub_model_id:
+        raise ConfigError("--push_to_hub needs --hub_model_id <user or organization>/<name>: the repository to "
+                          "upload to.")
+    if t.hub_model_id and not t.push_to_hub:
+        raise ConfigError(f"--hub_model_id {t.hub_model_id} names where --push_to_hub uploads: add --push_to_hub, "
+                          f"or leave --hub_model_id out.")
+    if t.hub_model_id and not HUB_REPO.fullmatch(t.hub_model_id):
+        raise ConfigError(f"--hub_model_id {t.hub_model_id!r}: give <user or organization>/<name> (letters, digits, "
+                          f"'-', '_' and '.').")
+
+
 def max_length_long_enough(o: Options, m: Machine) -> None:
     if o.data.max_length < 8:
         raise ConfigError(f"--max_length {o.data.max_length} is too short; give at least 8 tokens.")
@@ -819,7 +837,7 @@ def processes_name_one_run_directory(o: Options, m: Machine) -> None:
 Check = Callable[[Options, Machine], None]
 OPTION_CHECKS: list[Check] = [
     plan_value, dataset_given, data_option_values, mask_history_trains_replies, evaluation_has_data,
-    early_stopping_evaluates,
+    early_stopping_evaluates, hub_upload_named,
     max_length_long_enough, dtype_name,
     fp8_combinations, long_row_levers, quantized_experts_combinations, optimizer_arguments, lora_rank_positive,
     lora_options_need_lora, saved_module_names, sizes_in_range, something_to_train, attention_name, packing_attention,
