@@ -101,6 +101,8 @@ class Run:
         self.output_dir: str | None = None
         self.lock: RunLock | None = None
         self.trainer = None
+        self.saved = False  # the final save is written and checked
+        self.uploading_to: str | None = None  # --push_to_hub's repository, while the final upload runs
 
 
 def main(argv: list[str] | None = None, callbacks: list | None = None, model_factory: Callable | None = None,
@@ -319,10 +321,13 @@ def train(run: Run, seams: Seams) -> int:
         if main_process:
             record_quantized_base(model, training_args.output_dir)  # --qlora: the 4-bit base, for sft.tools.merge
         save_final(trainer, training_args.output_dir, verifier)  # model or adapter + tokenizer, reloaded, checked
+        run.saved = True
         if main_process and training_args.output_dir_picked:  # output/<model>/<method>/latest: this finished run
             point_latest(training_args.output_dir)
         if main_process and training_args.push_to_hub:  # the checked folder, with a model card
+            run.uploading_to = training_args.hub_model_id
             print(f"Uploaded to {push_final(trainer, training_args.output_dir, model_args.model)}", flush=True)
+            run.uploading_to = None
 
     if main_process:
         if (planned.plan or overview.held) and torch.cuda.is_available():
@@ -388,6 +393,11 @@ def stopped_message(run: Run, what: str) -> str:
     if run.trainer is None or run.output_dir is None:
         where = f" Nothing was trained; {run.output_dir} holds no new checkpoint." if run.output_dir else ""
         return f"stopped ({what}) before training started.{where}"
+    if run.saved:  # after the final save was checked: the upload, or the closing lines
+        here = Path(run.output_dir).resolve()
+        upload = (f"; it was not uploaded to {run.uploading_to}: `hf upload {run.uploading_to} {here}`"
+                  if run.uploading_to else "")
+        return f"stopped ({what}) after training finished; the result is saved and checked in {here}{upload}"
     step = run.trainer.state.global_step
     newest = newest_complete(run.output_dir)
     resume = command_with(run.argv, resume_from_checkpoint="true", output_dir=run.output_dir)

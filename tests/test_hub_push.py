@@ -104,3 +104,22 @@ def test_no_token_or_offline_or_a_refused_repository_stops_before_loading(tiny_l
     assert result.returncode == 2 and "could not create or find someone/tiny-sft" in result.stderr
     assert "403 Forbidden" in result.stderr
     assert not [c for c in hub if c[0] == "upload_folder"]
+
+
+def test_ctrl_c_during_the_final_upload_says_the_result_is_kept(tmp_path):
+    """After the final save is checked, a Ctrl-C (the upload, the closing lines) is no stop mid-training: no resume
+    command, the result's place, and the upload command where the upload was running."""
+    from types import SimpleNamespace
+
+    from sft.train import Run, stopped_message
+
+    run = Run(["--push_to_hub", "--hub_model_id", "someone/tiny-sft"])
+    run.output_dir, run.trainer = str(tmp_path), SimpleNamespace(state=SimpleNamespace(global_step=220))
+    (tmp_path / FINAL_MARKER).write_text("{}")  # a finished run resumed for more steps keeps it while it trains
+    assert "after training finished" not in stopped_message(run, "Ctrl-C")
+    run.saved, run.uploading_to = True, "someone/tiny-sft"
+    said = stopped_message(run, "Ctrl-C")
+    assert said.startswith("stopped (Ctrl-C) after training finished; the result is saved and checked in ")
+    assert f"hf upload someone/tiny-sft {tmp_path.resolve()}" in said and "resume" not in said
+    run.uploading_to = None
+    assert "hf upload" not in stopped_message(run, "Ctrl-C")
