@@ -134,10 +134,25 @@ class Machine:
     # The optional packages importable here (OPTIONAL_PACKAGES); None: not described, so looked up when asked.
     packages: frozenset[str] | None = None
 
+    # The Trainer's reporting integrations installed here (transformers' get_available_reporting_integrations);
+    # None: not described, so looked up when asked.
+    reporting: frozenset[str] | None = None
+
     def has(self, package: str) -> bool:
         if self.packages is not None:
             return package in self.packages
         return importlib.util.find_spec(package) is not None
+
+    def reports_to(self, integration: str) -> bool:
+        """Whether --report_to INTEGRATION can run here (`flyte`, which transformers' list never names: its
+        package imports)."""
+        if integration == "flyte":
+            return self.has("flytekit")
+        if self.reporting is not None:
+            return integration in self.reporting
+        from transformers.integrations import get_available_reporting_integrations
+
+        return integration in get_available_reporting_integrations()
 
     @property
     def gpus(self) -> int:

@@ -320,3 +320,23 @@ def test_options_import_nothing_from_the_planner():
     """The planner reads options; options never read the planner (no import circle, parsing never plans)."""
     sources = (REPO / "sft" / "options").glob("*.py")
     assert not [p.name for p in sources if "from sft.plan" in p.read_text() or "import sft.plan" in p.read_text()]
+
+
+def test_reporting_that_cannot_run_here_is_refused_before_loading():
+    """--report_to: the Trainer made its callbacks after the model had loaded, and a missing wandb stopped there
+    with a traceback."""
+    from dataclasses import replace
+
+    from sft.options.arguments import read_options, settle
+
+    def on(machine: Machine, report_to: str):
+        return settle(read_options(["--model", "m", "--dataset", DATA, "--output_dir", "/nonexistent/out",
+                                    "--report_to", report_to]), machine)
+
+    here = replace(box(), reporting=frozenset({"tensorboard"}))
+    for report_to, says in (("wandb", "wandb needs pip install wandb"), ("kubeflow", "KUBEFLOW_TRAINER_SERVER_URL"),
+                            ("tensorboardx", "the Trainer reports to azure_ml, ")):
+        with pytest.raises(ConfigError, match=says):
+            on(here, report_to)
+    on(here, "none")
+    on(replace(here, reporting=frozenset({"tensorboard", "wandb"})), "wandb")

@@ -589,6 +589,28 @@ def varlen_attention_runs(o: Options, m: Machine) -> None:
                           "computes in fp32: add --bf16 (or --fp16), or use sdpa.")
 
 
+# What a --report_to integration needs where it is not its own name's package (pip install NAME)
+REPORTING_NEEDS = {"azure_ml": "pip install azureml-core", "flyte": "pip install flytekit",
+                   "kubeflow": "a Kubeflow trainer job (KUBEFLOW_TRAINER_SERVER_URL set)"}
+
+
+def reporting_installed(o: Options, m: Machine) -> None:
+    """--report_to: each integration one the Trainer knows and can run here. The Trainer builds their callbacks
+    after the model has loaded: a missing package (wandb) or an unknown name stopped with a traceback there."""
+    from transformers.integrations import INTEGRATION_TO_CALLBACK
+
+    names = [r for r in (o.training.report_to or []) if r not in ("none", "all")]
+    unknown = [r for r in names if r not in INTEGRATION_TO_CALLBACK]
+    if unknown:
+        raise ConfigError(f"--report_to {' '.join(unknown)}: the Trainer reports to "
+                          f"{', '.join(sorted(INTEGRATION_TO_CALLBACK))}, or none.")
+    missing = [r for r in names if not m.reports_to(r)]
+    if missing:
+        needs = "; ".join(f"{r} needs {REPORTING_NEEDS.get(r, f'pip install {r}')}" for r in missing)
+        raise ConfigError(f"--report_to {' '.join(missing)} cannot report from here: {needs}; or leave it out "
+                          f"(TensorBoard, the default, is installed with deepseek-sft).")
+
+
 def liger_kernel_available(o: Options, m: Machine) -> None:
     """The Trainer imports Liger only inside train(), after the model has loaded (seen on an H200: an ImportError
     traceback a minute in); its kernels are Triton, GPU only."""
@@ -847,7 +869,8 @@ MACHINE_CHECKS: list[Check] = [
     partial_checkpointing, dequantized_experts_need_checkpoints, kept_attention_needs, precision_the_hardware_has,
     full_fine_tune_keeps_small_updates, quantized_base_not_under_zero3, qlora_needs,
     qlora_under_fsdp_awaits_its_gpu_run, dora_reads_its_base, sharding_needs_gpus, attention_kernel_available,
-    processes_fit_gpus, tensor_parallel_combinations, compiled_layers_combinations, liger_kernel_available, fp8_base_needs, chunked_loss_combinations,
+    processes_fit_gpus, tensor_parallel_combinations, compiled_layers_combinations, liger_kernel_available,
+    reporting_installed, fp8_base_needs, chunked_loss_combinations,
     loss_in_chunks_under_zero3, sequence_parallel_combinations, expert_parallel_combinations, deepspeed_json_agrees,
     loraplus_needs_the_trainers_optimizer, launcher_agrees, processes_name_one_run_directory,
 ]
