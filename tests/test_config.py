@@ -338,5 +338,10 @@ def test_reporting_that_cannot_run_here_is_refused_before_loading():
                             ("tensorboardx", "the Trainer reports to azure_ml, ")):
         with pytest.raises(ConfigError, match=says):
             on(here, report_to)
+    with pytest.raises(ConfigError, match="none stands alone"):
+        settle(read_options(["--model", "m", "--dataset", DATA, "--report_to", "tensorboard", "none"]), here)
     on(here, "none")
+    assert settle(read_options(["--model", "m", "--dataset", DATA, "--output_dir", "/nonexistent/out", "--report_to",
+                                "tensorboard", "wandb"]), replace(here, reporting=frozenset({"tensorboard", "wandb"}))
+                  ).training.report_to == ["tensorboard", "wandb"]
     on(replace(here, reporting=frozenset({"tensorboard", "wandb"})), "wandb")

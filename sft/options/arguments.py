@@ -256,8 +256,9 @@ class SFTTrainingArguments(TrainingArguments):
     # Not an option: how sft/options/resolve.py output_dir_of_its_own chose --output_dir where none was given
     # ("": given; sft/options/checks.py PICKED_*).
     output_dir_picked: str = field(default="", init=False)
-    report_to: None | str | list[str] = field(default="tensorboard", metadata={
-        "help": "Loggers: tensorboard, wandb, none, or several"})
+    report_to: list[str] = field(default_factory=lambda: ["tensorboard"], metadata={
+        "help": "Loggers: tensorboard, wandb, mlflow, ..., all (every one installed) or none; several: "
+                "--report_to tensorboard wandb"})
     logging_steps: float = field(default=10, metadata={"help": "Log every N steps."})
     log_level_replica: str = field(default="error", metadata={
         "help": "Log level of the processes other than rank 0 (transformers' default: warning)."})

@@ -599,7 +599,11 @@ def reporting_installed(o: Options, m: Machine) -> None:
     after the model has loaded: a missing package (wandb) or an unknown name stopped with a traceback there."""
     from transformers.integrations import INTEGRATION_TO_CALLBACK
 
-    names = [r for r in (o.training.report_to or []) if r not in ("none", "all")]
+    given = list(o.training.report_to or [])
+    alone = [r for r in given if r in ("none", "all")]
+    if alone and len(given) > 1:
+        raise ConfigError(f"--report_to {' '.join(given)}: {alone[0]} stands alone; name it, or the loggers.")
+    names = [r for r in given if r not in alone]
     unknown = [r for r in names if r not in INTEGRATION_TO_CALLBACK]
     if unknown:
         raise ConfigError(f"--report_to {' '.join(unknown)}: the Trainer reports to "
