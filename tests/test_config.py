@@ -345,3 +345,13 @@ def test_reporting_that_cannot_run_here_is_refused_before_loading():
                                 "tensorboard", "wandb"]), replace(here, reporting=frozenset({"tensorboard", "wandb"}))
                   ).training.report_to == ["tensorboard", "wandb"]
     on(replace(here, reporting=frozenset({"tensorboard", "wandb"})), "wandb")
+
+
+def test_an_optimizer_whose_package_is_missing_is_refused_before_loading():
+    """The Trainer imported bitsandbytes, GaLore or schedulefree for --optim once the model had loaded."""
+    import importlib.util
+
+    if importlib.util.find_spec("galore_torch") is not None:
+        pytest.skip("galore_torch is installed here")
+    assert refused("--optim", "galore_adamw").startswith("--optim galore_adamw: You need to install `galore_torch`")
+    parse("--optim", "adamw_torch")  # the Trainer's own, no package: passes

@@ -589,6 +589,23 @@ def varlen_attention_runs(o: Options, m: Machine) -> None:
                           "computes in fp32: add --bf16 (or --fp16), or use sdpa.")
 
 
+def optimizer_installed(o: Options, m: Machine) -> None:
+    """The Trainer imports the optimizer's package once the model has loaded (bitsandbytes' paged_adamw_8bit: an
+    ImportError traceback there): its class is asked for now. One that needs the model to build (GaLore's target
+    modules) stays the Trainer's to check."""
+    if o.training.optim == SR_ADAMW:  # ours (sft/speed/sr_adamw.py)
+        return
+    from transformers import Trainer
+
+    try:
+        Trainer.get_optimizer_cls_and_kwargs(o.training)
+    except ImportError as e:
+        raise ConfigError(f"--optim {getattr(o.training.optim, 'value', o.training.optim)}: "
+                          f"{str(e).strip().splitlines()[0]}") from None
+    except (ValueError, TypeError, KeyError):
+        return
+
+
 # What a --report_to integration needs where it is not its own name's package (pip install NAME)
 REPORTING_NEEDS = {"azure_ml": "pip install azureml-core", "flyte": "pip install flytekit",
                    "kubeflow": "a Kubeflow trainer job (KUBEFLOW_TRAINER_SERVER_URL set)"}
@@ -874,7 +891,7 @@ MACHINE_CHECKS: list[Check] = [
     full_fine_tune_keeps_small_updates, quantized_base_not_under_zero3, qlora_needs,
     qlora_under_fsdp_awaits_its_gpu_run, dora_reads_its_base, sharding_needs_gpus, attention_kernel_available,
     processes_fit_gpus, tensor_parallel_combinations, compiled_layers_combinations, liger_kernel_available,
-    reporting_installed, fp8_base_needs, chunked_loss_combinations,
+    reporting_installed, optimizer_installed, fp8_base_needs, chunked_loss_combinations,
     loss_in_chunks_under_zero3, sequence_parallel_combinations, expert_parallel_combinations, deepspeed_json_agrees,
     loraplus_needs_the_trainers_optimizer, launcher_agrees, processes_name_one_run_directory,
 ]
