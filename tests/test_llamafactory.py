@@ -1,4 +1,4 @@
-"""LLaMA-Factory's (and Axolotl's) data and recipes at the format boundary: its format names, dataset_info.json
+"""LLaMA-Factory's (and Axolotl's, TRL's) data and recipes at the format boundary: its format names, dataset_info.json
 (dataset_dir, columns, tags), preference files given to SFT, its YAML keys, cutoff_len's meaning, tool data on a
 family without a tool-call format."""
 
@@ -159,3 +159,21 @@ def test_dataset_names_without_dataset_dir_read_data_like_llamafactory(tmp_path,
     assert "(LLaMA-Factory's default --dataset_dir data)" in capsys.readouterr().err
     with pytest.raises(DataError, match=r"--dataset a,b: LLaMA-Factory's dataset names\? Give --dataset_dir"):
         read_datasets(data_args("--dataset", "a,b"))
+
+
+def test_trl_script_options_map_or_are_refused(tmp_path, capsys):
+    """TRL's sft script options: use_peft and load_in_4bit (its QLoRA), the loss on completions or the assistant's
+    replies (our default), its packing strategies, padding-free rows; raw text is not what this toolkit trains."""
+    _, data, lora, _ = parse_args(["--model", "m", "--dataset", DEMO, "--use_peft", "--load_in_4bit",
+                                   "--completion_only_loss", "true", "--packing_strategy", "bfd"], data_only=True)
+    assert lora.lora and lora.qlora and data.packing and not data.train_on_prompt
+    notes = capsys.readouterr().err
+    assert "--use_peft is TRL's name for --lora" in notes and "--completion_only_loss true (TRL)" in notes
+    _, data, _, _ = parse_args(["--model", "m", "--dataset", DEMO, "--assistant_only_loss", "false", "--padding_free",
+                                "true"], data_only=True)
+    assert data.train_on_prompt and data.packing
+    for argv, says in ((["--packing_strategy", "wrapped"], "never cuts one across rows"),
+                       (["--dataset_text_field", "text"], "this toolkit trains conversations"),
+                       (["--completion_only_loss", "maybe"], "completion_only_loss 'maybe': give true or false")):
+        with pytest.raises(ConfigError, match=says):
+            data_args("--dataset", DEMO, *argv)

@@ -76,6 +76,32 @@ def _attention(value: str) -> list[str]:
     return names[value.lower()]
 
 
+def _replies_only(name: str) -> Callable[[str], list[str]]:
+    """TRL's `completion_only_loss` / `assistant_only_loss`: true (or bare) is our default, the loss on the replies
+    alone; false trains every token -> --train_on_prompt true."""
+    def value_of(value: str) -> list[str]:
+        if value.lower() in ("", "true", "1", "yes"):
+            return []
+        if value.lower() in ("false", "0", "no"):
+            return ["true"]
+        raise ConfigError(f"{name} {value!r}: give true or false.")
+    return value_of
+
+
+def _packing_strategy(value: str) -> list[str]:
+    """TRL's `packing_strategy`: bfd is how --packing packs; wrapped cuts conversations across rows, which ours never
+    does."""
+    if value.lower() == "bfd":
+        return ["true"]
+    raise ConfigError(f"packing_strategy {value!r}: --packing packs whole conversations best-fit decreasing (TRL's "
+                      f"bfd) and never cuts one across rows; use bfd or --packing.")
+
+
+def _text_field(value: str) -> list[str]:
+    raise ConfigError(f"dataset_text_field {value!r} (TRL) trains raw text as a language model; this toolkit trains "
+                      f"conversations: alpaca, messages (ShareGPT/OpenAI) or oasst records (docs/data.md).")
+
+
 # LLaMA-Factory's template names for the DeepSeek families -> ours.
 TEMPLATE_NAMES = {"deepseekcoder": "deepseek_coder", "deepseek3": "deepseek_v3", "deepseekr1": "r1_distill",
                   "deepseek_r1": "r1", "deepseek_v2": "deepseek", "llama3": "model", "qwen": "model"}
@@ -103,6 +129,15 @@ ALIASES: dict[str, Alias] = {
                                       note="ours splits rows through DeepSpeed's Ulysses, not ring attention"),
     "sequence_parallel_size": Alias("sequence_parallel", "ms-swift", note="ours runs DeepSpeed's Ulysses"),
     "max_seq_length": Alias("max_length", "TRL < 0.20"),
+    "use_peft": Alias("lora", "TRL"),
+    "load_in_4bit": Alias("qlora", "TRL", note="the base in 4-bit NF4 under a LoRA adapter, as TRL's with --use_peft"),
+    "completion_only_loss": Alias("train_on_prompt", "TRL", _replies_only("completion_only_loss"), note=(
+        "the loss is on the replies alone by default; false trains every token")),
+    "assistant_only_loss": Alias("train_on_prompt", "TRL", _replies_only("assistant_only_loss"), note=(
+        "the loss is on the assistant's replies alone by default; false trains every token")),
+    "packing_strategy": Alias("packing", "TRL", _packing_strategy, note="best-fit decreasing, as bfd"),
+    "padding_free": Alias("packing", "TRL", note="packed rows without padding, each conversation attending to itself"),
+    "dataset_text_field": Alias("dataset", "TRL", _text_field),
     "lora_rank": Alias("lora_r", "LLaMA-Factory"),
     "lora_target": Alias("lora_target_modules", "LLaMA-Factory", split_names),
     "finetuning_type": Alias("lora", "LLaMA-Factory", _method),
