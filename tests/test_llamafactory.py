@@ -177,3 +177,17 @@ def test_trl_script_options_map_or_are_refused(tmp_path, capsys):
                        (["--completion_only_loss", "maybe"], "completion_only_loss 'maybe': give true or false")):
         with pytest.raises(ConfigError, match=says):
             data_args("--dataset", DEMO, *argv)
+
+
+def test_axolotl_switches_map_or_are_refused(capsys):
+    """Axolotl's adapter: qlora, lora_target_linear, flash_attention / sdp_attention switches; no 8-bit base."""
+    _, _, lora, _ = parse_args(["--model", "m", "--dataset", DEMO, "--adapter", "qlora", "--lora_target_linear",
+                                "true"], data_only=True)
+    assert lora.lora and lora.qlora and lora.lora_target_modules == ["all-linear"]
+    assert "using --lora true --qlora true" in capsys.readouterr().err
+    model, _, _, _ = parse_args(["--model", "m", "--dataset", DEMO, "--flash_attention", "true"], data_only=True)
+    assert model.attn_implementation == "varlen"
+    model, _, _, _ = parse_args(["--model", "m", "--dataset", DEMO, "--sdp_attention", "true"], data_only=True)
+    assert model.attn_implementation == "sdpa"
+    with pytest.raises(ConfigError, match="load_in_8bit: this toolkit quantizes the base to 4 bits only"):
+        data_args("--dataset", DEMO, "--load_in_8bit", "true")

@@ -39,13 +39,28 @@ def split_names(value: str) -> list[str]:
 
 
 def _method(value: str) -> list[str]:
-    """`finetuning_type: lora` / `adapter: lora` -> --lora true; full -> no option."""
-    if value.lower() == "lora":
+    """`finetuning_type: lora` / `adapter: lora` -> --lora true (`adapter: qlora`: apply_aliases adds --qlora);
+    full -> no option."""
+    if value.lower() in ("lora", "qlora"):
         return ["true"]
     if value.lower() in ("full", "none", ""):
         return []
-    raise ConfigError(f"fine-tuning method {value!r}: this toolkit trains `full` weights or a `lora` adapter "
-                      f"(--lora).")
+    raise ConfigError(f"fine-tuning method {value!r}: this toolkit trains `full` weights, a `lora` adapter "
+                      f"(--lora) or one on a 4-bit base (--qlora).")
+
+
+def _flag_to(ours: str) -> Callable[[str], list[str]]:
+    """Axolotl's `X: true` switches -> our option's value `ours`; false -> nothing."""
+    def value_of(value: str) -> list[str]:
+        return [ours] if value.lower() in ("", "true", "1", "yes") else []
+    return value_of
+
+
+def _eight_bit(value: str) -> list[str]:
+    if value.lower() in ("false", "0", "no"):
+        return []
+    raise ConfigError("load_in_8bit: this toolkit quantizes the base to 4 bits only (--qlora), or trains LoRA on the "
+                      "bf16 base (--lora).")
 
 
 def _stage(value: str) -> list[str]:
@@ -130,7 +145,14 @@ ALIASES: dict[str, Alias] = {
     "sequence_parallel_size": Alias("sequence_parallel", "ms-swift", note="ours runs DeepSpeed's Ulysses"),
     "max_seq_length": Alias("max_length", "TRL < 0.20"),
     "use_peft": Alias("lora", "TRL"),
-    "load_in_4bit": Alias("qlora", "TRL", note="the base in 4-bit NF4 under a LoRA adapter, as TRL's with --use_peft"),
+    "load_in_4bit": Alias("qlora", "TRL/Axolotl", note="the base in 4-bit NF4 under a LoRA adapter"),
+    "load_in_8bit": Alias("qlora", "Axolotl", _eight_bit),
+    "lora_target_linear": Alias("lora_target_modules", "Axolotl", _flag_to("all-linear")),
+    "flash_attention": Alias("attn_implementation", "Axolotl", _flag_to("varlen"), note=(
+        "torch's own FlashAttention-2, each packed conversation alone: no flash-attn package")),
+    "sdp_attention": Alias("attn_implementation", "Axolotl", _flag_to("sdpa")),
+    "save_safetensors": Alias("save_safetensors", "transformers 4", lambda v: [],
+                              note="saves are always safetensors"),
     "completion_only_loss": Alias("train_on_prompt", "TRL", _replies_only("completion_only_loss"), note=(
         "the loss is on the replies alone by default; false trains every token")),
     "assistant_only_loss": Alias("train_on_prompt", "TRL", _replies_only("assistant_only_loss"), note=(
@@ -196,8 +218,10 @@ def apply_aliases(argv: list[str]) -> list[str]:
         out += [f"--{alias.ours}", *values]
         if name == "cutoff_len" and not any(a.split("=")[0] == "--overlong" for a in argv):
             out += ["--overlong", "cut"]
+        qlora = name == "adapter" and given[0].lower() == "qlora"  # Axolotl's QLoRA: the adapter on a 4-bit base
+        out += ["--qlora", "true"] * qlora
         note(f"--{name} is {alias.where}'s name for --{alias.ours}: using --{alias.ours} {' '.join(values)}".rstrip()
-              + (f" ({alias.note})" if alias.note else ""))
+              + " --qlora true" * qlora + (f" ({alias.note})" if alias.note else ""))
     return out
 
 
