@@ -191,3 +191,24 @@ def test_axolotl_switches_map_or_are_refused(capsys):
     assert model.attn_implementation == "sdpa"
     with pytest.raises(ConfigError, match="load_in_8bit: this toolkit quantizes the base to 4 bits only"):
         data_args("--dataset", DEMO, "--load_in_8bit", "true")
+
+
+def test_an_axolotl_config_reads_its_datasets_list(tmp_path, capsys):
+    """Axolotl's `datasets:` entries: each path read, its format detected from its records; a type or a key that
+    would read the records otherwise is one error line."""
+    chats = write(tmp_path / "chats.json", [{"conversations": [{"from": "human", "value": "Q"},
+                                                               {"from": "gpt", "value": "A"}]}] * 3)
+    recipe = tmp_path / "axolotl.yaml"
+    recipe.write_text(f"base_model: m\ndatasets:\n  - path: {DEMO}\n    type: alpaca\n  - path: {chats}\n"
+                      f"    type: chat_template\n    field_messages: conversations\n    message_property_mappings:\n"
+                      f"      role: from\n      content: value\nsequence_len: 512\nadapter: lora\n")
+    _, data, lora, _ = parse_args(["--config", str(recipe)], data_only=True)
+    assert data.dataset == [DEMO, chats] and data.max_length == 512 and lora.lora
+    read = read_datasets(data)
+    assert len(read.train) == len(read_datasets(data_args("--dataset", DEMO)).train) + 3
+    assert "--datasets is Axolotl's name for --dataset" in capsys.readouterr().err
+    for entry, says in (("    type: completion\n", "datasets type 'completion'"),
+                        ("    type: chat_template\n    field_messages: dialog\n", "datasets field_messages: 'dialog'")):
+        recipe.write_text(f"base_model: m\ndatasets:\n  - path: {chats}\n{entry}")
+        with pytest.raises(ConfigError, match=says):
+            parse_args(["--config", str(recipe)], data_only=True)

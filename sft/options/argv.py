@@ -117,6 +117,39 @@ def _text_field(value: str) -> list[str]:
                       f"conversations: alpaca, messages (ShareGPT/OpenAI) or oasst records (docs/data.md).")
 
 
+# Axolotl's `datasets:` entry keys that read as ours do when they hold these values (None: any value)
+AXOLOTL_DATASET_KEYS = {"path": None, "type": None, "ds_type": None, "split": ("train",),
+                        "field_messages": ("messages", "conversations"), "roles_to_train": (["assistant"],),
+                        "message_property_mappings": ({"role": "role", "content": "content"},
+                                                      {"role": "from", "content": "value"})}
+
+
+def _axolotl_dataset(value: str) -> list[str]:
+    """An Axolotl `datasets:` entry ({path, type, ...}: a recipe's mapping arrives as JSON) -> --dataset PATH, its
+    format detected from its records as ours always is. A type this toolkit does not read, or a key that would read
+    the records otherwise, is one error line."""
+    import json
+
+    from sft.data.formats import FORMAT_NAMES, FORMATS
+
+    try:
+        entry = json.loads(value)
+    except ValueError:
+        return [value]  # a path, as --dataset takes it
+    if not isinstance(entry, dict) or "path" not in entry:
+        raise ConfigError(f"datasets entry {value}: give its path (and type), as Axolotl's `- path: data.jsonl`.")
+    kind = str(entry.get("type", "alpaca")).split(":")[0]
+    if kind not in FORMATS and kind not in FORMAT_NAMES:
+        raise ConfigError(f"datasets type {kind!r} ({entry['path']}): this toolkit reads alpaca, messages (Axolotl's "
+                          f"chat_template and sharegpt) and oasst records.")
+    for key, held in entry.items():
+        allowed = AXOLOTL_DATASET_KEYS.get(key, ())
+        if allowed is not None and held not in allowed:
+            raise ConfigError(f"datasets {key}: {held!r} ({entry['path']}) is not read here: give the file in one of "
+                              f"the formats docs/data.md names, or --dataset_columns for other column names.")
+    return [str(entry["path"])]
+
+
 # LLaMA-Factory's template names for the DeepSeek families -> ours.
 TEMPLATE_NAMES = {"deepseekcoder": "deepseek_coder", "deepseek3": "deepseek_v3", "deepseekr1": "r1_distill",
                   "deepseek_r1": "r1", "deepseek_v2": "deepseek", "llama3": "model", "qwen": "model"}
@@ -178,6 +211,7 @@ ALIASES: dict[str, Alias] = {
     "lr_scheduler": Alias("lr_scheduler_type", "Axolotl"),
     "warmup_ratio": Alias("warmup_steps", "transformers 4"),  # transformers 5: a warmup_steps < 1 is a ratio
     "chat_template": Alias("template", "Axolotl", lambda v: [TEMPLATE_NAMES.get(v, v)]),
+    "datasets": Alias("dataset", "Axolotl", _axolotl_dataset, note="each file's format read from its records"),
 }
 
 # The TrainingArguments shown by the one-screen help (`--help all` lists every one).
