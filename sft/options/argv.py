@@ -209,6 +209,9 @@ ALIASES: dict[str, Alias] = {
     "val_size": Alias("eval_split", "LLaMA-Factory"),
     "early_stopping_steps": Alias("early_stopping_patience", "LLaMA-Factory"),
     "lr_scheduler": Alias("lr_scheduler_type", "Axolotl"),
+    "optimizer": Alias("optim", "Axolotl"),
+    "dataset_prepared_path": Alias("dataset_cache_dir", "Axolotl"),
+    "strict": Alias("strict", "Axolotl", _nothing, note="every option is checked against the model and data"),
     "warmup_ratio": Alias("warmup_steps", "transformers 4"),  # transformers 5: a warmup_steps < 1 is a ratio
     "chat_template": Alias("template", "Axolotl", lambda v: [TEMPLATE_NAMES.get(v, v)]),
     "datasets": Alias("dataset", "Axolotl", _axolotl_dataset, note="each file's format read from its records"),
