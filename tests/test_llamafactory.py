@@ -191,6 +191,8 @@ def test_axolotl_switches_map_or_are_refused(capsys):
     assert model.attn_implementation == "sdpa"
     with pytest.raises(ConfigError, match="load_in_8bit: this toolkit quantizes the base to 4 bits only"):
         data_args("--dataset", DEMO, "--load_in_8bit", "true")
+    with pytest.raises(ConfigError, match=r"--bf16 auto \(Axolotl's\): give --bf16 true where"):
+        data_args("--dataset", DEMO, "--bf16", "auto")
     _, data, _, training = parse_args(["--model", "m", "--dataset", DEMO, "--optimizer", "adamw_torch",
                                        "--dataset_prepared_path", "prepared", "--strict", "false"], data_only=True)
     assert training.optim == "adamw_torch" and data.dataset_cache_dir == "prepared"

@@ -237,6 +237,9 @@ def apply_aliases(argv: list[str]) -> list[str]:
             given.append(argv[end])
             end += 1
         alias = ALIASES.get(name.replace("-", "_"))
+        if name in ("bf16", "fp16") and [g.lower() for g in given] == ["auto"]:  # Axolotl's: ours is true/false
+            raise ConfigError(f"--{name} auto (Axolotl's): give --{name} true where every GPU computes in it "
+                              f"(bf16: RTX 30xx/40xx, A100, H100 and newer), or false.")
         if alias is None:
             if name == "template" and len(given) == 1 and given[0] in TEMPLATE_NAMES:
                 word, ours = "--template", TEMPLATE_NAMES[given[0]]
