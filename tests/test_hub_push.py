@@ -123,3 +123,24 @@ def test_ctrl_c_during_the_final_upload_says_the_result_is_kept(tmp_path):
     assert f"hf upload someone/tiny-sft {tmp_path.resolve()}" in said and "resume" not in said
     run.uploading_to = None
     assert "hf upload" not in stopped_message(run, "Ctrl-C")
+
+
+def test_merge_uploads_the_checked_merged_model_with_a_card(tmp_path, hub, monkeypatch, capsys):
+    """`deepseek-sft merge ADAPTER OUT --push_to_hub NAME`: the repository checked before anything loads (nothing
+    written where it cannot be), the merged model uploaded once written, with a model card naming how it was made."""
+    from conftest import lora_demo_run
+    from sft.tools import merge
+
+    lora_demo_run(tmp_path, "lora")
+    monkeypatch.setattr(hub_push, "get_token", lambda: None)
+    assert merge.main([str(tmp_path / "lora"), str(tmp_path / "no-token"), "--push_to_hub", "someone/merged"]) == 2
+    assert "needs a Hugging Face token" in capsys.readouterr().err and not (tmp_path / "no-token").exists()
+
+    monkeypatch.setattr(hub_push, "get_token", lambda: "hf_made_up")
+    assert merge.main([str(tmp_path / "lora"), str(tmp_path / "merged"), "--push_to_hub", "someone/merged"]) == 0
+    assert "Uploaded to https://huggingface.co/someone/merged" in capsys.readouterr().out
+    uploads = [call for call in hub if call[0] == "upload_folder"]
+    assert len(uploads) == 1 and uploads[0][1] == "someone/merged"
+    assert {"README.md", "config.json", "model.safetensors", "tokenizer_config.json"} <= set(uploads[0][2])
+    card = (tmp_path / "merged" / "README.md").read_text()
+    assert "lora-merged" in card and "checked against the adapter's" in card

@@ -135,12 +135,11 @@ def early_stopping_evaluates(o: Options, m: Machine) -> None:
                           f"data (--eval_split 0.05 or --eval_dataset FILE).")
 
 
-HUB_REPO = re.compile(r"([A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*")  # name, or user-or-organization/name
-
-
 def hub_upload_named(o: Options, m: Machine) -> None:
     """--push_to_hub uploads to --hub_model_id (sft/safety/hub_push.py); one without the other would upload to a
     repository named after the run's timestamped directory, or upload nothing."""
+    from sft.safety.hub_push import HUB_REPO
+
     t = o.training
     if t.push_to_hub and not t.hub_model_id:
         raise ConfigError("--push_to_hub needs --hub_model_id <user or organization>/<name>: the repository to "

@@ -1,8 +1,9 @@
 """Merge a trained LoRA adapter into its base model and save a plain Hugging Face model.
 
-    python -m sft.tools.merge output/my-lora output/my-merged [--dtype bfloat16]
+    python -m sft.tools.merge output/my-lora output/my-merged [--dtype bfloat16] [--push_to_hub you/my-merged]
 
-The merged model is checked against the adapter on a fixed batch before anything is written.
+The merged model is checked against the adapter on a fixed batch before anything is written; `--push_to_hub`
+uploads it, with a model card, once written (the token and repository checked before anything loads).
 """
 
 from __future__ import annotations
@@ -21,13 +22,19 @@ def main(argv: list[str] | None = None, prog: str = "python -m sft.tools.merge")
     parser.add_argument("output", help="directory for the merged model")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                         help="dtype of the saved merged weights (merging itself runs in float32)")
+    parser.add_argument("--push_to_hub", metavar="NAME", help="upload the merged model to this Hugging Face Hub "
+                                                               "repository (<user or organization>/<name>)")
+    parser.add_argument("--private", action="store_true", help="with --push_to_hub: a new repository is private")
     args = parser.parse_args(argv)
     adapter, output = Path(args.adapter), Path(args.output)
     from sft.tools.trained_dirs import check_trained_dir
     from sft.errors import UserFacingError
+    from sft.safety import hub_push
 
     try:
         check_trained_dir(adapter, adapter_only=True)
+        if args.push_to_hub:  # before anything loads: the token, the network, the repository
+            hub_push.ensure_repo(args.push_to_hub, hub_push.get_token(), args.private or None)
     except UserFacingError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
@@ -87,7 +94,27 @@ def main(argv: list[str] | None = None, prog: str = "python -m sft.tools.merge")
               f"Run the same command again.", file=sys.stderr)
         return 130
     print(f"Merged model ({args.dtype}, logits match the adapter: relative error {error:.1e}): {output}")
+    if args.push_to_hub:
+        base = tuned.peft_config["default"].base_model_name_or_path
+        model_card(args.push_to_hub, base).save(output / "README.md")
+        try:
+            print(f"Uploaded to {hub_push.upload(args.push_to_hub, output, hub_push.get_token())}")
+        except UserFacingError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return e.exit_code
     return 0
+
+
+def model_card(name: str, base: str):
+    """The merged model's card: its base (where that is a hub id) and how it was made."""
+    from huggingface_hub import ModelCard
+
+    from sft.safety.hub_push import is_hub_id
+
+    meta = f"base_model: {base}\n" if is_hub_id(base) else ""
+    return ModelCard(f"---\n{meta}library_name: transformers\ntags:\n- deepseek-sft\n- lora-merged\n---\n\n"
+                     f"# {name.split('/')[-1]}\n\n{base} with a LoRA adapter trained by deepseek-sft merged in; the "
+                     f"merged model's logits were checked against the adapter's on a fixed batch.\n")
 
 
 if __name__ == "__main__":
