@@ -48,17 +48,21 @@ def host_checked(row: dict, w: Workload) -> dict:
     estimate decides something, the offload plans and the resident plans (whose processes each load the base), but
     not the rows measured before a fix changed what they hold there: the resident rows that loaded the whole base
     (resident.LOADED_WHOLE) or were built on the GPU without a checkpoint (resident.NOT_FROM_A_CHECKPOINT), the long
-    rows whose offload copied the model's own tensors (long_rows.OFFLOADED_MODEL_TENSORS); nor a row whose attention is not the one the planner plans (long-r1-32k-sdpa
-    held 11.3 GiB where its flex_attention twins held 18.4-20.5: no compile, no compile workers). Other rows are not
-    checked: the same configuration measured 4.6 to 22.9 GiB (torch.compile/Triton worker processes and the bench's
-    loading path; bench/RESULTS.md)."""
+    rows whose offload copied the model's own tensors (long_rows.OFFLOADED_MODEL_TENSORS); nor a row whose attention
+    is not the one the planner plans; nor a long row that compiled nothing (no flex_attention, compiled layers or
+    FP8: no compile workers, which the estimate counts; long-r1-32k-sdpa held 11.3 GiB where its compiled twins held
+    18.0-20.5). Other rows are not checked: the same configuration measured 4.6 to 22.9 GiB (torch.compile/Triton
+    worker processes and the bench's loading path; bench/RESULTS.md)."""
     key = (row.get("run_id"), row.get("name"))
     old = (resident.LOADED_WHOLE.get(key) or resident.NOT_FROM_A_CHECKPOINT.get(key) if w.resident
            else long_rows.OFFLOADED_MODEL_TENSORS.get(key))
     ran, planned = attention_of_row(row)
     other = None if ran == planned else f"ran {ran}, where the planner plans {planned}"
-    checked = (bool(STRATEGIES[w.strategy].offload) or w.offload_activations or w.resident) and not old and not other
-    return {"host_checked": checked, "host_note": old or other or ""}
+    idle = None if not long_rows.is_long_document_row(row) or ran == "flex_attention" or w.fp8 or w.compiled \
+        else "nothing compiled: no compile workers"
+    checked = (bool(STRATEGIES[w.strategy].offload) or w.offload_activations or w.resident) and not (old or other or
+                                                                                                   idle)
+    return {"host_checked": checked, "host_note": old or other or idle or ""}
 
 
 def check_table(results: list[dict]) -> str:

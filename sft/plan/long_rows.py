@@ -66,8 +66,13 @@ def kept_attention_bytes(shape: "Shape", tokens: int) -> float:
     backward (sft/speed/kept_attention.py): sdpa's output (bf16, every head's value width) and its log-sum-exp
     (fp32, one per head), per token. Not a lever the planner takes: its speed is not measured yet (bench row
     long-r1-32k-sdpa-keep); a run that asks for it is predicted with it (sft/plan/this_run.py)."""
+    return sum(kept_attention_tensors(shape, tokens))
+
+
+def kept_attention_tensors(shape: "Shape", tokens: int) -> tuple[float, float]:
+    """The bytes of the two tensors kept_attention_bytes counts: sdpa's output, its log-sum-exp."""
     v = shape.v_head if shape.kv_lora_rank else shape.hd
-    return tokens * shape.heads * (2 * v + 4)
+    return tokens * shape.heads * 2 * v, tokens * shape.heads * 4.0
 
 
 def tile_tokens(w: "Workload") -> int:

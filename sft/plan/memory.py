@@ -21,6 +21,7 @@ share (sft/plan/refit.py), which predict with it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 from sft.machine import GIB
@@ -53,9 +54,8 @@ CALIBRATION = {
     # host RAM per byte offloaded: CPU Adam's fp32 state (masters, moments, gradients) and the offloaded 16-bit
     # weights, fitted together on the 4 dense full-fine-tune offload rows (16P/world and 2P/world bytes per card:
     # 215.7-215.9 GiB) and moe-lora-offload-1 (weights only: 48.2 GiB), with 8 GiB + 4 GiB per process on top.
-    # activations (--offload_activations, pinned): long-r1-32k and long-llm-32k (20.5 and 20.0 GiB; 6.6 and 8.0 GiB
-    # offloaded), their host RAM over those 12 GiB, summed, over the bytes offloaded, summed.
-    "host_per_offloaded": {"optimizer": 1.79, "weights": 1.24, "activations": 1.13},
+    # (--offload_activations' pinned copies are counted in whole blocks instead: pinned_block)
+    "host_per_offloaded": {"optimizer": 1.79, "weights": 1.24},
     "cache_logits_share": 0.5,
     # the activations autograd keeps per layer (and the backward working set), against the count in
     # Shape.layer_activation_bytes (which counts Liger's in-layer kernels where they run: Workload.liger_layers): the
@@ -149,6 +149,14 @@ def fast_path_unit(shape: Shape, w: Workload, kind: str) -> float:
     return resident.dequantized_layer_bytes(shape) if kind == "resident" else whole_layer_activations(shape, w)
 
 
+def pinned_block(nbytes: float) -> float:
+    """The pinned host RAM one offloaded tensor of `nbytes` takes: torch's caching host allocator hands out blocks
+    rounded up to a power of two (R1-Distill-Qwen-7B's 224 MiB checkpoint of 32,768 tokens takes 256 MiB,
+    deepseek-llm-7b's 256 MiB just that). It reads the long rows' host RAM: long-r1-32k and long-llm-32k (run
+    20261203T1918Z-long) held 20.5 and 20.0 GiB with 6.6 and 8.0 GiB offloaded, 7.5 and 8.0 GiB in blocks."""
+    return 2.0 ** math.ceil(math.log2(nbytes)) if nbytes > 0 else 0.0
+
+
 def predict(shape: Shape, w: Workload, with_fast_paths: bool = True) -> Prediction:
     """The plan's memory; without its fast paths' own term (fast_path_bytes) where `with_fast_paths` is false: what
     the rest of the model says, as fast_path_memory fits that term against."""
@@ -183,14 +191,17 @@ def predict(shape: Shape, w: Workload, with_fast_paths: bool = True) -> Predicti
     # --activation_checkpointing_keep_attention: each checkpointed layer's attention output too
     attention_layer = long_rows.kept_attention_bytes(shape, tokens) if w.keep_attention and w.checkpointing else 0.0
     attention_kept = (layers - min(w.skip_layers, layers)) * attention_layer
-    offloaded = 0.0
+    offloaded = pinned_host = 0.0  # the bytes offloaded, and the pinned host RAM they take (whole blocks)
     if w.offload_activations:  # all of it waits in host RAM; the backward brings back one layer's at a time, and
         scale = CALIBRATION["compiled_checkpoint_scale"] if w.compiled else 1.0  # the next checkpoint ahead of its
         offloaded = checkpoints * scale + whole_layers  # asking
+        pinned_host = checkpoints / (2 * h * tokens) * pinned_block(2 * h * tokens) * scale + whole_layers
         checkpoints = long_rows.CHECKPOINTS_ON_GPU * 2 * h * tokens if checkpoints else 0.0
         whole_layers = per_layer if whole_layers else 0.0
         if w.compiled:  # the compiled layer saves them with its checkpoint: offloaded, and brought back, with it
             offloaded += attention_kept
+            pinned_host += attention_kept and attention_kept / attention_layer * sum(
+                pinned_block(n) for n in long_rows.kept_attention_tensors(shape, tokens))
             attention_kept = long_rows.CHECKPOINTS_ON_GPU * attention_layer
     # MoE LoRA as it ran before ca1f7e7: the W + BA weights of the layers whose forward is kept (the recomputed one's
     # under checkpointing); low-rank since, none
@@ -215,6 +226,7 @@ def predict(shape: Shape, w: Workload, with_fast_paths: bool = True) -> Predicti
     if w.offload_activations:  # what the norm and the fused loss save waits in host RAM too: the GPU holds the
         extras = 4 * h         # gradient into the last layer and the saved tensor brought back for it (2h each)
         offloaded += tokens * 4 * h
+        pinned_host += 2 * pinned_block(tokens * 2 * h)
     fast = fast_path_bytes(shape, w) if with_fast_paths else 0.0
     activations = checkpoints + attention_kept + whole_layers + working + tokens * extras + kept_deltas + fast
     # transient buffers of the sharded strategies
@@ -259,7 +271,7 @@ def predict(shape: Shape, w: Workload, with_fast_paths: bool = True) -> Predicti
     pinned = CALIBRATION["host_per_offloaded"]  # processes + offloaded state with DeepSpeed's pinned buffers
     host = (8 + 4 * w.world) * GIB + w.world * (pinned["optimizer"] * (state.host - state.host_weights)
                                                  + pinned["weights"] * state.host_weights
-                                                 + pinned["activations"] * offloaded)
+                                                 + pinned_host)
     if strategy.sharded_kind == "fsdp" and w.setup.method == "qlora":
         host = max(host, (8 + 4 * w.world) * GIB + w.world * nf4_load_host_bytes(shape))
     if w.resident:  # each process quantizes its own copy of the experts as it reads the checkpoint, before its

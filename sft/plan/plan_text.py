@@ -39,7 +39,8 @@ def command(plan: Plan, model: str, box: Box) -> str:
     else:
         opts += [f"--{k} {v}" for k, v in PRECISION_OPTIONS[w.setup.precision].items()]
     opts += [f"--{k}" if v is True else f"--{k} {v}"
-             for k, v in kernels(plan.w.strategy, plan.shape, w.sequence_parallel).items() if v is not False]
+             for k, v in kernels(plan.w.strategy, plan.shape, w.sequence_parallel, is_long(w.seq_len)).items()
+             if v is not False]
     if s.name == "tp":
         opts += [f"--tp_size {w.world}"]
     if w.resident:  # its option, the checkpointing the run requires for it, the chunked loss where auto does not
@@ -52,7 +53,8 @@ def command(plan: Plan, model: str, box: Box) -> str:
     return f"{launch} " + " ".join(opts)
 
 
-def kernels_text(shape: "Shape", strategies: list[str], sequence_parallel_sizes: list[int] | None = None) -> str:
+def kernels_text(shape: "Shape", strategies: list[str], sequence_parallel_sizes: list[int] | None = None,
+                 long_rows: bool = False) -> str:
     """What the plans of these strategies run, as their commands pass it (kernels): one description where they
     agree, else the first strategy's and each other's; an SP plan (its size beside its strategy, > 1) as
     plan_table names it (zero3+sp2)."""
@@ -60,7 +62,7 @@ def kernels_text(shape: "Shape", strategies: list[str], sequence_parallel_sizes:
         return k["attn_implementation"] + (" + Liger" if k["use_liger_kernel"] else ", no Liger")
 
     sizes = sequence_parallel_sizes or [1] * len(strategies)
-    seen = {strategy_label(s, n): text(kernels(s, shape, n)) for s, n in zip(strategies, sizes)}
+    seen = {strategy_label(s, n): text(kernels(s, shape, n, long_rows)) for s, n in zip(strategies, sizes)}
     first = next(iter(seen.values()), "")
     others = sorted({f"{s}: {t}" for s, t in seen.items() if t != first})
     return first + (f" ({'; '.join(others)})" if others else "")

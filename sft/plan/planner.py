@@ -67,7 +67,8 @@ def options_of(plan: Plan) -> dict:
     """The training options a plan sets (for `--plan auto`), by option name."""
     w = plan.w
     opts = {"per_device_train_batch_size": w.micro_batch, "activation_checkpointing": w.checkpointing,
-            **kernels(plan.w.strategy, plan.shape, w.sequence_parallel), "use_liger_kernel": w.fused_loss}
+            **kernels(plan.w.strategy, plan.shape, w.sequence_parallel, is_long(w.seq_len)),
+            "use_liger_kernel": w.fused_loss}
     if w.sequence_parallel > 1:  # its loss is in chunks without asking; one conversation per row under sdpa
         opts.update(sequence_parallel=w.sequence_parallel, packing=False)
     if w.resident:
@@ -263,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{method}, {args.gpus} x {gpu} {mem:g} GB ({box.card_gib:.2f} GiB by nvidia-smi; a plan keeps "
           f"{MARGIN_GIB:g} GiB of it free), {host}, rows of {args.max_length} tokens"
           f"{f' x {accumulation} micro-batches per step' if accumulation > 1 else ''}, "
-          f"{kernels_text(shape, [p.w.strategy for p in shown], [p.w.sequence_parallel for p in shown])}; "
+          f"{kernels_text(shape, [p.w.strategy for p in shown], [p.w.sequence_parallel for p in shown], is_long(args.max_length))}; "
           f"{fast_paths_text(shown)}")
     print(plan_table(shown))
     best = best_plan(plans)

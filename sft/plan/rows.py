@@ -19,6 +19,7 @@ from sft.parallel.strategies import PRECISION_OPTIONS, REPO, Setup
 from sft.plan import resident, sequence_parallel
 from sft.plan.fast_paths import Asked, FastPaths, described_machine, fast_paths, loss_in_chunks_by_default
 from sft.plan.kernels import kernels
+from sft.plan.long_rows import is_long, is_long_document_row
 from sft.plan.shapes import SHAPES, Shape, shape_name
 from sft.plan.workload import Workload
 
@@ -123,8 +124,12 @@ def attention_of_row(row: dict) -> tuple[str, str]:
     (`attention`, read off its model by bench/train_throughput.py) where it has one, else its option, else the
     planned one."""
     w = workload_of_row(row)
-    planned = kernels(w.strategy, row_shape(row), w.sequence_parallel)["attn_implementation"]
-    return row.get("attention") or option_value(row_options(row), "--attn_implementation", planned), planned
+    long_rows = is_long(w.seq_len) and is_long_document_row(row)
+    planned = kernels(w.strategy, row_shape(row), w.sequence_parallel, long_rows)["attn_implementation"]
+    ran = row.get("attention") or option_value(row_options(row), "--attn_implementation", planned)
+    if long_rows and ran == "sdpa" and planned == "varlen":  # one conversation a row: varlen runs sdpa's causal kernel
+        ran = "varlen"
+    return ran, planned
 
 
 def ran_planned_attention(row: dict) -> bool:

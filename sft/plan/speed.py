@@ -192,8 +192,9 @@ def long_mfu_rows(path: Path, model: str | None) -> list[dict]:
     """The rows made of one long conversation each (bench/throughput.py's long-* rows), of the rows MFU is read
     from, with their MFU counted as a long plan's: the bench's 6N/4N plus their attention and the tiled MLP's
     recomputation (long_rows.long_row_flops_per_token), so that 4k and 32k rows of one run read alike. Only rows of
-    the attention the planner plans for them: at 32k attention is a large share of the step, and sdpa's fused causal
-    kernel (long-r1-32k-sdpa, run 20261205T1315Z-long-h100) ran 1.12x the flex_attention row of run 1120Z."""
+    the attention the planner plans for them (varlen at 16k and 32k, whose one-conversation rows run sdpa's fused
+    causal kernel; flex_attention at 4k): at 32k attention is a large share of the step, and that kernel
+    (long-r1-32k-sdpa, run 20261205T1315Z-long-h100) ran 1.12x the flex_attention row of run 1120Z."""
     return [r for r in _counted_as_long(_mfu_candidates(path, model)) if ran_planned_attention(r)]
 
 
