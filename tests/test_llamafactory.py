@@ -189,6 +189,8 @@ def test_axolotl_switches_map_or_are_refused(capsys):
     assert model.attn_implementation == "varlen"
     model, _, _, _ = parse_args(["--model", "m", "--dataset", DEMO, "--sdp_attention", "true"], data_only=True)
     assert model.attn_implementation == "sdpa"
+    with pytest.raises(ConfigError, match="flash_attention 'maybe': give true or false"):  # never a silent false
+        data_args("--dataset", DEMO, "--flash_attention", "maybe")
     with pytest.raises(ConfigError, match="load_in_8bit: this toolkit quantizes the base to 4 bits only"):
         data_args("--dataset", DEMO, "--load_in_8bit", "true")
     with pytest.raises(ConfigError, match=r"--bf16 auto \(Axolotl's\): give --bf16 true where"):

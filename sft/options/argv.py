@@ -49,15 +49,25 @@ def _method(value: str) -> list[str]:
                       f"(--lora) or one on a 4-bit base (--qlora).")
 
 
-def _flag_to(ours: str) -> Callable[[str], list[str]]:
+def _switch(name: str, value: str) -> bool:
+    """A yes/no value as YAML files and command lines write it (bare: yes); anything else is one error line, not a
+    silent no."""
+    if value.lower() in ("", "true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise ConfigError(f"{name} {value!r}: give true or false.")
+
+
+def _flag_to(name: str, ours: str) -> Callable[[str], list[str]]:
     """Axolotl's `X: true` switches -> our option's value `ours`; false -> nothing."""
     def value_of(value: str) -> list[str]:
-        return [ours] if value.lower() in ("", "true", "1", "yes") else []
+        return [ours] if _switch(name, value) else []
     return value_of
 
 
 def _eight_bit(value: str) -> list[str]:
-    if value.lower() in ("false", "0", "no"):
+    if not _switch("load_in_8bit", value):
         return []
     raise ConfigError("load_in_8bit: this toolkit quantizes the base to 4 bits only (--qlora), or trains LoRA on the "
                       "bf16 base (--lora).")
@@ -95,11 +105,7 @@ def _replies_only(name: str) -> Callable[[str], list[str]]:
     """TRL's `completion_only_loss` / `assistant_only_loss`: true (or bare) is our default, the loss on the replies
     alone; false trains every token -> --train_on_prompt true."""
     def value_of(value: str) -> list[str]:
-        if value.lower() in ("", "true", "1", "yes"):
-            return []
-        if value.lower() in ("false", "0", "no"):
-            return ["true"]
-        raise ConfigError(f"{name} {value!r}: give true or false.")
+        return [] if _switch(name, value) else ["true"]
     return value_of
 
 
@@ -180,10 +186,10 @@ ALIASES: dict[str, Alias] = {
     "use_peft": Alias("lora", "TRL"),
     "load_in_4bit": Alias("qlora", "TRL/Axolotl", note="the base in 4-bit NF4 under a LoRA adapter"),
     "load_in_8bit": Alias("qlora", "Axolotl", _eight_bit),
-    "lora_target_linear": Alias("lora_target_modules", "Axolotl", _flag_to("all-linear")),
-    "flash_attention": Alias("attn_implementation", "Axolotl", _flag_to("varlen"), note=(
+    "lora_target_linear": Alias("lora_target_modules", "Axolotl", _flag_to("lora_target_linear", "all-linear")),
+    "flash_attention": Alias("attn_implementation", "Axolotl", _flag_to("flash_attention", "varlen"), note=(
         "torch's own FlashAttention-2, each packed conversation alone: no flash-attn package")),
-    "sdp_attention": Alias("attn_implementation", "Axolotl", _flag_to("sdpa")),
+    "sdp_attention": Alias("attn_implementation", "Axolotl", _flag_to("sdp_attention", "sdpa")),
     "save_safetensors": Alias("save_safetensors", "transformers 4", lambda v: [],
                               note="saves are always safetensors"),
     "completion_only_loss": Alias("train_on_prompt", "TRL", _replies_only("completion_only_loss"), note=(
