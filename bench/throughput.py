@@ -337,11 +337,6 @@ MATRIX += [
           mem_cap_gib=0, warmup=3, steps=RATIO_STEPS, args=("--lora_dropout", "0", "--fp8", "auto", "--compile_layers",
                                                             "auto"),
           env=(("TORCHINDUCTOR_MULTI_KERNEL", "1"),), vs="trl-lora-best-mb4", timeout=480) for mb in (4, 8)],
-    # ... with the adapters inside the FP8 base's matmuls (SFT_FP8_FUSED_LORA=1, sft/speed/fp8_lora.py: no bf16
-    # up-projection, its output added by the next kernel, or input-gradient GEMM of its own), beside the defaults
-    Row("lora-best-default-none-fused", "lora", micro_batch=8, mem_cap_gib=0, warmup=3, steps=RATIO_STEPS,
-        args=("--lora_dropout", "0", "--fp8", "auto", "--compile_layers", "auto"),
-        env=(("SFT_FP8_FUSED_LORA", "1"),), vs="trl-lora-best-mb4", timeout=480),
     # ... the same two on R1-Distill-Qwen-7B's shape (grouped-query attention: 28 query heads on 4 key/value heads,
     # which torch 2.11's varlen kernel takes repeated; a 152k vocabulary)
     *[Row(f"r1-lora-default-{name}-mb4", "lora", model="r1-distill-qwen-7b", micro_batch=4, grad_accum=2,
@@ -715,7 +710,6 @@ GROUPS = {
     "multi-kernel": ["trl-lora-best-mb4", "lora-best-default-none-mb4", "lora-best-default-none-mb4-mk",
                      "lora-best-default-none", "lora-best-default-none-mk"],
     # the LoRA adapters inside the FP8 matmuls beside the defaults (beside them), and TRL's best that fits an H100
-    "fused-lora": ["lora-best-default-none", "lora-best-default-none-fused", "trl-lora-best-mb4"],
     "frozen-head-loss": ["trl-lora-best-mb4", "lora-best-default-none-mb4", "lora-best-default-varlen-liger-mb4",
                          "lora-best-default-mb4", "lora-best-default-none", "r1-lora-default-none-mb4"],
     "dense-default": ["lora-best-default-sdpa-whole-mb4", "lora-best-default-varlen-chunked-mb4", "lora-best-default-mb4",

@@ -153,9 +153,6 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
             from sft.speed.fp8 import apply_fp8_base
 
             apply_fp8_base(model)
-            from sft.speed.fp8_lora import apply_fused_lora
-
-            apply_fused_lora(model)  # their adapters inside the FP8 matmuls, where the layers compile
             if model_args.quantize_experts == "fp8":  # and the routed experts' grouped matmuls, where the GPU can
                 from sft.speed.fp8_experts import apply_fp8_experts
 
@@ -173,7 +170,7 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
 
         compiled = compile_decoder_layers(model)
         if is_first_process():
-            print(f"Compiled: {compiled} decoder layers (torch.compile in place; the first step compiles)", flush=True)
+            print(f"Compiled: {compiled} decoder layers and the final norm (torch.compile in place; the first step compiles)", flush=True)
     return model
 
 

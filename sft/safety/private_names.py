@@ -63,8 +63,7 @@ GET_OUTPUT_DIR = PrivateName("transformers", TRAINER, "Trainer._get_output_dir",
                              TESTED_TRANSFORMERS, "tensor-parallel checkpoints that resume")
 SAVE_RNG_STATE = PrivateName("transformers", TRAINER, "Trainer._save_rng_state", ("self", "output_dir"),
                              TESTED_TRANSFORMERS, "tensor-parallel checkpoints that resume")
-# peft casts each LoRA layer's input to the adapter's dtype; under autocast we skip that round trip, and the fused
-# FP8 LoRA's forward (sft/speed/fp8_lora.py) calls it as peft's own forward does.
+# peft casts each LoRA layer's input to the adapter's dtype; under autocast we skip that round trip
 PEFT_INPUT_CAST = PrivateName("peft", "peft.tuners.lora.layer", "LoraLayer._cast_input_dtype",
                               ("self", "x", "dtype"), ">=0.21,<0.22", "LoRA inputs not cast to fp32 under autocast")
 # --lora_experts (sft/speed/expert_lora.py): peft builds our wrapper of the fused experts through its custom-module

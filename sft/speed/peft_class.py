@@ -1,5 +1,5 @@
 """A peft layer's class with a forward of ours mixed in before peft's: how sft/speed/ changes what a LoRA layer
-computes (traced_param_lora.py, fp8.py, fp8_lora.py, expert_lora.py) without patching a live object. The layer's
+computes (traced_param_lora.py, fp8.py, expert_lora.py) without patching a live object. The layer's
 class is swapped for the mixed one; its modules, parameters, state dict and saved adapter stay peft's."""
 
 from __future__ import annotations
