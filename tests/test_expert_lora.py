@@ -134,7 +134,8 @@ def test_compiled_moe_layers_with_the_experts_lora_are_one_graph_without_breaks(
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-5, msg=name)
-    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    # the dense first layer's graph, the MoE layers', the final norm's
+    assert not counters["graph_break"] and counters["stats"]["unique_graphs"] == 3, dict(counters["stats"])
 
 
 @pytest.mark.slow

@@ -129,7 +129,7 @@ def test_compiled_layers_train_on_quantized_experts_as_the_eager_layers(tmp_path
     counters.clear()
     got, grads = two_steps("true")
     assert not counters["graph_break"], dict(counters["graph_break"])
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # the MoE layers', the final norm's
     assert got == pytest.approx(expected, rel=1e-5)
     assert any("mlp.shared_experts" in n and "lora_A" in n for n in grads[1])  # the MLP's parametrized LoRA
     for step, (mine, want) in enumerate(zip(grads, expected_grads)):

@@ -35,6 +35,14 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
+def final_norm(model: nn.Module) -> nn.Module | None:
+    """The decoder's norm after its last layer (what the lm_head reads), where the decoder names it `norm` (every
+    DeepSeek family and its distills' Llama/Qwen bases do); None elsewhere."""
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    norm = getattr(causal_lm.get_decoder(), "norm", None) if hasattr(causal_lm, "get_decoder") else None
+    return norm if isinstance(norm, nn.Module) and next(norm.children(), None) is None else None
+
+
 def compile_decoder_layers(model: nn.Module) -> int:
     """Compile every decoder layer of `model` (a transformers model, or a peft model around one) in place; -> how
     many. The compile itself happens at the first forward (the first step is slower; inductor caches the kernels
@@ -66,4 +74,10 @@ def compile_decoder_layers(model: nn.Module) -> int:
     trace_param_lora(model)  # peft's parametrized LoRA on DeepSeek's MLP weights breaks the graph
     for layer in layers:
         layer.compile()  # shapes static at first; a second length makes them dynamic (one more compile)
+    # The final norm too: eager, its fp32 copies of [tokens, hidden] (256 MB each at micro-batch 8 x 2,048 of a 7B
+    # model) are made at the step's memory peak, the backward's start, where on a full card the allocator released
+    # cached segments to find room (a host wait for the GPU: 8 ms of the profiled step of run
+    # 20261207T1144Z-fused-h100); compiled, it is one kernel each way that keeps its fp32 values in registers.
+    if (norm := final_norm(model)) is not None:
+        norm.compile()
     return len(layers)
