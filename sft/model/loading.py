@@ -166,11 +166,13 @@ def load_model(model_args: ModelArguments, lora_args: LoraArguments, gradient_ch
 
         apply_tiled_mlp(model, model_args.mlp_tile_tokens)
     if model_args.compile_layers_on:  # last: the layers are compiled as they will run (sft/speed/regional_compile.py)
-        from sft.speed.regional_compile import compile_decoder_layers
+        from sft.speed.regional_compile import compile_decoder_layers, final_norm
 
         compiled = compile_decoder_layers(model)
         if is_first_process():
-            print(f"Compiled: {compiled} decoder layers and the final norm (torch.compile in place; the first step compiles)", flush=True)
+            norm = " and the final norm" if final_norm(model) is not None else ""
+            print(f"Compiled: {compiled} decoder layers{norm} (torch.compile in place; the first step compiles)",
+                  flush=True)
     return model
 
 
