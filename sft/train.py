@@ -23,6 +23,7 @@ if __package__ in (None, ""):  # `python sft/train.py` from a checkout: make the
     sys.path[0] = str(Path(__file__).resolve().parent.parent)
 
 from sft.report.console import closing_lines, quiet_imports, quiet_libraries, tensorboard_dir  # noqa: E402
+from sft.report.loggers import wandb_project  # noqa: E402
 from sft.safety.interrupts import one_line_if_stopped_while_importing  # noqa: E402
 
 quiet_imports()  # before transformers: importing it loads torchao, a Trainer loads deepspeed (sft/report/console.py)
@@ -147,6 +148,7 @@ def train(run: Run, seams: Seams) -> int:
     configure_nccl_env()  # consumer GPUs: before TrainingArguments starts the process group
     options, planned = final_options(run.argv)
     model_args, data_args, lora_args, training_args = options.groups()  # final: read from here on, never written
+    wandb_project(training_args.report_to, training_args.project)  # --project: wandb reads it from the environment
     run.output_dir = training_args.output_dir
     method = method_name(lora_args.lora, lora_args.qlora)
 

@@ -104,7 +104,7 @@ def test_llamafactory_yaml_keys_map_or_are_noted(tmp_path, capsys):
     assert "--stage sft (LLaMA-Factory): supervised fine-tuning is what this toolkit does; nothing to set." in notes
     assert "--plot_loss true (LLaMA-Factory): loss.png is always written to the output directory" in notes
     assert "--overwrite_cache true (LLaMA-Factory): the prepared-data cache is keyed on the data" in notes
-    assert "using --max_length 512 (and --overlong cut, which keeps LLaMA-Factory's meaning" in notes
+    assert "using --max_length 512 --overlong cut (--overlong cut keeps LLaMA-Factory's meaning" in notes
     assert "--preprocessing_num_workers is LLaMA-Factory's name for --num_proc" in notes
     # an explicit --overlong wins over cutoff_len's
     assert data_args("--dataset", DEMO, "--cutoff_len", "64", "--overlong", "drop").overlong == "drop"
@@ -198,6 +198,30 @@ def test_axolotl_switches_map_or_are_refused(capsys):
     _, data, _, training = parse_args(["--model", "m", "--dataset", DEMO, "--optimizer", "adamw_torch",
                                        "--dataset_prepared_path", "prepared", "--strict", "false"], data_only=True)
     assert training.optim == "adamw_torch" and data.dataset_cache_dir == "prepared"
+
+
+def test_axolotl_wandb_keys_report_there_or_say_which_variable_to_set(capsys):
+    """wandb_project: the project (which our run hands to wandb as WANDB_PROJECT) and --report_to wandb, unless the
+    config names its loggers; wandb_name: the run's name; the keys wandb reads from the environment only: one line
+    naming the variable (off values: nothing to set)."""
+    from sft.report.loggers import wandb_project
+
+    _, _, _, training = parse_args(["--model", "m", "--dataset", DEMO, "--wandb_project", "sft-runs", "--wandb_name",
+                                    "first"], data_only=True)
+    assert (training.project, training.report_to, training.run_name) == ("sft-runs", ["wandb"], "first")
+    environ: dict[str, str] = {"WANDB_PROJECT": "old"}
+    assert wandb_project(training.report_to, training.project, environ) == "sft-runs"
+    assert environ == {"WANDB_PROJECT": "sft-runs"}
+    _, _, _, training = parse_args(["--model", "m", "--dataset", DEMO, "--wandb_project", "p", "--report_to",
+                                    "tensorboard"], data_only=True)
+    assert training.report_to == ["tensorboard"]  # the config's own loggers win
+    environ = {}
+    assert wandb_project(training.report_to, training.project, environ) is None and environ == {}
+    assert wandb_project(["wandb"], "huggingface", environ) is None and environ == {}  # no project named
+    with pytest.raises(ConfigError, match=r"wandb_entity 'team' \(Axolotl\): .*export WANDB_ENTITY=team"):
+        data_args("--dataset", DEMO, "--wandb_entity", "team")
+    data_args("--dataset", DEMO, "--wandb_watch", "false")
+    assert "--wandb_watch false (Axolotl)" in capsys.readouterr().err
 
 
 def test_an_axolotl_config_reads_its_datasets_list(tmp_path, capsys):

@@ -24,6 +24,7 @@ class Alias:
     where: str            # whose name it is
     value: Callable[[str], list[str]] | None = None  # their value -> our option's values ([] drops the option)
     note: str = ""        # what differs, or (no values) what this toolkit does instead, for the one-line note
+    also: Callable[[str], list[str]] | None = None  # their value -> more of our options, each unless the user gave it
 
 
 def split_list(value: str) -> list[str]:
@@ -123,6 +124,18 @@ def _text_field(value: str) -> list[str]:
                       f"conversations: alpaca, messages (ShareGPT/OpenAI) or oasst records (docs/data.md).")
 
 
+def _environment_only(key: str) -> Callable[[str], list[str]]:
+    """Axolotl's wandb settings that the Trainer's wandb logger reads from the environment only."""
+    variable = key.upper()
+
+    def value_of(value: str) -> list[str]:
+        if value.lower() in ("false", "0", "no", "none"):  # off: what the logger does unless told
+            return []
+        raise ConfigError(f"{key} {value!r} (Axolotl): the Trainer's wandb logger reads it from the environment; "
+                          f"run `export {variable}={value}` before the command, and leave it out of the options.")
+    return value_of
+
+
 # Axolotl's `datasets:` entry keys that read as ours do when they hold these values (None: any value)
 AXOLOTL_DATASET_KEYS = {"path": None, "type": None, "ds_type": None, "split": ("train",),
                         "field_messages": ("messages", "conversations"), "roles_to_train": (["assistant"],),
@@ -164,9 +177,9 @@ ALIASES: dict[str, Alias] = {
     "model_name_or_path": Alias("model", "LLaMA-Factory/TRL"),
     "base_model": Alias("model", "Axolotl"),
     "dataset_name": Alias("dataset", "TRL"),
-    "cutoff_len": Alias("max_length", "LLaMA-Factory", note=(
-        "and --overlong cut, which keeps LLaMA-Factory's meaning: a conversation over it ends after its last reply "
-        "that fits, or, when none does, is cut at it mid-reply; --max_length alone drops those")),
+    "cutoff_len": Alias("max_length", "LLaMA-Factory", also=lambda v: ["--overlong", "cut"], note=(
+        "--overlong cut keeps LLaMA-Factory's meaning: a conversation over it ends after its last reply that fits, "
+        "or, when none does, is cut at it mid-reply; --max_length alone drops those")),
     "preprocessing_num_workers": Alias("num_proc", "LLaMA-Factory"),
     "stage": Alias("stage", "LLaMA-Factory", _stage, note="supervised fine-tuning is what this toolkit does"),
     "plot_loss": Alias("plot_loss", "LLaMA-Factory", _nothing,
@@ -202,7 +215,8 @@ ALIASES: dict[str, Alias] = {
     "lora_rank": Alias("lora_r", "LLaMA-Factory"),
     "lora_target": Alias("lora_target_modules", "LLaMA-Factory", split_names),
     "finetuning_type": Alias("lora", "LLaMA-Factory", _method),
-    "adapter": Alias("lora", "Axolotl", _method),
+    "adapter": Alias("lora", "Axolotl", _method,  # `adapter: qlora`: the adapter on a 4-bit base
+                     also=lambda v: ["--qlora", "true"] if v.lower() == "qlora" else []),
     "peft_use_rslora": Alias("use_rslora", "Axolotl"),
     "peft_use_dora": Alias("use_dora", "Axolotl"),
     "additional_target": Alias("lora_modules_to_save", "LLaMA-Factory", split_list),
@@ -221,6 +235,10 @@ ALIASES: dict[str, Alias] = {
     "warmup_ratio": Alias("warmup_steps", "transformers 4"),  # transformers 5: a warmup_steps < 1 is a ratio
     "chat_template": Alias("template", "Axolotl", lambda v: [TEMPLATE_NAMES.get(v, v)]),
     "datasets": Alias("dataset", "Axolotl", _axolotl_dataset, note="each file's format read from its records"),
+    "wandb_project": Alias("project", "Axolotl", also=lambda v: ["--report_to", "wandb"],
+                           note="the Weights & Biases project the run reports to"),
+    "wandb_name": Alias("run_name", "Axolotl"),
+    **{key: Alias(key, "Axolotl", _environment_only(key)) for key in ("wandb_entity", "wandb_watch", "wandb_log_model")},
 }
 
 # The TrainingArguments shown by the one-screen help (`--help all` lists every one).
@@ -261,14 +279,22 @@ def apply_aliases(argv: list[str]) -> list[str]:
             note(f"--{name} {' '.join(given)} ({alias.where}): " + (f"{alias.note}; nothing to set." if alias.note
                                                                      else "this toolkit's default: nothing to set."))
             continue
-        out += [f"--{alias.ours}", *values]
-        if name == "cutoff_len" and not any(a.split("=")[0] == "--overlong" for a in argv):
-            out += ["--overlong", "cut"]
-        qlora = name == "adapter" and given[0].lower() == "qlora"  # Axolotl's QLoRA: the adapter on a 4-bit base
-        out += ["--qlora", "true"] * qlora
-        note(f"--{name} is {alias.where}'s name for --{alias.ours}: using --{alias.ours} {' '.join(values)}".rstrip()
-              + " --qlora true" * qlora + (f" ({alias.note})" if alias.note else ""))
+        also = _not_given(alias.also(given[0] if given else ""), argv) if alias.also else []
+        out += [f"--{alias.ours}", *values, *also]
+        note(f"--{name} is {alias.where}'s name for --{alias.ours}: using "
+             + " ".join([f"--{alias.ours}", *values, *also]) + (f" ({alias.note})" if alias.note else ""))
     return out
+
+
+def _not_given(options: list[str], argv: list[str]) -> list[str]:
+    """`--name value...` groups of `options` whose option the command line does not give itself."""
+    given = {word.split("=")[0] for word in argv if word.startswith("--")}
+    groups: list[list[str]] = []
+    for word in options:
+        if word.startswith("--"):
+            groups.append([])
+        groups[-1].append(word)
+    return [word for group in groups if group[0] not in given for word in group]
 
 
 def model_hub_id(model: str) -> str:
