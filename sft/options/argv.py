@@ -235,7 +235,7 @@ ALIASES: dict[str, Alias] = {
     "warmup_ratio": Alias("warmup_steps", "transformers 4"),  # transformers 5: a warmup_steps < 1 is a ratio
     "chat_template": Alias("template", "Axolotl", lambda v: [TEMPLATE_NAMES.get(v, v)]),
     "datasets": Alias("dataset", "Axolotl", _axolotl_dataset, note="each file's format read from its records"),
-    "wandb_project": Alias("project", "Axolotl", also=lambda v: ["--report_to", "wandb"],
+    "wandb_project": Alias("project", "Axolotl", also=lambda v: ["--report_to", "tensorboard", "wandb"],
                            note="the Weights & Biases project the run reports to"),
     "wandb_name": Alias("run_name", "Axolotl"),
     **{key: Alias(key, "Axolotl", _environment_only(key)) for key in ("wandb_entity", "wandb_watch", "wandb_log_model")},
