@@ -627,14 +627,15 @@ def trl_lora(model):
 
 def fast_paths_ran(model) -> dict[str, int]:
     """The fast paths a run's model holds: layers computing in FP8 (--fp8's Fp8Linear for a frozen base, torchao's
-    Float8Linear for a full fine-tune) and modules compiled in place (--compile_layers: nn.Module.compile keeps
-    the compiled call on the module, a private name checked first; TRL's rows have neither)."""
+    Float8Linear for a full fine-tune) and decoder layers compiled in place (--compile_layers: nn.Module.compile
+    keeps the compiled call on the module, a private name checked first; the final norm it also compiles is not
+    counted, as in rows before it was; TRL's rows have neither)."""
     from sft.safety.private_names import COMPILED_CALL, expect
+    from sft.speed.regional_compile import decoder_layers
 
     expect(COMPILED_CALL)
-    modules = list(model.modules())
-    return {"fp8_layers": sum(type(m).__name__ in ("Fp8Linear", "Float8Linear") for m in modules),
-            "compiled_layers": sum(m._compiled_call_impl is not None for m in modules)}
+    return {"fp8_layers": sum(type(m).__name__ in ("Fp8Linear", "Float8Linear") for m in model.modules()),
+            "compiled_layers": sum(m._compiled_call_impl is not None for m in decoder_layers(model))}
 
 
 def attention_ran(model) -> str | None:
