@@ -238,7 +238,8 @@ ALIASES: dict[str, Alias] = {
     "wandb_project": Alias("project", "Axolotl", also=lambda v: ["--report_to", "tensorboard", "wandb"],
                            note="the Weights & Biases project the run reports to"),
     "wandb_name": Alias("run_name", "Axolotl"),
-    **{key: Alias(key, "Axolotl", _environment_only(key)) for key in ("wandb_entity", "wandb_watch", "wandb_log_model")},
+    **{key: Alias(key, "Axolotl", _environment_only(key))
+       for key in ("wandb_entity", "wandb_watch", "wandb_log_model")},
 }
 
 # The TrainingArguments shown by the one-screen help (`--help all` lists every one).
