@@ -201,9 +201,9 @@ def test_axolotl_switches_map_or_are_refused(capsys):
 
 
 def test_axolotl_wandb_keys_report_there_or_say_which_variable_to_set(capsys):
-    """wandb_project: the project (which our run hands to wandb as WANDB_PROJECT) and --report_to wandb, unless the
-    config names its loggers (TensorBoard kept, the default); wandb_name: the run's name; the keys wandb reads from the environment only: one line
-    naming the variable (off values: nothing to set)."""
+    """wandb_project: the project (which our run hands to wandb as WANDB_PROJECT) and --report_to tensorboard wandb
+    (TensorBoard, the default, kept), unless the config names its loggers; wandb_name: the run's name; the keys wandb
+    reads from the environment only: one line naming the variable (off values: nothing to set)."""
     from sft.report.loggers import wandb_project
 
     _, _, _, training = parse_args(["--model", "m", "--dataset", DEMO, "--wandb_project", "sft-runs", "--wandb_name",
