@@ -24,7 +24,8 @@ class Alias:
     where: str            # whose name it is
     value: Callable[[str], list[str]] | None = None  # their value -> our option's values ([] drops the option)
     note: str = ""        # what differs, or (no values) what this toolkit does instead, for the one-line note
-    also: Callable[[str], list[str]] | None = None  # their value -> more of our options, each unless the user gave it
+    also: Callable[[str], list[str]] | None = None  # their value -> one more option of ours and its values, added
+    #                                                 unless the user gave that option
 
 
 def split_list(value: str) -> list[str]:
@@ -280,22 +281,13 @@ def apply_aliases(argv: list[str]) -> list[str]:
             note(f"--{name} {' '.join(given)} ({alias.where}): " + (f"{alias.note}; nothing to set." if alias.note
                                                                      else "this toolkit's default: nothing to set."))
             continue
-        also = _not_given(alias.also(given[0] if given else ""), argv) if alias.also else []
+        also = alias.also(given[0] if given else "") if alias.also else []
+        if also and any(word.split("=")[0] == also[0] for word in argv):  # the user's own value wins
+            also = []
         out += [f"--{alias.ours}", *values, *also]
         note(f"--{name} is {alias.where}'s name for --{alias.ours}: using "
              + " ".join([f"--{alias.ours}", *values, *also]) + (f" ({alias.note})" if alias.note else ""))
     return out
-
-
-def _not_given(options: list[str], argv: list[str]) -> list[str]:
-    """`--name value...` groups of `options` whose option the command line does not give itself."""
-    given = {word.split("=")[0] for word in argv if word.startswith("--")}
-    groups: list[list[str]] = []
-    for word in options:
-        if word.startswith("--"):
-            groups.append([])
-        groups[-1].append(word)
-    return [word for group in groups if group[0] not in given for word in group]
 
 
 def model_hub_id(model: str) -> str:

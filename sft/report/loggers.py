@@ -14,7 +14,7 @@ def wandb_project(report_to: list[str], project: str,
                   environ: MutableMapping[str, str] = os.environ) -> str | None:
     """WANDB_PROJECT set to `project` where wandb reports and a project was named (the option wins over the
     environment, as the more specific: Axolotl does the same); -> the project set, or None."""
-    if "wandb" not in report_to and "all" not in report_to or project == DEFAULT_PROJECT:
+    if project == DEFAULT_PROJECT or not {"wandb", "all"} & set(report_to):
         return None
     environ["WANDB_PROJECT"] = project
     return project
