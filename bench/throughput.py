@@ -797,10 +797,11 @@ def why_not(row: Row | Script, gpus: int, gpu_gib: float = math.inf) -> str | No
 def row_flags(row: Row, args, n_gpus: int, data: Path, tokenizer: Path, timeout: float) -> list[str]:
     """bench/train_throughput.py's options for the row (its training options, row.args + row.optim, follow `--`)."""
     cap = row.mem_cap_gib if args.mem_cap_gib is None else args.mem_cap_gib
+    profiled = row.profile_steps if args.profile_steps is None else args.profile_steps
     flags = dict(run_id=args.run_id, name=row.name, model=row.model, method=row.method, strategy=row.strategy,
                  peer=row.peer, n_gpus=n_gpus, precision=row.precision, seq_len=row.seq_len,
                  micro_batch=row.micro_batch, grad_accum=row.grad_accum, warmup=row.warmup, steps=row.steps,
-                 profile_steps=row.profile_steps, mem_cap_gib=cap, data=data, repeat_data=row.repeat_data,
+                 profile_steps=profiled, mem_cap_gib=cap, data=data, repeat_data=row.repeat_data,
                  tokenizer=tokenizer, results=args.results, out=args.out, timeout=int(timeout), vs=row.vs,
                  scaling_of=row.scaling_of)
     return [w for k, v in flags.items() if v is not None for w in (f"--{k}", str(v))] + (
@@ -873,6 +874,9 @@ def parse(argv: list[str] | None):
     p.add_argument("--budget_s", type=float, default=3600, help="Seconds for all rows; a row starts only with "
                                                                 "60 s left, and stops when the budget is spent.")
     p.add_argument("--mem_cap_gib", type=float, help="Every row's per-rank allocator cap instead of its own (0: none).")
+    p.add_argument("--profile_steps", type=int, help="Every row's profiled steps (after the measured ones) instead of "
+                                                     "its own: the first follows a synchronize, the others are steady "
+                                                     "steps, as the measured ones ran.")
     p.add_argument("--num_processes", type=int, help="GPUs of the multi-GPU rows (default: every visible GPU).")
     p.add_argument("--fresh_cache", action="store_true",
                    help="Every row starts with new, empty compile caches: the first run on a fresh machine.")

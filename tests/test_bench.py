@@ -248,6 +248,11 @@ def test_a_row_becomes_the_one_row_command_with_its_optimizer(tmp_path):
         "full-sr", "full", "none", 22.0, "trl-full", 120)
     assert one.fresh_cache and one.micro_batch == 4 and one.peer == "ours"
     assert row.optim[:2] == ("--optim", "adamw_torch_8bit")  # a row argument: another optimizer is another row
+    assert one.profile_steps == row.profile_steps == 1
+    # --profile_steps: every row's profiled steps (steady steps after the first, which follows a synchronize)
+    args = throughput.parse(["--run_id", "r", "--out", str(tmp_path), "--profile_steps", "3"])
+    flags = throughput.row_flags(row, args, 1, Path("d.json"), Path("tok"), 60)
+    assert bench.parser().parse_args(flags).profile_steps == 3
 
 
 def test_data_comes_from_shared_else_the_prepared_folder(tmp_path, monkeypatch, capsys):

@@ -277,6 +277,66 @@ def test_a_frozen_head_projects_each_chunk_once_and_scales_its_gradient_in_the_b
     assert frozen_head(torch.nn.Linear(16, 50)) is None  # a trained head keeps the recomputed chunks
 
 
+def lm_head_matmul_rows(vocab: int, hidden: int):
+    """A dispatch mode keeping the rows of every lm_head matmul: the logits' (last dimension `vocab`) and their
+    gradient's times the weight (last dimension `hidden`, inner dimension `vocab`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Rows(TorchDispatchMode):
+        seen: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.matmul.default):
+                inner = args[-2].shape[-1] if func is not torch.ops.aten.addmm.default else args[1].shape[-1]
+                if out.shape[-1] == vocab or (out.shape[-1] == hidden and inner == vocab):
+                    Rows.seen.append(out.shape[0])
+            return out
+
+    return Rows()
+
+
+@pytest.mark.parametrize("frozen", [True, False], ids=["frozen-head", "trained-head"])
+def test_the_last_chunk_is_padded_to_a_quarter_of_a_chunk_and_changes_nothing(frozen):
+    """37 labelled tokens in chunks of 16: 16, 16 and 5 rows, the 5 padded to 8 (a quarter of 16 is 4), so that the
+    lm_head's matmuls see four shapes at most, whatever the batch; the padding (IGNORE) adds no loss and no
+    gradient: the loss and gradients are F.cross_entropy's on the 37 rows."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(16, 50, bias=False).requires_grad_(not frozen)
+    hidden = torch.randn(1, 38, 16, requires_grad=True)
+    labels = torch.randint(0, 50, (1, 38))  # shifted by one: 37 targets
+    rows = lm_head_matmul_rows(50, 16)
+    with rows:
+        loss = chunked_causal_lm_loss(hidden, head, labels, chunk_tokens=16)
+    loss.backward()
+    assert set(rows.seen) == {16, 8}
+    reference = hidden.detach().clone().requires_grad_()
+    expected = torch.nn.functional.cross_entropy(head(reference[0, :-1]).float(), labels[0, 1:])
+    grads = [p.grad.clone() for p in head.parameters() if p.requires_grad]
+    head.zero_grad()
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    torch.testing.assert_close(hidden.grad, reference.grad, rtol=1e-5, atol=1e-7)
+    for got, want in zip(grads, [p.grad for p in head.parameters() if p.requires_grad]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
+def test_rows_without_a_label_add_no_loss_and_get_no_gradient():
+    """cross_entropy_and_grad_eager (the kernel compiled for the GPU) on IGNORE rows: what F.cross_entropy's
+    ignore_index gives, and a zero gradient row."""
+    from sft.speed.chunked_loss import cross_entropy_and_grad_eager
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 30, requires_grad=True)
+    targets = torch.tensor([3, -100, 7, 29, -100, 0])
+    loss, grad = cross_entropy_and_grad_eager(logits.detach(), targets)
+    expected = torch.nn.functional.cross_entropy(logits, targets, reduction="sum")
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    torch.testing.assert_close(grad, logits.grad, rtol=1e-5, atol=1e-7)
+    assert bool(grad[[1, 4]].eq(0).all())
+
+
 def test_a_zero3_frozen_head_is_gathered_for_the_forward_only():
     """LoRA under ZeRO-3: the gathered weight serves the forward's two matmuls a chunk; nothing of it is kept for
     the backward (deepspeed's GatheredParameters on a parameter ZeRO does not partition gathers nothing: here the

@@ -17,6 +17,13 @@ the backward (torch.utils.checkpoint): four matmuls a chunk with its weight's gr
 cross-entropy's separate fp32 passes made the loss ~28 ms of a 0.67 s LoRA step slower than Liger's (run
 20261206T1436Z-dense-default-h100, bench/RESULTS.md).
 
+The last chunk is padded (`padded_chunks`) to a quarter, half, three quarters or all of CHUNK_TOKENS rows, its padding
+labelled IGNORE, which adds no loss and no gradient. cuBLAS picks its kernel by the matrices' shapes, and a GPU loads
+a kernel at its first launch (CUDA's lazy loading), which waits for all the work queued before it: with the last
+chunk any size from 1 to 1,024 rows, the steps kept meeting new shapes. In the H200 trace of run
+20261207T1309Z-norm-h200 (its 19th step), the last chunk's lm_head matmul held the host 88 ms in such a load while the
+GPU ran out of queued work.
+
 Under --use_liger_kernel the same forward computes the loss with Liger's fused linear cross-entropy, also on the
 labelled tokens only (`liger_causal_lm_loss`; sft/options/resolve.py liger_loss_on_labels switches Liger's own fused
 loss off, which projects every token): a prompt's tokens carry no label, and in the bench's Alpaca packs that is most
@@ -103,10 +110,8 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, label
             total = FrozenHeadCrossEntropy.apply(states, *frozen, targets, chunk_tokens)
         else:
             total = hidden.new_zeros((), dtype=torch.float32)
-            for start in range(0, targets.numel(), chunk_tokens):
-                end = start + chunk_tokens
-                total = total + checkpoint(_chunk_loss, lm_head, states[start:end], targets[start:end],
-                                           use_reentrant=False)
+            for _, chunk_states, chunk_targets in padded_chunks(states, targets, chunk_tokens):
+                total = total + checkpoint(_chunk_loss, lm_head, chunk_states, chunk_targets, use_reentrant=False)
     return per_item(total, targets.numel(), num_items_in_batch)
 
 
@@ -135,8 +140,23 @@ def gathered_head(lm_head: torch.nn.Module):
         yield lm_head.weight.detach(), None if lm_head.bias is None else lm_head.bias.detach()
 
 
+def padded_chunks(states: torch.Tensor, targets: torch.Tensor, chunk_tokens: int):
+    """-> (rows, states, targets) of each chunk of `chunk_tokens` rows, the last one padded with zero states and
+    IGNORE targets to the next quarter of `chunk_tokens` (the few shapes cuBLAS then sees: module docstring);
+    `rows`: the chunk's real rows, the first ones."""
+    step = max(chunk_tokens // 4, 1)
+    for start in range(0, targets.numel(), chunk_tokens):
+        chunk_states, chunk_targets = states[start:start + chunk_tokens], targets[start:start + chunk_tokens]
+        rows = chunk_targets.numel()
+        padding = min(-(-rows // step) * step, chunk_tokens) - rows
+        if padding:
+            chunk_states = F.pad(chunk_states, (0, 0, 0, padding))
+            chunk_targets = F.pad(chunk_targets, (0, padding), value=IGNORE)
+        yield rows, chunk_states, chunk_targets
+
+
 def _chunk_loss(lm_head: torch.nn.Module, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(lm_head(states).float(), targets, reduction="sum")
+    return F.cross_entropy(lm_head(states).float(), targets, reduction="sum", ignore_index=IGNORE)
 
 
 class FrozenHeadCrossEntropy(torch.autograd.Function):
@@ -149,13 +169,14 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
                 chunk_tokens: int) -> torch.Tensor:
         total = states.new_zeros((), dtype=torch.float32)
         grad_states = torch.empty_like(states)
-        for start in range(0, targets.numel(), chunk_tokens):
-            end = start + chunk_tokens
-            loss, grad_logits = cross_entropy_and_grad(F.linear(states[start:end], weight, bias), targets[start:end])
+        start = 0
+        for rows, chunk_states, chunk_targets in padded_chunks(states, targets, chunk_tokens):
+            loss, grad_logits = cross_entropy_and_grad(F.linear(chunk_states, weight, bias), chunk_targets)
             total = total + loss
             # what autograd computes for the same ops: the logits' gradient in their dtype times the weight (under
-            # autocast the weight's cast), then cast to the states' dtype
-            grad_states[start:end] = (grad_logits @ weight.to(grad_logits.dtype)).to(states.dtype)
+            # autocast the weight's cast), then cast to the states' dtype; the padding's rows (zeros) left out
+            grad_states[start:start + rows] = (grad_logits @ weight.to(grad_logits.dtype))[:rows].to(states.dtype)
+            start += rows
         ctx.save_for_backward(grad_states)
         return total
 
@@ -167,13 +188,17 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
 
 def cross_entropy_and_grad_eager(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The summed cross-entropy of the rows in fp32 (as F.cross_entropy on `logits.float()`), and its gradient with
-    respect to the logits, softmax minus the target's one-hot, computed in fp32 and returned in the logits' dtype."""
+    respect to the logits, softmax minus the target's one-hot, computed in fp32 and returned in the logits' dtype.
+    Rows whose target is IGNORE (a padded chunk's) add nothing and get a zero gradient."""
     wide = logits.float()
+    labelled = (targets != IGNORE)[:, None]
+    targets = targets.clamp_min(0)[:, None]
     log_normalizer = torch.logsumexp(wide, dim=-1, keepdim=True)
-    loss = (log_normalizer - wide.gather(1, targets[:, None])).sum()
+    loss = torch.where(labelled, log_normalizer - wide.gather(1, targets), 0.0).sum()
     probabilities = torch.exp(wide - log_normalizer)
-    is_target = torch.arange(wide.shape[1], device=wide.device) == targets[:, None]
-    return loss, torch.where(is_target, probabilities - 1.0, probabilities).to(logits.dtype)
+    is_target = torch.arange(wide.shape[1], device=wide.device) == targets
+    grad = torch.where(is_target, probabilities - 1.0, probabilities)
+    return loss, torch.where(labelled, grad, 0.0).to(logits.dtype)
 
 
 def cross_entropy_and_grad(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
