@@ -606,3 +606,22 @@ def test_trace_gaps_says_what_the_host_did_while_the_gpu_waited():
     assert [(g["kernel"], g["gap_us"]) for g in found] == [("b", 320), ("d", 460)]
     assert found[0]["launched_after_us"] == 310 and found[0]["launched_by"] == "aten::mul"
     assert found[1]["blocking"] == ["cudaStreamSynchronize 300us"]
+
+
+def test_trace_gaps_splits_the_profiled_steps_at_their_optimizer_steps():
+    """--steps: a step ends where the kernels launched inside `Optimizer.step#...` end; its busy time is the union of
+    its kernels, the rest idle; the host's lead at its first and last kernel."""
+    import trace_gaps
+
+    def launched(name: str, launch: float, start: float, dur: float, c: int) -> list[dict]:
+        return [{"cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": launch, "dur": 1, "args": {"correlation": c}},
+                {"cat": "kernel", "name": name, "ts": start, "dur": dur, "args": {"correlation": c}}]
+
+    step = lambda ts, dur: {"cat": "user_annotation", "name": "Optimizer.step#AdamW.step", "ts": ts, "dur": dur}  # noqa
+    events = [*launched("fwd", 0, 10, 100, 1), *launched("adam", 50, 150, 20, 2), step(45, 10),
+              *launched("fwd", 60, 170, 50, 3), *launched("bwd", 65, 200, 40, 4), *launched("adam", 70, 300, 10, 5),
+              step(68, 5)]
+    found = trace_gaps.steps(events)
+    assert [(s["wall_us"], s["busy_us"], s["idle_us"], s["kernels"]) for s in found] == [
+        (160, 120, 40, 2), (140, 80, 60, 3)]
+    assert found[0]["lead_us"] == [10, 100] and found[1]["lead_us"] == [110, 230]
