@@ -52,7 +52,8 @@ DEMO = {  # what `accelerate launch sft/train.py` with no arguments runs: about 
 DEMO_PROMPT = "What is the capital of France?"  # the chat question the demo's closing lines suggest: its data has it
 # A demo value steps back when the user gave any of these (an option typed or in a recipe always wins: the demo's
 # `save_strategy no` must not swallow a --save_steps 4).
-DEMO_YIELDS_TO = {"save_strategy": ("save_steps",), "eval_strategy": ("eval_steps",), "eval_split": ("eval_dataset",),
+DEMO_YIELDS_TO = {"save_strategy": ("save_steps", "saves_per_epoch"), "eval_strategy": ("eval_steps", "evals_per_epoch"),
+                  "eval_split": ("eval_dataset",),
                   "num_train_epochs": ("max_steps",), "logging_steps": ("logging_strategy",)}
 
 
@@ -316,6 +317,14 @@ class SFTTrainingArguments(TrainingArguments):
     loss_spike_factor: float = field(default=2.0, metadata={
         "help": "Warn (and count in the `loss_spikes` log) when a logged loss exceeds this many times the "
                 "running mean; 0 turns it off."})
+
+    evals_per_epoch: int = field(default=0, metadata={
+        "help": "Evaluate this many times an epoch (Axolotl's option): --eval_strategy steps every 1/(N x "
+                "--num_train_epochs) of the run (1: --eval_strategy epoch). Not with --eval_strategy, --eval_steps "
+                "or --max_steps. 0: off."})
+    saves_per_epoch: int = field(default=0, metadata={
+        "help": "Save a checkpoint this many times an epoch (Axolotl's option), as --evals_per_epoch evaluates. "
+                "Not with --save_strategy, --save_steps or --max_steps. 0: off."})
 
     early_stopping_patience: int = field(default=0, metadata={
         "help": "Stop when the evaluation's --metric_for_best_model (default: the eval loss) has not improved for "

@@ -123,6 +123,21 @@ def evaluation_has_data(o: Options, m: Machine) -> None:
                           f"FILE or --eval_split 0.05 (a share of the training data), or --eval_strategy no.")
 
 
+def per_epoch_counts_alone(o: Options, m: Machine) -> None:
+    """--evals_per_epoch / --saves_per_epoch set the Trainer's strategy and steps themselves, from the epochs: with
+    either of those given, or --max_steps (whose run is not counted in epochs), one of them would be ignored."""
+    t = o.training
+    for count, others in (("evals_per_epoch", ("eval_strategy", "eval_steps")),
+                          ("saves_per_epoch", ("save_strategy", "save_steps"))):
+        value = getattr(t, count)
+        if value < 0:
+            raise ConfigError(f"--{count} {value}: give how many times an epoch (0: off).")
+        clash = [name for name in (*others, "max_steps") if name in o.given]
+        if value and clash:
+            raise ConfigError(f"--{count} {value} with --{clash[0]}: --{count} sets the Trainer's {others[0]} and "
+                              f"{others[1]} from the epochs; keep one of them.")
+
+
 def early_stopping_evaluates(o: Options, m: Machine) -> None:
     """--early_stopping_patience counts evaluations whose metric did not improve: it needs evaluations."""
     t = o.training
@@ -879,7 +894,7 @@ def processes_name_one_run_directory(o: Options, m: Machine) -> None:
 Check = Callable[[Options, Machine], None]
 OPTION_CHECKS: list[Check] = [
     plan_value, dataset_given, data_option_values, mask_history_trains_replies, evaluation_has_data,
-    early_stopping_evaluates, hub_upload_named,
+    per_epoch_counts_alone, early_stopping_evaluates, hub_upload_named,
     max_length_long_enough, dtype_name,
     fp8_combinations, long_row_levers, quantized_experts_combinations, optimizer_arguments, lora_rank_positive,
     lora_options_need_lora, saved_module_names, sizes_in_range, something_to_train, attention_name, packing_attention,

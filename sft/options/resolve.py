@@ -17,6 +17,8 @@ import math
 import time
 from collections.abc import Callable
 
+from transformers.trainer_utils import IntervalStrategy
+
 from sft.errors import ConfigError
 from sft.machine import Machine, fp8_fast_accum_on
 from sft.options.checks import (NEW_RUN_DIR, PICKED_NEW, PICKED_NEWEST, PICKED_NOTHING,
@@ -380,6 +382,23 @@ def early_stopping_watches_eval_loss(o: Options, m: Machine) -> None:
         t.metric_for_best_model, t.greater_is_better = "loss", False
 
 
+def per_epoch_counts_as_steps(o: Options, m: Machine) -> None:
+    """Axolotl's --evals_per_epoch / --saves_per_epoch N, as Axolotl hands them to the Trainer: its eval_steps /
+    save_steps as a fraction of the run's steps (a value below 1 is one), 1/(N x epochs), which the Trainer makes
+    ceil(steps of an epoch / N) steps once it knows them. N = 1 (or a run shorter than 1/N epoch): the Trainer's
+    own once an epoch."""
+    t = o.training
+    for count, strategy, steps in (("evals_per_epoch", "eval_strategy", "eval_steps"),
+                                   ("saves_per_epoch", "save_strategy", "save_steps")):
+        per_epoch = getattr(t, count)
+        if per_epoch <= 0:
+            continue
+        by_steps = per_epoch > 1 and per_epoch * t.num_train_epochs > 1
+        setattr(t, strategy, IntervalStrategy.STEPS if by_steps else IntervalStrategy.EPOCH)
+        if by_steps:
+            setattr(t, steps, 1 / (per_epoch * t.num_train_epochs))
+
+
 Derivation = Callable[[Options, Machine], None]
 # In order: --lora first (the others read it, the run directory's name too), the fast paths before Liger's kernel
 # choice (which reads --compile_layers), Liger's kernel choice before its loss reads that choice; the chunked loss
@@ -390,7 +409,8 @@ DERIVED: list[Derivation] = [
     fp8_training_pads_rows_to_16, tensor_parallel_saves_model_only, lora_skips_unused_parameter_search,
     compiled_layers_keep_liger_loss_only, liger_loss_on_labels, fsdp_checkpoints_activations,
     layer_checkpoints_get_their_contexts, fsdp_reduce_scatters_each_micro_batch, our_rotation_keeps_checkpoints,
-    nan_filter_only_where_steps_are_skipped, batches_copied_without_wait, early_stopping_watches_eval_loss,
+    nan_filter_only_where_steps_are_skipped, batches_copied_without_wait, per_epoch_counts_as_steps,
+    early_stopping_watches_eval_loss,
 ]
 
 
