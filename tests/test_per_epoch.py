@@ -23,6 +23,8 @@ def test_counts_become_the_trainers_fraction_of_the_run():
     (["--evals_per_epoch", "2", "--max_steps", "10"], "--evals_per_epoch 2 with --max_steps"),
     (["--saves_per_epoch", "2", "--save_strategy", "no"], "--saves_per_epoch 2 with --save_strategy"),
     (["--saves_per_epoch", "-1"], "give how many times an epoch"),
+    (["--evals_per_epoch", "3", "--eval_split", "0"], "--evals_per_epoch 3 needs held-out data: .* or leave "
+                                                      "--evals_per_epoch out"),
 ])
 def test_a_count_beside_what_it_sets_is_refused_before_loading(argv, message):
     from sft.errors import ConfigError

@@ -52,8 +52,8 @@ DEMO = {  # what `accelerate launch sft/train.py` with no arguments runs: about 
 DEMO_PROMPT = "What is the capital of France?"  # the chat question the demo's closing lines suggest: its data has it
 # A demo value steps back when the user gave any of these (an option typed or in a recipe always wins: the demo's
 # `save_strategy no` must not swallow a --save_steps 4).
-DEMO_YIELDS_TO = {"save_strategy": ("save_steps", "saves_per_epoch"), "eval_strategy": ("eval_steps", "evals_per_epoch"),
-                  "eval_split": ("eval_dataset",),
+DEMO_YIELDS_TO = {"save_strategy": ("save_steps", "saves_per_epoch"),
+                  "eval_strategy": ("eval_steps", "evals_per_epoch"), "eval_split": ("eval_dataset",),
                   "num_train_epochs": ("max_steps",), "logging_steps": ("logging_strategy",)}
 
 

@@ -119,8 +119,10 @@ def mask_history_trains_replies(o: Options, m: Machine) -> None:
 def evaluation_has_data(o: Options, m: Machine) -> None:
     t, d = o.training, o.data
     if t.eval_strategy != "no" and not (d.eval_dataset or d.eval_split):
-        raise ConfigError(f"--eval_strategy {t.eval_strategy.value} needs held-out data: add --eval_dataset "
-                          f"FILE or --eval_split 0.05 (a share of the training data), or --eval_strategy no.")
+        asked, off = ((f"--evals_per_epoch {t.evals_per_epoch}", "leave --evals_per_epoch out") if t.evals_per_epoch
+                      else (f"--eval_strategy {t.eval_strategy.value}", "--eval_strategy no"))
+        raise ConfigError(f"{asked} needs held-out data: add --eval_dataset FILE or --eval_split 0.05 (a share of "
+                          f"the training data), or {off}.")
 
 
 def per_epoch_counts_alone(o: Options, m: Machine) -> None:
