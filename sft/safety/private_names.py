@@ -43,6 +43,7 @@ TRAINER = "transformers.trainer"
 TESTED_TRANSFORMERS = ">=5.17,<5.26"
 TESTED_TORCHAO = ">=0.18,<0.19"
 TESTED_TORCH = ">=2.6,<2.15"
+TESTED_PEFT = ">=0.21,<0.23"
 
 # The Trainer's private methods that SFTTrainer (sft/trainer.py) and TensorParallelTrainer override.
 CLIP_GRAD_NORM = PrivateName("transformers", TRAINER, "Trainer._clip_grad_norm", ("self", "model"),
@@ -65,12 +66,12 @@ SAVE_RNG_STATE = PrivateName("transformers", TRAINER, "Trainer._save_rng_state",
                              TESTED_TRANSFORMERS, "tensor-parallel checkpoints that resume")
 # peft casts each LoRA layer's input to the adapter's dtype; under autocast we skip that round trip
 PEFT_INPUT_CAST = PrivateName("peft", "peft.tuners.lora.layer", "LoraLayer._cast_input_dtype",
-                              ("self", "x", "dtype"), ">=0.21,<0.22", "LoRA inputs not cast to fp32 under autocast")
+                              ("self", "x", "dtype"), TESTED_PEFT, "LoRA inputs not cast to fp32 under autocast")
 # --lora_experts (sft/speed/expert_lora.py): peft builds our wrapper of the fused experts through its custom-module
 # dispatch, and the wrapper runs transformers' grouped matmul of the experts (with its fallbacks: non-bf16 weights
 # under compile, CPUs) for the base weights and the adapter's factors alike.
 PEFT_CUSTOM_MODULES = PrivateName("peft", "peft.tuners.lora.config", "LoraConfig._register_custom_module",
-                                  ("self", "mapping"), ">=0.21,<0.22", "LoRA on the routed experts, low-rank")
+                                  ("self", "mapping"), TESTED_PEFT, "LoRA on the routed experts, low-rank")
 GROUPED_LINEAR = PrivateName("transformers", "transformers.integrations.moe", "_grouped_linear",
                              ("input", "weight", "offs", "bias", "is_transposed"), TESTED_TRANSFORMERS,
                              "LoRA on the routed experts, low-rank")
