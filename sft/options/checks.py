@@ -125,19 +125,23 @@ def evaluation_has_data(o: Options, m: Machine) -> None:
                           f"the training data), or {off}.")
 
 
+# Axolotl's per-epoch counts and the Trainer's options each one sets (sft/options/resolve.py per_epoch_counts_as_steps)
+PER_EPOCH_COUNTS = (("evals_per_epoch", "eval_strategy", "eval_steps"),
+                    ("saves_per_epoch", "save_strategy", "save_steps"))
+
+
 def per_epoch_counts_alone(o: Options, m: Machine) -> None:
     """--evals_per_epoch / --saves_per_epoch set the Trainer's strategy and steps themselves, from the epochs: with
     either of those given, or --max_steps (whose run is not counted in epochs), one of them would be ignored."""
     t = o.training
-    for count, others in (("evals_per_epoch", ("eval_strategy", "eval_steps")),
-                          ("saves_per_epoch", ("save_strategy", "save_steps"))):
+    for count, strategy, steps in PER_EPOCH_COUNTS:
         value = getattr(t, count)
         if value < 0:
             raise ConfigError(f"--{count} {value}: give how many times an epoch (0: off).")
-        clash = [name for name in (*others, "max_steps") if name in o.given]
+        clash = [name for name in (strategy, steps, "max_steps") if name in o.given]
         if value and clash:
-            raise ConfigError(f"--{count} {value} with --{clash[0]}: --{count} sets the Trainer's {others[0]} and "
-                              f"{others[1]} from the epochs; keep one of them.")
+            raise ConfigError(f"--{count} {value} with --{clash[0]}: --{count} sets the Trainer's {strategy} and "
+                              f"{steps} from the epochs; keep one of them.")
 
 
 def early_stopping_evaluates(o: Options, m: Machine) -> None:

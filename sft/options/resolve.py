@@ -21,7 +21,7 @@ from transformers.trainer_utils import IntervalStrategy
 
 from sft.errors import ConfigError
 from sft.machine import Machine, fp8_fast_accum_on
-from sft.options.checks import (NEW_RUN_DIR, PICKED_NEW, PICKED_NEWEST, PICKED_NOTHING,
+from sft.options.checks import (NEW_RUN_DIR, PER_EPOCH_COUNTS, PICKED_NEW, PICKED_NEWEST, PICKED_NOTHING,
                                SEQUENCE_PARALLEL_ATTENTIONS, Options, chunked_loss_combinations,
                                compiled_layers_combinations, fp8_base_needs, fp8_combinations, kept_attention_needs,
                                loss_in_chunks_under_zero3, rows_padded_to, sequence_parallel_combinations,
@@ -388,8 +388,7 @@ def per_epoch_counts_as_steps(o: Options, m: Machine) -> None:
     ceil(steps of an epoch / N) steps once it knows them. N = 1 (or a run shorter than 1/N epoch): the Trainer's
     own once an epoch."""
     t = o.training
-    for count, strategy, steps in (("evals_per_epoch", "eval_strategy", "eval_steps"),
-                                   ("saves_per_epoch", "save_strategy", "save_steps")):
+    for count, strategy, steps in PER_EPOCH_COUNTS:
         per_epoch = getattr(t, count)
         if per_epoch <= 0:
             continue

@@ -110,7 +110,7 @@ def chunked_causal_lm_loss(hidden: torch.Tensor, lm_head: torch.nn.Module, label
             total = FrozenHeadCrossEntropy.apply(states, *frozen, targets, chunk_tokens)
         else:
             total = hidden.new_zeros((), dtype=torch.float32)
-            for _, chunk_states, chunk_targets in padded_chunks(states, targets, chunk_tokens):
+            for *_, chunk_states, chunk_targets in padded_chunks(states, targets, chunk_tokens):
                 total = total + checkpoint(_chunk_loss, lm_head, chunk_states, chunk_targets, use_reentrant=False)
     return per_item(total, targets.numel(), num_items_in_batch)
 
@@ -141,9 +141,9 @@ def gathered_head(lm_head: torch.nn.Module):
 
 
 def padded_chunks(states: torch.Tensor, targets: torch.Tensor, chunk_tokens: int):
-    """-> (rows, states, targets) of each chunk of `chunk_tokens` rows, the last one padded with zero states and
-    IGNORE targets to the next quarter of `chunk_tokens` (the few shapes cuBLAS then sees: module docstring);
-    `rows`: the chunk's real rows, the first ones."""
+    """-> (start, rows, states, targets) of each chunk of `chunk_tokens` rows, the last one padded with zero states
+    and IGNORE targets to the next quarter of `chunk_tokens` (the few shapes cuBLAS then sees: module docstring);
+    `start`, `rows`: where the chunk's real rows (its first ones) begin in `states`, and how many."""
     step = max(chunk_tokens // 4, 1)
     for start in range(0, targets.numel(), chunk_tokens):
         chunk_states, chunk_targets = states[start:start + chunk_tokens], targets[start:start + chunk_tokens]
@@ -152,7 +152,7 @@ def padded_chunks(states: torch.Tensor, targets: torch.Tensor, chunk_tokens: int
         if padding:
             chunk_states = F.pad(chunk_states, (0, 0, 0, padding))
             chunk_targets = F.pad(chunk_targets, (0, padding), value=IGNORE)
-        yield rows, chunk_states, chunk_targets
+        yield start, rows, chunk_states, chunk_targets
 
 
 def _chunk_loss(lm_head: torch.nn.Module, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -169,14 +169,12 @@ class FrozenHeadCrossEntropy(torch.autograd.Function):
                 chunk_tokens: int) -> torch.Tensor:
         total = states.new_zeros((), dtype=torch.float32)
         grad_states = torch.empty_like(states)
-        start = 0
-        for rows, chunk_states, chunk_targets in padded_chunks(states, targets, chunk_tokens):
+        for start, rows, chunk_states, chunk_targets in padded_chunks(states, targets, chunk_tokens):
             loss, grad_logits = cross_entropy_and_grad(F.linear(chunk_states, weight, bias), chunk_targets)
             total = total + loss
             # what autograd computes for the same ops: the logits' gradient in their dtype times the weight (under
             # autocast the weight's cast), then cast to the states' dtype; the padding's rows (zeros) left out
             grad_states[start:start + rows] = (grad_logits @ weight.to(grad_logits.dtype))[:rows].to(states.dtype)
-            start += rows
         ctx.save_for_backward(grad_states)
         return total
 
