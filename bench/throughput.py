@@ -324,6 +324,11 @@ MATRIX += [
     Row("lora-best-default-none", "lora", micro_batch=8, mem_cap_gib=0, warmup=3, steps=RATIO_STEPS,
         args=("--lora_dropout", "0", "--fp8", "auto", "--compile_layers", "auto"), vs="trl-lora-best-mb4",
         timeout=420),
+    # ... with one down-projection matmul per adapter, as before 2026-12-07 18:30 UTC (sft/speed/
+    # shared_input_adapters.py: q/k/v's adapters, and gate/up's, read their one input in one matmul since)
+    Row("lora-best-default-none-unshared", "lora", micro_batch=8, mem_cap_gib=0, warmup=3, steps=RATIO_STEPS,
+        args=("--lora_dropout", "0", "--fp8", "auto", "--compile_layers", "auto"), vs="trl-lora-best-mb4",
+        env=(("SFT_SHARED_INPUT_ADAPTERS", "0"),), timeout=420),
     # ... with flex_attention instead of varlen (the faster attention on packed 2k rows at the median step in run
     # 20261206T1747Z, with Liger's loss: 2.7%) beside the loss in torch chunks: the two faster halves together
     *[Row(f"lora-best-default-flex{'-mb4' if mb == 4 else ''}", "lora", micro_batch=mb, grad_accum=8 // mb,

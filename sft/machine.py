@@ -96,6 +96,8 @@ class Launch:
     inductor_multi_kernel_set: bool = False       # TORCHINDUCTOR_MULTI_KERNEL: the user's, which --compile_layers keeps
     fp8_fast_accum: bool | None = None            # SFT_FP8_FAST_ACCUM=1/0; unset: fp8_fast_accum_on decides
     peft_input_cast: bool = False                 # SFT_PEFT_INPUT_CAST=1: keep peft's input casts (bench rows)
+    # SFT_SHARED_INPUT_ADAPTERS=0: compiled layers keep one down-projection matmul per adapter (bench rows)
+    shared_input_adapters: bool = True
     # SFT_TILED_MLP_LAYER_RECOMPUTE=1: a checkpointed eager layer's recompute runs its tiled MLP too (bench rows)
     tiled_mlp_layer_recompute: bool = False
     fp8_on_cpu: bool = False                      # SFT_FP8_ON_CPU=1: --fp8 on torch's CPU FP8 matmul (slow; tests)
@@ -219,6 +221,7 @@ def read_launch(env: Mapping[str, str] | None = None) -> Launch:
                   inductor_multi_kernel_set="TORCHINDUCTOR_MULTI_KERNEL" in env,
                   fp8_fast_accum={"1": True, "0": False}.get(env.get("SFT_FP8_FAST_ACCUM", "")),
                   peft_input_cast=env.get("SFT_PEFT_INPUT_CAST") == "1",
+                  shared_input_adapters=env.get("SFT_SHARED_INPUT_ADAPTERS", "1") != "0",
                   tiled_mlp_layer_recompute=env.get("SFT_TILED_MLP_LAYER_RECOMPUTE") == "1",
                   fp8_on_cpu=env.get("SFT_FP8_ON_CPU") == "1",
                   fsdp_qlora_check=env.get("SFT_FSDP_QLORA_CHECK") == "1",

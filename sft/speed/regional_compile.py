@@ -49,6 +49,7 @@ def compile_decoder_layers(model: nn.Module) -> int:
     on disk for later runs)."""
     from sft.machine import launch
     from sft.safety.private_names import INDUCTOR_MULTI_KERNEL, SKIP_SIDE_EFFECTS_IN_RECOMPUTE, expect
+    from sft.speed import shared_input_adapters
     from sft.speed.traced_param_lora import trace_param_lora
 
     layers = decoder_layers(model)
@@ -71,6 +72,8 @@ def compile_decoder_layers(model: nn.Module) -> int:
     if not launch().inductor_multi_kernel_set:
         expect(INDUCTOR_MULTI_KERNEL)
         torch._inductor.config.triton.multi_kernel = 1
+    if launch().shared_input_adapters:
+        shared_input_adapters.install()  # q/k/v's adapters (and gate/up's) down-project their one input in one matmul
     trace_param_lora(model)  # peft's parametrized LoRA on DeepSeek's MLP weights breaks the graph
     for layer in layers:
         layer.compile()  # shapes static at first; a second length makes them dynamic (one more compile)

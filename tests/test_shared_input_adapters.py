@@ -1,0 +1,109 @@
+"""sft/speed/shared_input_adapters.py: under --compile_layers, the LoRA down-projections that read one input (q/k/v,
+gate/up) run as one matmul, with the loss and gradients of the eager model; adapters with their own dropout, a
+user's own inductor pass and SFT_SHARED_INPUT_ADAPTERS=0 keep one matmul per adapter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch._inductor.config as inductor
+
+from conftest import tiny_config
+from sft.machine import read_launch
+from sft.speed import shared_input_adapters
+from test_regional_compile import loss_and_grads, packed_batch
+
+
+@pytest.fixture
+def fused(monkeypatch) -> list[int]:
+    """The matmuls each compiled graph lost to the pass; inductor's caches off, which would skip the pass on a hit."""
+    removed: list[int] = []
+    real = shared_input_adapters.share_inputs
+    monkeypatch.setattr(shared_input_adapters, "share_inputs", lambda graph: removed.append(real(graph)) or removed[-1])
+    with inductor.patch({"force_disable_caches": True, "pre_grad_custom_pass": None}):
+        torch._dynamo.reset()
+        yield removed
+    torch._dynamo.reset()
+
+
+def lora_llama(dropout: float):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("llama", vocab_size=300, num_hidden_layers=2))
+    lora = LoraConfig(r=4, target_modules="all-linear", lora_dropout=dropout, init_lora_weights=False)
+    return get_peft_model(model, lora).train()
+
+
+@pytest.mark.slow
+def test_adapters_reading_one_input_share_a_matmul_with_the_eager_models_numbers(fused):
+    from sft.speed.regional_compile import compile_decoder_layers
+
+    eager, compiled = lora_llama(0.0), lora_llama(0.0)
+    batch = packed_batch(300)
+    expected, expected_grads = loss_and_grads(eager, batch)
+    compile_decoder_layers(compiled)
+    got, grads = loss_and_grads(compiled, batch)
+    # each layer's graph (the first layer's and the other's): q/k/v's three down-projections become one (2 fewer),
+    # gate/up's two one (1 fewer); the final norm's graph has none
+    assert fused == [3, 3, 0], fused
+    assert got == pytest.approx(expected, rel=1e-5)
+    assert grads.keys() == expected_grads.keys() and any("lora_A" in n for n in grads)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_adapters_with_their_own_dropout_keep_their_own_matmuls(fused):
+    """Each adapter's dropout draws its own mask: their inputs differ, and nothing is shared."""
+    from sft.speed.regional_compile import compile_decoder_layers
+
+    model = lora_llama(0.1)
+    compile_decoder_layers(model)
+    loss_and_grads(model, packed_batch(300))
+    assert fused and set(fused) == {0}, fused
+
+
+def test_only_adapters_are_fused_not_narrow_or_frozen_or_biased_linears(fused):
+    """Two adapters (A then B) on one input share a matmul; a narrow projection with no up-projection after it (a
+    model's own k/v under grouped-query attention), a frozen A and a biased one are left as they are."""
+    F = torch.nn.functional
+
+    def weight(*shape, grad=True):
+        return torch.randn(*shape, requires_grad=grad)
+
+    a1, b1, a2, b2 = weight(4, 32), weight(16, 4), weight(4, 32), weight(16, 4)
+    narrow, frozen, b3, biased, b4, bias = weight(8, 32), weight(4, 32, grad=False), weight(16, 4), weight(4, 32), \
+        weight(16, 4), weight(4)
+
+    def f(x, a1, b1, a2, b2, narrow, frozen, b3, biased, b4):
+        return (F.linear(F.linear(x, a1), b1) * 2 + F.linear(F.linear(x, a2), b2) + F.linear(F.linear(x, frozen), b3)
+                + F.linear(F.linear(x, biased, bias), b4), F.linear(x, narrow))
+
+    x = torch.randn(3, 5, 32)
+    args = (a1, b1, a2, b2, narrow, frozen, b3, biased, b4)
+    expected = f(x, *args)
+    shared_input_adapters.install()
+    got = torch.compile(f, fullgraph=True)(x, *args)
+    assert fused == [1]  # a1 and a2 only
+    for want, mine in zip(expected, got):
+        torch.testing.assert_close(mine, want)
+    sum(t.sum() for t in got).backward()
+    assert all(w.grad is not None for w in args if w.requires_grad)
+
+
+def test_installed_by_compiled_layers_unless_turned_off_or_a_pass_of_the_users_is_set(monkeypatch):
+    from sft.speed.regional_compile import compile_decoder_layers
+
+    def installed(env: dict, users=None):
+        monkeypatch.setattr("sft.machine.launch", lambda: read_launch(env))
+        with inductor.patch({"pre_grad_custom_pass": users}):  # restored after
+            compile_decoder_layers(torch.nn.Linear(2, 2))  # no decoder layer: nothing compiled, the settings made
+            return inductor.pre_grad_custom_pass
+
+    assert isinstance(installed({}), shared_input_adapters.SharedInputAdapters)
+    assert installed({"SFT_SHARED_INPUT_ADAPTERS": "0"}) is None
+    def users(graph):
+        pass
+
+    assert installed({}, users) is users
