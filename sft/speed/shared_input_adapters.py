@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import operator
 from collections import defaultdict
+from collections.abc import Hashable
 
 import torch
 from torch import fx
@@ -54,16 +55,26 @@ def down_projection(node: fx.Node) -> torch.dtype | None:
     return a.dtype if b is not None and b.shape[1] == a.shape[0] else None
 
 
+def same_input(x: fx.Node) -> Hashable:
+    """What the input is: the node, or for a cast `x.to(dtype)` the cast's source and arguments. Adapters that
+    cast their input each (sft/speed/traced_param_lora.py, as peft does) read one input through casts of their own."""
+    if x.op == "call_method" and x.target == "to" and all(isinstance(a, Hashable) for a in x.args):
+        return "to", x.args, tuple(sorted(x.kwargs.items()))
+    return x
+
+
 def share_inputs(graph: fx.Graph) -> int:
     """Fuse the down-projections that read one input; -> how many matmuls were removed."""
-    by_input: dict[tuple[fx.Node, torch.dtype], list[fx.Node]] = defaultdict(list)
+    by_input: dict[tuple[Hashable, torch.dtype], list[fx.Node]] = defaultdict(list)
     for node in graph.nodes:
         if (dtype := down_projection(node)) is not None:
-            by_input[node.args[0], dtype].append(node)
+            by_input[same_input(node.args[0]), dtype].append(node)
     removed = 0
-    for (x, _), nodes in by_input.items():
+    for nodes in by_input.values():
         if len(nodes) < 2:
             continue
+        x = nodes[0].args[0]  # defined before the first down-projection, which comes first in the graph
+        others = {node.args[0] for node in nodes} - {x}  # the other casts, unused once their matmuls are gone
         weights = [node.args[1] for node in nodes]
         ranks = [w.meta["example_value"].shape[0] for w in weights]
         with graph.inserting_before(nodes[0]):  # weights are placeholders and x comes first: all defined here
@@ -74,6 +85,9 @@ def share_inputs(graph: fx.Graph) -> int:
                 node.replace_all_uses_with(graph.call_function(operator.getitem, (parts, i)))
         for node in nodes:
             graph.erase_node(node)
+        for cast in others:
+            if not cast.users:
+                graph.erase_node(cast)
         removed += len(nodes) - 1
     return removed
 
