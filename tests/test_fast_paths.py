@@ -29,10 +29,21 @@ def fast_path_notes(m) -> tuple[str, ...]:
 
 
 def test_a_lora_run_on_an_fp8_gpu_gets_both_and_the_first_screen_says_how_to_turn_each_off():
-    m = settled(gpu(), "--lora")
+    m = settled(gpu(), "--lora", "--lora_dropout", "0")
     assert m.fp8_on and m.compile_layers_on
     assert fast_path_notes(m) == ("compiled layers on (--compile_layers false turns them off)",
                                   "FP8 on (compute capability 8.9; --fp8 false turns it off)")
+
+
+def test_a_lora_dropout_is_said_to_keep_the_adapters_down_projections_apart():
+    """Each adapter's dropout draws its own mask, so the compiled layers cannot share q/k/v's (gate/up's)
+    down-projection matmul (sft/speed/shared_input_adapters.py): the first screen says what 0 would give."""
+    dropout = fast_path_notes(settled(gpu(), "--lora"))[0]  # the default 0.05
+    assert dropout == ("compiled layers on (--compile_layers false turns them off); under --lora_dropout 0.05 each "
+                       "adapter keeps its own down-projection matmul (0 lets q/k/v's and gate/up's share one: 1.03x a "
+                       "7B LoRA step)")
+    off = settled(gpu(shared_input_adapters=False), "--lora")  # SFT_SHARED_INPUT_ADAPTERS=0: nothing to say
+    assert fast_path_notes(off)[0] == "compiled layers on (--compile_layers false turns them off)"
 
 
 def test_fp8_s_forward_accumulates_fast_on_hopper_unless_asked_not_to_and_the_first_screen_says_so():
@@ -135,7 +146,8 @@ def test_the_first_screen_says_what_was_chosen():
                         dtype="bfloat16", adapter_dtype=None, mixed_precision="bf16", lora_rank=8, processes=1,
                         strategy="no parallelism", devices="1 GPU", per_device_batch=1, grad_accum=1, data_parallel=1,
                         mean_row_tokens=None, max_steps=1, epochs=None, resume_step=0, output_dir="out", saves="none",
-                        tensorboard=None, speed=settled(gpu(), "--lora", "--packing").speed_choices)
+                        tensorboard=None,
+                        speed=settled(gpu(), "--lora", "--lora_dropout", "0", "--packing").speed_choices)
     lines = text.splitlines()
     at = lines.index("  speed        compiled layers on (--compile_layers false turns them off)")
     assert lines[at + 1:at + 4] == [

@@ -157,7 +157,7 @@ def fast_paths_where_supported(o: Options, m: Machine) -> None:
         md.compile_layers = "false" if why else "true"
         if m.cuda:
             notes.append(f"compiled layers off ({why})" if why else
-                         "compiled layers on (--compile_layers false turns them off)")
+                         "compiled layers on (--compile_layers false turns them off)" + shared_adapters_note(o, m))
     if md.fp8 == "auto":
         why = "no GPU" if not m.cuda else m.fp8_problem() or _refusal(fp8_combinations, o, m, "fp8") or _refusal(
             fp8_base_needs, o, m, "fp8") or full_fp8_unmeasured(o) or resident_fp8_unmeasured(o)
@@ -175,6 +175,16 @@ def fast_accum_note(o: Options, m: Machine) -> str:
         return ""
     if fp8_fast_accum_on(m.launch.fp8_fast_accum, min(m.gpu_capabilities)):
         return ", its forward matmuls accumulating fast (SFT_FP8_FAST_ACCUM=0 keeps cuBLAS's fp32 promotion)"
+    return ""
+
+
+def shared_adapters_note(o: Options, m: Machine) -> str:
+    """What the first screen says of the compiled layers' shared down-projections (sft/speed/shared_input_adapters.py):
+    only where a LoRA dropout keeps each adapter's input its own, and so the sharing off."""
+    dropout = getattr(o.lora, "lora_dropout", 0)  # the planner's options name none: its plans set no dropout
+    if o.lora.lora and dropout > 0 and m.launch.shared_input_adapters:
+        return (f"; under --lora_dropout {dropout:g} each adapter keeps its own down-projection matmul "
+                "(0 lets q/k/v's and gate/up's share one: 1.03x a 7B LoRA step)")
     return ""
 
 
