@@ -101,6 +101,12 @@ SKIP_SIDE_EFFECTS_IN_RECOMPUTE = PrivateName("torch", "torch._dynamo.config",
 # --compile_layers (sft/speed/regional_compile.py): inductor's multi-kernel reductions, set unless the user set them.
 INDUCTOR_MULTI_KERNEL = PrivateName("torch", "torch._inductor.config", "triton.multi_kernel", None, TESTED_TORCH,
                                     "--compile_layers: persistent row reductions benchmarked against looped ones")
+# --compile_layers (sft/speed/shared_input_adapters.py): the pass that lets the adapters reading one input share one
+# matmul, set unless a pass of the user's own is there; its base class keys inductor's cache by the pass's uuid.
+PRE_GRAD_CUSTOM_PASS = PrivateName("torch", "torch._inductor.config", "pre_grad_custom_pass", None, TESTED_TORCH,
+                                   "--compile_layers: the LoRA adapters that read one input sharing one matmul")
+CUSTOM_GRAPH_PASS = PrivateName("torch", "torch._inductor.custom_graph_pass", "CustomGraphPass.uuid", ("self",),
+                                TESTED_TORCH, "--compile_layers: the LoRA adapters that read one input sharing one matmul")
 # Read, not patched, but a rename would change what we decide in silence.
 HF_DEEPSPEED_CONFIG = PrivateName("transformers", "transformers.integrations.deepspeed", "_hf_deepspeed_config_weak_ref",
                                   None, TESTED_TRANSFORMERS, "loading a whole model for verification under ZeRO-3")
@@ -146,7 +152,8 @@ PRIVATE_NAMES = (CLIP_GRAD_NORM, GET_GRAD_NORM, SAVE_CHECKPOINT, LOAD_FROM_CHECK
                  SAVE_RNG_STATE,
                  PEFT_INPUT_CAST, PEFT_CUSTOM_MODULES, GROUPED_LINEAR, ACCELERATE_ORIGINAL_FORWARD, TORCHAO_ADAM_LOAD,
                  TORCHAO_SUBCLASS_ZEROS, TORCHAO_SINGLE_PARAM_ADAM, DTENSOR_CACHE_KEY, DUCK_SHAPE,
-                 SKIP_SIDE_EFFECTS_IN_RECOMPUTE, INDUCTOR_MULTI_KERNEL, HF_DEEPSPEED_CONFIG, FSDP_STATE, DDP_IGNORE,
+                 SKIP_SIDE_EFFECTS_IN_RECOMPUTE, INDUCTOR_MULTI_KERNEL, PRE_GRAD_CUSTOM_PASS, CUSTOM_GRAPH_PASS,
+                 HF_DEEPSPEED_CONFIG, FSDP_STATE, DDP_IGNORE,
                  CONVERSION_MAPPING,
                  TENSOR_VERSION, TENSOR_BASE, TRACK_NUM_INPUT_TOKENS, QUANTIZER_BEFORE_LOADING,
                  QUANTIZER_AFTER_LOADING, PACKED_MASK, COMPILED_CALL)

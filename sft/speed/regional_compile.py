@@ -48,8 +48,7 @@ def compile_decoder_layers(model: nn.Module) -> int:
     many. The compile itself happens at the first forward (the first step is slower; inductor caches the kernels
     on disk for later runs)."""
     from sft.machine import launch
-    from sft.safety.private_names import INDUCTOR_MULTI_KERNEL, SKIP_SIDE_EFFECTS_IN_RECOMPUTE, expect
-    from sft.speed import shared_input_adapters
+    from sft.safety.private_names import CUSTOM_GRAPH_PASS, INDUCTOR_MULTI_KERNEL, SKIP_SIDE_EFFECTS_IN_RECOMPUTE, expect
     from sft.speed.traced_param_lora import trace_param_lora
 
     layers = decoder_layers(model)
@@ -73,6 +72,9 @@ def compile_decoder_layers(model: nn.Module) -> int:
         expect(INDUCTOR_MULTI_KERNEL)
         torch._inductor.config.triton.multi_kernel = 1
     if launch().shared_input_adapters:
+        expect(CUSTOM_GRAPH_PASS)  # before the import: it subclasses the class
+        from sft.speed import shared_input_adapters
+
         shared_input_adapters.install()  # q/k/v's adapters (and gate/up's) down-project their one input in one matmul
     trace_param_lora(model)  # peft's parametrized LoRA on DeepSeek's MLP weights breaks the graph
     for layer in layers:

@@ -9,8 +9,9 @@ results): one read of x each way and one input gradient. What each adapter compu
 rounding of bf16 sums (the input gradient is summed inside one matmul instead of after three); its parameters,
 state dict and saved adapter are peft's own.
 
-An inductor graph pass (torch._inductor.config.pre_grad_custom_pass, inductor's public hook for passes of one's own
-on the graph before autograd is traced), so the backward follows from autograd; eager runs are untouched.
+An inductor graph pass (`torch._inductor.config.pre_grad_custom_pass`, inductor's hook for passes of one's own on the
+graph before autograd is traced; checked as a private name, sft/safety/private_names.py), so the backward follows
+from autograd; eager runs are untouched.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import torch
 from torch import fx
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
-LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
+from sft.safety.private_names import PRE_GRAD_CUSTOM_PASS, expect
+
+LINEAR = torch.nn.functional.linear  # what dynamo records for nn.Linear's forward too
 MAX_RANK = 256  # a weight of at most this many rows, and fewer than its columns: an adapter's down-projection
 
 
@@ -36,7 +39,7 @@ def _low_rank_weight(node: object) -> torch.Tensor | None:
 
 
 def _bias_free_linear(node: fx.Node) -> bool:
-    return (node.op == "call_function" and node.target in LINEAR and len(node.args) >= 2
+    return (node.op == "call_function" and node.target is LINEAR and len(node.args) >= 2
             and (node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")) is None)
 
 
@@ -79,7 +82,7 @@ def share_inputs(graph: fx.Graph) -> int:
         ranks = [w.meta["example_value"].shape[0] for w in weights]
         with graph.inserting_before(nodes[0]):  # weights are placeholders and x comes first: all defined here
             stacked = graph.call_function(torch.cat, (weights,), {"dim": 0})
-            fused = graph.call_function(torch._C._nn.linear, (x, stacked))
+            fused = graph.call_function(LINEAR, (x, stacked))
             parts = graph.call_function(torch.split, (fused, ranks), {"dim": -1})
             for i, node in enumerate(nodes):
                 node.replace_all_uses_with(graph.call_function(operator.getitem, (parts, i)))
@@ -105,7 +108,7 @@ class SharedInputAdapters(CustomGraphPass):
 def install() -> bool:
     """Set the pass on inductor's config for the compiles that follow; -> False (nothing set) where a pass of the
     user's own is set there: theirs is kept."""
-    current = torch._inductor.config.pre_grad_custom_pass
+    current = expect(PRE_GRAD_CUSTOM_PASS)
     if current is not None and not isinstance(current, SharedInputAdapters):
         return False
     torch._inductor.config.pre_grad_custom_pass = SharedInputAdapters()
