@@ -256,6 +256,19 @@ def test_cli_help_is_one_screen_and_bad_options_one_line():
     assert out.returncode == 0 and "Recommended: accelerate launch" in out.stdout
 
 
+def test_the_planner_imports_neither_torch_nor_transformers():
+    """A plan is arithmetic on shapes and rows: `deepseek-sft plan` answers in a fraction of a second. Importing
+    transformers' trainer_utils (torch, peft, ...) made every plan, --help and bad option take ~7 s of CPU."""
+    code = ("import runpy, sys\nsys.argv = ['planner', '--model', 'deepseek-llm-7b', '--gpus', '3', '--lora']\n"
+            "try:\n    runpy.run_module('sft.plan.planner', run_name='__main__')\nexcept SystemExit as e:\n"
+            "    assert not e.code, e.code\n")
+    code += "print(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'transformers', 'peft', 'datasets'}))"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0 and "Recommended: accelerate launch" in out.stdout, out.stderr[-2000:]
+    assert out.stdout.splitlines()[-1] == "[]", out.stdout.splitlines()[-1]
+
+
 def test_plan_auto_through_the_command_line():
     """`--plan auto` is parsed, fills only what the user left out, and on a machine without GPUs sets nothing."""
     from sft.machine import machine

@@ -17,8 +17,6 @@ import math
 import time
 from collections.abc import Callable
 
-from transformers.trainer_utils import IntervalStrategy
-
 from sft.errors import ConfigError
 from sft.machine import Machine, fp8_fast_accum_on
 from sft.options.checks import (NEW_RUN_DIR, PER_EPOCH_COUNTS, PICKED_NEW, PICKED_NEWEST, PICKED_NOTHING,
@@ -181,7 +179,7 @@ def fast_accum_note(o: Options, m: Machine) -> str:
 def shared_adapters_note(o: Options, m: Machine) -> str:
     """What the first screen says of the compiled layers' shared down-projections (sft/speed/shared_input_adapters.py):
     only where a LoRA dropout keeps each adapter's input its own, and so the sharing off."""
-    dropout = getattr(o.lora, "lora_dropout", 0)  # the planner's options name none: its plans set no dropout
+    dropout = o.lora.lora_dropout
     if o.lora.lora and dropout > 0 and m.launch.shared_input_adapters:
         return (f"; under --lora_dropout {dropout:g} each adapter keeps its own down-projection matmul "
                 "(0 lets q/k/v's and gate/up's share one: 1.03x a 7B LoRA step)")
@@ -397,6 +395,10 @@ def per_epoch_counts_as_steps(o: Options, m: Machine) -> None:
     save_steps as a fraction of the run's steps (a value below 1 is one), 1/(N x epochs), which the Trainer makes
     ceil(steps of an epoch / N) steps once it knows them. N = 1 (or a run shorter than 1/N epoch): the Trainer's
     own once an epoch."""
+    # Here, not at the top: the planner imports this module, and transformers' trainer_utils imports torch and peft
+    # (~6 s of CPU that `deepseek-sft plan` needs nowhere else); a run has them loaded by now.
+    from transformers.trainer_utils import IntervalStrategy
+
     t = o.training
     for count, strategy, steps in PER_EPOCH_COUNTS:
         per_epoch = getattr(t, count)

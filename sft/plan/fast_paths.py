@@ -134,8 +134,9 @@ AWAITING_CHECKS = (qlora_under_fsdp_awaits_its_gpu_run,)
 
 
 def plain_lora(method: str) -> SimpleNamespace:
-    """The LoRA options of a planned `method`: the planner plans plain LoRA (no DoRA)."""
-    return SimpleNamespace(lora=method != "full", qlora=method == "qlora", use_dora=False)
+    """The LoRA options of a planned `method`: the planner plans plain LoRA (no DoRA), and its commands set
+    --lora_dropout 0 (sft/plan/plan_text.py)."""
+    return SimpleNamespace(lora=method != "full", qlora=method == "qlora", use_dora=False, lora_dropout=0.0)
 
 
 @functools.lru_cache(maxsize=None)

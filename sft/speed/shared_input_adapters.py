@@ -105,11 +105,9 @@ class SharedInputAdapters(CustomGraphPass):
         return get_hash_for_files((__file__,))
 
 
-def install() -> bool:
-    """Set the pass on inductor's config for the compiles that follow; -> False (nothing set) where a pass of the
-    user's own is set there: theirs is kept."""
+def install() -> None:
+    """Set the pass on inductor's config for the compiles that follow, unless a pass of the user's own is set
+    there: theirs is kept."""
     current = expect(PRE_GRAD_CUSTOM_PASS)
-    if current is not None and not isinstance(current, SharedInputAdapters):
-        return False
-    torch._inductor.config.pre_grad_custom_pass = SharedInputAdapters()
-    return True
+    if current is None or isinstance(current, SharedInputAdapters):
+        torch._inductor.config.pre_grad_custom_pass = SharedInputAdapters()
