@@ -34,7 +34,7 @@ from transformers import set_seed
 
 from sft.report.callbacks import RunOverview, ThroughputCallback, flops_per_token, peak_flops
 from sft.report.progress import FirstStepWait, LastStepLogged, what_compiles
-from sft.safety.checkpoints import (CompleteRunCheck, ReachedEnd, check_resume_matches, checkpoint_callback,
+from sft.safety.checkpoints import (ReachedEnd, check_resume_matches, checkpoint_callback, complete_run_check,
                              complete_run_message, newest_complete, out_of_space, resolve_resume, run_is_finished,
                              save_final)
 from sft.options.command import command_with
@@ -256,7 +256,7 @@ def train(run: Run, seams: Seams) -> int:
         FreezeLongLivedObjects(),  # after the first step: no full garbage collection walks the compiled graphs
         *seams.callbacks,
         checkpoint_callback(verifier),  # verified, complete-marked, rotated checkpoints
-        CompleteRunCheck(),  # a resumed run already at its last step trains no step past it
+        complete_run_check(),  # a resumed run already at its last step trains no step past it
         guard,
         *([LossSpikeLogger(training_args.loss_spike_factor)] if training_args.loss_spike_factor > 0 else []),
         *early_stopping(training_args),  # --early_stopping_patience: stop when evaluations stop improving

@@ -140,6 +140,24 @@ def test_chat_and_merge_say_what_a_directory_is_instead_of_a_traceback(trained_a
 
 
 
+def test_a_wrong_directory_is_said_before_torch_loads(tmp_path):
+    """`deepseek-sft chat` / `merge` on a path that is no run: the error line in about a second, not after the
+    ~7 s that importing torch, transformers' models and peft takes."""
+    import os
+    import subprocess
+    import sys
+
+    missing = str(tmp_path / "missing")
+    for tool, argv in (("chat", [missing]), ("merge", [missing, str(tmp_path / "m")])):
+        code = (f"import runpy, sys\nsys.argv = ['{tool}', *{argv!r}]\ntry:\n"
+                f"    runpy.run_module('sft.tools.{tool}', run_name='__main__')\nexcept SystemExit as e:\n"
+                "    print('exit', e.code)\nprint(sorted({m.split('.')[0] for m in sys.modules} & {'torch', 'peft'}))")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                             env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert out.stdout.splitlines() == ["exit 2", "[]"], (out.stdout, out.stderr[-2000:])
+        assert out.stderr.startswith("error: ") and "no such directory" in out.stderr, out.stderr[-2000:]
+
+
 def test_ctrl_c_in_merge_and_data_leaves_nothing_half_written(trained_adapter, tiny_llama, tmp_path, capsys,
                                                                monkeypatch):
     # was: a KeyboardInterrupt traceback, and merge left a half-written model that looked like a merged one

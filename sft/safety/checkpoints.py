@@ -34,8 +34,6 @@ import shutil
 import time
 from pathlib import Path
 
-from transformers import TrainerCallback
-
 from sft.errors import ConfigError, NothingToDo, OutOfSpaceError
 from sft.options.checks import PICKED_NEWEST, PICKED_NOTHING
 from sft.options.command import command_with
@@ -417,17 +415,6 @@ class ReachedEnd(Exception):
         self.step = step
 
 
-class CompleteRunCheck(TrainerCallback):
-    """A resumed checkpoint that already reached this run's length (known exactly only once the Trainer has counted
-    the steps of --num_train_epochs) ends train() before its first step, the checkpoint's weights loaded: the
-    Trainer would train one step past the end. train.py then says there is nothing to do, or, when the final save
-    was interrupted, writes the final model from those weights."""
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        if state.global_step and state.global_step >= state.max_steps:
-            raise ReachedEnd(state.global_step)
-
-
 def run_is_finished(output_dir: str | Path) -> bool:
     return (Path(output_dir) / FINAL_MARKER).exists()
 
@@ -438,6 +425,21 @@ def _barrier() -> None:
     from accelerate import PartialState
 
     PartialState().wait_for_everyone()
+
+
+def complete_run_check():
+    """The Trainer callback by which a resumed checkpoint that already reached this run's length (known exactly only
+    once the Trainer has counted the steps of --num_train_epochs) ends train() before its first step, the
+    checkpoint's weights loaded: the Trainer would train one step past the end. train.py then says there is nothing
+    to do, or, when the final save was interrupted, writes the final model from those weights."""
+    from transformers import TrainerCallback
+
+    class CompleteRunCheck(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            if state.global_step and state.global_step >= state.max_steps:
+                raise ReachedEnd(state.global_step)
+
+    return CompleteRunCheck()
 
 
 def checkpoint_callback(verifier=None):

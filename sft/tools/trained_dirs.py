@@ -14,8 +14,6 @@ from sft.safety.run_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 def check_trained_dir(path: Path, adapter_only: bool = False) -> None:
     """A saved model or LoRA adapter (`adapter_only`: an adapter) whose base loads; else a UserFacingError that says
     what `path` is and what to give instead."""
-    from sft.model.loading import resolve_model_path  # (imports transformers: only when asked)
-
     adapter, config = read_json_object(path / ADAPTER_CONFIG), read_json_object(path / "config.json")
     if adapter is None and (adapter_only or config is None):
         files = (ADAPTER_CONFIG,) if adapter_only else (ADAPTER_CONFIG, "config.json")
@@ -39,6 +37,8 @@ def check_trained_dir(path: Path, adapter_only: bool = False) -> None:
         if not base:
             raise ConfigError(f"{where} names no base model (base_model_name_or_path): set it to the base's "
                               f"directory or hub id.")
+        from sft.model.loading import resolve_model_path  # here: it imports torch and peft (~6 s)
+
         try:
             resolve_model_path(str(base), "its base model")
         except ModelNotFoundError as e:
