@@ -434,10 +434,10 @@ def _half_up(value: float) -> int:
 def test_the_readme_speed_table_quotes_rows_of_results_jsonl():
     """Every tok/s figure and ratio of the README's speed table is a row of bench/results.jsonl of the run the table
     names: ours (peer ours) against TRL's row of the same run (peer trl, the one ours names in `vs`), the same
-    model, row length, method and micro-batch, the ratio theirs, each with its cold_cache and nvidia-smi memory
-    (a row said to be a cold first run has cold_cache true); and each run is in RESULTS.md's table of the docs'
-    numbers, named for the README. TRL's row may split the same rows per optimizer step otherwise (on an 80 GB H100
-    its best fits 4 x 2 where ours runs 8 x 1)."""
+    model, row length, method and rows per optimizer step, the ratio theirs, each with its cold_cache and
+    nvidia-smi memory (a row said to be a cold first run has cold_cache true); and each run is in RESULTS.md's table
+    of the docs' numbers, named for the README. TRL's row may split those rows otherwise (on an 80 GB H100 its best
+    fits 4 x 2 where ours runs 8 x 1)."""
     rows = [json.loads(line) for line in (REPO / "bench" / "results.jsonl").read_text().splitlines() if line.strip()]
     docs_runs = [row for row in _section_table((REPO / "bench" / "RESULTS.md").read_text(),
                                                "## The docs' numbers and their runs") if "README.md" in row[1]]

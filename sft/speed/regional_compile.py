@@ -48,7 +48,8 @@ def compile_decoder_layers(model: nn.Module) -> int:
     many. The compile itself happens at the first forward (the first step is slower; inductor caches the kernels
     on disk for later runs)."""
     from sft.machine import launch
-    from sft.safety.private_names import CUSTOM_GRAPH_PASS, INDUCTOR_MULTI_KERNEL, SKIP_SIDE_EFFECTS_IN_RECOMPUTE, expect
+    from sft.safety.private_names import (CUSTOM_GRAPH_PASS, INDUCTOR_MULTI_KERNEL, SKIP_SIDE_EFFECTS_IN_RECOMPUTE,
+                                          expect)
     from sft.speed.traced_param_lora import trace_param_lora
 
     layers = decoder_layers(model)
