@@ -252,6 +252,8 @@ def test_cli_help_is_one_screen_and_bad_options_one_line():
                 ["--model", "deepseek-llm-7b", "--lora", "--qlora"]):
         out = run(*bad)
         assert out.returncode == 2 and out.stderr.startswith("error:") and len(out.stderr.splitlines()) == 1, bad
+    out = run("--modle", "deepseek-llm-7b", "--lroa")  # misspelt: the closest options, as train.py says them
+    assert "did you mean --model (for --modle), --lora (for --lroa)?" in out.stderr, out.stderr
     out = run("--model", "deepseek-llm-7b", "--lora")
     assert out.returncode == 0 and "Recommended: accelerate launch" in out.stdout
 

@@ -20,8 +20,10 @@ of the same libraries still show.
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
 import os
+import re
 import shlex
 import shutil
 import sys
@@ -224,8 +226,17 @@ def closing_lines(output_dir: str, lora: bool, tensorboard: str | None, prompt: 
 
 
 class ToolParser(argparse.ArgumentParser):
-    """argparse for the user tools (sft.tools.chat, sft.tools.merge, sft.plan.planner): an error is one line and exit code 2, not a
-    usage block."""
+    """argparse for the user tools (sft.tools.chat, sft.tools.merge, sft.plan.planner): an error is one line and exit
+    code 2, not a usage block; a misspelt option gets a "did you mean", as train.py's do."""
 
     def error(self, message: str):
-        self.exit(2, f"error: {message} ({self.prog} --help)\n")
+        self.exit(2, f"error: {message}{self.did_you_mean(message)} ({self.prog} --help)\n")
+
+    def did_you_mean(self, message: str) -> str:
+        """'; did you mean --model (for --modle)?' for argparse's `unrecognized arguments: ...`; else ''."""
+        if not message.startswith("unrecognized arguments:"):
+            return ""
+        known = sorted(set(re.findall(r"--[\w-]+", self.format_usage())))  # the usage line names every option
+        guesses = [(close[0], word) for word in message.split(":", 1)[1].split() if word.startswith("--")
+                   for close in [difflib.get_close_matches(word.split("=")[0], known, n=1)] if close]
+        return "; did you mean " + ", ".join(f"{ours} (for {theirs})" for ours, theirs in guesses) + "?" if guesses else ""
