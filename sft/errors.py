@@ -64,6 +64,12 @@ class NonFiniteError(UserFacingError, RuntimeError):
     exit_code = 1
 
 
+class LossBrokeDown(UserFacingError, RuntimeError):
+    """The logged loss stayed above --loss_watchdog_threshold for --loss_watchdog_patience logs in a row."""
+
+    exit_code = 1
+
+
 class SaveMismatchError(UserFacingError, RuntimeError):
     """The saved model does not reproduce the in-memory model."""
 

@@ -51,7 +51,7 @@ from sft.errors import ConfigError, ModelNotFoundError, NothingToDo, UserFacingE
 from sft.parallel.fsdp import consolidate_fsdp_saves, fsdp_callbacks, hand_over_to_fsdp
 from sft.safety.early_stopping import early_stopping
 from sft.parallel.expert_parallel import autoep_block, check_expert_parallel
-from sft.safety.guards import LossSpikeLogger, NonFiniteGuard
+from sft.safety.guards import LossSpikeLogger, LossWatchdog, NonFiniteGuard
 from sft.safety.hub_push import check_hub_push, push_final
 from sft.safety.interrupts import (SIGTERM_MARK, end_with_launcher, exit_code, ignore_further_interrupts,
                                    launcher_gone, leave_now, signal_name, stop_on_sigterm, tell_user)
@@ -259,6 +259,11 @@ def train(run: Run, seams: Seams) -> int:
         complete_run_check(),  # a resumed run already at its last step trains no step past it
         guard,
         *([LossSpikeLogger(training_args.loss_spike_factor)] if training_args.loss_spike_factor > 0 else []),
+        *([LossWatchdog(training_args.loss_watchdog_threshold, training_args.loss_watchdog_patience,
+                        partial(newest_complete, training_args.output_dir),
+                        lambda checkpoint: command_with(run.argv, resume_from_checkpoint=str(checkpoint),
+                                                        output_dir=training_args.output_dir))]
+          if training_args.loss_watchdog_threshold > 0 else []),  # a loss that broke down stops the run
         *early_stopping(training_args),  # --early_stopping_patience: stop when evaluations stop improving
         *([PartialCheckpointing(skip)] if skip else []),
         *([MoeLoadLogger(balance)] if balance else []),  # MoE: aux loss, tokens per expert, imbalance

@@ -112,6 +112,8 @@ def test_our_options():
     assert "use stop or skip" in refused("--nan_policy", "ignore")
     assert "above 1" in refused("--loss_spike_factor", "0.5")
     parse("--loss_spike_factor", "0")
+    assert "or 0 to turn the watchdog off" in refused("--loss_watchdog_threshold", "-1")
+    assert "1 or more" in refused("--loss_watchdog_threshold", "5", "--loss_watchdog_patience", "0")
 
 
 def test_an_optimizer_typo_names_the_optimizers_not_bf16():

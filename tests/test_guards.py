@@ -1,5 +1,6 @@
 """Guards: a NaN/inf loss or gradient stops the run before the weights change (keeping the last good checkpoint)
-or skips the step; loss spikes are warned about and counted in TensorBoard."""
+or skips the step; loss spikes are warned about and counted in TensorBoard; a loss that stays too high (Axolotl's
+loss watchdog) stops the run and names the checkpoint from before the rise."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from transformers import TrainerCallback
 from conftest import REPO, tensorboard_scalars
 from sft.safety.checkpoints import checkpoint_dirs, is_complete, newest_complete
 from sft.safety.run_dir import FINAL_MARKER
-from sft.safety.guards import LossSpikeLogger, NonFiniteError, NonFiniteGuard
+from sft.errors import LossBrokeDown
+from sft.safety.guards import LossSpikeLogger, LossWatchdog, NonFiniteError, NonFiniteGuard
 from sft.speed.sr_adamw import AdamWBf16SR
 
 
@@ -36,6 +38,18 @@ class PoisonWeight(TrainerCallback):
         if state.global_step == self.at:
             with torch.no_grad():
                 next(p for p in model.parameters() if p.dim() == 2)[0, 0] = float("nan")
+
+
+class BlowUpHead(TrainerCallback):
+    """Test-only: after step `at`, the LM head's weights x `factor`: the loss jumps (finite) and stays high."""
+
+    def __init__(self, at: int, factor: float = 100.0):
+        self.at, self.factor = at, factor
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == self.at:
+            with torch.no_grad():
+                model.get_output_embeddings().weight.mul_(self.factor)
 
 
 class PoisonGradient(TrainerCallback):
@@ -267,3 +281,55 @@ def test_loss_spike_is_warned_and_counted(caplog):
         counts.append(logs.get("loss_spikes"))
     assert counts == [0, 0, 0, 0, 1, 1, None]
     assert spikes.spikes == 1
+
+
+def test_the_loss_watchdog_counts_logs_in_a_row_and_names_the_checkpoint_before_the_rise():
+    """A log at or under the threshold starts the count again; checkpoint-N holds the weights of step N+1's loss, so
+    the last good log at step G vouches for checkpoints up to G - 1."""
+    asked = []
+
+    def checkpoint_up_to(step):
+        asked.append(step)
+        return Path(f"run/checkpoint-{step}")
+
+    watchdog = LossWatchdog(threshold=5.0, patience=3, checkpoint_up_to=checkpoint_up_to,
+                            resume_command=lambda c: f"resume {c}")
+    for step, loss in enumerate((4.0, 6.0, 7.0, 4.5, 6.0, 8.0, math.nan), start=1):  # a NaN is the guard's
+        watchdog.on_log(None, SimpleNamespace(global_step=step), None, logs={"loss": loss})
+    watchdog.on_log(None, SimpleNamespace(global_step=8), None, logs={"eval_loss": 99.0})  # an evaluation's
+    with pytest.raises(LossBrokeDown) as stopped:
+        watchdog.on_log(None, SimpleNamespace(global_step=9), None, logs={"loss": 9.0})
+    message = str(stopped.value)
+    assert message.startswith("step 9: the logged loss stayed above --loss_watchdog_threshold 5 for 3 logs in a "
+                              "row (6, 8, 9, from step 5)"), message
+    assert asked == [3] and "resume run/checkpoint-3" in message and "no final save" in message
+    early = LossWatchdog(threshold=5.0, patience=1, checkpoint_up_to=checkpoint_up_to, resume_command=str)
+    with pytest.raises(LossBrokeDown, match="No checkpoint was saved before it rose"):
+        early.on_log(None, SimpleNamespace(global_step=1), None, logs={"loss": 6.0})  # over from the first log
+
+
+@pytest.mark.slow
+def test_a_loss_that_breaks_down_stops_the_run_and_its_resume_command_trains_from_before_the_rise(tmp_path, tiny_llama,
+                                                                                               capsys):
+    """Axolotl's option names, from a recipe: the LM head blown up after step 3 makes steps 4 and 5 log a high
+    (finite) loss; the run stops at step 5 with exit code 1 and no final save, naming checkpoint-2 (checkpoint-4
+    was saved after the rise), and the command it prints resumes from there to a finished run."""
+    import shlex
+
+    from sft.train import main
+
+    out = tmp_path / "run"
+    recipe = tmp_path / "axolotl.yaml"
+    recipe.write_text("loss_watchdog_threshold: 20.0\nloss_watchdog_patience: 2\n")
+    args = run_args(tiny_llama, out, tmp_path / "cache", "--report_to", "none", "--config", str(recipe))
+    assert main(args, callbacks=[BlowUpHead(at=3)]) == 1
+    err = capsys.readouterr().err
+    line = next(line for line in err.splitlines() if "--loss_watchdog_threshold 20" in line)
+    assert "step 5:" in line and "from step 4" in line and f"is {out / 'checkpoint-2'};" in line, line
+    assert [p.name for p in checkpoint_dirs(out)] == ["checkpoint-2", "checkpoint-4"]
+    assert not (out / FINAL_MARKER).exists() and not (out / "model.safetensors").exists()
+    command = shlex.split(line.split("--learning_rate: ", 1)[1].rstrip("."))
+    resume_args = command[next(i for i, word in enumerate(command) if word.startswith("--")):]  # the options
+    assert resume_args[resume_args.index("--resume_from_checkpoint") + 1] == str(out / "checkpoint-2")
+    assert main(resume_args) == 0, capsys.readouterr().err[-3000:]
+    assert is_complete(out, FINAL_MARKER)

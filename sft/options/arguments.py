@@ -317,6 +317,12 @@ class SFTTrainingArguments(TrainingArguments):
     loss_spike_factor: float = field(default=2.0, metadata={
         "help": "Warn (and count in the `loss_spikes` log) when a logged loss exceeds this many times the "
                 "running mean; 0 turns it off."})
+    loss_watchdog_threshold: float = field(default=0.0, metadata={
+        "help": "Stop the run when the logged loss stays above this value for --loss_watchdog_patience logs in a "
+                "row (Axolotl's option; about twice the first loss is a fair pick): no final save, and the error "
+                "names the last checkpoint saved before the loss rose. 0: off."})
+    loss_watchdog_patience: int = field(default=3, metadata={
+        "help": "Logged losses in a row above --loss_watchdog_threshold that stop the run."})
 
     evals_per_epoch: int = field(default=0, metadata={
         "help": "Evaluate this many times an epoch (Axolotl's option): --eval_strategy steps every 1/(N x "

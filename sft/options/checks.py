@@ -10,6 +10,7 @@ the problems are said together (`check_options`): a GPU recipe tried on a laptop
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import re
 from collections.abc import Callable
@@ -401,6 +402,12 @@ def our_option_values(o: Options, m: Machine) -> None:
     if t.loss_spike_factor < 0 or 0 < t.loss_spike_factor <= 1:
         raise ConfigError(f"--loss_spike_factor {t.loss_spike_factor}: give a factor above 1, or 0 to turn spike "
                           f"warnings off.")
+    if t.loss_watchdog_threshold < 0 or not math.isfinite(t.loss_watchdog_threshold):
+        raise ConfigError(f"--loss_watchdog_threshold {t.loss_watchdog_threshold}: give a loss above 0 (about twice "
+                          f"the first logged loss), or 0 to turn the watchdog off.")
+    if t.loss_watchdog_patience < 1:
+        raise ConfigError(f"--loss_watchdog_patience {t.loss_watchdog_patience}: give the number of logged losses "
+                          f"in a row (1 or more) that stop the run.")
     if o.model.rope_scaling is not None and o.model.rope_scaling not in ROPE_SCALINGS:
         close = difflib.get_close_matches(o.model.rope_scaling, ROPE_SCALINGS, n=1)
         raise ConfigError(f"--rope_scaling {o.model.rope_scaling!r}: " + (f"did you mean {close[0]}? " if close else "")

@@ -93,8 +93,10 @@ def checkpoint_dirs(output_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
-def newest_complete(output_dir: str | Path) -> Path | None:
-    complete = [p for p in checkpoint_dirs(output_dir) if is_complete(p)]
+def newest_complete(output_dir: str | Path, up_to_step: int | None = None) -> Path | None:
+    """The newest complete checkpoint (of step `up_to_step` or earlier, where given)."""
+    complete = [p for p in checkpoint_dirs(output_dir) if is_complete(p)
+                and (up_to_step is None or checkpoint_step(p) <= up_to_step)]
     return complete[-1] if complete else None
 
 

@@ -1,4 +1,5 @@
-"""Guards: stop (or skip) on a NaN/inf loss or gradient before it reaches the weights; log loss spikes.
+"""Guards: stop (or skip) on a NaN/inf loss or gradient before it reaches the weights; log loss spikes; stop a run
+whose loss broke down (the loss watchdog, below).
 
 The check runs at `on_pre_optimizer_step`, after backward and clipping and before `optimizer.step()`: a NaN or
 inf loss makes NaN/inf gradients, so one look at the gradients covers both, and the weights (and every
@@ -36,7 +37,7 @@ import torch
 from transformers import TrainerCallback
 from transformers.utils import logging
 
-from sft.errors import NonFiniteError
+from sft.errors import LossBrokeDown, NonFiniteError
 
 logger = logging.get_logger("sft.safety.guards")
 
@@ -240,3 +241,39 @@ class LossSpikeLogger(TrainerCallback):
         self.mean = loss if self.mean is None else self.beta * self.mean + (1 - self.beta) * loss
         self.seen += 1
         logs["loss_spikes"] = self.spikes
+
+
+class LossWatchdog(TrainerCallback):
+    """Axolotl's loss watchdog, made safe: when `patience` logged losses in a row exceed `threshold` (training broke
+    down: a learning rate too high, bad data), the run stops with one error line and no final save, and names the
+    newest checkpoint whose weights the last log under the threshold vouches for. (Axolotl ends the run as if it
+    had finished, and saves the broken weights as its result.) Logged values are judged (the mean over
+    --logging_steps, the same on every rank), so every rank stops at the same log; NaN/inf is NonFiniteGuard's."""
+
+    def __init__(self, threshold: float, patience: int, checkpoint_up_to, resume_command):
+        self.threshold, self.patience = threshold, patience
+        self.checkpoint_up_to = checkpoint_up_to  # step -> the newest complete checkpoint of that step or earlier
+        self.resume_command = resume_command      # checkpoint -> the command that resumes from it
+        self.over: list[tuple[int, float]] = []   # (step, loss) of the logs over the threshold, in a row
+        self.last_good_step = 0                   # the step of the last log at or under it (0: the start)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        loss = (logs or {}).get("loss")
+        if loss is None or not math.isfinite(loss):
+            return
+        if loss <= self.threshold:
+            self.over, self.last_good_step = [], state.global_step
+            return
+        self.over.append((state.global_step, loss))
+        if len(self.over) < self.patience:
+            return
+        losses = ", ".join(f"{value:.4g}" for _, value in self.over)
+        # checkpoint-N holds the weights that step N+1's loss is computed with: the last log under the threshold, at
+        # step G, vouches for the weights up to step G - 1
+        checkpoint = self.checkpoint_up_to(self.last_good_step - 1) if self.last_good_step else None
+        where = (f"The last checkpoint saved before it rose is {checkpoint}; resume from it with a lower "
+                 f"--learning_rate: {self.resume_command(checkpoint)}" if checkpoint else
+                 "No checkpoint was saved before it rose; start again with a lower --learning_rate")
+        raise LossBrokeDown(f"step {state.global_step}: the logged loss stayed above --loss_watchdog_threshold "
+                            f"{self.threshold:g} for {len(self.over)} logs in a row ({losses}, from step "
+                            f"{self.over[0][0]}); training stopped, no final save. {where}.")
