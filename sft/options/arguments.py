@@ -320,7 +320,7 @@ class SFTTrainingArguments(TrainingArguments):
     loss_watchdog_threshold: float = field(default=0.0, metadata={
         "help": "Stop the run when the logged loss stays above this value for --loss_watchdog_patience logs in a "
                 "row (Axolotl's option; about twice the first loss is a fair pick): no final save, and the error "
-                "names the last checkpoint saved before the loss rose. 0: off."})
+                "names the checkpoint from before the rise and how to resume from it. 0: off."})
     loss_watchdog_patience: int = field(default=3, metadata={
         "help": "Logged losses in a row above --loss_watchdog_threshold that stop the run."})
 

@@ -239,4 +239,6 @@ class ToolParser(argparse.ArgumentParser):
         known = sorted(set(re.findall(r"--[\w-]+", self.format_usage())))  # the usage line names every option
         guesses = [(close[0], word) for word in message.split(":", 1)[1].split() if word.startswith("--")
                    for close in [difflib.get_close_matches(word.split("=")[0], known, n=1)] if close]
-        return "; did you mean " + ", ".join(f"{ours} (for {theirs})" for ours, theirs in guesses) + "?" if guesses else ""
+        if not guesses:
+            return ""
+        return "; did you mean " + ", ".join(f"{ours} (for {theirs})" for ours, theirs in guesses) + "?"

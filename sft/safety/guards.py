@@ -31,7 +31,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers import TrainerCallback
@@ -250,7 +252,8 @@ class LossWatchdog(TrainerCallback):
     had finished, and saves the broken weights as its result.) Logged values are judged (the mean over
     --logging_steps, the same on every rank), so every rank stops at the same log; NaN/inf is NonFiniteGuard's."""
 
-    def __init__(self, threshold: float, patience: int, checkpoint_up_to, resume_command):
+    def __init__(self, threshold: float, patience: int, checkpoint_up_to: Callable[[int], Path | None],
+                 resume_command: Callable[[Path], str]):
         self.threshold, self.patience = threshold, patience
         self.checkpoint_up_to = checkpoint_up_to  # step -> the newest complete checkpoint of that step or earlier
         self.resume_command = resume_command      # checkpoint -> the command that resumes from it
