@@ -42,6 +42,9 @@ def refused_on(machine: Machine, *extra: str) -> str:
 def test_precision_the_hardware_lacks():
     assert "Drop --bf16" in refused("--bf16", "true")
     assert "drop --fp16" in refused("--fp16", "true")
+    assert "no TF32 matmuls" in refused("--tf32", "true")
+    both = refused("--bf16", "true", "--tf32", "true")  # was: the second refusal a traceback
+    assert "(--bf16, --tf32)" in both and "Drop --bf16" in both and "Drop --tf32" in both, both
 
 
 def test_bf16_weights_on_a_gpu_without_bf16():

@@ -238,8 +238,19 @@ def test_an_axolotl_config_reads_its_datasets_list(tmp_path, capsys):
     read = read_datasets(data)
     assert len(read.train) == len(read_datasets(data_args("--dataset", DEMO)).train) + 3
     assert "--datasets is Axolotl's name for --dataset" in capsys.readouterr().err
+    recipe.write_text(f"base_model: m\ndatasets:\n  - path: {DEMO}\nsequence_len: 384\npad_to_sequence_len: true\n"
+                      f"gradient_checkpointing: true\ngradient_checkpointing_kwargs:\n  use_reentrant: false\n")
+    _, data, _, training = parse_args(["--config", str(recipe)], data_only=True)
+    assert data.pad_to_max_length and data.pad_to_multiple_of == 384  # every batch's rows: 384 tokens
+    assert training.activation_checkpointing and training.activation_checkpointing_kwargs == {"use_reentrant": False}
+    with pytest.raises(ConfigError, match="give one of them"):
+        parse_args(["--config", str(recipe), "--pad_to_multiple_of", "8"], data_only=True)
+    recipe.write_text("base_model: m\ndatasets:\n  - path: mlabonne/FineTome-100k\n    type: chat_template\n"
+                      "    split: train[:20%]\n")  # a hub dataset's slice, as load_dataset takes it
+    assert parse_args(["--config", str(recipe)], data_only=True)[1].dataset == ["mlabonne/FineTome-100k:train[:20%]"]
     for entry, says in (("    type: completion\n", "datasets type 'completion'"),
-                        ("    type: chat_template\n    field_messages: dialog\n", "datasets field_messages: 'dialog'")):
+                        ("    type: chat_template\n    field_messages: dialog\n", "datasets field_messages: 'dialog'"),
+                        ("    split: test\n", r"datasets split: 'test' .*a hub dataset's split")):  # a local file
         recipe.write_text(f"base_model: m\ndatasets:\n  - path: {chats}\n{entry}")
         with pytest.raises(ConfigError, match=says):
             parse_args(["--config", str(recipe)], data_only=True)

@@ -203,6 +203,9 @@ class DataArguments:
                 "cutoff_len) or drop."})
     packing: bool = field(default=False, metadata={
         "help": "Pack conversations into rows of --max_length (best-fit decreasing; no attention across them)."})
+    pad_to_max_length: bool = field(default=False, metadata={
+        "help": "Pad every row to --max_length: one shape at every step, so the first step already uses the memory "
+                "of the longest (Axolotl's pad_to_sequence_len). Default: see --pad_to_multiple_of."})
     pad_to_multiple_of: int | None = field(default=None, metadata={
         "help": "Pad every batch to a multiple of this many tokens. Default: --max_length for packed rows under "
                 "flex_attention or --compile_layers (one shape, so their kernels compile once), else the batch's "
@@ -436,7 +439,7 @@ HELP_GROUPS = [  # the one-screen --help: our options, then the TrainingArgument
                                   if f.name not in ("use_rslora", "use_dora", "loraplus_lr_ratio",
                                                     "lora_modules_to_save"))),
     ("Data", DataArguments, tuple(f.name for f in fields(DataArguments)  # these: in --help all
-                                  if f.name not in ("dataset_columns", "dataset_tags", "pad_to_multiple_of",
+                                  if f.name not in ("dataset_columns", "dataset_tags", "pad_to_multiple_of", "pad_to_max_length",
                                                     "mask_history"))),
     ("Nothing lost", SFTTrainingArguments, ("overwrite_output_dir", "verify_saves", "nan_policy", "loss_spike_factor")),
     ("Training (transformers' TrainingArguments; --help all lists all)", SFTTrainingArguments,
@@ -502,7 +505,7 @@ def read_options(argv: list[str] | None = None, data_only: bool = False, help_co
     argv, given, recipes = expand_argv(argv)
     if data_only:
         argv += ["--bf16", "false", "--fp16", "false"]  # the last value wins; TrainingArguments checks the hardware
-    problems: tuple[ConfigError, ...] = ()
+    problems: tuple[NeedsHardware, ...] = ()
 
     def parse(argv: list[str]) -> list:
         try:
@@ -511,18 +514,19 @@ def read_options(argv: list[str] | None = None, data_only: bool = False, help_co
         except ConfigError as e:
             raise recipe_error(parser, recipes) or e from None
 
-    try:
-        *parsed, unknown = parse(argv)
-    except ConfigError:
-        raise
-    except ValueError as e:  # TrainingArguments.__post_init__ rejects some combinations itself
-        message = training_arguments_message(str(e))
-        if not bf16_missing(str(e)):
-            raise ConfigError(message) from None
-        # --bf16 where this machine has none: parsed again without it, so that the checks say what else this
-        # run needs (a GPU recipe on a laptop: every problem at once), this one first among them.
-        problems = (NeedsHardware(message, "--bf16"),)
-        *parsed, unknown = parse(argv + ["--bf16", "false"])
+    while True:
+        try:
+            *parsed, unknown = parse(argv + [word for p in problems for word in (p.need, "false")])
+            break
+        except ConfigError:
+            raise
+        except ValueError as e:  # TrainingArguments.__post_init__ rejects some combinations itself
+            message, need = training_arguments_message(str(e)), hardware_refused(str(e))
+            if need is None or need in {p.need for p in problems}:
+                raise ConfigError(message) from None
+            # --bf16 or --tf32 where this machine has none: parsed again without it, so that the checks say what
+            # else this run needs (a GPU recipe on a laptop: every problem at once), these first among them.
+            problems = (*problems, NeedsHardware(message, need))
     if unknown:
         raise recipe_error(parser, recipes) or ConfigError(unknown_options_message(unknown, parser,
                                                                                    our_option_names()))
@@ -572,12 +576,20 @@ def bf16_missing(message: str) -> bool:
     return "support bf16" in message
 
 
+def hardware_refused(message: str) -> str | None:
+    """The option TrainingArguments refused for this machine's hardware (--bf16; --tf32: "--tf32 requires Ampere
+    or a newer GPU arch"), else None."""
+    return "--bf16" if bf16_missing(message) else "--tf32" if "tf32 requires" in message.lower() else None
+
+
 def training_arguments_message(message: str) -> str:
     if "at most one of fp16 and bf16" in message.lower():
         return "--bf16 and --fp16 together: give one of them (--bf16 on GPUs that have it, else --fp16)."
     if bf16_missing(message):
         return ("--bf16: this machine has no bf16 support (it needs an Ampere or newer GPU). Drop --bf16 to train "
                 "in fp32, or use --fp16 on an older GPU.")
+    if hardware_refused(message) == "--tf32":
+        return "--tf32: this machine has no TF32 matmuls (they need an Ampere or newer GPU). Drop --tf32."
     return f"invalid training options: {message}"
 
 

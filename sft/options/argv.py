@@ -146,11 +146,11 @@ AXOLOTL_DATASET_KEYS = {"path": None, "type": None, "ds_type": None, "split": ("
 
 def _axolotl_dataset(value: str) -> list[str]:
     """An Axolotl `datasets:` entry ({path, type, ...}: a recipe's mapping arrives as JSON) -> --dataset PATH, its
-    format detected from its records as ours always is. A type this toolkit does not read, or a key that would read
-    the records otherwise, is one error line."""
+    format detected from its records as ours always is (a hub dataset's `split`: --dataset NAME:SPLIT). A type this
+    toolkit does not read, or a key that would read the records otherwise, is one error line."""
     import json
 
-    from sft.data.formats import FORMAT_NAMES, FORMATS
+    from sft.data.formats import FORMAT_NAMES, FORMATS, is_local
 
     try:
         entry = json.loads(value)
@@ -162,12 +162,16 @@ def _axolotl_dataset(value: str) -> list[str]:
     if kind not in FORMATS and kind not in FORMAT_NAMES:
         raise ConfigError(f"datasets type {kind!r} ({entry['path']}): this toolkit reads alpaca, messages (Axolotl's "
                           f"chat_template and sharegpt) and oasst records.")
+    path, split = str(entry["path"]), str(entry.get("split", "train"))
+    hub_split = split != "train" and not is_local(path)  # a hub dataset's other split or slice: --dataset NAME:SPLIT
     for key, held in entry.items():
         allowed = AXOLOTL_DATASET_KEYS.get(key, ())
-        if allowed is not None and held not in allowed:
-            raise ConfigError(f"datasets {key}: {held!r} ({entry['path']}) is not read here: give the file in one of "
-                              f"the formats docs/data.md names, or --dataset_columns for other column names.")
-    return [str(entry["path"])]
+        if allowed is not None and held not in allowed and not (key == "split" and hub_split):
+            raise ConfigError(f"datasets {key}: {held!r} ({path}) is not read here: give the file in one of "
+                              f"the formats docs/data.md names, or --dataset_columns for other column names"
+                              + (" (a hub dataset's split: `split: test` or a slice, `train[:20%]`)."
+                                 if key == "split" else "."))
+    return [f"{path}:{split}" if hub_split else path]
 
 
 # LLaMA-Factory's template names for the DeepSeek families -> ours.
@@ -225,6 +229,7 @@ ALIASES: dict[str, Alias] = {
     "micro_batch_size": Alias("per_device_train_batch_size", "Axolotl"),
     "num_epochs": Alias("num_train_epochs", "Axolotl"),
     "sample_packing": Alias("packing", "Axolotl"),
+    "pad_to_sequence_len": Alias("pad_to_max_length", "Axolotl"),
     "train_on_inputs": Alias("train_on_prompt", "Axolotl"),
     "val_set_size": Alias("eval_split", "Axolotl"),
     "val_size": Alias("eval_split", "LLaMA-Factory"),
@@ -234,6 +239,9 @@ ALIASES: dict[str, Alias] = {
     "dataset_prepared_path": Alias("dataset_cache_dir", "Axolotl"),
     "strict": Alias("strict", "Axolotl", _nothing, note="every option is checked against the model and data"),
     "warmup_ratio": Alias("warmup_steps", "transformers 4"),  # transformers 5: a warmup_steps < 1 is a ratio
+    # transformers 5 takes the old names with a FutureWarning each; Axolotl's and TRL's recipes still write them
+    "gradient_checkpointing": Alias("activation_checkpointing", "transformers 4"),
+    "gradient_checkpointing_kwargs": Alias("activation_checkpointing_kwargs", "transformers 4"),
     "chat_template": Alias("template", "Axolotl", lambda v: [TEMPLATE_NAMES.get(v, v)]),
     "datasets": Alias("dataset", "Axolotl", _axolotl_dataset, note="each file's format read from its records"),
     "wandb_project": Alias("project", "Axolotl", also=lambda v: ["--report_to", "tensorboard", "wandb"],

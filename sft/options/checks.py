@@ -211,7 +211,9 @@ def rows_padded_to(o: Options) -> int | None:
     d = o.data
     if d is None:  # the planner's described runs (sft/plan/fast_paths.py): its rows are multiples of 16 tokens
         return None
-    return d.pad_to_multiple_of if d.pad_to_multiple_of is not None else packed_rows_length(o)
+    if d.pad_to_multiple_of is not None:
+        return d.pad_to_multiple_of
+    return d.max_length if d.pad_to_max_length else packed_rows_length(o)
 
 
 def packed_rows_length(o: Options) -> int | None:
@@ -405,6 +407,9 @@ def our_option_values(o: Options, m: Machine) -> None:
     if t.loss_watchdog_threshold < 0 or not math.isfinite(t.loss_watchdog_threshold):
         raise ConfigError(f"--loss_watchdog_threshold {t.loss_watchdog_threshold}: give a loss above 0 (about twice "
                           f"the first logged loss), or 0 to turn the watchdog off.")
+    if o.data.pad_to_max_length and "pad_to_multiple_of" in o.given:  # (resolved from --pad_to_max_length else)
+        raise ConfigError(f"--pad_to_max_length with --pad_to_multiple_of {o.data.pad_to_multiple_of}: give one of "
+                          f"them (rows padded to --max_length, or to a multiple of N tokens).")
     if t.loss_watchdog_patience < 1:
         raise ConfigError(f"--loss_watchdog_patience {t.loss_watchdog_patience}: give the number of logged losses "
                           f"in a row (1 or more) that stop the run.")
