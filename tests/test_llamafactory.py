@@ -250,7 +250,7 @@ def test_an_axolotl_config_reads_its_datasets_list(tmp_path, capsys):
     assert parse_args(["--config", str(recipe)], data_only=True)[1].dataset == ["mlabonne/FineTome-100k:train[:20%]"]
     for entry, says in (("    type: completion\n", "datasets type 'completion'"),
                         ("    type: chat_template\n    field_messages: dialog\n", "datasets field_messages: 'dialog'"),
-                        ("    split: test\n", r"datasets split: 'test' .*a hub dataset's split")):  # a local file
+                        ("    split: test\n", r"datasets split: 'test' .*a local file is read whole")):  # a local file
         recipe.write_text(f"base_model: m\ndatasets:\n  - path: {chats}\n{entry}")
         with pytest.raises(ConfigError, match=says):
             parse_args(["--config", str(recipe)], data_only=True)

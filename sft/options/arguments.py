@@ -439,8 +439,8 @@ HELP_GROUPS = [  # the one-screen --help: our options, then the TrainingArgument
                                   if f.name not in ("use_rslora", "use_dora", "loraplus_lr_ratio",
                                                     "lora_modules_to_save"))),
     ("Data", DataArguments, tuple(f.name for f in fields(DataArguments)  # these: in --help all
-                                  if f.name not in ("dataset_columns", "dataset_tags", "pad_to_multiple_of", "pad_to_max_length",
-                                                    "mask_history"))),
+                                  if f.name not in ("dataset_columns", "dataset_tags", "pad_to_multiple_of",
+                                                    "pad_to_max_length", "mask_history"))),
     ("Nothing lost", SFTTrainingArguments, ("overwrite_output_dir", "verify_saves", "nan_policy", "loss_spike_factor")),
     ("Training (transformers' TrainingArguments; --help all lists all)", SFTTrainingArguments,
      COMMON_TRAINING + ("activation_checkpointing_skip_layers",)),

@@ -166,11 +166,13 @@ def _axolotl_dataset(value: str) -> list[str]:
     hub_split = split != "train" and not is_local(path)  # a hub dataset's other split or slice: --dataset NAME:SPLIT
     for key, held in entry.items():
         allowed = AXOLOTL_DATASET_KEYS.get(key, ())
-        if allowed is not None and held not in allowed and not (key == "split" and hub_split):
+        if key == "split" and not hub_split and held != "train":
+            raise ConfigError(f"datasets split: {held!r} ({path}): a local file is read whole; give held-out "
+                              f"records as --eval_dataset FILE (a hub dataset's split or slice, `train[:20%]`, is "
+                              f"taken as named).")
+        if allowed is not None and held not in allowed and key != "split":
             raise ConfigError(f"datasets {key}: {held!r} ({path}) is not read here: give the file in one of "
-                              f"the formats docs/data.md names, or --dataset_columns for other column names"
-                              + (" (a hub dataset's split: `split: test` or a slice, `train[:20%]`)."
-                                 if key == "split" else "."))
+                              f"the formats docs/data.md names, or --dataset_columns for other column names.")
     return [f"{path}:{split}" if hub_split else path]
 
 
