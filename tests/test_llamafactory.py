@@ -174,9 +174,28 @@ def test_trl_script_options_map_or_are_refused(tmp_path, capsys):
     assert data.train_on_prompt and data.packing
     for argv, says in ((["--packing_strategy", "wrapped"], "never cuts one across rows"),
                        (["--dataset_text_field", "text"], "this toolkit trains conversations"),
-                       (["--completion_only_loss", "maybe"], "completion_only_loss 'maybe': give true or false")):
+                       (["--completion_only_loss", "maybe"], "completion_only_loss 'maybe': give true or false"),
+                       (["--eos_token", "<|im_end|>"], "each --template ends a reply with its model's own end token"),
+                       (["--dataset_train_split", "test"], "--dataset names files, which are read whole")):
         with pytest.raises(ConfigError, match=says):
             data_args("--dataset", DEMO, *argv)
+
+
+def test_a_trl_recipe_names_its_hub_datasets_splits_and_dtype(tmp_path, capsys):
+    """TRL's `trl sft --config` keys: dataset_name with dataset_train_split, and dataset_test_split read only where
+    the run evaluates (as TRL does); torch_dtype (transformers 4's name for dtype)."""
+    from sft.options.arguments import expand_argv
+
+    recipe = tmp_path / "trl.yaml"
+    recipe.write_text("model_name_or_path: m\ndataset_name: trl-lib/Capybara\ndataset_train_split: train[:90%]\n"
+                      "dataset_test_split: test\ntorch_dtype: bfloat16\n")
+    argv = expand_argv(["--config", str(recipe)])[0]
+    assert argv[argv.index("--dataset") + 1] == "trl-lib/Capybara:train[:90%]" and "--eval_dataset" not in argv
+    assert argv[argv.index("--dtype") + 1] == "bfloat16" and "--dataset_test_split" not in argv
+    argv = expand_argv(["--config", str(recipe), "--eval_strategy", "steps"])[0]  # evaluates: the test split too
+    assert argv[argv.index("--eval_dataset") + 1] == "trl-lib/Capybara:test"
+    assert "TRL's dataset splits: using --dataset trl-lib/Capybara:train[:90%] --eval_dataset trl-lib/Capybara:test" \
+        in capsys.readouterr().err
 
 
 def test_axolotl_switches_map_or_are_refused(capsys):

@@ -125,6 +125,11 @@ def _text_field(value: str) -> list[str]:
                       f"conversations: alpaca, messages (ShareGPT/OpenAI) or oasst records (docs/data.md).")
 
 
+def _eos_token(value: str) -> list[str]:
+    raise ConfigError(f"eos_token {value!r} (TRL): each --template ends a reply with its model's own end token, the "
+                      f"one its tokenizer and saved chat template use; drop eos_token (or choose the --template).")
+
+
 def _environment_only(key: str) -> Callable[[str], list[str]]:
     """Axolotl's wandb settings that the Trainer's wandb logger reads from the environment only."""
     variable = key.upper()
@@ -204,6 +209,8 @@ ALIASES: dict[str, Alias] = {
     "sequence_parallel_size": Alias("sequence_parallel", "ms-swift", note="ours runs DeepSpeed's Ulysses"),
     "max_seq_length": Alias("max_length", "TRL < 0.20"),
     "use_peft": Alias("lora", "TRL"),
+    "torch_dtype": Alias("dtype", "transformers 4/TRL"),
+    "eos_token": Alias("eos_token", "TRL", _eos_token),
     "load_in_4bit": Alias("qlora", "TRL/Axolotl", note="the base in 4-bit NF4 under a LoRA adapter"),
     "load_in_8bit": Alias("qlora", "Axolotl", _eight_bit),
     "lora_target_linear": Alias("lora_target_modules", "Axolotl", _flag_to("lora_target_linear", "all-linear")),
@@ -297,6 +304,61 @@ def apply_aliases(argv: list[str]) -> list[str]:
         out += [f"--{alias.ours}", *values, *also]
         note(f"--{name} is {alias.where}'s name for --{alias.ours}: using "
              + " ".join([f"--{alias.ours}", *values, *also]) + (f" ({alias.note})" if alias.note else ""))
+    return out
+
+
+def _last_value(argv: list[str], name: str) -> str | None:
+    """The value of `--name V` / `--name=V` in argv (the last one given), else None."""
+    found = None
+    for i, word in enumerate(argv):
+        if word == f"--{name}" and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            found = argv[i + 1]
+        elif word.startswith(f"--{name}="):
+            found = word.split("=", 1)[1]
+    return found
+
+
+def dataset_splits(argv: list[str]) -> list[str]:
+    """TRL's `dataset_train_split` and `dataset_test_split` (splits of its `dataset_name`, our --dataset) -> the hub
+    datasets as `--dataset NAME:SPLIT`, and `--eval_dataset NAME:SPLIT` where the run evaluates (--eval_strategy
+    other than no: TRL reads its test split then only). On the whole argv, recipe and command line together."""
+    train, test = _last_value(argv, "dataset_train_split"), _last_value(argv, "dataset_test_split")
+    if train is None and test is None:
+        return argv
+    from sft.data.formats import is_local
+
+    out, i, names = [], 0, []
+    while i < len(argv):
+        word = argv[i]
+        end = i + 1
+        while "=" not in word and end < len(argv) and not argv[end].startswith("--"):
+            end += 1
+        name = word[2:].split("=")[0] if word.startswith("--") else ""
+        if name in ("dataset_train_split", "dataset_test_split"):
+            i = end
+            continue
+        if name == "dataset":
+            values = [word.split("=", 1)[1]] if "=" in word else argv[i + 1:end]
+            hub = [v for v in values if not is_local(v) and ":" not in v]
+            names += hub
+            out += ["--dataset", *(f"{v}:{train}" if v in hub and train else v for v in values)]
+        else:
+            out += argv[i:end]
+        i = end
+    if not names:  # files: read whole, as TRL reads a data file's one split, `train`
+        if train not in (None, "train"):
+            raise ConfigError(f"dataset_train_split {train!r} (TRL): --dataset names files, which are read whole; "
+                              f"give a hub dataset's name to take its split, or the file of that split.")
+        if test is not None:
+            note(f"--dataset_test_split {test} (TRL): --dataset names files, read whole; give held-out records as "
+                 f"--eval_dataset FILE")
+        return out
+    evaluates = (_last_value(argv, "eval_strategy") or "no") != "no"
+    if test is not None and evaluates and _last_value(argv, "eval_dataset") is None:
+        out += ["--eval_dataset", *(f"{v}:{test}" for v in names)]
+    note("TRL's dataset splits: using " + " ".join(["--dataset", *(f"{v}:{train or 'train'}" for v in names)])
+         + (" --eval_dataset " + " ".join(f"{v}:{test}" for v in names) if test and evaluates else
+            f" (the test split {test}: read where --eval_strategy evaluates, as TRL does)" if test else ""))
     return out
 
 
