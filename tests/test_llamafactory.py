@@ -273,3 +273,23 @@ def test_an_axolotl_config_reads_its_datasets_list(tmp_path, capsys):
         recipe.write_text(f"base_model: m\ndatasets:\n  - path: {chats}\n{entry}")
         with pytest.raises(ConfigError, match=says):
             parse_args(["--config", str(recipe)], data_only=True)
+
+
+def test_other_trainers_keys_without_an_equivalent_are_a_note_or_one_line(capsys):
+    """Each key of NO_EQUIVALENT (sft/options/argv.py): a value that needs nothing here is one note and no option;
+    another is one error line naming the key, whose trainer and what to do (was: "unknown option", or a "did you
+    mean" at an unrelated option of ours). A recipe holding several of them reads through."""
+    from sft.options.argv import ANY, NO_EQUIVALENT, apply_aliases
+
+    for key, (where, fine, says) in NO_EQUIVALENT.items():
+        needs_nothing = "anything" if fine is ANY else fine[0] if fine else None
+        if needs_nothing is not None:
+            assert apply_aliases([f"--{key}", needs_nothing]) == [], key
+            assert capsys.readouterr().err == f"note: --{key} {needs_nothing} ({where}): {says}; nothing to set.\n"
+        if fine is not ANY:
+            with pytest.raises(ConfigError) as refused:
+                apply_aliases([f"--{key}", "something-else"])
+            assert str(refused.value) == f"{key} 'something-else' ({where}): {says}.", key
+    _, _, _, training = parse_args(["--model", "m", "--dataset", DEMO, "--low_cpu_mem_usage", "true", "--eval_batch_size",
+                                    "3", "--lora_task_type", "CAUSAL_LM", "--use_unsloth", "false"], data_only=True)
+    assert training.per_device_eval_batch_size == 3

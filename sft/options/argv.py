@@ -181,6 +181,89 @@ def _axolotl_dataset(value: str) -> list[str]:
     return [f"{path}:{split}" if hub_split else path]
 
 
+OFF = ("false", "0", "no", "none")
+ANY = None  # every value needs nothing here
+
+# Other trainers' keys that no option of ours takes: key -> (whose, the values that need nothing here (ANY: all),
+# what this toolkit does instead). A value that needs nothing is a note; another is one error line that says what to do.
+NO_EQUIVALENT: dict[str, tuple[str, tuple[str, ...] | None, str]] = {
+    "low_cpu_mem_usage": ("LLaMA-Factory", ANY, "transformers 5 loads the weights as it reads them"),
+    "print_param_status": ("LLaMA-Factory", ANY, "the first screen says what trains"),
+    "quantization_method": ("LLaMA-Factory", ("bitsandbytes",), "--qlora quantizes the base with bitsandbytes; "
+                            "other methods are not offered"),
+    "quantization_type": ("LLaMA-Factory", ("nf4",), "--qlora's 4-bit type is NF4; fp4 is not offered"),
+    "bnb_4bit_quant_type": ("TRL", ("nf4",), "--qlora's 4-bit type is NF4; fp4 is not offered"),
+    "double_quantization": ("LLaMA-Factory", ANY, "--qlora always quantizes the quantization constants too"),
+    "use_bnb_nested_quant": ("TRL", ANY, "--qlora always quantizes the quantization constants too (nested)"),
+    "lora_task_type": ("TRL", ("CAUSAL_LM",), "the adapter is a causal LM's"),
+    "hf_hub_token": ("LLaMA-Factory", (), "give the token to `hf auth login` or the HF_TOKEN variable, never a "
+                     "recipe file"),
+    "cache_dir": ("LLaMA-Factory", (), "HF_HOME (or HF_HUB_CACHE) moves the Hugging Face cache; "
+                  "--dataset_cache_dir holds the prepared data"),
+    "use_unsloth": ("LLaMA-Factory", OFF, "this toolkit's own fast paths take its place (Liger, FP8, compiled "
+                    "layers: docs/speed.md); leave it out"),
+    **{key: ("LLaMA-Factory", OFF, "full fine-tuning, LoRA and QLoRA are the methods offered here; leave it out")
+       for key in ("use_galore", "use_badam", "use_apollo", "pissa_init")},
+    "freeze_trainable_layers": ("LLaMA-Factory", (), "a fine-tune of chosen layers is not offered: use --lora"),
+    "unfrozen_parameters": ("Axolotl", (), "training chosen parameters only is not offered: use --lora (with "
+                            "--lora_modules_to_save) or a full fine-tune"),
+    **{key: (where, (), "training on from a saved adapter is not offered: resume its run with "
+                        "--resume_from_checkpoint, or merge it (deepseek-sft merge) and give that as --model")
+       for key, where in (("adapter_name_or_path", "LLaMA-Factory"), ("lora_model_dir", "Axolotl"))},
+    **{key: (where, (), "new or replaced special tokens are not offered: each --template uses its tokenizer's own")
+       for key, where in (("resize_vocab", "LLaMA-Factory"), ("new_special_tokens", "LLaMA-Factory"),
+                          ("special_tokens", "Axolotl"), ("tokens", "Axolotl"), ("eot_tokens", "Axolotl"))},
+    "pad_token": ("TRL", ANY, "padding is masked out of the loss; the tokenizer's own pad (or end) token pads"),
+    **{key: (where, (), "each --template writes what its model's official chat template writes (docs/families.md); "
+                        "a template of your own is not read")
+       for key, where in (("tool_format", "LLaMA-Factory"), ("chat_template_jinja", "Axolotl"),
+                          ("chat_template_path", "TRL"))},
+    **{key: (where, (), "a system prompt comes from each record's own system text (docs/data.md)")
+       for key, where in (("default_system", "LLaMA-Factory"), ("default_system_message", "Axolotl"))},
+    "enable_thinking": ("LLaMA-Factory", (), "the --template decides: r1 trains the <think> text, "
+                        "r1_distill_no_reasoning leaves it out, deepseek_v31 reads each record's `thinking`"),
+    "lora_fan_in_fan_out": ("Axolotl", OFF, "peft sets it for the layers that need it; DeepSeek models have none"),
+    "auto_resume_from_checkpoints": ("Axolotl", OFF, "give --resume_from_checkpoint true to go on from the newest "
+                                     "complete checkpoint of --output_dir"),
+    "xformers_attention": ("Axolotl", OFF, "use --attn_implementation sdpa, or varlen on a GPU (torch's own "
+                           "kernels)"),
+    "s2_attention": ("Axolotl", OFF, "shifted-sparse attention is not offered; long rows: docs/speed.md"),
+    "resize_token_embeddings_to_32x": ("Axolotl", OFF, "the embeddings keep the model's vocabulary size"),
+    "group_by_length": ("Axolotl", OFF, "transformers 5 dropped it; --packing fills the rows instead"),
+    "shuffle_merged_datasets": ("Axolotl", ANY, "the rows of all --dataset files are shuffled together each epoch"),
+    **{key: (where, ANY, "under --packing the evaluation rows are packed too, each conversation attending to itself "
+                         "alone, so the eval loss is the unpacked one")
+       for key, where in (("eval_sample_packing", "Axolotl"), ("eval_packing", "TRL"))},
+    **{key: ("Axolotl", ANY, "read from the model's config")
+       for key in ("model_type", "tokenizer_type", "is_llama_derived_model")},
+    **{key: ("Axolotl", ANY, "computed from the data") for key in ("sample_packing_eff_est", "total_num_tokens")},
+    "include_tokens_per_second": ("Axolotl", ANY, "real tokens/s is always logged (train/real_tokens_per_second)"),
+    "do_causal_lm_eval": ("Axolotl", ANY, "the eval loss and perplexity are logged (eval/perplexity)"),
+    "eval_table_size": ("Axolotl", ("0",), "no table of generated predictions is logged"),
+    "is_preprocess": ("Axolotl", (), "the data is prepared at the start of each run and cached "
+                      "(--dataset_cache_dir); `deepseek-sft data` prepares it alone"),
+    "plugins": ("Axolotl", (), "its plugins do not load here: --use_liger_kernel is Liger's, --chunked_loss "
+                "stands for cut_cross_entropy"),
+    **{key: ("Axolotl", OFF, f"use --{ours} true ({ours} compute; the weights are kept as --dtype auto says)")
+       for key, ours in (("bfloat16", "bf16"), ("float16", "fp16"))},
+    "dataset_config": ("TRL", (), "a hub dataset's configuration is not chosen here: give its files, or "
+                       "`name:split` of its default one"),
+    **{key: ("TRL", (), "give their settings as this toolkit's options (`python sft/train.py --help all`)")
+       for key in ("model_init_kwargs", "dataset_kwargs")},
+}
+
+
+def _without_equivalent(key: str) -> Callable[[str], list[str]]:
+    """NO_EQUIVALENT[key]: a value that needs nothing -> [] (apply_aliases notes it), another -> one error line."""
+    where, fine, says = NO_EQUIVALENT[key]
+
+    def value_of(value: str) -> list[str]:
+        if fine is ANY or value.lower() in fine or value in fine:
+            return []
+        raise ConfigError(f"{key} {value!r} ({where}): {says}.")
+    return value_of
+
+
 # LLaMA-Factory's template names for the DeepSeek families -> ours.
 TEMPLATE_NAMES = {"deepseekcoder": "deepseek_coder", "deepseek3": "deepseek_v3", "deepseekr1": "r1_distill",
                   "deepseek_r1": "r1", "deepseek_v2": "deepseek", "llama3": "model", "qwen": "model"}
@@ -258,6 +341,17 @@ ALIASES: dict[str, Alias] = {
     "wandb_name": Alias("run_name", "Axolotl"),
     **{key: Alias(key, "Axolotl", _environment_only(key))
        for key in ("wandb_entity", "wandb_watch", "wandb_log_model")},
+    "eval_batch_size": Alias("per_device_eval_batch_size", "Axolotl"),
+    "dataset_processes": Alias("num_proc", "Axolotl"),
+    "dataset_num_proc": Alias("num_proc", "TRL"),
+    "activation_offloading": Alias("offload_activations", "TRL", note="the activation checkpoints, with "
+                                   "--activation_checkpointing"),
+    "cut_cross_entropy": Alias("chunked_loss", "Axolotl", _flag_to("cut_cross_entropy", "true"),
+                               note="the loss from the hidden states in chunks, no [tokens x vocabulary] logits"),
+    **{key: Alias("use_liger_kernel", "Axolotl", _flag_to(key, "true"), note="all of Liger's kernels for the model")
+       for key in ("liger_rope", "liger_rms_norm", "liger_glu_activation", "liger_layer_norm",
+                   "liger_fused_linear_cross_entropy")},
+    **{key: Alias(key, where, _without_equivalent(key), note=says) for key, (where, _, says) in NO_EQUIVALENT.items()},
 }
 
 # The TrainingArguments shown by the one-screen help (`--help all` lists every one).
