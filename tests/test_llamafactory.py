@@ -293,3 +293,26 @@ def test_other_trainers_keys_without_an_equivalent_are_a_note_or_one_line(capsys
     _, _, _, training = parse_args(["--model", "m", "--dataset", DEMO, "--low_cpu_mem_usage", "true", "--eval_batch_size",
                                     "3", "--lora_task_type", "CAUSAL_LM", "--use_unsloth", "false"], data_only=True)
     assert training.per_device_eval_batch_size == 3
+
+
+def test_axolotls_cosine_min_lr_ratio_is_transformers_cosine_with_min_lr(capsys):
+    """`lr_scheduler: cosine` with `cosine_min_lr_ratio: 0.1`: the schedule the Trainer builds from the options ends
+    at a tenth of the learning rate; with another schedule, or beside --lr_scheduler_kwargs, one error line."""
+    import torch
+    from transformers import get_scheduler
+
+    _, _, _, training = parse_args(["--model", "m", "--dataset", DEMO, "--lr_scheduler", "cosine",
+                                    "--cosine_min_lr_ratio", "0.1", "--learning_rate", "1e-3"], data_only=True)
+    assert training.lr_scheduler_type == "cosine_with_min_lr" and training.lr_scheduler_kwargs == {"min_lr_rate": 0.1}
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=training.learning_rate)
+    schedule = get_scheduler(training.lr_scheduler_type, optimizer, num_warmup_steps=0, num_training_steps=10,
+                             scheduler_specific_kwargs=training.lr_scheduler_kwargs)
+    for _ in range(10):
+        optimizer.step()
+        schedule.step()
+    assert schedule.get_last_lr()[0] == pytest.approx(1e-4)
+    for argv, says in ((["--lr_scheduler_type", "linear", "--cosine_min_lr_ratio", "0.1"], "is linear: give cosine"),
+                       (["--lr_scheduler_kwargs", "{}", "--cosine_min_lr_ratio", "0.1"], "give one of them"),
+                       (["--cosine_min_lr_ratio", "1.5"], "from 0 up to 1")):
+        with pytest.raises(ConfigError, match=says):
+            data_args("--dataset", DEMO, *argv)

@@ -21,7 +21,7 @@ from transformers import TrainingArguments
 from sft.configs import DEMO_DATA
 from sft.errors import ConfigError, NeedsHardware
 from sft.machine import Machine, launch
-from sft.options.argv import (COMMON_TRAINING, Parser, apply_aliases, dataset_splits, help_requested, model_hub_id,
+from sft.options.argv import (COMMON_TRAINING, WHOLE_ARGV_RULES, Parser, apply_aliases, help_requested, model_hub_id,
                               short_help, split_list, split_names, unknown_options_message)
 from sft.options.command import help_command as training_help_command
 from sft.options.checks import CHECKS, MACHINE_CHECKS, NEW_RUN_DIR, OPTION_CHECKS, Check, Options, check_options
@@ -462,7 +462,9 @@ def expand_argv(argv: list[str]) -> tuple[list[str], set[str], list[tuple[str, l
             recipes.append((path, apply_aliases(load_recipe(path))))
         else:
             rest.append(arg)
-    argv = dataset_splits([a for _, options in recipes for a in options] + apply_aliases(rest))
+    argv = [a for _, options in recipes for a in options] + apply_aliases(rest)
+    for rule in WHOLE_ARGV_RULES:  # other trainers' keys that read other options too
+        argv = rule(argv)
     given = {a.split("=", 1)[0][2:].replace("-", "_") for a in argv if a.startswith("--")}
     if "model" not in given and "dataset" not in given:
         demo = {k: v for k, v in DEMO.items() if k not in given and not given.intersection(DEMO_YIELDS_TO.get(k, ()))}

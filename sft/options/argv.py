@@ -412,6 +412,47 @@ def _last_value(argv: list[str], name: str) -> str | None:
     return found
 
 
+def _without(argv: list[str], names: tuple[str, ...]) -> list[str]:
+    """argv less the options `names` and their values."""
+    out, i = [], 0
+    while i < len(argv):
+        word = argv[i]
+        end = i + 1
+        while "=" not in word and end < len(argv) and not argv[end].startswith("--"):
+            end += 1
+        if not (word.startswith("--") and word[2:].split("=")[0] in names):
+            out += argv[i:end]
+        i = end
+    return out
+
+
+def cosine_min_lr_ratio(argv: list[str]) -> list[str]:
+    """Axolotl's `cosine_min_lr_ratio: R` (its cosine schedule ends at R x the learning rate) -> transformers' own
+    schedule for it: --lr_scheduler_type cosine_with_min_lr --lr_scheduler_kwargs {"min_lr_rate": R}. On the whole
+    argv: it needs --lr_scheduler_type's value."""
+    value = _last_value(argv, "cosine_min_lr_ratio")
+    if value is None:
+        return argv
+    try:
+        ratio = float(value)
+    except ValueError:
+        ratio = -1.0
+    if not 0 <= ratio < 1:
+        raise ConfigError(f"cosine_min_lr_ratio {value!r} (Axolotl): give the share of the learning rate the cosine "
+                          f"schedule ends at, from 0 up to 1 (0.1: a tenth).")
+    kind = _last_value(argv, "lr_scheduler_type") or "cosine"
+    if kind not in ("cosine", "cosine_with_min_lr"):
+        raise ConfigError(f"cosine_min_lr_ratio {value} (Axolotl) ends a cosine schedule, and --lr_scheduler_type is "
+                          f"{kind}: give cosine, or leave cosine_min_lr_ratio out.")
+    if _last_value(argv, "lr_scheduler_kwargs") is not None:
+        raise ConfigError(f"cosine_min_lr_ratio {value} (Axolotl) with --lr_scheduler_kwargs: give one of them "
+                          f"(cosine_min_lr_ratio R is --lr_scheduler_kwargs '{{\"min_lr_rate\": R}}').")
+    ours = ["--lr_scheduler_type", "cosine_with_min_lr", "--lr_scheduler_kwargs", f'{{"min_lr_rate": {ratio}}}']
+    note(f"--cosine_min_lr_ratio {value} (Axolotl): using {' '.join(ours[:3])} '{ours[3]}' (transformers' cosine "
+         f"schedule down to {ratio:g} x the learning rate)")
+    return _without(argv, ("cosine_min_lr_ratio", "lr_scheduler_type")) + ours
+
+
 def dataset_splits(argv: list[str]) -> list[str]:
     """TRL's `dataset_train_split` and `dataset_test_split` (splits of its `dataset_name`, our --dataset) -> the hub
     datasets as `--dataset NAME:SPLIT`, and `--eval_dataset NAME:SPLIT` where the run evaluates (--eval_strategy
@@ -454,6 +495,9 @@ def dataset_splits(argv: list[str]) -> list[str]:
          + (" --eval_dataset " + " ".join(f"{v}:{test}" for v in names) if test and evaluates else
             f" (the test split {test}: read where --eval_strategy evaluates, as TRL does)" if test else ""))
     return out
+
+
+WHOLE_ARGV_RULES: tuple[Callable[[list[str]], list[str]], ...] = (dataset_splits, cosine_min_lr_ratio)
 
 
 def model_hub_id(model: str) -> str:
