@@ -369,8 +369,16 @@ def lora_targets(model, lora_args: LoraArguments) -> tuple[list[str] | str, list
 
 
 def attach_lora(model, lora_args: LoraArguments, gradient_checkpointing: bool):
+    """A new LoRA adapter on `model`, or, with --lora_from, the saved one (its own shape, --lora_dropout's dropout)."""
     from peft import LoraConfig, get_peft_model
 
+    if lora_args.lora_from:
+        from sft.model.adapter_start import load_adapter
+
+        if gradient_checkpointing:
+            model.enable_input_require_grads()  # checkpointed blocks need an input that requires grad
+        model, parameters, saved = load_adapter(model, lora_args.lora_from, lora_args.lora_dropout)
+        return finish_lora(model, parameters, saved)
     modules, parameters = lora_targets(model, lora_args)
     dropout = lora_args.lora_dropout
     if parameters and dropout:
@@ -411,6 +419,12 @@ def attach_lora(model, lora_args: LoraArguments, gradient_checkpointing: bool):
         raise ConfigError(f"--lora_target_modules {' '.join(lora_args.lora_target_modules)}: no module of "
                           f"{model.config.model_type} has that name. Its linear layers are named: "
                           f"{', '.join(linear_names(model))} (or give all-linear).") from None
+    return finish_lora(model, parameters, saved)
+
+
+def finish_lora(model, parameters: list[str], saved: list[str]):
+    """What an adapter, new or loaded, gets after peft built it: the weights adapted as parameters traced as LoRA
+    on a linear layer, the modules trained whole checked and kept in fp32, peft's input casts left to autocast."""
     if parameters:  # the MLP weights' LoRA low-rank, as on a linear layer, not peft's weight-sized W + B @ A
         from sft.speed.traced_param_lora import trace_param_lora
 
@@ -441,6 +455,12 @@ def planned_lora_config(model_args: ModelArguments, lora_args: LoraArguments):
     of the model built from its config: nothing loads."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    if lora_args.lora_from:  # the saved adapter's own
+        from peft import LoraConfig
+
+        config = LoraConfig.from_pretrained(lora_args.lora_from)
+        config.inference_mode = False  # saved as an inference config: the run trains it
+        return config
     config = load_config(model_args)
     with torch.device("meta"):
         return attach_lora(MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config), lora_args, False).peft_config["default"]

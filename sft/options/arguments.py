@@ -157,6 +157,11 @@ class LoraArguments:
                 "embed_tokens, or a path such as model.norm; a name that matches no module, or also ends another "
                 "module's name (norm: input_layernorm), is refused. They train in fp32 like the adapter, each at its "
                 "whole size in weights, gradients and AdamW states (embed_tokens,lm_head of a 7B: ~13 GB)."})
+    lora_from: str | None = field(default=None, metadata={
+        "help": "Start from this saved LoRA adapter (a finished --lora run's --output_dir, or a checkpoint) and "
+                "train it on: a second round on new data (LLaMA-Factory's adapter_name_or_path, Axolotl's "
+                "lora_model_dir). Its rank, alpha and targets are its own; implies --lora; --model defaults to the "
+                "base it names."})
     lora_experts: bool = field(default=False, metadata={
         "help": "DeepSeek-V2/V3 (MoE): also adapt the routed experts (LoRA on the fused expert weights). Without "
                 "it a MoE LoRA adapts the MLA projections, the dense layers' MLP and the shared experts; the "

@@ -207,9 +207,6 @@ NO_EQUIVALENT: dict[str, tuple[str, tuple[str, ...] | None, str]] = {
     "freeze_trainable_layers": ("LLaMA-Factory", (), "a fine-tune of chosen layers is not offered: use --lora"),
     "unfrozen_parameters": ("Axolotl", (), "training chosen parameters only is not offered: use --lora (with "
                             "--lora_modules_to_save) or a full fine-tune"),
-    **{key: (where, (), "training on from a saved adapter is not offered: resume its run with "
-                        "--resume_from_checkpoint, or merge it (deepseek-sft merge) and give that as --model")
-       for key, where in (("adapter_name_or_path", "LLaMA-Factory"), ("lora_model_dir", "Axolotl"))},
     **{key: (where, (), "new or replaced special tokens are not offered: each --template uses its tokenizer's own")
        for key, where in (("resize_vocab", "LLaMA-Factory"), ("new_special_tokens", "LLaMA-Factory"),
                           ("special_tokens", "Axolotl"), ("tokens", "Axolotl"), ("eot_tokens", "Axolotl"))},
@@ -341,6 +338,8 @@ ALIASES: dict[str, Alias] = {
     "wandb_name": Alias("run_name", "Axolotl"),
     **{key: Alias(key, "Axolotl", _environment_only(key))
        for key in ("wandb_entity", "wandb_watch", "wandb_log_model")},
+    "adapter_name_or_path": Alias("lora_from", "LLaMA-Factory"),
+    "lora_model_dir": Alias("lora_from", "Axolotl"),
     "eval_batch_size": Alias("per_device_eval_batch_size", "Axolotl"),
     "dataset_processes": Alias("num_proc", "Axolotl"),
     "dataset_num_proc": Alias("num_proc", "TRL"),

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from sft.errors import ConfigError, ConfigErrors, NeedsHardware, UserFacingError
 from sft.speed.lowbit import LOW_BIT_OPTIMIZERS, SR_ADAMW, rounds_stochastically
 from sft.machine import Machine
+from sft.model.adapter_start import adapts_experts, check_adapter
 from sft.model.rope_scaling import ROPE_SCALINGS
 
 # The --output_dir default: sft/options/resolve.py output_dir_of_its_own names the run's own directory, and says
@@ -553,6 +554,18 @@ def dora_reads_its_base(o: Options, m: Machine) -> None:
                           "--use_dora.")
 
 
+def adapter_is_a_saved_lora(o: Options, m: Machine) -> None:
+    """--lora_from: a saved LoRA adapter, its shape not given again, no routed experts; not under ZeRO-3, whose model
+    is created partitioned before peft could load the adapter's weights into it."""
+    if not o.lora.lora_from:
+        return
+    check_adapter(o.lora.lora_from, o.given, adapts_experts(o.lora.lora_from))
+    if o.zero_stage(m) == "3":
+        raise ConfigError(f"--lora_from {o.lora.lora_from} with DeepSpeed ZeRO-3: the model is created partitioned, and "
+                          f"the adapter's weights are loaded whole; use ZeRO-2 (accelerate_configs/zero2.yaml), DDP "
+                          f"or FSDP.")
+
+
 def quantized_base_not_under_zero3(o: Options, m: Machine) -> None:
     if o.zero_stage(m) != "3":
         return
@@ -920,7 +933,7 @@ OPTION_CHECKS: list[Check] = [
 ]
 MACHINE_CHECKS: list[Check] = [
     partial_checkpointing, dequantized_experts_need_checkpoints, kept_attention_needs, precision_the_hardware_has,
-    full_fine_tune_keeps_small_updates, quantized_base_not_under_zero3, qlora_needs,
+    full_fine_tune_keeps_small_updates, adapter_is_a_saved_lora, quantized_base_not_under_zero3, qlora_needs,
     qlora_under_fsdp_awaits_its_gpu_run, dora_reads_its_base, sharding_needs_gpus, attention_kernel_available,
     processes_fit_gpus, tensor_parallel_combinations, compiled_layers_combinations, liger_kernel_available,
     reporting_installed, optimizer_installed, fp8_base_needs, chunked_loss_combinations,

@@ -18,7 +18,8 @@ import time
 from collections.abc import Callable
 
 from sft.errors import ConfigError
-from sft.machine import Machine, fp8_fast_accum_on
+from sft.machine import Machine, fp8_fast_accum_on, note
+from sft.model.adapter_start import base_of, settings_of
 from sft.options.checks import (NEW_RUN_DIR, PER_EPOCH_COUNTS, PICKED_NEW, PICKED_NEWEST, PICKED_NOTHING,
                                SEQUENCE_PARALLEL_ATTENTIONS, Options, chunked_loss_combinations,
                                compiled_layers_combinations, fp8_base_needs, fp8_combinations, kept_attention_needs,
@@ -47,6 +48,21 @@ def with_planned(o: Options, planned: dict) -> Options:
         holder = [group for group in o.groups() if hasattr(group, name)][0]  # the planner sets only options
         setattr(holder, name, value)
     return o
+
+
+def adapter_trains_lora_on_its_base(o: Options, m: Machine) -> None:
+    """--lora_from DIR trains that LoRA adapter on: it sets --lora, and, where not given, the adapter's own rank, alpha
+    and dropout (a rank or alpha given is refused by the checks) and --model (the base it names)."""
+    if not o.lora.lora_from:
+        return
+    o.lora.lora = True
+    for option, value in settings_of(o.lora.lora_from).items():  # its rank, alpha, dropout: the adapter's own
+        if option not in o.given:
+            setattr(o.lora, option, value)
+    base = base_of(o.lora.lora_from)
+    if base and "model" not in o.given:
+        o.model.model = base
+        note(f"--lora_from {o.lora.lora_from}: training it on its base, {base} (give --model to name another copy)")
 
 
 def qlora_trains_lora(o: Options, m: Machine) -> None:
@@ -415,7 +431,7 @@ Derivation = Callable[[Options, Machine], None]
 # choice (which reads --compile_layers), Liger's kernel choice before its loss reads that choice; the chunked loss
 # after the fast paths, whose first-screen notes it follows.
 DERIVED: list[Derivation] = [
-    qlora_trains_lora, output_dir_of_its_own, fast_paths_where_supported, loss_in_chunks_unless_liger,
+    adapter_trains_lora_on_its_base, qlora_trains_lora, output_dir_of_its_own, fast_paths_where_supported, loss_in_chunks_unless_liger,
     packed_documents_attend_alone, packed_rows_take_one_length, sequence_parallel_slices_rows,
     fp8_training_pads_rows_to_16, tensor_parallel_saves_model_only, lora_skips_unused_parameter_search,
     compiled_layers_keep_liger_loss_only, liger_loss_on_labels, fsdp_checkpoints_activations,

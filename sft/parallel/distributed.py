@@ -270,7 +270,7 @@ def count_parameters(model_args, lora_args) -> tuple[int, int]:
     import torch
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from sft.model.loading import attach_lora, load_config
+    from sft.model.loading import attach_lora, load_config, planned_lora_config
 
     config = load_config(model_args)
     with torch.device("meta"):
@@ -278,7 +278,12 @@ def count_parameters(model_args, lora_args) -> tuple[int, int]:
         total = sum(p.numel() for p in model.parameters())
         if not lora_args.lora:
             return total, total
-        model = attach_lora(model, lora_args, False)
+        if lora_args.lora_from:  # the saved adapter's shape, its weights left unread
+            from peft import get_peft_model
+
+            model = get_peft_model(model, planned_lora_config(model_args, lora_args))
+        else:
+            model = attach_lora(model, lora_args, False)
     return total, sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 

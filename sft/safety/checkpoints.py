@@ -39,7 +39,8 @@ from sft.options.checks import PICKED_NEWEST, PICKED_NOTHING
 from sft.options.command import command_with
 from sft.options.resolve import resume_requested, resumes_newest
 from sft.safety.run_dir import (ADAPTER_CONFIG, CHECKPOINT_MARKER, FINAL_MARKER, MODEL_FILES, TRAINER_STATE,
-                                WEIGHT_FILES, checkpoint_dir, checkpoint_step, method_name, runs_of)
+                                WEIGHT_FILES, checkpoint_dir, checkpoint_step, method_name, read_json_object,
+                                runs_of)
 from sft.safety.trained_on import as_option_values, recorded, run_method
 
 
@@ -375,14 +376,6 @@ def _names(targets, key: str) -> set[str]:
     """peft's targets as a set; modules by their last name (peft writes all-linear's as full paths)."""
     names = [targets] if isinstance(targets, str) else targets or []
     return {name.rsplit(".", 1)[-1] if key == "target_modules" else name for name in names}
-
-
-def read_json_object(path: Path) -> dict | None:
-    try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return value if isinstance(value, dict) else None
 
 
 def out_of_space(error: BaseException, output_dir: str | Path, argv: list[str] | None) -> OutOfSpaceError | None:

@@ -26,6 +26,7 @@ modules of every folder.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import time
@@ -144,3 +145,12 @@ def point_latest(run_dir: str | Path) -> None:
         os.replace(staging, link)
     except OSError:
         staging.unlink(missing_ok=True)
+
+
+def read_json_object(path: Path) -> dict | None:
+    """The JSON object in `path` (a run's or an adapter's config), or None where it is missing or not one."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sft.safety.checkpoints import newest_complete, read_json_object
+from sft.safety.checkpoints import newest_complete
 from sft.errors import ConfigError, ModelNotFoundError
-from sft.safety.run_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+from sft.safety.run_dir import ADAPTER_CONFIG, ADAPTER_WEIGHTS, read_json_object
 
 
 def check_trained_dir(path: Path, adapter_only: bool = False) -> None:
