@@ -290,8 +290,9 @@ def test_other_trainers_keys_without_an_equivalent_are_a_note_or_one_line(capsys
             with pytest.raises(ConfigError) as refused:
                 apply_aliases([f"--{key}", "something-else"])
             assert str(refused.value) == f"{key} 'something-else' ({where}): {says}.", key
-    _, _, _, training = parse_args(["--model", "m", "--dataset", DEMO, "--low_cpu_mem_usage", "true", "--eval_batch_size",
-                                    "3", "--lora_task_type", "CAUSAL_LM", "--use_unsloth", "false"], data_only=True)
+    _, _, _, training = parse_args(["--model", "m", "--dataset", DEMO, "--low_cpu_mem_usage", "true",
+                                    "--eval_batch_size", "3", "--lora_task_type", "CAUSAL_LM", "--use_unsloth",
+                                    "false"], data_only=True)
     assert training.per_device_eval_batch_size == 3
 
 

@@ -561,9 +561,9 @@ def adapter_is_a_saved_lora(o: Options, m: Machine) -> None:
         return
     check_adapter(o.lora.lora_from, o.given, adapts_experts(o.lora.lora_from))
     if o.zero_stage(m) == "3":
-        raise ConfigError(f"--lora_from {o.lora.lora_from} with DeepSpeed ZeRO-3: the model is created partitioned, and "
-                          f"the adapter's weights are loaded whole; use ZeRO-2 (accelerate_configs/zero2.yaml), DDP "
-                          f"or FSDP.")
+        raise ConfigError(f"--lora_from {o.lora.lora_from} with DeepSpeed ZeRO-3: the model is created partitioned, "
+                          f"and the adapter's weights are loaded whole; use ZeRO-2 (accelerate_configs/zero2.yaml), "
+                          f"DDP or FSDP.")
 
 
 def quantized_base_not_under_zero3(o: Options, m: Machine) -> None:

@@ -427,16 +427,17 @@ def per_epoch_counts_as_steps(o: Options, m: Machine) -> None:
 
 
 Derivation = Callable[[Options, Machine], None]
-# In order: --lora first (the others read it, the run directory's name too), the fast paths before Liger's kernel
-# choice (which reads --compile_layers), Liger's kernel choice before its loss reads that choice; the chunked loss
-# after the fast paths, whose first-screen notes it follows.
+# In order: --lora first (the others read it, the run directory's name too; --lora_from sets it, and --model), the
+# fast paths before Liger's kernel choice (which reads --compile_layers), Liger's kernel choice before its loss reads
+# that choice; the chunked loss after the fast paths, whose first-screen notes it follows.
 DERIVED: list[Derivation] = [
-    adapter_trains_lora_on_its_base, qlora_trains_lora, output_dir_of_its_own, fast_paths_where_supported, loss_in_chunks_unless_liger,
-    packed_documents_attend_alone, packed_rows_take_one_length, sequence_parallel_slices_rows,
-    fp8_training_pads_rows_to_16, tensor_parallel_saves_model_only, lora_skips_unused_parameter_search,
-    compiled_layers_keep_liger_loss_only, liger_loss_on_labels, fsdp_checkpoints_activations,
-    layer_checkpoints_get_their_contexts, fsdp_reduce_scatters_each_micro_batch, our_rotation_keeps_checkpoints,
-    nan_filter_only_where_steps_are_skipped, batches_copied_without_wait, per_epoch_counts_as_steps,
+    adapter_trains_lora_on_its_base, qlora_trains_lora, output_dir_of_its_own, fast_paths_where_supported,
+    loss_in_chunks_unless_liger, packed_documents_attend_alone, packed_rows_take_one_length,
+    sequence_parallel_slices_rows, fp8_training_pads_rows_to_16, tensor_parallel_saves_model_only,
+    lora_skips_unused_parameter_search, compiled_layers_keep_liger_loss_only, liger_loss_on_labels,
+    fsdp_checkpoints_activations, layer_checkpoints_get_their_contexts, fsdp_reduce_scatters_each_micro_batch,
+    our_rotation_keeps_checkpoints, nan_filter_only_where_steps_are_skipped, batches_copied_without_wait,
+    per_epoch_counts_as_steps,
     early_stopping_watches_eval_loss,
 ]
 
