@@ -442,7 +442,7 @@ HELP_GROUPS = [  # the one-screen --help: our options, then the TrainingArgument
                                                                  "quantize_experts", "rope_scaling"))),
     ("LoRA", LoraArguments, tuple(f.name for f in fields(LoraArguments)  # these: in --help all
                                   if f.name not in ("use_rslora", "use_dora", "loraplus_lr_ratio",
-                                                    "lora_modules_to_save"))),
+                                                    "lora_modules_to_save", "lora_from"))),
     ("Data", DataArguments, tuple(f.name for f in fields(DataArguments)  # these: in --help all
                                   if f.name not in ("dataset_columns", "dataset_tags", "pad_to_multiple_of",
                                                     "pad_to_max_length", "mask_history"))),
