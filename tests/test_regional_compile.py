@@ -77,6 +77,12 @@ def test_compiled_layers_train_as_the_eager_model(four_layers):
     assert graphs[0] == 3 and graphs[1] - graphs[0] <= 2, graphs
     assert compiled.get_base_model().model.norm._compiled_call_impl is not None
     assert compiled.state_dict().keys() == eager.state_dict().keys()  # saves and adapters see the same names
+    # A save's check (sft/safety/verify.py) compiles nothing: the compiled layers run eagerly there, to the eager
+    # model's logits (was: a new graph for the no-grad forward at every save, which failed in inductor on an H100)
+    from sft.safety.verify import logits_of
+
+    with torch.compiler.set_stance("fail_on_recompile"):
+        assert torch.equal(logits_of(compiled, batch["input_ids"]), logits_of(eager, batch["input_ids"]))
 
 
 def box(gpus: int = 1, **launch) -> Machine:

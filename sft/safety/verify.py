@@ -48,13 +48,17 @@ def fixed_batch(vocab_size: int) -> torch.Tensor:
 
 @torch.no_grad()
 def logits_of(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """The model's fp32 logits for `input_ids`, eval mode, its compiled layers (--compile_layers) run eagerly: a
+    check compiles nothing. (Compiled, the no-grad forward and the saved adapter loaded beside the trained one were
+    new graphs to compile at every save; on an H100 one of them failed in inductor, and the save was declared
+    broken.) The reloaded model it is compared with runs eagerly too."""
     device = next(model.parameters()).device
     was_training, tf32 = model.training, torch.backends.cuda.matmul.allow_tf32
     model.eval()  # no dropout
     torch.backends.cuda.matmul.allow_tf32 = False  # --tf32 would make two identical models disagree by ~1e-3
     try:
         # use_cache=False: a cache would change the attention mask path (see sft/data/packing.py)
-        with own_forward(model):
+        with own_forward(model), torch.compiler.set_stance("force_eager"):
             return model(input_ids=input_ids.to(device), use_cache=False).logits.float().cpu()
     finally:
         model.train(was_training)
